@@ -1,0 +1,210 @@
+"""etcd discovery: register under a lease with keepalive, and watch a prefix.
+
+Keys: ``/<namespace>/instances/<component>/<instance_id>`` → serialized
+``discovery_pb2.InstanceRecord``.
+
+Contract:
+
+- :class:`Registration` grants a lease of ``ttl`` seconds, puts the record under it and
+  refreshes the lease every ``ttl/3`` seconds (aetcd does not refresh by itself). If the
+  lease was lost (etcd restarted, long pause), it grants a new one and puts the record
+  again. ``close()`` revokes the lease so watchers see the key vanish at once.
+- :class:`InstanceWatcher` loads the current records under a component prefix, then follows
+  etcd's watch from the next revision. ``instances()`` is the live set. A record whose lease
+  expires disappears from it within the watch delay. After a watch error it reconnects and
+  resyncs from a fresh snapshot. Listeners registered with ``on_change`` are called after
+  every applied change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import aetcd
+import grpc
+
+from protos import discovery_pb2
+
+log = logging.getLogger(__name__)
+
+
+def instances_prefix(namespace: str, component: str = "") -> str:
+    """Key prefix of one component's records (or of all components when empty)."""
+    base = f"/{namespace}/instances/"
+    return base + (f"{component}/" if component else "")
+
+
+def instance_key(namespace: str, record: discovery_pb2.InstanceRecord) -> str:
+    """The etcd key of ``record``."""
+    return instances_prefix(namespace, record.component) + record.instance_id
+
+
+def etcd_client(endpoint: str) -> aetcd.Client:
+    """An (unconnected) aetcd client for ``host:port``."""
+    host, _, port = endpoint.rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=5)
+
+
+class Registration:
+    """Keeps one instance record alive in etcd under a lease."""
+
+    def __init__(
+        self, endpoint: str, namespace: str, record: discovery_pb2.InstanceRecord, ttl: int
+    ) -> None:
+        self._client = etcd_client(endpoint)
+        self._key = instance_key(namespace, record).encode()
+        self._record = record
+        self._ttl = ttl
+        self._lease: aetcd.leases.Lease | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> str:
+        return self._key.decode()
+
+    @property
+    def lease_id(self) -> int | None:
+        return self._lease.id if self._lease else None
+
+    async def start(self) -> None:
+        """Grants the lease, writes the record and starts the keepalive task."""
+        await self._client.connect()
+        await self._grant_and_put()
+        self._task = asyncio.create_task(self._keepalive(), name="etcd-keepalive")
+
+    async def update(self, record: discovery_pb2.InstanceRecord) -> None:
+        """Replaces the published record (same key, same lease)."""
+        self._record = record
+        if self._lease is not None:
+            await self._client.put(self._key, record.SerializeToString(), lease=self._lease)
+
+    async def _grant_and_put(self) -> None:
+        self._lease = await self._client.lease(self._ttl)
+        await self._client.put(self._key, self._record.SerializeToString(), lease=self._lease)
+
+    async def _keepalive(self) -> None:
+        period = max(self._ttl / 3.0, 0.2)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                assert self._lease is not None
+                resp = await self._lease.refresh()
+                ttl = resp.TTL if resp is not None else 0
+                if ttl <= 0:  # lease gone on the server: re-register
+                    log.warning("etcd lease %s expired; re-registering", self._lease.id)
+                    await self._grant_and_put()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # etcd unreachable: keep trying
+                log.warning("etcd keepalive failed: %s", exc)
+                with contextlib.suppress(Exception):
+                    await self._grant_and_put()
+
+    async def close(self) -> None:
+        """Stops the keepalive and revokes the lease (deleting the record). Idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+        if self._lease is not None:
+            with contextlib.suppress(Exception):
+                await self._lease.revoke()
+            self._lease = None
+        with contextlib.suppress(Exception):
+            await self._client.close()
+
+
+Listener = Callable[[dict[str, discovery_pb2.InstanceRecord]], None]
+
+
+class InstanceWatcher:
+    """Follows all records under one component prefix."""
+
+    def __init__(self, endpoint: str, namespace: str, component: str) -> None:
+        self._endpoint = endpoint
+        self._prefix = instances_prefix(namespace, component).encode()
+        self._instances: dict[str, discovery_pb2.InstanceRecord] = {}
+        self._listeners: list[Listener] = []
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    def instances(self) -> dict[str, discovery_pb2.InstanceRecord]:
+        """A copy of the live records, keyed by instance id."""
+        return dict(self._instances)
+
+    def on_change(self, listener: Listener) -> None:
+        """Calls ``listener(instances)`` after every change."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        """Starts watching; returns once the first snapshot is loaded."""
+        self._task = asyncio.create_task(self._run(), name="etcd-watch")
+        waiter = asyncio.create_task(self._ready.wait())
+        done, _ = await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done:
+            waiter.cancel()
+            self._task.result()  # raises the startup error
+
+    def _apply(self, key: bytes, value: bytes | None) -> None:
+        instance_id = key[len(self._prefix):].decode()
+        if value is None:
+            self._instances.pop(instance_id, None)
+        else:
+            rec = discovery_pb2.InstanceRecord()
+            try:
+                rec.ParseFromString(value)
+            except Exception:
+                log.warning("ignoring malformed record at %r", key)
+                return
+            self._instances[instance_id] = rec
+
+    def _notify(self) -> None:
+        snapshot = self.instances()
+        for listener in self._listeners:
+            try:
+                listener(snapshot)
+            except Exception:
+                log.exception("discovery listener failed")
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            client = etcd_client(self._endpoint)
+            try:
+                await client.connect()
+                snap = await client.get_prefix(self._prefix)
+                self._instances.clear()
+                for kv in snap:
+                    self._apply(kv.key, kv.value)
+                self._notify()
+                self._ready.set()
+                backoff = 0.2
+                watch = await client.watch_prefix(
+                    self._prefix, start_revision=snap.header.revision + 1
+                )
+                async for event in watch:
+                    self._apply(event.kv.key, event.kv.value if event.kind == "PUT" else None)
+                    self._notify()
+            except asyncio.CancelledError:
+                raise
+            except (grpc.RpcError, aetcd.exceptions.ClientError, OSError) as exc:
+                if not self._ready.is_set() and backoff > 3:
+                    raise
+                log.warning("etcd watch error (%s); resyncing in %.1fs", exc, backoff)
+            finally:
+                with contextlib.suppress(Exception):
+                    await client.close()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    async def close(self) -> None:
+        """Stops watching. Idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None

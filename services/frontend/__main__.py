@@ -1,0 +1,5 @@
+import sys
+
+from services.frontend.main import main
+
+sys.exit(main())

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible HTTP API (FastAPI): models, completions, chat, SSE, health.
+
+Contract:
+
+- ``GET /health``: 200 with the number of live workers when at least one model is served,
+  503 otherwise.
+- ``GET /v1/models``: the models live workers serve (OpenAI list format).
+- ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI request and response
+  shapes, ``stream: true`` as server-sent events ending with ``data: [DONE]``,
+  ``stream_options.include_usage`` honoured, ``usage.prompt_tokens_details.cached_tokens``
+  always reported.
+- Every error is ``{"error": {message, type, param, code}}`` with a 4xx for client mistakes
+  (malformed JSON, wrong types, unknown model, context overflow) and 5xx for upstream
+  failures. An error after streaming began is sent as a final ``data: {"error": ...}``
+  event. A client that disconnects cancels the request on the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from services.frontend.openai_schema import (
+    ApiError,
+    ParsedRequest,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+from services.frontend.pipeline import Chunk, Job, Pipeline
+
+
+def _usage(last: Chunk | None) -> dict[str, Any]:
+    p = last.prompt_tokens if last else 0
+    c = last.completion_tokens if last else 0
+    cached = last.cached_tokens if last else 0
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=err.status)
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _Shapes:
+    """Builds the OpenAI response objects for one job."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.chat = job.req.kind == "chat"
+        prefix = "chatcmpl-" if self.chat else "cmpl-"
+        self.id = prefix + job.request_id
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.job.created,
+                "model": self.job.req.model}
+
+    def full(self, text: str, last: Chunk | None) -> dict[str, Any]:
+        finish = last.finish_reason if last else None
+        if self.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
+                                                              "content": text},
+                                      "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self.head(self.object), "choices": [choice], "usage": _usage(last)}
+
+    def delta(self, text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
+        if self.chat:
+            d: dict[str, Any] = {"role": "assistant", "content": text} if first else (
+                {"content": text} if text or finish is None else {})
+            choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None,
+                                      "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**self.head(self.chunk_object), "choices": [choice]}
+
+    def usage_chunk(self, last: Chunk | None) -> dict[str, Any]:
+        return {**self.head(self.chunk_object), "choices": [], "usage": _usage(last)}
+
+
+async def _sse_stream(job: Job, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
+    shapes = _Shapes(job)
+    last: Chunk | None = None
+    try:
+        if shapes.chat:
+            yield _sse(shapes.delta("", None, first=True))
+        async for chunk in chunks:
+            if chunk.text or chunk.finish_reason:
+                yield _sse(shapes.delta(chunk.text, chunk.finish_reason))
+            if chunk.finish_reason is not None:
+                last = chunk
+        if job.req.include_usage:
+            yield _sse(shapes.usage_chunk(last))
+        yield _sse("[DONE]")
+    except ApiError as err:
+        yield _sse(error_body(err))
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from exc
+
+
+def create_app(pipeline: Pipeline) -> FastAPI:
+    """The FastAPI application serving ``pipeline``."""
+    app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, err: ApiError) -> JSONResponse:
+        return _error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(ApiError(exc.status_code, str(exc.detail),
+                                        type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        return _error_response(ApiError(500, f"internal error: {exc}", type="internal_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        models = pipeline.catalog.all()
+        workers = sum(m.num_workers for m in models)
+        body = {"status": "healthy" if models else "no workers", "workers": workers,
+                "models": [m.name for m in models]}
+        return JSONResponse(body, status_code=200 if models else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": m.created, "owned_by": "kvmesh",
+             "max_model_len": m.max_model_len, "root": m.model_path}
+            for m in pipeline.catalog.all()
+        ]}
+
+    async def _serve(req: ParsedRequest) -> Response:
+        job, chunks = await pipeline.run(req)
+        shapes = _Shapes(job)
+        if req.stream:
+            # Pull the first chunk before answering so early errors get a real status code.
+            first: Chunk | None = None
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                pass
+            except ApiError:
+                await chunks.aclose()  # type: ignore[attr-defined]
+                raise
+
+            async def replay() -> AsyncIterator[Chunk]:
+                if first is not None:
+                    yield first
+                async for c in chunks:
+                    yield c
+
+            return StreamingResponse(_sse_stream(job, replay()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        text: list[str] = []
+        last: Chunk | None = None
+        try:
+            async for chunk in chunks:
+                text.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    last = chunk
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        return JSONResponse(shapes.full("".join(text), last))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(parse_completion(await _json_body(request)))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _serve(parse_chat(await _json_body(request)))
+
+    app.state.started = time.time()
+    return app

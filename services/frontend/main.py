@@ -1,0 +1,116 @@
+"""Frontend process wiring: etcd watches → catalog + router address → HTTP and gRPC APIs."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+import sys
+from collections.abc import Sequence
+
+import uvicorn
+
+from protos import discovery_pb2, frontend_pb2, frontend_pb2_grpc
+from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.discovery import InstanceWatcher
+from services.common.server import MeshServer, ServiceSpec, run, setup_logging
+from services.common.telemetry import setup_tracing
+from services.frontend.http_api import create_app
+from services.frontend.models import ModelCatalog
+from services.frontend.pipeline import Pipeline
+from services.frontend.service import FrontendServicer
+
+
+@dataclasses.dataclass
+class FrontendConfig(BaseConfig):
+    """kvmesh frontend: OpenAI HTTP API and gRPC API."""
+
+    http_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "HTTP bind host"})
+    http_port: int = dataclasses.field(default=8000, metadata={"help": "HTTP port (0 = any)"})
+    router_address: str = dataclasses.field(
+        default="", metadata={"help": "router host:port (default: discover in etcd)"}
+    )
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if not 0 <= self.http_port <= 65535:
+            out.append(f"http_port out of range: {self.http_port}")
+        return out
+
+
+@dataclasses.dataclass
+class FrontendApp:
+    """A started frontend."""
+
+    server: MeshServer
+    pipeline: Pipeline
+    http: uvicorn.Server
+    http_port: int
+    http_task: asyncio.Task[None]
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.server.cfg.public_host}:{self.http_port}"
+
+
+async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
+    """Builds and starts the frontend; stop it with ``app.server.stop()``."""
+    catalog = ModelCatalog()
+    workers = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker")
+    workers.on_change(catalog.on_workers)
+    routers = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "router")
+    await workers.start()
+    await routers.start()
+
+    def router_address() -> str | None:
+        if cfg.router_address:
+            return cfg.router_address
+        live = sorted(routers.instances().values(), key=lambda r: r.instance_id)
+        return live[0].address if live else None
+
+    pipeline = Pipeline(catalog, router_address)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((cfg.http_host, cfg.http_port))
+    sock.listen(128)
+    http_port = sock.getsockname()[1]
+    http = uvicorn.Server(uvicorn.Config(create_app(pipeline), log_level="warning",
+                                         lifespan="off", timeout_graceful_shutdown=1))
+    http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
+
+    async def stop_http() -> None:
+        http.should_exit = True
+        await http_task
+        await pipeline.close()
+
+    def record(address: str) -> discovery_pb2.InstanceRecord:
+        return discovery_pb2.InstanceRecord(
+            instance_id=f"frontend-{address}", component="frontend", address=address,
+            labels={"http": f"{cfg.public_host}:{http_port}"},
+        )
+
+    spec = ServiceSpec(frontend_pb2_grpc.add_FrontendServicer_to_server,
+                       FrontendServicer(pipeline),
+                       frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name)
+    server = MeshServer(cfg, "frontend", [spec], record_factory=record,
+                        on_stop=[stop_http, workers.close, routers.close])
+    await server.start()
+    return FrontendApp(server, pipeline, http, http_port, http_task)
+
+
+async def amain(cfg: FrontendConfig) -> None:
+    app = await start_frontend(cfg)
+    print(f"kvmesh frontend: HTTP {app.base_url}  gRPC {app.server.address}", flush=True)
+    await run(app.server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = load_config(FrontendConfig, argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    setup_tracing("kvmesh-frontend")
+    asyncio.run(amain(cfg))
+    return 0

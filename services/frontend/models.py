@@ -1,0 +1,106 @@
+"""The frontend's model catalog: served models from discovery, with their tokenizers.
+
+Contract:
+
+- ``update(records)`` replaces the catalog from live worker records; a model exists while
+  at least one worker serves it. Tokenizers stay cached by model folder.
+- ``get(name)`` returns :class:`ModelInfo` or None.
+- ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
+  and returns a :class:`Tokenizer`.
+- :class:`Tokenizer` encodes prompts and renders chat messages with the model's own chat
+  template (``add_generation_prompt=True``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from protos import discovery_pb2
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One served model."""
+
+    name: str
+    model_path: str
+    max_model_len: int
+    block_size: int
+    num_workers: int
+    created: int
+
+
+class Tokenizer:
+    """A local Hugging Face tokenizer plus chat template."""
+
+    def __init__(self, model_path: str) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, with the model's BOS if it adds one."""
+        return list(self._tok.encode(text))
+
+    def apply_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """Token ids of the chat-templated conversation, ending with the assistant prompt."""
+        rendered = self._tok.apply_chat_template(
+            [{"role": r, "content": c} for r, c in messages],
+            tokenize=False, add_generation_prompt=True,
+        )
+        return list(self._tok.encode(rendered, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+
+
+class ModelCatalog:
+    """Models served by live workers."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, ModelInfo] = {}
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._lock = threading.Lock()
+
+    def update(self, records: Iterable[discovery_pb2.InstanceRecord]) -> None:
+        """Rebuilds the catalog from worker records."""
+        models: dict[str, ModelInfo] = {}
+        for r in records:
+            prev = models.get(r.model)
+            created = int(r.started_at_ms // 1000)
+            if prev is None:
+                models[r.model] = ModelInfo(r.model, r.model_path, r.max_model_len, r.block_size,
+                                            1, created)
+            else:
+                models[r.model] = ModelInfo(
+                    r.model, prev.model_path, min(prev.max_model_len, r.max_model_len),
+                    prev.block_size, prev.num_workers + 1, min(prev.created, created),
+                )
+        self._models = models
+
+    def on_workers(self, instances: dict[str, discovery_pb2.InstanceRecord]) -> None:
+        """Discovery listener."""
+        self.update(instances.values())
+
+    def get(self, name: str) -> ModelInfo | None:
+        return self._models.get(name)
+
+    def all(self) -> list[ModelInfo]:
+        return sorted(self._models.values(), key=lambda m: m.name)
+
+    def tokenizer(self, info: ModelInfo) -> Tokenizer:
+        """The model's tokenizer (blocking on first use; call from a thread)."""
+        with self._lock:
+            tok = self._tokenizers.get(info.model_path)
+            if tok is None:
+                tok = self._tokenizers[info.model_path] = Tokenizer(info.model_path)
+            return tok

@@ -1,0 +1,269 @@
+"""OpenAI request validation: JSON bodies → typed requests, or an OpenAI-shaped error.
+
+Pure: no I/O. Contract:
+
+- :func:`parse_completion` / :func:`parse_chat` take the decoded JSON body and return a
+  :class:`ParsedRequest`, or raise :class:`ApiError` (status 400, ``invalid_request_error``)
+  naming the offending parameter. Unknown extra fields are ignored, as OpenAI does.
+- :func:`check_context` raises ApiError 400 when prompt + max_tokens exceed the model's
+  context length (the same rule and wording style vLLM uses), and fills a missing
+  max_tokens with what is left of the context (chat).
+- :func:`error_body` renders an ApiError as ``{"error": {message, type, param, code}}``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+MAX_STOP = 4
+
+
+@dataclass
+class ApiError(Exception):
+    """An error the client caused (4xx) or one upstream (5xx), OpenAI-shaped."""
+
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    """The OpenAI error JSON for ``err``."""
+    return {"error": {"message": err.message, "type": err.type, "param": err.param,
+                      "code": err.code}}
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Validated sampling parameters. ``max_tokens`` None = fill from the context."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated completions or chat request."""
+
+    kind: str  # "completion" | "chat"
+    model: str
+    sampling: SamplingSpec
+    stream: bool = False
+    include_usage: bool = False
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    request_id: str | None = None
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _bad(f"'{name}' must be a number, got {type(v).__name__}", name)
+    if not lo <= v <= hi:
+        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return float(v)
+
+
+def _opt_int(body: dict[str, Any], name: str, lo: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(f"'{name}' must be an integer, got {type(v).__name__}", name)
+    if lo is not None and v < lo:
+        raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
+    return v
+
+
+def _opt_bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise _bad(f"'{name}' must be a boolean, got {type(v).__name__}", name)
+    return v
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        raise _bad("'model' is required", "model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' must be a non-empty string", "model")
+    return model
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        if len(v) > MAX_STOP:
+            raise _bad(f"'stop' takes at most {MAX_STOP} sequences", "stop")
+        return tuple(s for s in v if s)
+    raise _bad("'stop' must be a string or a list of strings", "stop")
+
+
+def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> SamplingSpec:
+    max_tokens = None
+    for name in max_tokens_names:
+        max_tokens = _opt_int(body, name)
+        if max_tokens is not None:
+            if max_tokens <= 0:
+                raise _bad(f"'{name}' must be > 0, got {max_tokens}", name)
+            break
+    n = _opt_int(body, "n")
+    if n is not None and n != 1:
+        raise _bad("only n=1 is supported", "n")
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=_opt_number(body, "temperature", 0.0, 2.0),
+        top_p=_opt_number(body, "top_p", 0.0, 1.0),
+        top_k=_opt_int(body, "top_k", -1),
+        seed=_opt_int(body, "seed"),
+        stop=_stop(body),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+        presence_penalty=_opt_number(body, "presence_penalty", -2.0, 2.0),
+        frequency_penalty=_opt_number(body, "frequency_penalty", -2.0, 2.0),
+    )
+
+
+def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = _opt_bool(body, "stream")
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise _bad("'stream_options' must be an object", "stream_options")
+        include_usage = bool(opts.get("include_usage", False))
+    return stream, include_usage
+
+
+def _request_id(body: dict[str, Any]) -> str | None:
+    rid = body.get("request_id")
+    return rid if isinstance(rid, str) and rid else None
+
+
+def _require_object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise _bad("request body must be a JSON object", None)
+    return body
+
+
+def parse_completion(body: Any) -> ParsedRequest:
+    """Validates a /v1/completions body."""
+    body = _require_object(body)
+    model = _model(body)
+    prompt = body.get("prompt")
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad("'prompt' must not be empty", "prompt")
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        ids = tuple(prompt)
+    elif prompt is None:
+        raise _bad("'prompt' is required", "prompt")
+    else:
+        raise _bad("'prompt' must be a string, a list of token ids, or a list of one of "
+                   "those (batches are not supported)", "prompt")
+    stream, include_usage = _stream(body)
+    sampling = _sampling(body, ("max_tokens",))
+    return ParsedRequest(
+        kind="completion", model=model,
+        sampling=replace(sampling, max_tokens=sampling.max_tokens or 16),
+        stream=stream, include_usage=include_usage, prompt=text, prompt_token_ids=ids,
+        request_id=_request_id(body),
+    )
+
+
+def _content_text(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str
+            ):
+                raise _bad(f"messages[{i}].content parts must be text parts "
+                           "({'type': 'text', 'text': ...})", f"messages[{i}].content")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise _bad(f"messages[{i}].content must be a string or a list of text parts",
+               f"messages[{i}].content")
+
+
+def parse_chat(body: Any) -> ParsedRequest:
+    """Validates a /v1/chat/completions body."""
+    body = _require_object(body)
+    model = _model(body)
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("'messages' is required", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _bad("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        role = m.get("role")
+        if role not in ("system", "user", "assistant", "developer", "tool"):
+            raise _bad(f"messages[{i}].role must be one of system, user, assistant, "
+                       f"developer, tool; got {role!r}", f"messages[{i}].role")
+        out.append(("system" if role == "developer" else role, _content_text(m.get("content"), i)))
+    stream, include_usage = _stream(body)
+    return ParsedRequest(
+        kind="chat", model=model,
+        sampling=_sampling(body, ("max_completion_tokens", "max_tokens")),
+        stream=stream, include_usage=include_usage, messages=tuple(out),
+        request_id=_request_id(body),
+    )
+
+
+def check_context(req: ParsedRequest, prompt_tokens: int, max_model_len: int) -> ParsedRequest:
+    """Enforces prompt + max_tokens <= max_model_len; fills a missing max_tokens."""
+    if prompt_tokens >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, your prompt has {prompt_tokens} tokens. Please reduce the "
+                       "length of the prompt.", param="messages" if req.kind == "chat"
+                       else "prompt", code="context_length_exceeded")
+    max_tokens = req.sampling.max_tokens
+    if max_tokens is None:
+        max_tokens = max_model_len - prompt_tokens
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, you requested {prompt_tokens + max_tokens} tokens "
+                       f"({prompt_tokens} in the prompt, {max_tokens} for the completion). "
+                       "Please reduce the length of the prompt or max_tokens.",
+                       param="max_tokens", code="context_length_exceeded")
+    return replace(req, sampling=replace(req.sampling, max_tokens=max_tokens))

@@ -1,0 +1,221 @@
+"""The frontend's request pipeline: tokenize → route → stream from the worker → release.
+
+Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
+
+- ``prepare(req)`` resolves the model (ApiError 404 ``model_not_found`` when no worker
+  serves it), tokenizes the prompt or renders the chat template, and enforces the context
+  length (ApiError 400). It never contacts a worker.
+- ``stream(job)`` asks the router for a worker, calls its ``Generate`` and yields
+  :class:`Chunk` deltas; the last has ``finish_reason`` and ``usage``. Errors before the
+  first chunk raise ApiError (404/503 from routing, 400 from the worker's validation, 502
+  when the worker fails). A worker that dies mid-stream raises ApiError 502, never hangs.
+  When the consumer stops early, the worker call is cancelled (which aborts the request on
+  the worker). The router is always told to release the request.
+- Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
+  and the gRPC client spans of the router and worker calls (which carry the context on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.context import Context
+
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.grpc_client import ChannelPool
+from services.common.telemetry import tracer
+from services.frontend.models import ModelCatalog, ModelInfo
+from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
+
+FINISH_NAMES = {
+    common_pb2.FINISH_REASON_STOP: "stop",
+    common_pb2.FINISH_REASON_LENGTH: "length",
+    common_pb2.FINISH_REASON_ABORT: "abort",
+    common_pb2.FINISH_REASON_ERROR: "error",
+}
+WORKER_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Job:
+    """A validated, tokenized request ready to route."""
+
+    request_id: str
+    req: ParsedRequest
+    model: ModelInfo
+    token_ids: list[int]
+    created: int
+
+
+@dataclass
+class Chunk:
+    """One delta of output."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def _status_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
+    code = exc.code()
+    detail = exc.details() or code.name
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ApiError(400, detail)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return ApiError(404, detail, code="model_not_found", param="model")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        return ApiError(503, f"{what} unavailable: {detail}", type="service_unavailable")
+    return ApiError(502, f"{what} failed: {detail}", type="upstream_error")
+
+
+@contextlib.contextmanager
+def _attached(ctx: Context | None) -> Iterator[None]:
+    """Makes ``ctx`` current for a block that does not yield (None = leave as is)."""
+    if ctx is None:
+        yield
+        return
+    token = otel_context.attach(ctx)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
+def sampling_proto(job: Job) -> common_pb2.SamplingParams:
+    """The job's sampling parameters as protobuf."""
+    s = job.req.sampling
+    p = common_pb2.SamplingParams(max_tokens=s.max_tokens or 16, stop=list(s.stop),
+                                  ignore_eos=s.ignore_eos)
+    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
+                 "frequency_penalty"):
+        value = getattr(s, name)
+        if value is not None:
+            setattr(p, name, value)
+    return p
+
+
+class Pipeline:
+    """Tokenize, route, stream; see the module docstring."""
+
+    def __init__(self, catalog: ModelCatalog, router_address: Callable[[], str | None]) -> None:
+        self._catalog = catalog
+        self._router_address = router_address
+        self._pool = ChannelPool()
+        self._tracer = tracer("frontend")
+
+    @property
+    def catalog(self) -> ModelCatalog:
+        return self._catalog
+
+    async def prepare(self, req: ParsedRequest) -> Job:
+        """Resolves the model, tokenizes and checks the context length."""
+        info = self._catalog.get(req.model)
+        if info is None:
+            raise ApiError(404, f"The model '{req.model}' does not exist or has no live worker",
+                           param="model", code="model_not_found")
+        with self._tracer.start_as_current_span("frontend.tokenize") as span:
+            tok = await asyncio.to_thread(self._catalog.tokenizer, info)
+            if req.prompt_token_ids is not None:
+                ids = list(req.prompt_token_ids)
+            elif req.kind == "chat":
+                ids = await asyncio.to_thread(tok.apply_chat, req.messages)
+            else:
+                ids = await asyncio.to_thread(tok.encode, req.prompt or "")
+            span.set_attribute("kvmesh.prompt_tokens", len(ids))
+        req = check_context(req, len(ids), info.max_model_len)
+        rid = req.request_id or uuid.uuid4().hex
+        return Job(rid, req, info, ids, int(time.time()))
+
+    async def stream(self, job: Job, ctx: Context | None = None) -> AsyncIterator[Chunk]:
+        """Routes and streams the job; see the module docstring. ``ctx`` is the trace
+        context the router and worker calls are made in (default: the current one)."""
+        router_addr = self._router_address()
+        if not router_addr:
+            raise ApiError(503, "no router is available", type="service_unavailable")
+        router = router_pb2_grpc.RouterStub(self._pool.get(router_addr))
+        try:
+            with _attached(ctx):
+                route = await router.Route(router_pb2.RouteRequest(
+                    request_id=job.request_id, model=job.req.model, token_ids=job.token_ids,
+                ), timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            raise _status_error(exc, "router") from exc
+        try:
+            worker = worker_pb2_grpc.WorkerStub(self._pool.get(route.worker.address))
+            with _attached(ctx):
+                call = worker.Generate(worker_pb2.GenerateRequest(
+                    request_id=job.request_id, token_ids=job.token_ids,
+                    sampling=sampling_proto(job), model=job.req.model,
+                ), timeout=WORKER_TIMEOUT_S)
+            try:
+                finished = False
+                async for resp in call:
+                    chunk = Chunk(resp.text, list(resp.token_ids))
+                    if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        finished = True
+                        chunk.finish_reason = FINISH_NAMES.get(resp.finish_reason, "stop")
+                        chunk.prompt_tokens = resp.usage.prompt_tokens
+                        chunk.completion_tokens = resp.usage.completion_tokens
+                        chunk.cached_tokens = resp.usage.cached_tokens
+                    yield chunk
+                if not finished:
+                    raise ApiError(502, "worker ended the stream without finishing",
+                                   type="upstream_error")
+            except grpc.aio.AioRpcError as exc:
+                raise _status_error(exc, "worker") from exc
+            finally:
+                call.cancel()
+        finally:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await router.Release(router_pb2.ReleaseRequest(request_id=job.request_id),
+                                     timeout=5)
+
+    async def run(self, req: ParsedRequest) -> tuple[Job, AsyncIterator[Chunk]]:
+        """``prepare`` + ``stream`` under one ``frontend.request`` root span.
+
+        The span ends when the returned iterator is exhausted or closed.
+        """
+        span = self._tracer.start_span("frontend.request", attributes={
+            "kvmesh.model": req.model, "kvmesh.kind": req.kind, "kvmesh.stream": req.stream,
+        })
+        ctx = trace.set_span_in_context(span)
+        try:
+            with _attached(ctx):
+                job = await self.prepare(req)
+        except BaseException as exc:
+            span.record_exception(exc)
+            span.end()
+            raise
+        span.set_attribute("kvmesh.request_id", job.request_id)
+        span.set_attribute("kvmesh.prompt_tokens", len(job.token_ids))
+
+        async def traced() -> AsyncIterator[Chunk]:
+            try:
+                async for chunk in self.stream(job, ctx):
+                    if chunk.finish_reason is not None:
+                        span.set_attribute("kvmesh.cached_tokens", chunk.cached_tokens)
+                        span.set_attribute("kvmesh.completion_tokens", chunk.completion_tokens)
+                        span.set_attribute("kvmesh.finish_reason", chunk.finish_reason)
+                    yield chunk
+            except BaseException as exc:
+                span.record_exception(exc)
+                raise
+            finally:
+                span.end()
+
+        return job, traced()
+
+    async def close(self) -> None:
+        """Closes the gRPC channels."""
+        await self._pool.close()

