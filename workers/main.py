@@ -52,9 +52,9 @@ def build_engine(cfg: WorkerConfig) -> Engine:
                 block_size=cfg.block_size,
                 max_model_len=cfg.max_model_len,
                 dtype=cfg.dtype,
-                kv_cache_gib=cfg.kv_cache_gib,
-                max_num_seqs=cfg.max_num_seqs,
+                kv_cache_space_gib=cfg.kv_cache_gib,
                 seed=cfg.seed,
+                engine_kwargs={"max_num_seqs": cfg.max_num_seqs},
             ),
         )
     return create_engine(cfg.engine, model_path=model_path, model_name=name)

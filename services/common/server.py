@@ -39,6 +39,53 @@ log = logging.getLogger(__name__)
 AddFn = Callable[[Any, grpc.aio.Server], None]
 
 
+class _Malformed:
+    """Stands in for a request whose bytes did not parse."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Answers requests whose protobuf cannot be parsed with INVALID_ARGUMENT (grpc's
+    default is UNKNOWN plus an error log) for unary-request methods."""
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        def deserialize(raw: bytes) -> Any:
+            try:
+                return parse(raw)
+            except Exception as exc:  # DecodeError and friends
+                return _Malformed(str(exc))
+
+        def guard(behavior: Any, streaming: bool) -> Any:
+            if streaming:
+                async def stream_behavior(request: Any, context: Any) -> Any:
+                    if isinstance(request, _Malformed):
+                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                            f"malformed request: {request.reason}")
+                    async for item in behavior(request, context):
+                        yield item
+                return stream_behavior
+
+            async def unary_behavior(request: Any, context: Any) -> Any:
+                if isinstance(request, _Malformed):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"malformed request: {request.reason}")
+                return await behavior(request, context)
+            return unary_behavior
+
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(
+                guard(handler.unary_stream, True), deserialize, handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(
+            guard(handler.unary_unary, False), deserialize, handler.response_serializer)
+
+
 @dataclass
 class ServiceSpec:
     """A servicer, the generated ``add_..._to_server`` function and its full service name."""
@@ -79,7 +126,7 @@ class MeshServer:
     async def start(self) -> str:
         """Starts serving and registers; returns the bound ``host:port``."""
         server = grpc.aio.server(
-            interceptors=[aio_server_interceptor()],
+            interceptors=[aio_server_interceptor(), MalformedRequestInterceptor()],
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),

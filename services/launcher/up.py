@@ -1,0 +1,130 @@
+"""``kvmesh up``: start a whole local mesh as child processes, stop it with Ctrl-C.
+
+Contract: :class:`LocalMesh` starts etcd and redis-server on free loopback ports, then the
+router, the worker(s) and the frontend (each ``python -m ...`` in its own process group,
+configured through ``KVMESH_*`` env vars), and waits until the frontend's ``/health``
+answers 200 (a worker registered). ``stop()`` stops everything it started, in reverse
+order, by PID. Logs go to ``log_dir/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.launcher.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
+
+CHILD_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "UCX_NET_DEVICES": "lo",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+@dataclass
+class MeshSpec:
+    """What to launch."""
+
+    model: str = "smollm2"  # "smollm2", "tiny" or a model folder
+    http_port: int = 8000
+    workers: int = 1
+    policy: str = "least_loaded"
+    namespace: str = "kvmesh"
+    kv_cache_gib: float = 1.0
+    max_model_len: int = 2048
+    block_size: int = 32
+    lease_ttl: int = 5
+    log_dir: Path = field(default_factory=lambda: Path(".kvmesh/logs"))
+    start_timeout_s: float = 600.0
+
+
+def health(url: str) -> tuple[int, dict[str, object]]:
+    """GET url/health → (status, body); (0, {}) when unreachable."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, {}
+    except (urllib.error.URLError, OSError, ValueError):
+        return 0, {}
+
+
+class LocalMesh:
+    """A mesh of child processes; see the module docstring."""
+
+    def __init__(self, spec: MeshSpec) -> None:
+        self.spec = spec
+        self.children: list[Child] = []
+        self.url = ""
+        self.etcd: Child | None = None
+        self.redis: Child | None = None
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        assert self.etcd is not None and self.redis is not None
+        env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": self.etcd.address,
+               "KVMESH_REDIS_URL": f"redis://{self.redis.address}",
+               "KVMESH_NAMESPACE": self.spec.namespace,
+               "KVMESH_LEASE_TTL": str(self.spec.lease_ttl)}
+        env.update(extra)
+        return env
+
+    def _python(self, name: str, module: str, *args: str, **env: str) -> Child:
+        child = spawn(name, [sys.executable, "-m", module, *args], self.spec.log_dir,
+                      self._env(**env))
+        self.children.append(child)
+        return child
+
+    def start(self) -> str:
+        """Starts everything; returns the frontend's base URL."""
+        s = self.spec
+        s.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.etcd = start_etcd(s.log_dir.parent / "state", s.log_dir)
+            self.children.append(self.etcd)
+            self.redis = start_redis(s.log_dir)
+            self.children.append(self.redis)
+            self._python("router", "services.router", KVMESH_POLICY=s.policy)
+            for i in range(s.workers):
+                self._python(f"worker-{i}", "workers", KVMESH_MODEL_PATH=s.model,
+                             KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
+                             KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
+                             KVMESH_BLOCK_SIZE=str(s.block_size))
+            port = s.http_port or free_port()
+            front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port))
+            self.url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + s.start_timeout_s
+
+            def ready() -> bool:
+                for c in self.children:
+                    if not c.alive():
+                        raise RuntimeError(f"{c.name} exited ({c.proc.returncode}):\n"
+                                           f"{c.log_tail()}")
+                code, body = health(self.url)
+                return code == 200 and int(str(body.get("workers", 0))) >= s.workers
+
+            wait_until(ready, front, max(deadline - time.monotonic(), 1), "the mesh to serve")
+        except BaseException:
+            self.stop()
+            raise
+        return self.url
+
+    def child(self, name: str) -> Child:
+        """The child process named ``name``."""
+        return next(c for c in self.children if c.name == name)
+
+    def stop(self) -> None:
+        """Stops every child, newest first, by PID."""
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()

