@@ -138,3 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("frontend", help="run the frontend")
     args = parser.parse_args(argv)
     return int(args.fn(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,7 +69,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_token_ids=list(request.token_ids),
             sampling=sampling_from_proto(request.sampling),
         )
-        attrs = {
+        attrs: dict[str, str | int] = {
             "kvmesh.worker_id": self._worker_id,
             "kvmesh.request_id": ereq.request_id,
             "kvmesh.prompt_tokens": len(ereq.prompt_token_ids),

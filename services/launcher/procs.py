@@ -80,7 +80,8 @@ class Child:
 
 def spawn(name: str, argv: Sequence[str], log_dir: Path,
           env: Mapping[str, str] | None = None) -> Child:
-    """Starts ``argv`` in its own process group with output to ``log_dir/name.log``."""
+    """Starts ``argv`` in its own process group with output to ``log_dir/name.log``; its PID
+    is written to ``log_dir/name.pid``."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
     with open(log_path, "wb") as log:
@@ -88,6 +89,7 @@ def spawn(name: str, argv: Sequence[str], log_dir: Path,
             list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None, start_new_session=True,
         )
+    (log_dir / f"{name}.pid").write_text(str(proc.pid))
     return Child(name, proc, log_path)
 
 

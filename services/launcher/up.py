@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -69,6 +71,7 @@ class LocalMesh:
         self.url = ""
         self.etcd: Child | None = None
         self.redis: Child | None = None
+        self._state: Path | None = None
 
     def _env(self, **extra: str) -> dict[str, str]:
         assert self.etcd is not None and self.redis is not None
@@ -90,7 +93,9 @@ class LocalMesh:
         s = self.spec
         s.log_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.etcd = start_etcd(s.log_dir.parent / "state", s.log_dir)
+            s.log_dir.parent.mkdir(parents=True, exist_ok=True)
+            self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
+            self.etcd = start_etcd(self._state, s.log_dir)
             self.children.append(self.etcd)
             self.redis = start_redis(s.log_dir)
             self.children.append(self.redis)
@@ -128,3 +133,6 @@ class LocalMesh:
         for child in reversed(self.children):
             child.stop()
         self.children.clear()
+        if self._state is not None:
+            shutil.rmtree(self._state, ignore_errors=True)
+            self._state = None

@@ -1,0 +1,128 @@
+"""``kvmesh up`` end to end, driven with the official openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.launcher.procs import free_port, port_open
+from services.launcher.up import health
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    port = free_port()
+    log_dir = tmp_path_factory.mktemp("up") / "logs"
+    out = log_dir.parent / "launcher.out"
+    with open(out, "wb") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--http-port",
+             str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25",
+             "--max-model-len", "1024"],
+            stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while b"kvmesh is serving" not in out.read_bytes():
+            assert proc.poll() is None, out.read_text()
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.5)
+        yield url, out
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_openai_client_against_the_launched_mesh(launched: tuple[str, Path]) -> None:
+    url, out = launched
+    assert f"curl {url}/v1/chat/completions" in out.read_text()
+    c = client(url)
+    models = [m.id for m in c.models.list()]
+    assert models == ["tiny-llama"]
+    chat = c.chat.completions.create(model="tiny-llama", max_tokens=5, temperature=0,
+                                     messages=[{"role": "user", "content": "hello"}])
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage is not None and chat.usage.completion_tokens <= 5
+    assert chat.usage.prompt_tokens_details is not None
+    pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model="tiny-llama", max_tokens=5, temperature=0, stream=True,
+        messages=[{"role": "user", "content": "hello"}]) if ch.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+    comp = c.completions.create(model="tiny-llama", prompt="one two three", max_tokens=4,
+                                temperature=0)
+    assert comp.choices[0].finish_reason in ("length", "stop")
+    streamed = "".join(ch.choices[0].text for ch in c.completions.create(
+        model="tiny-llama", prompt="one two three", max_tokens=4, temperature=0, stream=True))
+    assert streamed == comp.choices[0].text
+
+
+def test_openai_client_sees_errors(launched: tuple[str, Path]) -> None:
+    c = client(launched[0])
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.completions.create(model="gpt-17", prompt="x", max_tokens=2)
+    assert "gpt-17" in nf.value.message
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model="tiny-llama", prompt="x", max_tokens=0)
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="tiny-llama", messages=[], max_tokens=2)
+    assert health(launched[0])[0] == 200
+
+
+def test_kvmesh_chat_prints_the_streamed_answer(launched: tuple[str, Path]) -> None:
+    res = subprocess.run([sys.executable, "-m", "services.cli", "chat", "--url", launched[0],
+                          "--max-tokens", "6", "hello"], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+    bad = subprocess.run([sys.executable, "-m", "services.cli", "chat", "--url", launched[0],
+                          "--model", "nope", "hello"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 1 and "nope" in bad.stderr
+
+
+def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
+    port = free_port()
+    log_dir = tmp_path / "logs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--http-port",
+         str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
+    assert proc.stdout is not None
+    seen = b""
+    deadline = time.monotonic() + 300
+    while b"Press Ctrl-C" not in seen:
+        line = proc.stdout.readline()
+        assert line or proc.poll() is None, seen.decode()
+        seen += line
+        assert time.monotonic() < deadline
+    pids = [int(p.read_text()) for p in log_dir.glob("*.pid")]
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(60) == 0
+    assert not port_open("127.0.0.1", port)
+    assert pids, "the launcher records the PID of every child it starts"
+    for pid in pids:
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
+            f"/proc/{pid}/status").read_text().lower(), pid
