@@ -19,7 +19,7 @@ WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
 
 class InstanceRecord(_message.Message):
-    __slots__ = ("instance_id", "component", "address", "role", "model", "model_path", "block_size", "max_model_len", "capabilities", "engine", "labels", "started_at_ms")
+    __slots__ = ("instance_id", "component", "address", "role", "model", "model_path", "block_size", "max_model_len", "capabilities", "engine", "labels", "started_at_ms", "handoff", "kv_layout")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,8 @@ class InstanceRecord(_message.Message):
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     component: str
     address: str
@@ -51,4 +53,22 @@ class InstanceRecord(_message.Message):
     engine: str
     labels: _containers.ScalarMap[str, str]
     started_at_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., component: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_path: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., started_at_ms: _Optional[int] = ...) -> None: ...
+    handoff: KvHandoff
+    kv_layout: str
+    def __init__(self, instance_id: _Optional[str] = ..., component: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_path: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., started_at_ms: _Optional[int] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ..., kv_layout: _Optional[str] = ...) -> None: ...
+
+class KvHandoff(_message.Message):
+    __slots__ = ("mode", "engine_id", "side_channel_host", "side_channel_port", "tp_size", "kv_load_failure_policy")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    SIDE_CHANNEL_HOST_FIELD_NUMBER: _ClassVar[int]
+    SIDE_CHANNEL_PORT_FIELD_NUMBER: _ClassVar[int]
+    TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    mode: str
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    tp_size: int
+    kv_load_failure_policy: str
+    def __init__(self, mode: _Optional[str] = ..., engine_id: _Optional[str] = ..., side_channel_host: _Optional[str] = ..., side_channel_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ...) -> None: ...

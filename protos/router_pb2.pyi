@@ -18,26 +18,34 @@ class RouteRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerChoice(_message.Message):
-    __slots__ = ("instance_id", "address", "role")
+    __slots__ = ("instance_id", "address", "role", "handoff")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _discovery_pb2.WorkerRole
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ...) -> None: ...
+    handoff: _discovery_pb2.KvHandoff
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., handoff: _Optional[_Union[_discovery_pb2.KvHandoff, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker", "prefill", "policy", "reason")
+    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks")
     WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PREFILL_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerChoice
     prefill: WorkerChoice
     policy: str
     reason: str
-    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    disaggregated: bool
+    predicted_overlap_blocks: int
+    predicted_prefill_overlap_blocks: int
+    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -13,6 +13,7 @@ from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, run, setup_logging
 from services.common.telemetry import setup_tracing
 from services.router.core import RouterCore
+from services.router.disagg import DisaggConfig
 from services.router.policies.registry import default_registry
 from services.router.service import LoadPoller, RouterServicer
 
@@ -24,14 +25,44 @@ class RouterConfig(BaseConfig):
     policy: str = dataclasses.field(
         default="least_loaded", metadata={"help": "routing policy name"}
     )
+    prefill_policy: str = dataclasses.field(
+        default="least_loaded", metadata={"help": "policy for prefill workers"}
+    )
     load_poll_s: float = dataclasses.field(
         default=0.5, metadata={"help": "seconds between worker load polls"}
     )
+    disagg_order: str = dataclasses.field(
+        default="prefill_first", metadata={"help": "prefill_first (Dynamo) | decode_first (llm-d)"}
+    )
+    conditional_disagg: bool = dataclasses.field(
+        default=True, metadata={"help": "serve short uncached inputs on D alone"}
+    )
+    isl_max: int = dataclasses.field(
+        default=2048, metadata={"help": "bypass P when uncached tokens < this ..."}
+    )
+    isl_ratio: float = dataclasses.field(
+        default=0.7, metadata={"help": "... and uncached/prompt < this"}
+    )
+    prefill_max_queue: int = dataclasses.field(
+        default=8, metadata={"help": "a prefill worker with this many queued is overloaded"}
+    )
+    decode_first_threshold: int = dataclasses.field(
+        default=16, metadata={"help": "decode-first: remote P only for >= this many uncached"}
+    )
+
+    def disagg_config(self) -> DisaggConfig:
+        """The P/D knobs as the core's DisaggConfig."""
+        return DisaggConfig(order=self.disagg_order, conditional=self.conditional_disagg,
+                            isl_max=self.isl_max, isl_ratio=self.isl_ratio,
+                            prefill_max_queue=self.prefill_max_queue,
+                            decode_first_threshold=self.decode_first_threshold)
 
     def problems(self) -> list[str]:
         out = super().problems()
-        if self.policy not in default_registry().names():
-            out.append(f"unknown policy {self.policy!r}; known: {default_registry().names()}")
+        for name in (self.policy, self.prefill_policy):
+            if name not in default_registry().names():
+                out.append(f"unknown policy {name!r}; known: {default_registry().names()}")
+        out.extend(self.disagg_config().problems())
         if self.load_poll_s <= 0:
             out.append("load_poll_s must be > 0")
         return out
@@ -48,7 +79,10 @@ class RouterApp:
 
 async def start_router(cfg: RouterConfig) -> RouterApp:
     """Builds and starts a router; stop it with ``app.server.stop()``."""
-    core = RouterCore(policy=default_registry().create(cfg.policy))
+    registry = default_registry()
+    core = RouterCore(policy=registry.create(cfg.policy),
+                      prefill_policy=registry.create(cfg.prefill_policy),
+                      disagg=cfg.disagg_config())
     servicer = RouterServicer(core, {})
     watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker")
     watcher.on_change(servicer.set_records)

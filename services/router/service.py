@@ -40,7 +40,8 @@ def record_from_proto(rec: discovery_pb2.InstanceRecord) -> WorkerRecord:
     return WorkerRecord(
         instance_id=rec.instance_id, address=rec.address, model=rec.model,
         role=ROLE_NAMES.get(rec.role, "agg"), block_size=rec.block_size,
-        max_model_len=rec.max_model_len,
+        max_model_len=rec.max_model_len, handoff_mode=rec.handoff.mode,
+        kv_layout=rec.kv_layout,
     )
 
 
@@ -69,23 +70,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             span.set_attribute("kvmesh.request_id", request.request_id)
             span.set_attribute("kvmesh.policy", self._core.policy.name)
             try:
-                worker, decision = self._core.route(ctx)
+                plan = self._core.route(ctx)
             except UnknownModel as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except NoWorkers as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except RoutingError as exc:
+            except RoutingError as exc:  # incl. Incompatible P/D layouts
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            span.set_attribute("kvmesh.worker_id", worker.instance_id)
-            span.set_attribute("kvmesh.route_reason", decision.reason)
-        return router_pb2.RouteResponse(
-            worker=router_pb2.WorkerChoice(
-                instance_id=worker.instance_id, address=worker.address,
-                role=ROLE_ENUM.get(worker.role, discovery_pb2.WORKER_ROLE_AGG),
-            ),
-            policy=self._core.policy.name,
-            reason=decision.reason,
+            span.set_attribute("kvmesh.worker_id", plan.worker.instance_id)
+            span.set_attribute("kvmesh.route_reason", plan.reason)
+            span.set_attribute("kvmesh.disaggregated", plan.disaggregated)
+            span.set_attribute("kvmesh.predicted_overlap_blocks", plan.overlap_blocks)
+            if plan.prefill is not None:
+                span.set_attribute("kvmesh.prefill_worker_id", plan.prefill.instance_id)
+        resp = router_pb2.RouteResponse(
+            worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
+            disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,
+            predicted_prefill_overlap_blocks=plan.prefill_overlap_blocks,
         )
+        if plan.prefill is not None:
+            resp.prefill.CopyFrom(self._choice(plan.prefill))
+        return resp
+
+    def _choice(self, worker: WorkerRecord) -> router_pb2.WorkerChoice:
+        choice = router_pb2.WorkerChoice(
+            instance_id=worker.instance_id, address=worker.address,
+            role=ROLE_ENUM.get(worker.role, discovery_pb2.WORKER_ROLE_AGG),
+        )
+        rec = self._records.get(worker.instance_id)
+        if rec is not None and rec.HasField("handoff"):
+            choice.handoff.CopyFrom(rec.handoff)
+        return choice
 
     async def Release(  # noqa: N802
         self, request: router_pb2.ReleaseRequest, context: grpc.aio.ServicerContext

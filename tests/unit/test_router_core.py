@@ -17,7 +17,7 @@ def core(policy: str) -> RouterCore:
 
 def test_round_robin_cycles_in_id_order() -> None:
     c = core("round_robin")
-    picks = [c.route(RouteContext(f"r{i}", "m"))[0].instance_id for i in range(6)]
+    picks = [c.route(RouteContext(f"r{i}", "m")).worker.instance_id for i in range(6)]
     assert picks == ["w1", "w2", "w3", "w1", "w2", "w3"]
 
 
@@ -26,12 +26,12 @@ def test_least_loaded_uses_reports_and_in_flight() -> None:
     c.update_load("w1", num_running=3, num_waiting=1, kv_usage=0.5)
     c.update_load("w2", num_running=0, num_waiting=0, kv_usage=0.1)
     c.update_load("w3", num_running=0, num_waiting=0, kv_usage=0.2)
-    assert c.route(RouteContext("a", "m"))[0].instance_id == "w2"
+    assert c.route(RouteContext("a", "m")).worker.instance_id == "w2"
     # w2 now has one in flight, so w3 (load 0.2) beats w2 (1.1)
-    assert c.route(RouteContext("b", "m"))[0].instance_id == "w3"
+    assert c.route(RouteContext("b", "m")).worker.instance_id == "w3"
     assert c.in_flight() == {"w2": 1, "w3": 1}
     assert c.release("a") and not c.release("a")
-    assert c.route(RouteContext("c", "m"))[0].instance_id == "w2"
+    assert c.route(RouteContext("c", "m")).worker.instance_id == "w2"
 
 
 def test_unknown_model_vs_no_live_worker() -> None:
@@ -48,9 +48,9 @@ def test_vanished_worker_leaves_candidates_and_loads() -> None:
     c.update_load("w1", 0, 0, 0.0)
     c.set_workers([rec("w2")])
     assert [w.instance_id for w in c.workers()] == ["w2"]
-    assert c.route(RouteContext("a", "m"))[0].instance_id == "w2"
+    assert c.route(RouteContext("a", "m")).worker.instance_id == "w2"
     c.update_load("w1", 0, 0, 0.0)  # late report of a gone worker is ignored
-    assert c.route(RouteContext("b", "m"))[0].instance_id == "w2"
+    assert c.route(RouteContext("b", "m")).worker.instance_id == "w2"
 
 
 def test_only_generating_roles_are_candidates() -> None:

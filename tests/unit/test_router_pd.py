@@ -1,0 +1,112 @@
+"""P/D selection in the router core: both orders, conditional disaggregation, pairing."""
+
+import pytest
+
+from services.router.core import Incompatible, RouterCore, WorkerRecord
+from services.router.disagg import DisaggConfig, bypass_prefill, decode_first_needs_prefill
+from services.router.policies.base import RouteContext
+from services.router.policies.registry import default_registry
+
+BS = 32
+
+
+def w(i: str, role: str, mode: str = "pull", bs: int = BS, layout: str = "L") -> WorkerRecord:
+    return WorkerRecord(i, f"addr-{i}", "m", role, bs, 4096, mode, layout)
+
+
+def core(order: str = "prefill_first", **kw: object) -> RouterCore:
+    reg = default_registry()
+    return RouterCore(policy=reg.create("least_loaded"), prefill_policy=reg.create("round_robin"),
+                      disagg=DisaggConfig(order=order, **kw))  # type: ignore[arg-type]
+
+
+def ctx(rid: str, n: int, start: int = 0) -> RouteContext:
+    return RouteContext(rid, "m", tuple(range(start, start + n)))
+
+
+def test_prefill_first_disaggregates_a_fresh_prompt() -> None:
+    c = core()
+    c.set_workers([w("p1", "prefill"), w("p2", "prefill"), w("d1", "decode")])
+    plan = c.route(ctx("a", 300))
+    assert plan.disaggregated and plan.prefill is not None
+    assert plan.prefill.instance_id == "p1" and plan.worker.instance_id == "d1"
+    assert c.route(ctx("b", 300, 10_000)).prefill.instance_id == "p2"  # type: ignore[union-attr]
+    assert c.in_flight() == {"d1": 2, "p1": 1, "p2": 1}
+    c.release("a")
+    assert c.in_flight() == {"d1": 1, "p2": 1}
+
+
+def test_conditional_bypass_when_d_already_holds_most_of_the_prompt() -> None:
+    c = core()
+    c.set_workers([w("p1", "prefill"), w("d1", "decode")])
+    first = c.route(ctx("a", 320))
+    assert first.disaggregated and first.overlap_blocks == 0
+    c.release("a")
+    again = c.route(ctx("b", 330))  # same 10 blocks + 10 new tokens
+    assert not again.disaggregated and again.overlap_blocks == 10
+    assert "local prefill on D" in again.reason
+
+
+def test_conditional_off_always_disaggregates() -> None:
+    c = core(conditional=False)
+    c.set_workers([w("p1", "prefill"), w("d1", "decode")])
+    c.route(ctx("a", 320))
+    assert c.route(ctx("b", 330)).disaggregated
+
+
+def test_overloaded_prefill_pool_is_bypassed() -> None:
+    c = core(prefill_max_queue=2)
+    c.set_workers([w("p1", "prefill"), w("d1", "decode")])
+    c.update_load("p1", num_running=1, num_waiting=1, kv_usage=0.5)
+    plan = c.route(ctx("a", 500))
+    assert not plan.disaggregated and "queue" in plan.reason
+
+
+def test_decode_first_decider_uses_uncached_tokens_on_d() -> None:
+    c = core(order="decode_first", decode_first_threshold=16)
+    c.set_workers([w("p1", "prefill"), w("d1", "decode")])
+    assert c.route(ctx("a", 100)).disaggregated
+    c.release("a")
+    # 96 of 110 tokens cached on d1 → 14 uncached < 16 → D alone
+    plan = c.route(ctx("b", 110))
+    assert not plan.disaggregated and plan.overlap_blocks == 3
+    short = c.route(ctx("c", 10, 50_000))
+    assert not short.disaggregated  # 10 tokens < 16
+
+
+def test_incompatible_pairs_are_refused_at_routing_time() -> None:
+    c = core()
+    c.set_workers([w("p1", "prefill", bs=64), w("d1", "decode", bs=32)])
+    with pytest.raises(Incompatible, match="block sizes differ"):
+        c.route(ctx("a", 300))
+    c.set_workers([w("p1", "prefill", layout="f32"), w("d1", "decode", layout="bf16")])
+    with pytest.raises(Incompatible, match="layouts differ"):
+        c.route(ctx("b", 300))
+    c.set_workers([w("p1", "prefill", mode="push"), w("d1", "decode", mode="pull")])
+    with pytest.raises(Incompatible, match="modes differ"):
+        c.route(ctx("c", 300))
+
+
+def test_only_compatible_partners_are_chosen() -> None:
+    c = core()
+    c.set_workers([w("p1", "prefill", bs=64), w("p2", "prefill"), w("d1", "decode")])
+    for i in range(3):
+        plan = c.route(ctx(f"r{i}", 300, i * 1000))
+        assert plan.prefill is not None and plan.prefill.instance_id == "p2"
+
+
+def test_decode_without_prefill_pool_serves_alone() -> None:
+    c = core()
+    c.set_workers([w("d1", "decode")])
+    plan = c.route(ctx("a", 300))
+    assert not plan.disaggregated and "no prefill worker" in plan.reason
+
+
+def test_decision_functions() -> None:
+    cfg = DisaggConfig()
+    assert bypass_prefill(1000, 0, 32, 0, cfg)[0] is False
+    assert bypass_prefill(1000, 30, 32, 0, cfg)[0] is True  # 40 uncached, ratio 0.04
+    assert bypass_prefill(10000, 100, 32, 0, cfg)[0] is False  # 6800 uncached >= 2048
+    assert decode_first_needs_prefill(40, 1, 32, 16) == (False, "local prefill on D: 8 tokens "
+                                                         "not cached on D < 16")
+    assert DisaggConfig(order="sideways").problems()
