@@ -29,9 +29,10 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
+from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
 
@@ -41,7 +42,6 @@ FINISH_NAMES = {
     common_pb2.FINISH_REASON_ABORT: "abort",
     common_pb2.FINISH_REASON_ERROR: "error",
 }
-WORKER_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -152,15 +152,18 @@ class Pipeline:
         except grpc.aio.AioRpcError as exc:
             raise _status_error(exc, "router") from exc
         try:
-            worker = worker_pb2_grpc.WorkerStub(self._pool.get(route.worker.address))
+            plan = Request(job.request_id, job.req.model, job.token_ids, sampling_proto(job))
             with _attached(ctx):
-                call = worker.Generate(worker_pb2.GenerateRequest(
-                    request_id=job.request_id, token_ids=job.token_ids,
-                    sampling=sampling_proto(job), model=job.req.model,
-                ), timeout=WORKER_TIMEOUT_S)
+                responses = run_plan(self._pool, plan, route)
+                first = asyncio.ensure_future(responses.__anext__())
+            pending: asyncio.Future[worker_pb2.GenerateResponse] | None = first
             try:
                 finished = False
-                async for resp in call:
+                while pending is not None:
+                    try:
+                        resp = await pending
+                    except StopAsyncIteration:
+                        break
                     chunk = Chunk(resp.text, list(resp.token_ids))
                     if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         finished = True
@@ -169,13 +172,21 @@ class Pipeline:
                         chunk.completion_tokens = resp.usage.completion_tokens
                         chunk.cached_tokens = resp.usage.cached_tokens
                     yield chunk
+                    with _attached(ctx):
+                        pending = asyncio.ensure_future(responses.__anext__())
                 if not finished:
                     raise ApiError(502, "worker ended the stream without finishing",
                                    type="upstream_error")
             except grpc.aio.AioRpcError as exc:
                 raise _status_error(exc, "worker") from exc
+            except HandoffError as exc:
+                raise ApiError(502, str(exc), type="upstream_error") from exc
             finally:
-                call.cancel()
+                if pending is not None and not pending.done():
+                    pending.cancel()  # client went away mid-step: cancels the worker calls
+                    with contextlib.suppress(BaseException):
+                        await pending
+                await responses.aclose()  # type: ignore[attr-defined]
         finally:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await router.Release(router_pb2.ReleaseRequest(request_id=job.request_id),
