@@ -31,6 +31,16 @@ class WorkerConfig(BaseConfig):
     dtype: str = dataclasses.field(default="float32", metadata={"help": "model dtype"})
     max_num_seqs: int = dataclasses.field(default=64, metadata={"help": "max batched requests"})
     seed: int = dataclasses.field(default=0, metadata={"help": "engine seed"})
+    handoff: str = dataclasses.field(
+        default="", metadata={"help": "P/D KV handoff: pull | push | none "
+                                      "(default: pull for prefill/decode, none for agg)"}
+    )
+    kv_load_failure_policy: str = dataclasses.field(
+        default="recompute", metadata={"help": "D when loading P's KV fails: recompute | fail"}
+    )
+    nixl_port: int = dataclasses.field(
+        default=0, metadata={"help": "NIXL side-channel port (0 = any free)"}
+    )
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -48,7 +58,21 @@ class WorkerConfig(BaseConfig):
             out.append(f"unknown dtype {self.dtype!r}")
         if self.max_num_seqs < 1:
             out.append("max_num_seqs must be >= 1")
+        if self.handoff not in ("", "none", "pull", "push"):
+            out.append(f"handoff must be pull, push or none, got {self.handoff!r}")
+        if self.role != "agg" and self.resolved_handoff() == "none":
+            out.append(f"a {self.role} worker needs a KV handoff (pull or push)")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            out.append("kv_load_failure_policy must be recompute or fail")
+        if not 0 <= self.nixl_port <= 65535:
+            out.append(f"nixl_port out of range: {self.nixl_port}")
         return out
+
+    def resolved_handoff(self) -> str:
+        """The handoff mode in force: the configured one, else pull for P/D, none for agg."""
+        if self.handoff:
+            return self.handoff
+        return "none" if self.role == "agg" else "pull"
 
     def resolved_worker_id(self) -> str:
         """The instance id: the configured one, or a fresh random one per launch."""

@@ -37,6 +37,31 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
+KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "agg": "kv_both"}
+
+
+def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
+    """The engine's kv_transfer_config for the worker's handoff mode (None without one).
+
+    Sets the NIXL side-channel environment in this process, which the engine process
+    inherits at spawn; every launch gets a fresh NIXL engine id.
+    """
+    mode = cfg.resolved_handoff()
+    if mode == "none":
+        return None
+    from services.launcher.procs import free_port
+    from workers.kv.nixl import new_engine_id, nixl_env, nixl_kv_transfer_config
+
+    os.environ.update(nixl_env(cfg.nixl_port or free_port()))
+    # A decode worker also prefills locally (conditional disaggregation): kv_both for all.
+    return nixl_kv_transfer_config(
+        mode,  # type: ignore[arg-type]
+        new_engine_id(cfg.resolved_worker_id()), "kv_both",
+        cfg.kv_load_failure_policy,  # type: ignore[arg-type]
+        kv_lease_duration=30 if mode == "pull" else 60,
+    )
+
+
 def build_engine(cfg: WorkerConfig) -> Engine:
     """Creates (not starts) the configured engine."""
     model_path = resolve_model_path(cfg.model_path)
@@ -55,6 +80,7 @@ def build_engine(cfg: WorkerConfig) -> Engine:
                 kv_cache_space_gib=cfg.kv_cache_gib,
                 seed=cfg.seed,
                 engine_kwargs={"max_num_seqs": cfg.max_num_seqs},
+                kv_transfer_config=kv_transfer_setup(cfg),
             ),
         )
     return create_engine(cfg.engine, model_path=model_path, model_name=name)
@@ -67,7 +93,7 @@ def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
 
     def record(address: str) -> discovery_pb2.InstanceRecord:
         info = engine.info
-        return discovery_pb2.InstanceRecord(
+        rec = discovery_pb2.InstanceRecord(
             instance_id=worker_id,
             component="worker",
             address=address,
@@ -79,7 +105,17 @@ def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
             capabilities=["generate", "abort", "load"],
             engine=info.engine,
             labels={"pid": str(os.getpid())},
+            kv_layout=info.kv_layout,
         )
+        if info.handoff.get("mode"):
+            rec.handoff.CopyFrom(discovery_pb2.KvHandoff(
+                mode=info.handoff["mode"], engine_id=info.handoff.get("engine_id", ""),
+                side_channel_host=info.handoff.get("host", ""),
+                side_channel_port=int(info.handoff.get("port", 0)),
+                tp_size=int(info.handoff.get("tp_size", 1)),
+                kv_load_failure_policy=cfg.kv_load_failure_policy,
+            ))
+        return rec
 
     spec = ServiceSpec(
         worker_pb2_grpc.add_WorkerServicer_to_server,

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common import kv_params
 from services.common.telemetry import tracer
 from workers.engines.base import Engine, EngineError, EngineRequest, Sampling
 
@@ -68,9 +69,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             request_id=request.request_id or f"req-{time.monotonic_ns()}",
             prompt_token_ids=list(request.token_ids),
             sampling=sampling_from_proto(request.sampling),
+            kv_transfer_params=(kv_params.to_dict(request.kv_transfer)
+                                if request.HasField("kv_transfer") else None),
         )
         attrs: dict[str, str | int] = {
             "kvmesh.worker_id": self._worker_id,
+            "kvmesh.remote_prefill": bool(request.kv_transfer.do_remote_prefill),
+            "kvmesh.remote_decode": bool(request.kv_transfer.do_remote_decode),
             "kvmesh.request_id": ereq.request_id,
             "kvmesh.prompt_tokens": len(ereq.prompt_token_ids),
         }
@@ -90,6 +95,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     resp = worker_pb2.GenerateResponse(
                         token_ids=out.token_ids, text=out.text, worker_id=self._worker_id
                     )
+                    if out.kv_transfer_params:
+                        resp.kv_transfer.CopyFrom(kv_params.from_dict(out.kv_transfer_params))
                     if out.finished:
                         resp.finish_reason = FINISH.get(
                             out.finish_reason or "stop", common_pb2.FINISH_REASON_STOP

@@ -58,3 +58,16 @@ def to_dict(msg: worker_pb2.KvTransferParams) -> dict[str, Any]:
 def is_set(msg: worker_pb2.KvTransferParams) -> bool:
     """True when the message carries any parameter."""
     return msg.ByteSize() > 0
+
+
+def held_blocks(msg: worker_pb2.KvTransferParams) -> int:
+    """How many KV blocks the params name on the remote side (flat or per-group lists)."""
+    if msg.remote_block_ids:
+        return len(msg.remote_block_ids)
+    raw = msg.extra.get("remote_block_ids")
+    if raw is None:
+        return 0
+    groups = json.loads(raw)
+    if not isinstance(groups, list):
+        return 0
+    return sum(len(g) if isinstance(g, list) else 1 for g in groups)

@@ -32,7 +32,7 @@ from opentelemetry import trace
 
 from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_client import ChannelPool
-from services.common.kv_params import is_set
+from services.common.kv_params import held_blocks, is_set
 from services.common.telemetry import tracer
 
 WORKER_TIMEOUT_S = 600.0
@@ -111,6 +111,8 @@ def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
     d_req.kv_transfer.CopyFrom(params)
     d_req.kv_transfer.do_remote_prefill = True
     d_req.kv_transfer.do_remote_decode = False
+    # P's own prefix hit would otherwise be reported as D's cached tokens.
+    d_req.kv_transfer.extra.pop("remote_prefill_cached_tokens", None)
     return d_req
 
 
@@ -167,7 +169,7 @@ async def run_plan(pool: ChannelPool, req: Request,
     d_req = _decode_request(req, p_last.kv_transfer)
     async for resp in _stream_decode(pool, d_req, route.worker, mode,
                                      p_last.usage.cached_tokens,
-                                     len(p_last.kv_transfer.remote_block_ids)):
+                                     held_blocks(p_last.kv_transfer)):
         yield resp
 
 

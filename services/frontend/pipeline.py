@@ -74,6 +74,9 @@ def _status_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
         return ApiError(400, detail)
     if code == grpc.StatusCode.NOT_FOUND:
         return ApiError(404, detail, code="model_not_found", param="model")
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return ApiError(503, f"{what} refused the request: {detail}",
+                        type="service_unavailable", code="no_compatible_workers")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return ApiError(503, f"{what} unavailable: {detail}", type="service_unavailable")
     return ApiError(502, f"{what} failed: {detail}", type="upstream_error")

@@ -5,11 +5,13 @@ Contract, method by method:
 - ``start()``: loads the model and makes the engine ready. Called once, before any
   other coroutine. Raises on failure; the worker then exits.
 - ``info``: static facts about the engine (model name, model folder, block size,
-  context length). Valid after ``start()``.
+  context length, KV layout, P/D handoff coordinates). Valid after ``start()``.
 - ``generate(request)``: async iterator of :class:`EngineOutput` deltas for one request.
   The last item has ``finished=True`` and a ``finish_reason``. If the consumer stops
   iterating early (client cancel), the engine must abort the request and free its KV.
   Raises :class:`EngineError` for a request the engine refuses (e.g. prompt too long).
+  ``request.kv_transfer_params`` go to the engine's KV connector unchanged; the
+  connector's answer comes back on the final output's ``kv_transfer_params``.
 - ``abort(request_id)``: aborts a running request; returns False if unknown.
 - ``load()``: cheap, non-blocking snapshot of the engine's load.
 - ``shutdown()``: stops the engine and frees its resources. Idempotent.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class EngineError(Exception):
@@ -53,6 +56,9 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
+    # Opaque P/D handoff parameters for the engine's KV connector (vLLM:
+    # ``kv_transfer_params``); see :mod:`workers.kv.nixl`. None: a plain request.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -70,6 +76,9 @@ class EngineOutput:
     # from then to its first token; set on the output carrying the first token when known.
     queue_s: float | None = None
     prefill_s: float | None = None
+    # Set on the final output when the engine's KV connector returns handoff parameters
+    # (a prefill request's coordinates for the decode side to load its KV from).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +100,12 @@ class EngineInfo:
     model_path: str
     block_size: int
     max_model_len: int
+    # Equal on two engines iff their KV blocks are interchangeable (architecture, dtype,
+    # layers, KV heads, head size, block size, ...); a P/D handoff needs equal layouts.
+    kv_layout: str = ""
+    # Handoff coordinates of the engine's KV connector (mode "pull"/"push", engine_id,
+    # side-channel host/port, tp_size, ...); empty when the engine has no connector.
+    handoff: dict[str, Any] = field(default_factory=dict)
 
 
 class Engine(abc.ABC):

