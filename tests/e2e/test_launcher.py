@@ -57,6 +57,7 @@ def client(url: str) -> openai.OpenAI:
 def test_openai_client_against_the_launched_mesh(launched: tuple[str, Path]) -> None:
     url, out = launched
     assert f"curl {url}/v1/chat/completions" in out.read_text()
+    assert "prefill + decode workers, pull KV handoff" in out.read_text()
     c = client(url)
     models = [m.id for m in c.models.list()]
     assert models == ["tiny-llama"]
@@ -106,7 +107,7 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--http-port",
-         str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25"],
+         str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25", "--mode", "agg"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
@@ -122,7 +123,8 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(60) == 0
     assert not port_open("127.0.0.1", port)
-    assert pids, "the launcher records the PID of every child it starts"
+    assert {p.stem for p in log_dir.glob("*.pid")} == {"etcd", "redis", "router", "agg-0",
+                                                       "frontend"}
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), pid
