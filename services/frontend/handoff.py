@@ -34,6 +34,7 @@ from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_client import ChannelPool
 from services.common.kv_params import held_blocks, is_set
 from services.common.telemetry import tracer
+from services.frontend.metrics import FrontendMetrics
 
 WORKER_TIMEOUT_S = 600.0
 # How long D may wait for P's push before the orchestrator gives up and aborts D.
@@ -118,7 +119,8 @@ def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
 
 async def _stream_decode(pool: ChannelPool, d_req: worker_pb2.GenerateRequest,
                          choice: router_pb2.WorkerChoice, mode: str, p_cached: int,
-                         blocks: int) -> AsyncIterator[worker_pb2.GenerateResponse]:
+                         blocks: int, metrics: FrontendMetrics) -> AsyncIterator[
+                             worker_pb2.GenerateResponse]:
     tr = tracer("frontend")
     xfer = tr.start_span("kv_transfer", attributes={
         "kvmesh.handoff_mode": mode, "kvmesh.decode_worker_id": choice.instance_id,
@@ -127,13 +129,16 @@ async def _stream_decode(pool: ChannelPool, d_req: worker_pb2.GenerateRequest,
         call = worker_pb2_grpc.WorkerStub(pool.get(choice.address)).Generate(
             d_req, timeout=WORKER_TIMEOUT_S)
     decode: trace.Span | None = None
+    start = time.monotonic()
     try:
         async for resp in call:
             if decode is None and resp.token_ids:
+                metrics.transfer.labels(mode).observe(time.monotonic() - start)
                 xfer.end()
                 decode = tr.start_span("decode", attributes={
                     "kvmesh.decode_worker_id": choice.instance_id})
             if _finished(resp):
+                metrics.d_hit.inc(resp.usage.cached_tokens)
                 for span in (xfer, decode):
                     if span is not None:
                         span.set_attribute("kvmesh.d_hit_tokens", resp.usage.cached_tokens)
@@ -146,10 +151,11 @@ async def _stream_decode(pool: ChannelPool, d_req: worker_pb2.GenerateRequest,
             decode.end()
 
 
-async def run_plan(pool: ChannelPool, req: Request,
-                   route: router_pb2.RouteResponse) -> AsyncIterator[
+async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
+                   metrics: FrontendMetrics | None = None) -> AsyncIterator[
                        worker_pb2.GenerateResponse]:
     """Runs ``req`` as ``route`` says; see the module docstring."""
+    metrics = metrics or FrontendMetrics()
     if not route.disaggregated:
         async for resp in _stream_agg(pool, req, route.worker):
             yield resp
@@ -157,25 +163,27 @@ async def run_plan(pool: ChannelPool, req: Request,
     mode = route.prefill.handoff.mode or "pull"
     tr = tracer("frontend")
     if mode == "push":
-        async for resp in _run_push(pool, req, route):
+        async for resp in _run_push(pool, req, route, metrics):
             yield resp
         return
-    start = time.time_ns()
-    with tr.start_as_current_span("prefill", start_time=start, attributes={
+    start = time.monotonic()
+    with tr.start_as_current_span("prefill", attributes={
             "kvmesh.prefill_worker_id": route.prefill.instance_id,
             "kvmesh.handoff_mode": mode}) as span:
         p_last = await _prefill(pool, req, route.prefill, mode)
         span.set_attribute("kvmesh.p_hit_tokens", p_last.usage.cached_tokens)
+    metrics.prefill.labels(mode).observe(time.monotonic() - start)
+    metrics.p_hit.inc(p_last.usage.cached_tokens)
+    blocks = held_blocks(p_last.kv_transfer)
+    metrics.blocks.labels(mode).inc(blocks)
     d_req = _decode_request(req, p_last.kv_transfer)
     async for resp in _stream_decode(pool, d_req, route.worker, mode,
-                                     p_last.usage.cached_tokens,
-                                     held_blocks(p_last.kv_transfer)):
+                                     p_last.usage.cached_tokens, blocks, metrics):
         yield resp
 
 
-async def _run_push(pool: ChannelPool, req: Request,
-                    route: router_pb2.RouteResponse) -> AsyncIterator[
-                        worker_pb2.GenerateResponse]:
+async def _run_push(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
+                    metrics: FrontendMetrics) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """Push: D first (with P's coordinates), P concurrently; either may be ready first."""
     hand = route.prefill.handoff
     params = worker_pb2.KvTransferParams(
@@ -192,7 +200,7 @@ async def _run_push(pool: ChannelPool, req: Request,
             return await _prefill(pool, req, route.prefill, "push")
 
     p_task = asyncio.create_task(prefill())
-    d_iter = _stream_decode(pool, d_req, route.worker, "push", 0, 0).__aiter__()
+    d_iter = _stream_decode(pool, d_req, route.worker, "push", 0, 0, metrics).__aiter__()
     try:
         # Until D's first token, a failing P must end the request (D would wait forever).
         first = asyncio.ensure_future(d_iter.__anext__())

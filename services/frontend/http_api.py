@@ -145,6 +145,11 @@ def create_app(pipeline: Pipeline) -> FastAPI:
                 "models": [m.name for m in models]}
         return JSONResponse(body, status_code=200 if models else 503)
 
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(pipeline.metrics.render(),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [

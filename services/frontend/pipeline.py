@@ -33,6 +33,7 @@ from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
 from services.frontend.handoff import HandoffError, Request, run_plan
+from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
 
@@ -116,6 +117,7 @@ class Pipeline:
         self._router_address = router_address
         self._pool = ChannelPool()
         self._tracer = tracer("frontend")
+        self.metrics = FrontendMetrics()
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -157,9 +159,12 @@ class Pipeline:
         try:
             plan = Request(job.request_id, job.req.model, job.token_ids, sampling_proto(job))
             with _attached(ctx):
-                responses = run_plan(self._pool, plan, route)
+                responses = run_plan(self._pool, plan, route, self.metrics)
                 first = asyncio.ensure_future(responses.__anext__())
             pending: asyncio.Future[worker_pb2.GenerateResponse] | None = first
+            path = "disagg" if route.disaggregated else "agg"
+            started, outcome = time.monotonic(), "error"
+            first_token = True
             try:
                 finished = False
                 while pending is not None:
@@ -168,8 +173,15 @@ class Pipeline:
                     except StopAsyncIteration:
                         break
                     chunk = Chunk(resp.text, list(resp.token_ids))
+                    if first_token and resp.token_ids:
+                        first_token = False
+                        self.metrics.ttft.labels(path).observe(time.monotonic() - started)
                     if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         finished = True
+                        outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
+                        self.metrics.predicted.inc(route.predicted_overlap_blocks
+                                                   * job.model.block_size)
+                        self.metrics.actual.inc(resp.usage.cached_tokens)
                         chunk.finish_reason = FINISH_NAMES.get(resp.finish_reason, "stop")
                         chunk.prompt_tokens = resp.usage.prompt_tokens
                         chunk.completion_tokens = resp.usage.completion_tokens
@@ -185,6 +197,7 @@ class Pipeline:
             except HandoffError as exc:
                 raise ApiError(502, str(exc), type="upstream_error") from exc
             finally:
+                self.metrics.requests.labels(path, outcome).inc()
                 if pending is not None and not pending.done():
                     pending.cancel()  # client went away mid-step: cancels the worker calls
                     with contextlib.suppress(BaseException):

@@ -145,6 +145,13 @@ async def test_pull_handoff_matches_aggregated_tokens(
     # P held the blocks only until D read them: no leak after many requests.
     await wait_idle(pd.p_address)
     await wait_idle(pd.d_address)
+    async with httpx.AsyncClient(base_url=pd.frontends["always"].base_url) as client:
+        text = (await client.get("/metrics")).text
+    assert 'kvmesh_requests_total{outcome="length",path="disagg"} 3.0' in text
+    assert 'kvmesh_kv_transfer_seconds_count{mode="pull"} 3.0' in text
+    blocks = next(line for line in text.splitlines()
+                  if line.startswith('kvmesh_kv_transfer_blocks_total{mode="pull"}'))
+    assert float(blocks.split()[-1]) >= 3
 
 
 async def test_d_with_partial_prefix_reads_only_the_rest(pd: PdMesh, mesh: Mesh) -> None:

@@ -1,0 +1,52 @@
+"""The frontend's Prometheus metrics (served at ``GET /metrics``).
+
+One registry per frontend (several frontends may share a process in tests). Contract:
+each ``observe_*`` call records one event; names follow ``kvmesh_<what>_<unit>``.
+
+| metric | meaning |
+|---|---|
+| ``kvmesh_requests_total{path,outcome}`` | requests by path (agg, disagg) and outcome |
+| ``kvmesh_ttft_seconds{path}`` | time to first token seen by the frontend |
+| ``kvmesh_prefill_seconds{mode}`` | the remote prefill call on P |
+| ``kvmesh_kv_transfer_seconds{mode}`` | D call until its first token (READ/WRITE + D's step) |
+| ``kvmesh_kv_transfer_blocks_total{mode}`` | blocks P held for D |
+| ``kvmesh_prefill_hit_tokens_total`` / ``kvmesh_decode_hit_tokens_total`` | prefix hits on P / D |
+| ``kvmesh_predicted_overlap_tokens_total`` | overlap the router predicted |
+| ``kvmesh_actual_cached_tokens_total`` | tokens the engine actually reused |
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class FrontendMetrics:
+    """Counters and histograms of one frontend."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvmesh_requests", "Requests by path and outcome",
+                                ["path", "outcome"], registry=r)
+        self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token", ["path"],
+                              buckets=_BUCKETS, registry=r)
+        self.prefill = Histogram("kvmesh_prefill_seconds", "Remote prefill on P", ["mode"],
+                                 buckets=_BUCKETS, registry=r)
+        self.transfer = Histogram("kvmesh_kv_transfer_seconds",
+                                  "D call until its first token", ["mode"], buckets=_BUCKETS,
+                                  registry=r)
+        self.blocks = Counter("kvmesh_kv_transfer_blocks", "Blocks P held for D", ["mode"],
+                              registry=r)
+        self.p_hit = Counter("kvmesh_prefill_hit_tokens", "Prefix-cache hits on P",
+                             registry=r)
+        self.d_hit = Counter("kvmesh_decode_hit_tokens", "Prefix-cache hits on D",
+                             registry=r)
+        self.predicted = Counter("kvmesh_predicted_overlap_tokens",
+                                 "Overlap the router predicted", registry=r)
+        self.actual = Counter("kvmesh_actual_cached_tokens", "Tokens the engine reused",
+                              registry=r)
+
+    def render(self) -> bytes:
+        """The text exposition format."""
+        return bytes(generate_latest(self.registry))
