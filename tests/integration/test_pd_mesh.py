@@ -263,3 +263,29 @@ async def test_incompatible_layouts_are_refused_at_routing_time(
     finally:
         for reg in regs:
             await reg.close()
+
+
+async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
+    """Delayed free, observed through the workers' own load reports."""
+    await wait_idle(pd.p_address)
+    prompt = [3 + (i * 53) % 700 for i in range(5 * 32)]
+    p_req = worker_pb2.GenerateRequest(
+        request_id="held-1", token_ids=prompt, model="tiny",
+        sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+    p_req.kv_transfer.do_remote_decode = True
+    async with grpc.aio.insecure_channel(pd.p_address) as ch:
+        p_out = [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(p_req)]
+    params = p_out[-1].kv_transfer
+    assert params.remote_engine_id and params.remote_host
+    held = await load(pd.p_address)
+    assert held.num_running == 0 and held.kv_usage > 0.0  # finished, blocks still held
+    d_req = worker_pb2.GenerateRequest(
+        request_id="held-1", token_ids=prompt, model="tiny",
+        sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    d_req.kv_transfer.CopyFrom(params)
+    d_req.kv_transfer.do_remote_prefill = True
+    d_req.kv_transfer.do_remote_decode = False
+    async with grpc.aio.insecure_channel(pd.d_address) as ch:
+        d_out = [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(d_req)]
+    assert sum(len(r.token_ids) for r in d_out) == 4
+    await wait_idle(pd.p_address, within_s=10)  # released on D's completion notice

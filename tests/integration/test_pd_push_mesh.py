@@ -1,0 +1,72 @@
+"""P/D through the mesh with vLLM's NixlPushConnector: D registers, P WRITEs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.common.config import load_config
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.launcher.procs import Child
+from services.router.main import RouterConfig, start_router
+from tests.integration.conftest import Mesh, base_args
+from tests.integration.test_pd_mesh import generate, ids, last_spans, wait_idle, words
+from workers.config import WorkerConfig
+from workers.main import build_engine, build_server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+NS = "pdpush"
+
+
+@pytest.fixture(scope="module")
+async def push_front(etcd: Child, spans: InMemorySpanExporter,
+                     tiny_model: str) -> AsyncIterator[tuple[FrontendApp, list[str]]]:
+    servers = []
+    for role in ("prefill", "decode"):
+        cfg = load_config(WorkerConfig, [*base_args(etcd.address, NS), "--model-path",
+                                         tiny_model, "--model-name", "tiny", "--role", role,
+                                         "--handoff", "push", "--kv-cache-gib", "0.25",
+                                         "--max-model-len", "512"], {})
+        engine = build_engine(cfg)
+        await engine.start()
+        server = build_server(cfg, engine)
+        await server.start()
+        servers.append(server)
+    router = await start_router(load_config(RouterConfig, [
+        *base_args(etcd.address, NS), "--conditional-disagg", "false"], {}))
+    front = await start_frontend(load_config(FrontendConfig, [
+        *base_args(etcd.address, NS), "--http-port", "0", "--router-address",
+        router.server.address], {}))
+    for _ in range(200):
+        if len(router.watcher.instances()) >= 2:
+            break
+        await asyncio.sleep(0.05)
+    yield front, [s.address for s in servers]
+    await front.server.stop()
+    await router.server.stop()
+    for s in reversed(servers):
+        await s.stop()
+
+
+async def test_push_handoff_matches_aggregated_tokens(
+    push_front: tuple[FrontendApp, list[str]], mesh: Mesh, spans: InMemorySpanExporter
+) -> None:
+    front, (p_addr, d_addr) = push_front
+    for seed, n in ((61, 25), (62, 60)):
+        text = words(seed, n)
+        ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
+        spans.clear()
+        assert ids(await generate(front.server.address, "tiny", text)) == ref
+        xfer = last_spans(spans, "kv_transfer")[-1]
+        assert xfer.attributes["kvmesh.handoff_mode"] == "push"
+        assert last_spans(spans, "router.route")[-1].attributes["kvmesh.disaggregated"]
+    # D with the prefix already cached still completes, and both sides end idle.
+    text = words(62, 60) + " " + words(63, 10)
+    ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
+    got = await generate(front.server.address, "tiny", text)
+    assert ids(got) == ref and got[-1].usage.cached_tokens > 0
+    await wait_idle(p_addr)
+    await wait_idle(d_addr)
