@@ -10,7 +10,8 @@ Contract:
   ``prefill`` (→ first token) and ``decode`` (first token → finish) under the gRPC
   server span, with worker id, prompt and cached token counts as attributes.
 - ``Abort`` aborts by request id; ``found`` tells whether it was running.
-- ``GetLoad`` returns the engine's load plus the number of active API requests.
+- ``GetLoad`` returns the engine's load, its cumulative counters and the number of active
+  API requests.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_usage=load.kv_usage,
             kv_total_blocks=load.kv_total_blocks,
             active_requests=self._active,
+            counters=self._engine.counters(),
         )
 
 

@@ -157,11 +157,20 @@ async def test_pull_handoff_matches_aggregated_tokens(
 async def test_d_with_partial_prefix_reads_only_the_rest(pd: PdMesh, mesh: Mesh) -> None:
     base = words(11, 60)
     front = pd.frontends["always"].server.address
+    before = (await load(pd.d_address)).counters
     first = await generate(front, "tiny", base)
+    after_first = (await load(pd.d_address)).counters
     longer = base + " " + words(12, 30)
     ref = ids(await generate(mesh.frontend.server.address, "tiny", longer))
     second = await generate(front, "tiny", longer)
+    after_second = (await load(pd.d_address)).counters
     assert ids(second) == ref
+    # Bytes moved: the whole first prompt, then only the blocks D did not hold.
+    first_bytes = after_first["kv_transfer_bytes"] - before["kv_transfer_bytes"]
+    second_bytes = after_second["kv_transfer_bytes"] - after_first["kv_transfer_bytes"]
+    new_tokens = second[-1].usage.prompt_tokens - first[-1].usage.prompt_tokens
+    assert first_bytes > 0 and 0 < second_bytes < first_bytes * (new_tokens + 64) / (
+        first[-1].usage.prompt_tokens)
     d_hit = second[-1].usage.cached_tokens
     assert d_hit >= 32 * (first[-1].usage.prompt_tokens // 32 - 1)  # D reused the prefix
     # The same prompt again: D holds it all, P still releases its hold.

@@ -14,6 +14,7 @@ Contract, method by method:
   connector's answer comes back on the final output's ``kv_transfer_params``.
 - ``abort(request_id)``: aborts a running request; returns False if unknown.
 - ``load()``: cheap, non-blocking snapshot of the engine's load.
+- ``counters()``: cumulative counters (prefix hits, KV transfers and bytes, ...).
 - ``shutdown()``: stops the engine and frees its resources. Idempotent.
 
 Everything that crosses a process boundary is a plain dataclass here; the worker
@@ -127,6 +128,10 @@ class Engine(abc.ABC):
     def load(self) -> EngineLoad:
         """Default: no load information."""
         return EngineLoad()
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative, monotonic engine counters by name (default: none)."""
+        return {}
 
     async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Default: nothing to free."""
