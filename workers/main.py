@@ -59,6 +59,9 @@ def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
         new_engine_id(cfg.resolved_worker_id()), "kv_both",
         cfg.kv_load_failure_policy,  # type: ignore[arg-type]
         kv_lease_duration=30 if mode == "pull" else 60,
+        # vLLM's own connector classes, with NIXL's busy-polling progress thread off: it
+        # keeps a core busy per idle engine on this 2-core machine (workers/kv/nixl_quiet).
+        progress_thread=False,
     )
 
 

@@ -4,7 +4,8 @@ Like test_pd_engines.py, with P and D in push mode: D registers its blocks with 
 WRITEs into them. P pairs D's registration with its own finished prefill by the request
 id without vLLM's random suffix, so P and D get the *same* request id; D can be sent
 first, with P's coordinates from ``P.info.handoff`` (``nixl.push_decode_params``).
-Runtime ~60 s on 2 cores (the aggregated reference is shared with test_pd_engines.py).
+Runs "stock" and "quiet" like test_pd_engines.py; the aggregated reference is shared
+with it (session fixture). Runtime ~70 s for "stock" alone on 2 otherwise idle cores.
 """
 
 from __future__ import annotations
@@ -40,9 +41,15 @@ __all__ = ["aggregated"]  # the session fixture, imported so this module can use
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def push_pd() -> AsyncIterator[tuple[VllmEngine, VllmEngine]]:
-    p, d = await start_pd("push", kv_lease_duration=10)
+@pytest_asyncio.fixture(
+    scope="module", loop_scope="session", params=["quiet", "stock"]
+)
+async def push_pd(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[VllmEngine, VllmEngine]]:
+    """P and D; "quiet": the same connector without NIXL's progress thread."""
+    quiet = request.param == "quiet"
+    p, d = await start_pd("push", kv_lease_duration=10, progress_thread=not quiet)
     yield p, d
     await d.shutdown()
     await p.shutdown()
@@ -65,7 +72,9 @@ async def _concurrent(
     return p_outs, d_outs
 
 
-async def test_engine_info_says_push(push_pd: tuple[VllmEngine, VllmEngine]) -> None:
+async def test_engine_info_says_push(
+    aggregated: VllmEngine, push_pd: tuple[VllmEngine, VllmEngine]
+) -> None:
     p, d = push_pd
     assert p.info.kv_layout == d.info.kv_layout
     assert (p.info.handoff["mode"], p.info.handoff["connector"]) == ("push", "NixlPushConnector")
@@ -133,10 +142,17 @@ async def test_push_to_d_with_cached_prefix_sends_only_the_rest(
     assert p_delta["kv_transfer_bytes"] == blocks(n - hit) * BLOCK_BYTES
 
 
-async def test_abort_d_waiting_for_a_push_that_never_comes(
+async def test_abort_d_waiting_for_a_push_keeps_its_blocks_until_p_pushes(
     push_pd: tuple[VllmEngine, VllmEngine], aggregated: VllmEngine
 ) -> None:
-    """vLLM's D watchdog only logs; the caller aborts D, which frees D's blocks."""
+    """vLLM 0.32 limitation, pinned down here (fails once vLLM frees them on abort).
+
+    D's request ends at once with "abort", but its blocks stay allocated: the scheduler
+    delays freeing a WAITING_FOR_REMOTE_KVS request until its receive finishes
+    (``Scheduler.finish_requests``), and a push-mode receive only finishes when P WRITEs
+    (no timeout on D; its registration watchdog only logs). A P request with the same id
+    releases them.
+    """
     p, d = push_pd
     request_id = rid("nop")
     tokens = prompt(15, 100)
@@ -152,7 +168,13 @@ async def test_abort_d_waiting_for_a_push_that_never_comes(
     assert await d.abort(request_id)
     await asyncio.wait_for(task, 10)
     assert outs[-1].finish_reason == "abort" and not any(o.token_ids for o in outs)
-    await wait_until(idle(d), "D idle after abort")
+    await wait_until(lambda: d.load().num_waiting == 0, "D's request gone")
+    await asyncio.sleep(1.0)
+    assert d.load().kv_usage > 0.0  # still held, see the docstring
+    p_outs = await run(p, request_id, tokens, 1, nixl.prefill_params())
+    assert p_outs[-1].kv_transfer_params is not None
+    await wait_until(idle(d), "D idle once P pushed")
+    await wait_until(idle(p), "P idle")
     # Both still serve handoffs afterwards.
     tokens = prompt(16, 80)
     ref = token_ids(await run(aggregated, rid("agg"), tokens))

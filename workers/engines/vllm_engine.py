@@ -6,18 +6,16 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 - ``start()``: validates the config, sets vLLM's environment before vllm is imported
   (``VLLM_HOST_IP``, usage stats off via ``setdefault``; ``VLLM_ENABLE_V1_MULTIPROCESSING``,
   ``OMP_NUM_THREADS`` and ``config.env`` -- e.g. :func:`workers.kv.nixl.nixl_env`, which
-  the EngineCore child inherits at spawn -- from the config) and builds ``AsyncLLM`` from
-  ``AsyncEngineArgs`` in a worker thread, so the event loop (and a health service on it)
-  keeps running while the model loads; ``start_seconds`` records how long it took.
-  Raises on failure. Starts in one process are serialized (the environment is global).
+  the EngineCore child inherits at spawn; restored once it runs -- from the config) and
+  builds ``AsyncLLM`` from ``AsyncEngineArgs`` in a worker thread, so the event loop keeps
+  running while the model loads; ``start_seconds`` records how long it took. Raises on
+  failure. Starts in one process are serialized (the environment is process-wide).
   vLLM 0.32 facts: ``AsyncLLM`` always runs EngineCore in a child process, started with
   ``spawn`` on CPU (so a script's entry point needs ``if __name__ == "__main__"``); the
   ``multiprocessing`` knob only decides whether the model runs inside that process
   (``False``: UniProcExecutor, faster start) or in one more, OpenMP-bound, process.
 - ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len,
-  kv_layout, handoff)`` as vLLM resolved them; ``kv_layout`` from
-  :func:`workers.kv.layout.kv_layout`, ``handoff`` from :func:`workers.kv.nixl.handoff_info`
-  (``{}`` without ``kv_transfer_config``; vLLM fills in a missing ``engine_id``).
+  kv_layout, handoff)`` as vLLM resolved them (:mod:`workers.kv.layout`).
 - ``generate(request)``: validates the request *before* vLLM sees it (empty prompt,
   ``max_tokens < 1``, ``prompt + max_tokens > max_model_len``, duplicate live id ->
   :class:`EngineError`) and streams one :class:`EngineOutput` per vLLM delta
@@ -38,16 +36,13 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   with ``finish_reason="abort"``. Returns False for an unknown/finished id.
 - ``load()``: non-blocking. vLLM's output handler calls every stat logger with the
   ``SchedulerStats`` that EngineCore attaches to each step's outputs; our
-  :class:`_StatsRecorder` (passed as ``stat_loggers=``) keeps the latest one, so
-  ``load()`` is a field read: ``num_running_reqs``, ``num_waiting_reqs`` (+ deferred
-  waiting), ``kv_cache_usage``, and ``kv_total_blocks`` = ``cache_config.num_gpu_blocks``
-  (the frontend learns it from EngineCore's handshake). Stats refresh on every engine
-  step, including the step that retires aborted requests, so they are exact once idle.
-- ``counters()``: cumulative prefix-cache queries/hits (tokens), preemptions and, with a
-  KV connector: its queries/hits (``connector_prefix_cache_stats``: prompt tokens the
-  connector offered), prompt tokens loaded by KV transfer (``num_external_cached_tokens``)
-  and NIXL transfers/bytes/failures (``kv_connector_stats``), for a Prometheus collector.
-  vLLM's own ``vllm:*`` metrics also land in the default ``prometheus_client`` registry.
+  :class:`~workers.engines.vllm_stats.StatsRecorder` keeps the latest, so ``load()`` is a
+  field read: ``num_running_reqs``, ``num_waiting_reqs`` (+ deferred waiting),
+  ``kv_cache_usage``, and ``kv_total_blocks`` = ``cache_config.num_gpu_blocks``. Stats
+  refresh on every engine step, including the step that retires aborted requests.
+- ``counters()``: cumulative prefix-cache, preemption and KV-connector counters (see
+  :mod:`workers.engines.vllm_stats`), for a Prometheus collector. vLLM's own ``vllm:*``
+  metrics also land in the default ``prometheus_client`` registry.
 - ``shutdown()``: aborts live requests (their streams end with "abort"), then shuts
   ``AsyncLLM`` and its EngineCore process down. Idempotent.
 """
@@ -74,8 +69,8 @@ from workers.engines.base import (
     EngineRequest,
     Sampling,
 )
-from workers.kv.layout import kv_layout
-from workers.kv.nixl import handoff_info
+from workers.engines.vllm_stats import StatsRecorder
+from workers.kv.layout import handoff_of, kv_layout
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -163,21 +158,6 @@ def _first_token_times(metrics: Any) -> tuple[float | None, float | None]:
     return max(0.0, scheduled - queued), max(0.0, first - scheduled)
 
 
-def _handoff(vcfg: Any) -> dict[str, Any]:
-    """:attr:`EngineInfo.handoff` of a built engine (``{}`` without a KV connector)."""
-    ktc = vcfg.kv_transfer_config
-    if ktc is None:
-        return {}
-    par = vcfg.parallel_config
-    return handoff_info(
-        ktc.kv_connector,
-        ktc.engine_id,
-        ktc.kv_role,
-        tp_size=par.tensor_parallel_size,
-        port_offset=getattr(par, "data_parallel_index", 0),
-    )
-
-
 def _set_vllm_env(config: VllmEngineConfig) -> None:
     """Environment vLLM reads at import/start; must run before ``import vllm``."""
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -190,81 +170,13 @@ def _set_vllm_env(config: VllmEngineConfig) -> None:
         # UniProcExecutor does no OpenMP binding; with the default pool (one thread per
         # core) on 2 shared cores a decode step took ~110 ms instead of ~2 ms.
         os.environ["OMP_NUM_THREADS"] = str(config.omp_threads)
-    os.environ.update(config.env)  # e.g. the NIXL side channel; inherited by EngineCore
+    os.environ.update(config.env)  # e.g. the NIXL side channel, for EngineCore (spawned)
     if os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         log.warning(
             "VLLM_CPU_KVCACHE_SPACE=%s overrides kv_cache_space_gib=%s on vLLM-CPU",
             os.environ["VLLM_CPU_KVCACHE_SPACE"],
             config.kv_cache_space_gib,
         )
-
-
-class _StatsRecorder:
-    """A vLLM per-engine stat logger that keeps the latest SchedulerStats.
-
-    Duck-types ``vllm.v1.metrics.loggers.StatLoggerBase`` so this module imports no
-    vllm at load time; vLLM only calls ``record``, ``log``, ``log_engine_initialized``
-    and ``record_sleep_state``. Runs on the event loop thread (AsyncLLM's output handler).
-    """
-
-    def __init__(self) -> None:
-        self.num_running = 0
-        self.num_waiting = 0
-        self.kv_usage = 0.0
-        self.prefix_queries = 0
-        self.prefix_hits = 0
-        self.preemptions = 0
-        self.connector_queries = 0
-        self.connector_hits = 0
-        self.external_kv_tokens = 0
-        self.kv_transfers = 0
-        self.kv_transfer_bytes = 0
-        self.kv_transfer_failures = 0
-
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> _StatsRecorder:
-        return self
-
-    def record(
-        self,
-        scheduler_stats: Any,
-        iteration_stats: Any,
-        mm_cache_stats: Any = None,
-        engine_idx: int = 0,
-    ) -> None:
-        if scheduler_stats is not None:
-            self.num_running = scheduler_stats.num_running_reqs
-            self.num_waiting = (
-                scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
-            )
-            self.kv_usage = float(scheduler_stats.kv_cache_usage)
-            pcs = scheduler_stats.prefix_cache_stats
-            if pcs is not None:
-                self.prefix_queries += pcs.queries
-                self.prefix_hits += pcs.hits
-            if (cps := scheduler_stats.connector_prefix_cache_stats) is not None:
-                self.connector_queries += cps.queries
-                self.connector_hits += cps.hits
-            self._record_transfers(scheduler_stats.kv_connector_stats or {})
-        if iteration_stats is not None:
-            self.preemptions += iteration_stats.num_preempted_reqs
-            self.external_kv_tokens += iteration_stats.prompt_token_stats.external_kv_transfer
-
-    def _record_transfers(self, data: dict[str, Any]) -> None:
-        """NIXL's per-step ``NixlKVConnectorStats.data`` (lists of observations)."""
-        sizes = data.get("bytes_transferred") or []
-        self.kv_transfers += len(sizes)
-        self.kv_transfer_bytes += int(sum(sizes))
-        for key in ("num_failed_transfers", "num_failed_handshakes", "num_kv_expired_reqs"):
-            self.kv_transfer_failures += len(data.get(key) or [])
-
-    def log(self) -> None:
-        pass
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-    def record_sleep_state(self, is_awake: int, level: int) -> None:
-        pass
 
 
 class VllmEngine(Engine):
@@ -274,7 +186,7 @@ class VllmEngine(Engine):
         self.config = config
         self._llm: AsyncLLM | None = None
         self._info: EngineInfo | None = None
-        self._stats = _StatsRecorder()
+        self._stats = StatsRecorder()
         self._live: set[str] = set()
         self._defaults: dict[str, Any] = {}
         self._closed = False
@@ -304,7 +216,7 @@ class VllmEngine(Engine):
             block_size=int(vcfg.cache_config.block_size),
             max_model_len=int(vcfg.model_config.max_model_len),
             kv_layout=kv_layout(vcfg),
-            handoff=_handoff(vcfg),
+            handoff=handoff_of(vcfg, {**os.environ, **self.config.env}),
         )
         diff = vcfg.model_config.get_diff_sampling_param()
         self._defaults = {k: diff[k] for k in _DEFAULTABLE if diff.get(k) is not None}
@@ -317,8 +229,16 @@ class VllmEngine(Engine):
 
     def _build(self) -> None:
         with _START_LOCK:  # the env is process-wide; EngineCore inherits it at spawn
+            saved = {k: os.environ.get(k) for k in self.config.env}
             _set_vllm_env(self.config)
-            self._build_llm()
+            try:
+                self._build_llm()
+            finally:  # config.env is for this engine's EngineCore only
+                for key, value in saved.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
 
     def _build_llm(self) -> None:
         from vllm.config import KVEventsConfig, KVTransferConfig

@@ -1,4 +1,4 @@
-"""The KV layout of a vLLM engine, as one comparable string.
+"""What a built vLLM engine tells peers about its KV: layout string and handoff coordinates.
 
 Contract:
 
@@ -7,11 +7,18 @@ Contract:
   attention kind (MLA or not), total layers, total KV heads, head size and block size.
   Tensor parallelism is left out (NIXL maps between TP sizes itself). Reads only the
   config (duck-typed, so this module imports no vllm).
+- ``handoff_of(vllm_config, environ) -> dict``: :attr:`EngineInfo.handoff` from the
+  resolved ``kv_transfer_config`` (vLLM fills in a missing ``engine_id``), the parallel
+  config and the environment the EngineCore got (see :func:`workers.kv.nixl.handoff_info`);
+  ``{}`` without a KV connector.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
+
+from workers.kv.nixl import handoff_info
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -33,3 +40,19 @@ def kv_layout(vllm_config: Any) -> str:
         f"B{cache.block_size}",
     ]
     return "|".join(parts)
+
+
+def handoff_of(vllm_config: Any, environ: Mapping[str, str]) -> dict[str, Any]:
+    """The engine's handoff coordinates (``{}`` without ``kv_transfer_config``)."""
+    ktc = vllm_config.kv_transfer_config
+    if ktc is None:
+        return {}
+    par = vllm_config.parallel_config
+    return handoff_info(
+        ktc.kv_connector,
+        ktc.engine_id,
+        ktc.kv_role,
+        tp_size=par.tensor_parallel_size,
+        port_offset=getattr(par, "data_parallel_index", 0),
+        environ=environ,
+    )

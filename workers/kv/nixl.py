@@ -22,7 +22,10 @@ Contract, function by function:
   ``kv_load_failure_policy`` is a top-level ``KVTransferConfig`` field (read by
   ``vllm/v1/core/sched/scheduler.py``), not a connector extra; None keeps vLLM's "fail".
   ``kv_lease_duration`` (P-side lease, s) and ``extra`` go to
-  ``kv_connector_extra_config``. Raises ValueError on an unknown mode/role/policy.
+  ``kv_connector_extra_config``. ``progress_thread=False`` loads the same connector
+  classes from :mod:`workers.kv.nixl_quiet` (NIXL agent without its progress thread,
+  which otherwise spins a core per idle engine). Raises ValueError on an unknown
+  mode/role/policy.
 - ``nixl_env(side_channel_port, host)``: environment the EngineCore process must inherit
   (it reads it at spawn): the NIXL side channel (host, port: one free port per engine),
   UCX over TCP/shared memory on loopback, and ``VLLM_HOST_IP``.
@@ -47,6 +50,7 @@ Role = Literal["kv_both", "kv_producer", "kv_consumer"]
 FailurePolicy = Literal["recompute", "fail"]
 
 CONNECTORS: dict[str, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
+QUIET_MODULE = "workers.kv.nixl_quiet"
 _MODE_OF = {"NixlConnector": "pull", "NixlPullConnector": "pull", "NixlPushConnector": "push"}
 _ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _POLICIES = ("recompute", "fail")
@@ -79,6 +83,7 @@ def nixl_kv_transfer_config(
     kv_load_failure_policy: FailurePolicy | None = None,
     *,
     kv_lease_duration: int | None = None,
+    progress_thread: bool = True,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``kv_transfer_config`` for a NIXL engine; ``engine_id`` None -> :func:`new_engine_id`.
@@ -104,6 +109,8 @@ def nixl_kv_transfer_config(
         "engine_id": engine_id or new_engine_id(mode),
         "kv_buffer_device": "cpu",
     }
+    if not progress_thread:
+        config["kv_connector_module_path"] = QUIET_MODULE
     if kv_load_failure_policy is not None:
         config["kv_load_failure_policy"] = kv_load_failure_policy
     if extra_config:
