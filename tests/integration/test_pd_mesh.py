@@ -7,6 +7,7 @@ reference is the session mesh (same model, same context length and block size).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -298,3 +299,32 @@ async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
         d_out = [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(d_req)]
     assert sum(len(r.token_ids) for r in d_out) == 4
     await wait_idle(pd.p_address, within_s=10)  # released on D's completion notice
+
+
+@pytest.mark.parametrize("delay_s", [0.0, 0.005, 0.02, 0.05, 0.1])
+async def test_cancel_at_any_stage_leaves_both_sides_idle(
+    pd: PdMesh, mesh: Mesh, delay_s: float
+) -> None:
+    """The client goes away at a moment that falls in P's prefill, the handoff or D's
+    decode, depending on the delay; in every case both workers end idle."""
+    url = pd.frontends["always"].base_url
+    body = {"model": "tiny", "prompt": [3 + (i * 29 + int(delay_s * 1e4)) % 700
+                                        for i in range(400)],
+            "max_tokens": 60, "ignore_eos": True, "temperature": 0, "stream": True}
+
+    async def consume() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as resp:
+                async for _ in resp.aiter_lines():
+                    pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(delay_s)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await wait_idle(pd.d_address, within_s=40)
+    await wait_idle(pd.p_address, within_s=40)
+    text = words(43, 20)
+    ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
+    assert ids(await generate(pd.frontends["always"].server.address, "tiny", text)) == ref
