@@ -328,3 +328,29 @@ async def test_cancel_at_any_stage_leaves_both_sides_idle(
     text = words(43, 20)
     ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
     assert ids(await generate(pd.frontends["always"].server.address, "tiny", text)) == ref
+
+
+async def test_ttft_decomposes_from_the_trace(pd: PdMesh, spans: InMemorySpanExporter) -> None:
+    spans.clear()
+    await generate(pd.frontends["always"].server.address, "tiny", words(71, 40))
+    done = spans.get_finished_spans()
+    root = next(s for s in done if s.name == "frontend.request")
+    trace_spans = [s for s in done if s.context.trace_id == root.context.trace_id]
+
+    def one(name: str, worker: str | None = None):  # type: ignore[no-untyped-def]
+        found = [s for s in trace_spans if s.name == name and (
+            worker is None or s.attributes.get("kvmesh.worker_id") == worker)]
+        assert len(found) == 1, (name, worker, [s.name for s in trace_spans])
+        return found[0]
+
+    p_queue, p_prefill = one("worker.queue", pd.p_id), one("prefill", pd.p_id)
+    handoff, d_first = one("kv_transfer"), one("decode", pd.d_id)
+    frontend_decode = [s for s in trace_spans if s.name == "decode"
+                       and "kvmesh.decode_worker_id" in s.attributes]
+    assert len(frontend_decode) == 1
+    # P queue → P prefill → handoff (D's READ and first step) → decode, in order.
+    assert root.start_time <= p_queue.start_time <= p_prefill.start_time
+    assert p_prefill.end_time <= handoff.start_time <= handoff.end_time
+    assert handoff.end_time <= frontend_decode[0].start_time
+    assert handoff.attributes["kvmesh.decode_worker_id"] == pd.d_id
+    assert d_first.attributes["kvmesh.remote_prefill"] is True
