@@ -14,6 +14,8 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
 - A failure of P, or P finishing without handoff parameters, raises :class:`HandoffError`
   (never a silent half result). Cancelling the iterator cancels every call in flight,
   which aborts the request on those workers.
+- ``usage.cached_tokens`` of a disaggregated request are P's prefix hits (what was not
+  computed); D's own count, which includes the KV it received, goes to the spans.
 - Spans: ``prefill`` (P call), ``kv_transfer`` (D call until its first token: the READ or
   WRITE plus D's first step) and ``decode`` (the rest), with mode, P-hit and D-hit tokens
   and the number of blocks P held for D.
@@ -105,6 +107,14 @@ async def _prefill(pool: ChannelPool, req: Request, choice: router_pb2.WorkerCho
     return last
 
 
+def _report_prefill_hits(resp: worker_pb2.GenerateResponse,
+                         p_last: worker_pb2.GenerateResponse) -> None:
+    """The client's ``cached_tokens`` are the prompt tokens nobody had to compute: P's
+    prefix hits. D counts the KV it received over NIXL as cached too; that number stays
+    in the frontend's ``decode`` span as ``kvmesh.d_hit_tokens``."""
+    resp.usage.cached_tokens = p_last.usage.cached_tokens
+
+
 def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
         worker_pb2.GenerateRequest):
     d_req = worker_pb2.GenerateRequest(request_id=req.request_id, token_ids=req.token_ids,
@@ -179,6 +189,8 @@ async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteRespo
     d_req = _decode_request(req, p_last.kv_transfer)
     async for resp in _stream_decode(pool, d_req, route.worker, mode,
                                      p_last.usage.cached_tokens, blocks, metrics):
+        if _finished(resp):
+            _report_prefill_hits(resp, p_last)
         yield resp
 
 
@@ -216,6 +228,9 @@ async def _run_push(pool: ChannelPool, req: Request, route: router_pb2.RouteResp
                 raise HandoffError(f"decode worker got no pushed KV within {PUSH_TIMEOUT_S}s")
         yield first.result()
         async for resp in d_iter:
+            if _finished(resp) and p_task.done() and not p_task.cancelled() and (
+                    p_task.exception() is None):
+                _report_prefill_hits(resp, p_task.result())
             yield resp
         await asyncio.wait_for(p_task, PUSH_TIMEOUT_S)
     except StopAsyncIteration:

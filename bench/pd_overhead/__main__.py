@@ -1,0 +1,3 @@
+from bench.pd_overhead.run import entry
+
+entry()

@@ -1,0 +1,187 @@
+"""Statistics, the summary rows, the text table and the PNG of the P/D overhead benchmark.
+
+Contracts:
+
+- :func:`stats` gives median/p10/p90/mean/n of a list of seconds (None when empty).
+- :func:`summary_rows` joins the per-mode results and the transfer anchor into one row per
+  prompt length: TTFT median and p90 per mode, ``overhead_s[mode] = median TTFT(mode) −
+  median TTFT(agg)``, the raw transfer time of that length's KV at the measured NIXL READ
+  bandwidth, ``ratio[mode] = overhead / raw``, and the frontend's own mean
+  ``kvmesh_kv_transfer_seconds`` / ``kvmesh_prefill_seconds`` per request. A value that
+  could not be measured (failed mode, missing anchor) is None, never a guess.
+- :func:`table` renders the rows as plain text; :func:`plot` writes the PNG (TTFT vs
+  length per mode; overhead vs raw transfer time) and returns False when matplotlib is
+  missing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DISAGG = ("pull", "push")
+
+
+def stats(values: list[float]) -> dict[str, float] | None:
+    """median/p10/p90/mean/n of ``values`` (None when empty)."""
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=np.float64)
+    p10, med, p90 = np.percentile(arr, [10, 50, 90])
+    return {"median": float(med), "p10": float(p10), "p90": float(p90),
+            "mean": float(arr.mean()), "n": int(arr.size)}
+
+
+def _get(d: dict[str, Any] | None, *keys: str) -> Any:
+    for k in keys:
+        if not isinstance(d, dict):
+            return None
+        d = d.get(k)
+    return d
+
+
+def summary_rows(lengths: list[int], modes: dict[str, dict[str, Any]],
+                 anchor: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per length (see the module docstring)."""
+    rows = []
+    for length in lengths:
+        key = str(length)
+        med = {m: _get(r, "lengths", key, "ttft_s", "median") for m, r in modes.items()}
+        p90 = {m: _get(r, "lengths", key, "ttft_s", "p90") for m, r in modes.items()}
+        raw = _get(anchor, "by_length", key, "raw_transfer_s")
+        overhead: dict[str, float | None] = {}
+        ratio: dict[str, float | None] = {}
+        for m in modes:
+            if m == "agg":
+                continue
+            o = med[m] - med["agg"] if med.get(m) is not None and med.get("agg") is not None \
+                else None
+            overhead[m] = o
+            ratio[m] = o / raw if o is not None and raw else None
+        rows.append({
+            "length": length,
+            "kv_bytes": _get(anchor, "by_length", key, "kv_bytes"),
+            "read_gbps": _get(anchor, "by_length", key, "read_gbps", "median"),
+            "raw_transfer_s": raw,
+            "ttft_median_s": med, "ttft_p90_s": p90,
+            "overhead_s": overhead, "overhead_over_raw": ratio,
+            "server_kv_transfer_mean_s": {
+                m: _get(modes[m], "lengths", key, "server", "kv_transfer_mean_s")
+                for m in modes if m != "agg"},
+            "server_prefill_mean_s": {
+                m: _get(modes[m], "lengths", key, "server", "prefill_mean_s")
+                for m in modes if m != "agg"},
+        })
+    return rows
+
+
+def _ms(v: float | None, width: int = 8) -> str:
+    return f"{v * 1e3:{width}.1f}" if v is not None else f"{'-':>{width}}"
+
+
+def table(rows: list[dict[str, Any]], modes: list[str]) -> str:
+    """Plain-text table, times in ms."""
+    dis = [m for m in modes if m != "agg"]
+    head = f"{'L':>5} {'KV MiB':>7} {'raw ms':>7}"
+    for m in modes:
+        head += f" {m + ' med':>9} {m + ' p90':>9}"
+    for m in dis:
+        head += f" {'ovh ' + m:>9} {'ovh/raw':>8} {'srv xfer':>8}"
+    lines = [head]
+    for r in rows:
+        kv = f"{r['kv_bytes'] / 2**20:7.2f}" if r["kv_bytes"] else f"{'-':>7}"
+        line = f"{r['length']:>5} {kv} {_ms(r['raw_transfer_s'], 7)}"
+        for m in modes:
+            line += f" {_ms(r['ttft_median_s'].get(m), 9)} {_ms(r['ttft_p90_s'].get(m), 9)}"
+        for m in dis:
+            ratio = r["overhead_over_raw"].get(m)
+            rs = f"{ratio:8.1f}" if ratio is not None else f"{'-':>8}"
+            line += (f" {_ms(r['overhead_s'].get(m), 9)} {rs}"
+                     f" {_ms(r['server_kv_transfer_mean_s'].get(m), 8)}")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Write the PNG; False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    except ImportError:
+        return False
+    rows = report["summary"]
+    modes: dict[str, dict[str, Any]] = report["modes"]
+    lengths = [r["length"] for r in rows]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
+    styles = {"agg": "o-", "pull": "s-", "push": "^-"}
+    colors = {"agg": "C0", "pull": "C1", "push": "C2"}
+    for m, res in modes.items():
+        pts = [(r["length"], r["ttft_median_s"].get(m), r["ttft_p90_s"].get(m)) for r in rows
+               if r["ttft_median_s"].get(m) is not None]
+        label = m if not res.get("error") else f"{m} (failed: see JSON)"
+        if not pts:
+            ax.plot([], [], styles.get(m, "o-"), label=f"{m}: no data")
+            continue
+        x = [p[0] for p in pts]
+        medv = [p[1] * 1e3 for p in pts]
+        ax.plot(x, medv, styles.get(m, "o-"), color=colors.get(m), label=f"{label} median")
+        ax.plot(x, [p[2] * 1e3 for p in pts], ":", color=colors.get(m), alpha=0.7,
+                label=f"{m} p90")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set_xlabel("prompt length (tokens)")
+    ax.set_ylabel("client TTFT (ms)")
+    ax.set_title("TTFT per mode (max_tokens 8, no prefix hits)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+
+    raw = [(r["length"], r["raw_transfer_s"]) for r in rows if r["raw_transfer_s"]]
+    if raw:
+        ax2.plot([p[0] for p in raw], [p[1] * 1e3 for p in raw], "k--",
+                 label="raw KV bytes / NIXL READ GB/s")
+    for m in (m for m in modes if m != "agg"):
+        ovh = [(r["length"], r["overhead_s"].get(m)) for r in rows]
+        pos = [(x, y) for x, y in ovh if y is not None and y > 0]
+        if pos:
+            ax2.plot([p[0] for p in pos], [p[1] * 1e3 for p in pos], styles.get(m, "o-"),
+                     color=colors.get(m), label=f"overhead {m} = TTFT({m}) − TTFT(agg)")
+        neg = [x for x, y in ovh if y is not None and y <= 0]
+        if neg:
+            ax2.plot(neg, [0.01] * len(neg), "x", color=colors.get(m),
+                     label=f"overhead {m} ≤ 0 (drawn at 0.01)")
+        srv = [(r["length"], r["server_kv_transfer_mean_s"][m]) for r in rows
+               if r["server_kv_transfer_mean_s"].get(m) is not None]
+        if srv:
+            ax2.plot([p[0] for p in srv], [p[1] * 1e3 for p in srv], ":", alpha=0.8,
+                     color=colors.get(m), label=f"frontend kv_transfer_seconds mean ({m})"
+                     + (": D call, spans P's prefill" if m == "push" else ""))
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xticks(lengths, [str(n) for n in lengths])
+    ax2.set_xlabel("prompt length (tokens)")
+    for a in (ax, ax2):
+        a.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        a.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        a.yaxis.set_minor_formatter(NullFormatter())
+    ax2.set_ylabel("ms")
+    anchor = report.get("transfer_anchor") or {}
+    ax2.set_title(f"P/D overhead vs raw transfer (KV {report['model']['kv_bytes_per_token']} "
+                  f"B/token; anchor: {'ok' if not anchor.get('error') else 'failed'})",
+                  fontsize=10)
+    ax2.grid(True, which="both", alpha=0.3)
+    ax2.legend(fontsize=8)
+    host = report["host"]
+    fig.suptitle(f"kvmesh P/D overhead, {report['model']['name']}, {host['cpus']} CPUs, "
+                 f"load avg {host['loadavg_before'][0]:.1f} at start, "
+                 f"{report['config']['reps']} reps", fontsize=11)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
