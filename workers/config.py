@@ -38,6 +38,9 @@ class WorkerConfig(BaseConfig):
     kv_load_failure_policy: str = dataclasses.field(
         default="recompute", metadata={"help": "D when loading P's KV fails: recompute | fail"}
     )
+    metrics_port: int = dataclasses.field(
+        default=0, metadata={"help": "Prometheus /metrics port (0 = any free, -1 = off)"}
+    )
     nixl_port: int = dataclasses.field(
         default=0, metadata={"help": "NIXL side-channel port (0 = any free)"}
     )
@@ -64,6 +67,8 @@ class WorkerConfig(BaseConfig):
             out.append(f"a {self.role} worker needs a KV handoff (pull or push)")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             out.append("kv_load_failure_policy must be recompute or fail")
+        if not -1 <= self.metrics_port <= 65535:
+            out.append(f"metrics_port out of range: {self.metrics_port}")
         if not 0 <= self.nixl_port <= 65535:
             out.append(f"nixl_port out of range: {self.nixl_port}")
         return out

@@ -93,6 +93,12 @@ def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
     """The worker's MeshServer; the engine must be started (its info is published)."""
     worker_id = cfg.resolved_worker_id()
     servicer = WorkerServicer(engine, worker_id)
+    labels = {"pid": str(os.getpid())}
+    if cfg.metrics_port >= 0:
+        from workers.metrics import serve_metrics
+
+        port = serve_metrics(engine, worker_id, cfg.role, cfg.host, cfg.metrics_port)
+        labels["metrics"] = f"{cfg.public_host}:{port}"
 
     def record(address: str) -> discovery_pb2.InstanceRecord:
         info = engine.info
@@ -107,7 +113,7 @@ def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
             max_model_len=info.max_model_len,
             capabilities=["generate", "abort", "load"],
             engine=info.engine,
-            labels={"pid": str(os.getpid())},
+            labels=labels,
             kv_layout=info.kv_layout,
         )
         if info.handoff.get("mode"):

@@ -122,6 +122,20 @@ async def wait_idle(address: str, within_s: float = 20.0) -> worker_pb2.LoadRepo
         await asyncio.sleep(0.1)
 
 
+async def scrape(address: str) -> dict[str, float]:
+    """A worker's /metrics as {'name{role="..."': value} (worker_id label dropped)."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"http://{address}/metrics")).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh_"):
+            key, value = line.rsplit(" ", 1)
+            name, _, labels = key.partition("{")
+            role = next(p for p in labels.rstrip("}").split(",") if p.startswith("role="))
+            out[f"{name}{{{role}"] = float(value)
+    return out
+
+
 def last_spans(spans: InMemorySpanExporter, name: str) -> list:  # type: ignore[type-arg]
     return [s for s in spans.get_finished_spans() if s.name == name]
 
@@ -295,6 +309,10 @@ async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
     assert params.remote_engine_id and params.remote_host
     held = await load(pd.p_address)
     assert held.num_running == 0 and held.kv_usage > 0.0  # finished, blocks still held
+    records = pd.routers["always"].watcher.instances()
+    p_metrics = await scrape(records[pd.p_id].labels["metrics"])
+    assert p_metrics['kvmesh_worker_requests_running{role="prefill"'] == 0
+    assert p_metrics['kvmesh_worker_kv_usage{role="prefill"'] > 0
     d_req = worker_pb2.GenerateRequest(
         request_id="held-1", token_ids=prompt, model="tiny",
         sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -305,6 +323,9 @@ async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
         d_out = [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(d_req)]
     assert sum(len(r.token_ids) for r in d_out) == 4
     await wait_idle(pd.p_address, within_s=10)  # released on D's completion notice
+    d_metrics = await scrape(records[pd.d_id].labels["metrics"])
+    assert d_metrics['kvmesh_engine_kv_transfer_bytes_total{role="decode"'] > 0
+    assert d_metrics['kvmesh_engine_kv_external_loaded_tokens_total{role="decode"'] >= 160
 
 
 @pytest.mark.parametrize("delay_s", [0.0, 0.005, 0.02, 0.05, 0.1])
