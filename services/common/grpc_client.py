@@ -43,6 +43,11 @@ class ChannelPool:
         if ch is not None:
             await ch.close()
 
+    async def keep_only(self, addresses: set[str]) -> None:
+        """Closes and forgets every channel whose address is not in ``addresses``."""
+        for address in [a for a in self._channels if a not in addresses]:
+            await self.drop(address)
+
     async def close(self) -> None:
         """Closes all channels."""
         for ch in self._channels.values():

@@ -162,10 +162,9 @@ async def _stream_decode(pool: ChannelPool, d_req: worker_pb2.GenerateRequest,
 
 
 async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
-                   metrics: FrontendMetrics | None = None) -> AsyncIterator[
-                       worker_pb2.GenerateResponse]:
-    """Runs ``req`` as ``route`` says; see the module docstring."""
-    metrics = metrics or FrontendMetrics()
+                   metrics: FrontendMetrics) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """Runs ``req`` as ``route`` says, recording into ``metrics``; see the module
+    docstring."""
     if not route.disaggregated:
         async for resp in _stream_agg(pool, req, route.worker):
             yield resp

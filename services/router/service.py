@@ -141,9 +141,7 @@ class LoadPoller:
         while True:
             workers = self._core.workers()
             await asyncio.gather(*(self._poll_one(w) for w in workers))
-            live = {w.address for w in workers}
-            for addr in [a for a in list(self._pool._channels) if a not in live]:
-                await self._pool.drop(addr)
+            await self._pool.keep_only({w.address for w in workers})
             await asyncio.sleep(self._period)
 
     async def close(self) -> None:
