@@ -23,9 +23,10 @@ _sym_db = _symbol_database.Default()
 
 
 from protos import common_pb2 as protos_dot_common__pb2
+from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\rkvmesh.worker\x1a\x13protos/common.proto\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.kvmesh.common.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\"\xd1\x02\n\x10KvTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x18\n\x10\x64o_remote_decode\x18\x02 \x01(\x08\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x05\x12\x13\n\x0bremote_host\x18\x06 \x01(\t\x12\x13\n\x0bremote_port\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x15\n\rtransfer_mode\x18\t \x01(\t\x12\x39\n\x05\x65xtra\x18\n \x03(\x0b\x32*.kvmesh.worker.KvTransferParams.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.kvmesh.common.FinishReason\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.kvmesh.common.Usage\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\x12\x0f\n\x07queue_s\x18\x07 \x01(\x02\x12\x11\n\tprefill_s\x18\x08 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf9\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fkv_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\x05\x12\x39\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\'.kvmesh.worker.LoadReport.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xe0\x01\n\x06Worker\x12M\n\x08Generate\x12\x1e.kvmesh.worker.GenerateRequest\x1a\x1f.kvmesh.worker.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.kvmesh.worker.AbortRequest\x1a\x1c.kvmesh.worker.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.kvmesh.worker.GetLoadRequest\x1a\x19.kvmesh.worker.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\rkvmesh.worker\x1a\x13protos/common.proto\x1a\x16protos/kv_events.proto\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.kvmesh.common.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\"\xd1\x02\n\x10KvTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x18\n\x10\x64o_remote_decode\x18\x02 \x01(\x08\x12\x18\n\x10remote_engine_id\x18\x03 \x01(\t\x12\x19\n\x11remote_request_id\x18\x04 \x01(\t\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x05\x12\x13\n\x0bremote_host\x18\x06 \x01(\t\x12\x13\n\x0bremote_port\x18\x07 \x01(\x05\x12\x0f\n\x07tp_size\x18\x08 \x01(\x05\x12\x15\n\rtransfer_mode\x18\t \x01(\t\x12\x39\n\x05\x65xtra\x18\n \x03(\x0b\x32*.kvmesh.worker.KvTransferParams.ExtraEntry\x1a,\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xf9\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.kvmesh.common.FinishReason\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.kvmesh.common.Usage\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\x12\x0f\n\x07queue_s\x18\x07 \x01(\x02\x12\x11\n\tprefill_s\x18\x08 \x01(\x02\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf9\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fkv_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\x05\x12\x39\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\'.kvmesh.worker.LoadReport.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xab\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.kvmesh.worker.GenerateRequest\x1a\x1f.kvmesh.worker.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.kvmesh.worker.AbortRequest\x1a\x1c.kvmesh.worker.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.kvmesh.worker.GetLoadRequest\x1a\x19.kvmesh.worker.LoadReport\x12I\n\nGetKvState\x12 .kvmesh.kv_events.KvStateRequest\x1a\x19.kvmesh.kv_events.KvStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,24 +37,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_options = b'8\001'
   _globals['_LOADREPORT_COUNTERSENTRY']._loaded_options = None
   _globals['_LOADREPORT_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_GENERATEREQUEST']._serialized_start=60
-  _globals['_GENERATEREQUEST']._serialized_end=234
-  _globals['_KVTRANSFERPARAMS']._serialized_start=237
-  _globals['_KVTRANSFERPARAMS']._serialized_end=574
-  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_start=530
-  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_end=574
-  _globals['_GENERATERESPONSE']._serialized_start=577
-  _globals['_GENERATERESPONSE']._serialized_end=826
-  _globals['_ABORTREQUEST']._serialized_start=828
-  _globals['_ABORTREQUEST']._serialized_end=862
-  _globals['_ABORTRESPONSE']._serialized_start=864
-  _globals['_ABORTRESPONSE']._serialized_end=894
-  _globals['_GETLOADREQUEST']._serialized_start=896
-  _globals['_GETLOADREQUEST']._serialized_end=912
-  _globals['_LOADREPORT']._serialized_start=915
-  _globals['_LOADREPORT']._serialized_end=1164
-  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_start=1117
-  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_end=1164
-  _globals['_WORKER']._serialized_start=1167
-  _globals['_WORKER']._serialized_end=1391
+  _globals['_GENERATEREQUEST']._serialized_start=84
+  _globals['_GENERATEREQUEST']._serialized_end=258
+  _globals['_KVTRANSFERPARAMS']._serialized_start=261
+  _globals['_KVTRANSFERPARAMS']._serialized_end=598
+  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_start=554
+  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_end=598
+  _globals['_GENERATERESPONSE']._serialized_start=601
+  _globals['_GENERATERESPONSE']._serialized_end=850
+  _globals['_ABORTREQUEST']._serialized_start=852
+  _globals['_ABORTREQUEST']._serialized_end=886
+  _globals['_ABORTRESPONSE']._serialized_start=888
+  _globals['_ABORTRESPONSE']._serialized_end=918
+  _globals['_GETLOADREQUEST']._serialized_start=920
+  _globals['_GETLOADREQUEST']._serialized_end=936
+  _globals['_LOADREPORT']._serialized_start=939
+  _globals['_LOADREPORT']._serialized_end=1188
+  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_start=1141
+  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_end=1188
+  _globals['_WORKER']._serialized_start=1191
+  _globals['_WORKER']._serialized_end=1490
 # @@protoc_insertion_point(module_scope)

@@ -1,4 +1,5 @@
 from protos import common_pb2 as _common_pb2
+from protos import kv_events_pb2 as _kv_events_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 from protos import worker_pb2 as protos_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -49,6 +50,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.LoadReport.FromString,
                 _registered_method=True)
+        self.GetKvState = channel.unary_unary(
+                '/kvmesh.worker.Worker/GetKvState',
+                request_serializer=protos_dot_kv__events__pb2.KvStateRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__events__pb2.KvState.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -75,6 +81,15 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKvState(self, request, context):
+        """The worker's full KV state as its event relay knows it, with the id of the last event
+        it reflects; an indexer that saw a gap in this worker's events resyncs from it.
+        UNIMPLEMENTED when the worker publishes no KV events.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +107,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.GetLoad,
                     request_deserializer=protos_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.LoadReport.SerializeToString,
+            ),
+            'GetKvState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKvState,
+                    request_deserializer=protos_dot_kv__events__pb2.KvStateRequest.FromString,
+                    response_serializer=protos_dot_kv__events__pb2.KvState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +195,33 @@ class Worker:
             '/kvmesh.worker.Worker/GetLoad',
             protos_dot_worker__pb2.GetLoadRequest.SerializeToString,
             protos_dot_worker__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKvState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.worker.Worker/GetKvState',
+            protos_dot_kv__events__pb2.KvStateRequest.SerializeToString,
+            protos_dot_kv__events__pb2.KvState.FromString,
             options,
             channel_credentials,
             insecure,
