@@ -1,29 +1,41 @@
 """The router's pure core: the candidate set, load tracking, P/D selection.
 
-No grpc, etcd or asyncio here; the service feeds discovery changes and load reports in,
-and asks for decisions.
+No grpc, etcd or asyncio here; the service feeds discovery changes, load reports and
+(optionally) the indexer's overlaps in, and asks for decisions.
 
 Contract of :class:`RouterCore`:
 
 - ``set_workers(records)`` replaces the candidate set with the live discovery records
-  (workers whose lease expired are simply absent); state of vanished workers is dropped.
-- ``update_load(worker_id, ...)`` stores the latest load report of a worker.
+  (workers whose lease expired are simply absent); state of vanished workers is dropped
+  (loads, history, and policy state through the policies' ``keep_only`` hook).
+- ``update_load(worker_id, ..., kv_total_blocks=0)`` stores the latest load report.
 - ``route(ctx)`` returns a :class:`RoutePlan`:
   - with aggregated workers only: one of them, picked by ``policy``;
   - with decode workers: a decode worker, plus a prefill worker when the request is
-    disaggregated. Order ``prefill_first`` (Dynamo) picks P, then a compatible D, then
-    applies conditional disaggregation; ``decode_first`` (llm-d) picks D, then asks the
-    prefix decider whether a remote P is needed and picks a compatible one.
+    disaggregated. Order ``prefill_first`` (Dynamo) picks P with ``prefill_policy``, then
+    a compatible D with ``policy``, then applies conditional disaggregation;
+    ``decode_first`` (llm-d) picks D, then asks the prefix decider whether a remote P is
+    needed and picks a compatible one. Both decisions use D's predicted overlap.
   Raises :class:`UnknownModel` when no worker ever served the model, :class:`NoWorkers`
   when none can take it now, :class:`Incompatible` when prefill and decode workers exist
   but no pair can hand KV to each other (layout, block size or mode differ).
-  The chosen workers count the request as in flight until ``release(request_id)``.
-- Overlap predictions come from :class:`PrefixHistory` (the router's own decisions).
+  The chosen workers count the request as in flight, and its ``ceil(prompt tokens /
+  block_size)`` blocks as active, until ``release(request_id)``.
+- Overlap predictions: ``ctx.overlaps`` when the service gives it (the indexer's answer,
+  per worker, with tiers; absent workers hold nothing), else :class:`PrefixHistory` (the
+  router's own decisions, counted as device blocks). ``ctx.block_hashes`` may carry the
+  prompt's hashes per block size; otherwise the core hashes once per block size.
+  The plan reports the source, the predicted overlap of D and P (with tiers) and the
+  chosen workers' score and cost when the policy has them.
+- ``evict(now)`` forwards to the policies' ``evict`` hook (e.g. the approx trees);
+  returns how many entries they evicted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.block_hash import block_hashes
@@ -35,7 +47,13 @@ from services.router.disagg import (
     incompatibility,
 )
 from services.router.history import PrefixHistory
-from services.router.policies.base import Policy, RouteContext, WorkerState
+from services.router.policies.base import (
+    Decision,
+    Policy,
+    RouteContext,
+    WorkerOverlap,
+    WorkerState,
+)
 
 
 class RoutingError(Exception):
@@ -73,7 +91,12 @@ class WorkerRecord:
 
 @dataclass(frozen=True)
 class RoutePlan:
-    """The decision for one request."""
+    """The decision for one request.
+
+    ``overlap_*`` is the predicted overlap on ``worker`` (D or the agg worker),
+    ``prefill_overlap_*`` on ``prefill``; ``score``/``cost`` are those of ``worker``'s
+    decision (``prefill_score``/``prefill_cost`` of P's) when the policy reports them.
+    """
 
     worker: WorkerRecord
     prefill: WorkerRecord | None
@@ -81,10 +104,23 @@ class RoutePlan:
     reason: str
     overlap_blocks: int = 0
     prefill_overlap_blocks: int = 0
+    overlap_by_tier: Mapping[str, int] = field(default_factory=dict)
+    prefill_overlap_by_tier: Mapping[str, int] = field(default_factory=dict)
+    overlap_source: str = "history"
+    prompt_blocks: int = 0
+    score: float | None = None
+    cost: float | None = None
+    prefill_score: float | None = None
+    prefill_cost: float | None = None
 
     @property
     def disaggregated(self) -> bool:
         return self.prefill is not None
+
+    @property
+    def block_size(self) -> int:
+        """Block size the overlaps are counted in (``worker``'s; P pairs only with equal)."""
+        return self.worker.block_size
 
 
 @dataclass
@@ -92,6 +128,33 @@ class _Load:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    kv_total_blocks: int = 0
+
+
+class _Prompt:
+    """One request's prompt: hashes per block size (computed once) and overlaps."""
+
+    def __init__(self, ctx: RouteContext, history: PrefixHistory) -> None:
+        self.ctx = ctx
+        self._history = history
+        self._hashes: dict[int, Sequence[int]] = dict(ctx.block_hashes or {})
+        self.source = "indexer" if ctx.overlaps is not None else "history"
+
+    def hashes(self, block_size: int) -> Sequence[int]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.ctx.token_ids, block_size)
+        return self._hashes[block_size]
+
+    def overlap(self, w: WorkerRecord) -> WorkerOverlap:
+        total = len(self.hashes(w.block_size))
+        if self.ctx.overlaps is not None:
+            got = self.ctx.overlaps.get(w.instance_id)
+            if got is None:
+                return WorkerOverlap(w.instance_id, 0, {})
+            return WorkerOverlap(w.instance_id, min(got.blocks, total),
+                                 {t: min(n, total) for t, n in got.by_tier.items() if n})
+        n = self._history.overlap(w.instance_id, self.hashes(w.block_size))
+        return WorkerOverlap(w.instance_id, n, {"device": n} if n else {})
 
 
 @dataclass
@@ -104,8 +167,15 @@ class RouterCore:
     history: PrefixHistory = field(default_factory=PrefixHistory)
     _workers: dict[str, WorkerRecord] = field(default_factory=dict)
     _loads: dict[str, _Load] = field(default_factory=dict)
-    _in_flight: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    # request id → ((worker id, active blocks), ...)
+    _in_flight: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     _known_models: set[str] = field(default_factory=set)
+
+    def _policies(self) -> list[Policy]:
+        out = [self.policy]
+        if self.prefill_policy is not None and self.prefill_policy is not self.policy:
+            out.append(self.prefill_policy)
+        return out
 
     def set_workers(self, records: Iterable[WorkerRecord]) -> None:
         """Replaces the candidate set."""
@@ -114,6 +184,10 @@ class RouterCore:
         for wid in [w for w in self._loads if w not in self._workers]:
             del self._loads[wid]
         self.history.keep_only(self._workers)
+        for policy in self._policies():
+            keep_only = getattr(policy, "keep_only", None)
+            if callable(keep_only):
+                keep_only(set(self._workers))
 
     def workers(self, model: str = "") -> list[WorkerRecord]:
         """Live workers, optionally only those serving ``model``, sorted by id."""
@@ -123,35 +197,70 @@ class RouterCore:
         )
 
     def update_load(self, worker_id: str, num_running: int, num_waiting: int,
-                    kv_usage: float) -> None:
+                    kv_usage: float, kv_total_blocks: int = 0) -> None:
         """Stores a worker's latest load report (ignored for unknown workers)."""
         if worker_id in self._workers:
-            self._loads[worker_id] = _Load(num_running, num_waiting, kv_usage)
+            self._loads[worker_id] = _Load(num_running, num_waiting, kv_usage,
+                                           kv_total_blocks)
 
     def in_flight(self) -> Mapping[str, int]:
         """Requests routed and not yet released, per worker id."""
         counts: dict[str, int] = {}
-        for wids in self._in_flight.values():
-            for wid in wids:
+        for entries in self._in_flight.values():
+            for wid, _ in entries:
                 counts[wid] = counts.get(wid, 0) + 1
         return counts
 
-    def _states(self, candidates: Iterable[WorkerRecord]) -> list[WorkerState]:
-        flight = self.in_flight()
+    def active_blocks(self) -> Mapping[str, int]:
+        """Prompt blocks of requests routed and not yet released, per worker id."""
+        blocks: dict[str, int] = {}
+        for entries in self._in_flight.values():
+            for wid, n in entries:
+                blocks[wid] = blocks.get(wid, 0) + n
+        return blocks
+
+    def evict(self, now: float) -> int:
+        """Calls the policies' ``evict(now)`` hooks; returns the entries they evicted."""
+        n = 0
+        for policy in self._policies():
+            evict = getattr(policy, "evict", None)
+            if callable(evict):
+                n += int(evict(now) or 0)
+        return n
+
+    def _states(self, prompt: _Prompt, candidates: Iterable[WorkerRecord]) -> list[WorkerState]:
+        flight, active = self.in_flight(), self.active_blocks()
+        trees = prompt.ctx.tree_blocks
         out = []
         for w in sorted(candidates, key=lambda w: w.instance_id):
             load = self._loads.get(w.instance_id, _Load())
+            ov = prompt.overlap(w)
             out.append(WorkerState(
                 instance_id=w.instance_id, address=w.address, block_size=w.block_size,
                 num_running=load.num_running, num_waiting=load.num_waiting,
                 kv_usage=load.kv_usage, in_flight=flight.get(w.instance_id, 0),
+                active_blocks=active.get(w.instance_id, 0),
+                kv_total_blocks=load.kv_total_blocks,
+                prompt_blocks=len(prompt.hashes(w.block_size)),
+                overlap_blocks=ov.blocks, overlap_by_tier=ov.by_tier,
+                tree_blocks=(trees.get(w.instance_id, 0) if trees is not None
+                             else self.history.size(w.instance_id)),
             ))
         return out
 
-    def _pick(self, policy: Policy, ctx: RouteContext,
-              candidates: list[WorkerRecord]) -> tuple[WorkerRecord, str]:
-        decision = policy.select(ctx, self._states(candidates))
-        return self._workers[decision.worker_id], decision.reason
+    def _pick(self, policy: Policy, prompt: _Prompt,
+              candidates: list[WorkerRecord]) -> tuple[WorkerRecord, Decision]:
+        states = self._states(prompt, candidates)
+        ctx = dataclasses.replace(
+            prompt.ctx, overlaps={s.instance_id: WorkerOverlap(s.instance_id, s.overlap_blocks,
+                                                               s.overlap_by_tier)
+                                  for s in states},
+            prompt_blocks=states[0].prompt_blocks, overlap_source=prompt.source)
+        decision = policy.select(ctx, states)
+        if decision.worker_id not in {s.instance_id for s in states}:
+            raise RoutingError(f"policy {policy.name!r} chose {decision.worker_id!r}, "
+                               "which is not a candidate")
+        return self._workers[decision.worker_id], decision
 
     def _queue(self, w: WorkerRecord) -> int:
         load = self._loads.get(w.instance_id, _Load())
@@ -166,24 +275,27 @@ class RouterCore:
             if ctx.model in self._known_models:
                 raise NoWorkers(f"model {ctx.model!r} has no live worker")
             raise UnknownModel(f"model {ctx.model!r} is not served here")
+        prompt = _Prompt(ctx, self.history)
         decode = [w for w in serving if w.role == "decode"]
         if decode:
-            plan = self._route_pd(ctx, [w for w in serving if w.role == "prefill"], decode)
+            plan = self._route_pd(prompt, [w for w in serving if w.role == "prefill"], decode)
         else:
             agg = [w for w in serving if w.role == "agg"]
             if not agg:
                 raise NoWorkers(f"model {ctx.model!r} has no worker that can generate")
-            worker, reason = self._pick(self.policy, ctx, agg)
-            hashes = block_hashes(ctx.token_ids, worker.block_size)
-            plan = RoutePlan(worker, None, self.policy.name, reason,
-                             self.history.overlap(worker.instance_id, hashes))
-        hashes = block_hashes(ctx.token_ids, plan.worker.block_size)
-        self.history.record(plan.worker.instance_id, hashes)
-        ids: tuple[str, ...] = (plan.worker.instance_id,)
-        if plan.prefill is not None:
-            self.history.record(plan.prefill.instance_id, hashes)
-            ids += (plan.prefill.instance_id,)
-        self._in_flight[ctx.request_id] = ids
+            worker, d = self._pick(self.policy, prompt, agg)
+            ov = prompt.overlap(worker)
+            plan = RoutePlan(worker, None, self.policy.name, d.reason, ov.blocks,
+                             overlap_by_tier=ov.by_tier, overlap_source=prompt.source,
+                             prompt_blocks=len(prompt.hashes(worker.block_size)),
+                             score=d.score, cost=d.cost)
+        n = len(ctx.token_ids)
+        chosen = [plan.worker] + ([plan.prefill] if plan.prefill is not None else [])
+        for w in chosen:
+            self.history.record(w.instance_id, prompt.hashes(w.block_size))
+        self._in_flight[ctx.request_id] = tuple(
+            (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
+            for w in chosen)
         return plan
 
     def _compatible_pairs(self, prefill: list[WorkerRecord],
@@ -202,42 +314,45 @@ class RouterCore:
                                + "; ".join(sorted(set(reasons))))
         return pairs
 
-    def _route_pd(self, ctx: RouteContext, prefill: list[WorkerRecord],
+    def _plan(self, prompt: _Prompt, d: WorkerRecord, dd: Decision, p: WorkerRecord | None,
+              pd: Decision | None, reason: str) -> RoutePlan:
+        ov = prompt.overlap(d)
+        pov = prompt.overlap(p) if p is not None else WorkerOverlap("", 0, {})
+        return RoutePlan(d, p, self.policy.name, reason, ov.blocks, pov.blocks, ov.by_tier,
+                         pov.by_tier, prompt.source, len(prompt.hashes(d.block_size)),
+                         dd.score, dd.cost, pd.score if pd else None, pd.cost if pd else None)
+
+    def _route_pd(self, prompt: _Prompt, prefill: list[WorkerRecord],
                   decode: list[WorkerRecord]) -> RoutePlan:
         pairs = self._compatible_pairs(prefill, decode)
         policy_p = self.prefill_policy or self.policy
-        n = len(ctx.token_ids)
+        n = len(prompt.ctx.token_ids)
         if self.disagg.order == "decode_first" or not prefill:
-            d, d_reason = self._pick(self.policy, ctx, decode)
-            overlap = self.history.overlap(d.instance_id, block_hashes(ctx.token_ids,
-                                                                       d.block_size))
+            d, dd = self._pick(self.policy, prompt, decode)
+            overlap = prompt.overlap(d).blocks
             partners = [p for p in prefill if (p.instance_id, d.instance_id) in pairs]
             if not partners:
                 why = "no prefill worker" if not prefill else f"no prefill worker pairs with " \
                     f"{d.instance_id}"
-                return RoutePlan(d, None, self.policy.name, f"{d_reason}; {why}", overlap)
+                return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
             need, why = decode_first_needs_prefill(n, overlap, d.block_size,
                                                    self.disagg.decode_first_threshold)
             if not need:
-                return RoutePlan(d, None, self.policy.name, f"{d_reason}; {why}", overlap)
-            p, p_reason = self._pick(policy_p, ctx, partners)
-            return RoutePlan(d, p, self.policy.name, f"decode first: {d_reason}; {why}; "
-                             f"prefill {p_reason}", overlap,
-                             self.history.overlap(p.instance_id,
-                                                  block_hashes(ctx.token_ids, p.block_size)))
+                return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
+            p, pd = self._pick(policy_p, prompt, partners)
+            return self._plan(prompt, d, dd, p, pd, f"decode first: {dd.reason}; {why}; "
+                              f"prefill {pd.reason}")
         paired_p = [p for p in prefill if any((p.instance_id, d.instance_id) in pairs
                                               for d in decode)]
-        p, p_reason = self._pick(policy_p, ctx, paired_p)
+        p, pd = self._pick(policy_p, prompt, paired_p)
         partners = [d for d in decode if (p.instance_id, d.instance_id) in pairs]
-        d, d_reason = self._pick(self.policy, ctx, partners)
-        hashes = block_hashes(ctx.token_ids, d.block_size)
-        overlap = self.history.overlap(d.instance_id, hashes)
+        d, dd = self._pick(self.policy, prompt, partners)
+        overlap = prompt.overlap(d).blocks
         bypass, why = bypass_prefill(n, overlap, d.block_size, self._queue(p), self.disagg)
         if bypass:
-            return RoutePlan(d, None, self.policy.name, f"{d_reason}; {why}", overlap)
-        return RoutePlan(d, p, self.policy.name, f"prefill first: prefill {p_reason}; "
-                         f"decode {d_reason}; {why}", overlap,
-                         self.history.overlap(p.instance_id, hashes))
+            return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
+        return self._plan(prompt, d, dd, p, pd, f"prefill first: prefill {pd.reason}; "
+                          f"decode {dd.reason}; {why}")
 
     def release(self, request_id: str) -> bool:
         """Stops counting ``request_id`` as load. False when it was not in flight."""

@@ -1,10 +1,14 @@
-"""Baseline policies: round robin and least loaded."""
+"""Baseline policies: round robin, least loaded and (seeded) random.
+
+Contract: each ``select`` returns one of the non-empty candidates; see each class.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
-from services.router.policies.base import Decision, RouteContext, WorkerState
+from services.router.policies.base import Decision, RouteContext, WorkerState, queue_of
 
 
 class RoundRobin:
@@ -25,7 +29,7 @@ class RoundRobin:
 def load_of(w: WorkerState) -> float:
     """Load score: queued and running requests (the larger of the engine report and the
     router's own in-flight count, which is fresher), then KV usage to break ties."""
-    return max(w.num_running + w.num_waiting, w.in_flight) + w.kv_usage
+    return queue_of(w) + w.kv_usage
 
 
 class LeastLoaded:
@@ -37,3 +41,17 @@ class LeastLoaded:
         """The candidate minimising :func:`load_of`."""
         best = min(candidates, key=lambda w: (load_of(w), w.instance_id))
         return Decision(best.instance_id, f"least loaded (load {load_of(best):.2f})")
+
+
+class RandomPolicy:
+    """Uniformly random candidate from an injectable (seedable) RNG."""
+
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def select(self, ctx: RouteContext, candidates: Sequence[WorkerState]) -> Decision:
+        """A uniformly drawn candidate."""
+        w = self._rng.choice(list(candidates))
+        return Decision(w.instance_id, "random")
