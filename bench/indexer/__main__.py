@@ -1,0 +1,3 @@
+from bench.indexer.run import main
+
+raise SystemExit(main())
