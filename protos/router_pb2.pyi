@@ -30,7 +30,21 @@ class WorkerChoice(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., handoff: _Optional[_Union[_discovery_pb2.KvHandoff, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks")
+    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks", "block_size", "predicted_overlap_by_tier", "predicted_prefill_overlap_by_tier", "overlap_source", "prompt_blocks")
+    class PredictedOverlapByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class PredictedPrefillOverlapByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     WORKER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +52,11 @@ class RouteResponse(_message.Message):
     DISAGGREGATED_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_PREFILL_OVERLAP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_OVERLAP_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_PREFILL_OVERLAP_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerChoice
     prefill: WorkerChoice
     policy: str
@@ -45,7 +64,12 @@ class RouteResponse(_message.Message):
     disaggregated: bool
     predicted_overlap_blocks: int
     predicted_prefill_overlap_blocks: int
-    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ...) -> None: ...
+    block_size: int
+    predicted_overlap_by_tier: _containers.ScalarMap[str, int]
+    predicted_prefill_overlap_by_tier: _containers.ScalarMap[str, int]
+    overlap_source: str
+    prompt_blocks: int
+    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., predicted_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., predicted_prefill_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., overlap_source: _Optional[str] = ..., prompt_blocks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -4,11 +4,17 @@ Contract:
 
 - ``Route``: INVALID_ARGUMENT without a model, NOT_FOUND for a model no worker ever served,
   UNAVAILABLE when it has no live worker now; otherwise the chosen worker with the policy
-  name and reason. Records a ``router.route`` span (policy, worker id, reason).
+  name and reason, the predicted overlaps (blocks, per tier, block size, source). The
+  prompt is hashed once per distinct block size of the model's workers, and the overlap
+  source (``overlaps.py``: none / remote indexer / embedded index) is asked before the
+  core decides; no answer means the core's history. Records a ``router.route`` span:
+  policy, worker id, reason, overlap source (and whether the indexer failed), predicted
+  overlap blocks in total and per tier for D and P, the chosen workers' score and cost.
 - ``Release``: ends the request's load accounting.
 - ``ListWorkers``: the live worker records from etcd.
 - :class:`LoadPoller` asks every live worker for ``GetLoad`` every ``period_s`` and feeds
   the core; a worker that does not answer keeps its last report until discovery drops it.
+- :class:`Evictor` calls ``core.evict(clock())`` every ``period_s`` (the approx trees).
 """
 
 from __future__ import annotations
@@ -16,13 +22,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import grpc
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.block_hash import block_hashes
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
-from services.router.core import NoWorkers, RouterCore, RoutingError, UnknownModel, WorkerRecord
+from services.router.core import (
+    NoWorkers,
+    RoutePlan,
+    RouterCore,
+    RoutingError,
+    UnknownModel,
+    WorkerRecord,
+)
+from services.router.overlaps import HistorySource, OverlapSource
 from services.router.policies.base import RouteContext
 
 log = logging.getLogger(__name__)
@@ -45,18 +63,64 @@ def record_from_proto(rec: discovery_pb2.InstanceRecord) -> WorkerRecord:
     )
 
 
+def _set_plan_attributes(span: Any, plan: RoutePlan) -> None:
+    """The plan's decision numbers as ``router.route`` span attributes."""
+    span.set_attribute("kvmesh.worker_id", plan.worker.instance_id)
+    span.set_attribute("kvmesh.route_reason", plan.reason)
+    span.set_attribute("kvmesh.disaggregated", plan.disaggregated)
+    span.set_attribute("kvmesh.overlap_source", plan.overlap_source)
+    span.set_attribute("kvmesh.block_size", plan.block_size)
+    span.set_attribute("kvmesh.prompt_blocks", plan.prompt_blocks)
+    span.set_attribute("kvmesh.predicted_overlap_blocks", plan.overlap_blocks)
+    for tier, n in plan.overlap_by_tier.items():
+        span.set_attribute(f"kvmesh.predicted_overlap_blocks.{tier}", n)
+    if plan.score is not None:
+        span.set_attribute("kvmesh.worker_score", plan.score)
+    if plan.cost is not None:
+        span.set_attribute("kvmesh.worker_cost", plan.cost)
+    if plan.prefill is not None:
+        span.set_attribute("kvmesh.prefill_worker_id", plan.prefill.instance_id)
+        span.set_attribute("kvmesh.predicted_prefill_overlap_blocks",
+                           plan.prefill_overlap_blocks)
+        for tier, n in plan.prefill_overlap_by_tier.items():
+            span.set_attribute(f"kvmesh.predicted_prefill_overlap_blocks.{tier}", n)
+        if plan.prefill_score is not None:
+            span.set_attribute("kvmesh.prefill_worker_score", plan.prefill_score)
+        if plan.prefill_cost is not None:
+            span.set_attribute("kvmesh.prefill_worker_cost", plan.prefill_cost)
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves routing decisions from a RouterCore."""
 
-    def __init__(self, core: RouterCore, records: dict[str, discovery_pb2.InstanceRecord]):
+    def __init__(self, core: RouterCore, records: dict[str, discovery_pb2.InstanceRecord],
+                 overlaps: OverlapSource | None = None):
         self._core = core
         self._records = records
+        self._overlaps: OverlapSource = overlaps or HistorySource()
         self._tracer = tracer("router")
+
+    @property
+    def overlap_source(self) -> OverlapSource:
+        return self._overlaps
 
     def set_records(self, records: dict[str, discovery_pb2.InstanceRecord]) -> None:
         """Applies a discovery snapshot."""
         self._records = records
         self._core.set_workers(record_from_proto(r) for r in records.values())
+
+    async def _context(self, request: router_pb2.RouteRequest) -> RouteContext:
+        """The core's input: the prompt hashed once per block size, plus the source's
+        overlaps (None → the core's history)."""
+        tokens = tuple(request.token_ids)
+        workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
+        hashes: Mapping[int, list[int]] = {
+            bs: block_hashes(tokens, bs) for bs in sorted({w.block_size for w in workers})}
+        overlaps = await self._overlaps.find(hashes, workers) if workers else None
+        return RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
+                            block_hashes=hashes,
+                            tree_blocks=self._overlaps.tree_blocks() if overlaps is not None
+                            else None)
 
     async def Route(  # noqa: N802
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
@@ -65,10 +129,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        ctx = RouteContext(request.request_id, request.model, tuple(request.token_ids))
         with self._tracer.start_as_current_span("router.route") as span:
             span.set_attribute("kvmesh.request_id", request.request_id)
             span.set_attribute("kvmesh.policy", self._core.policy.name)
+            if self._core.prefill_policy is not None:
+                span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
+            span.set_attribute("kvmesh.indexer", self._overlaps.name)
+            ctx = await self._context(request)
+            if self._overlaps.name != "none":
+                span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
             try:
                 plan = self._core.route(ctx)
             except UnknownModel as exc:
@@ -77,16 +146,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except RoutingError as exc:  # incl. Incompatible P/D layouts
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            span.set_attribute("kvmesh.worker_id", plan.worker.instance_id)
-            span.set_attribute("kvmesh.route_reason", plan.reason)
-            span.set_attribute("kvmesh.disaggregated", plan.disaggregated)
-            span.set_attribute("kvmesh.predicted_overlap_blocks", plan.overlap_blocks)
-            if plan.prefill is not None:
-                span.set_attribute("kvmesh.prefill_worker_id", plan.prefill.instance_id)
+            _set_plan_attributes(span, plan)
         resp = router_pb2.RouteResponse(
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,
             predicted_prefill_overlap_blocks=plan.prefill_overlap_blocks,
+            block_size=plan.block_size, predicted_overlap_by_tier=dict(plan.overlap_by_tier),
+            predicted_prefill_overlap_by_tier=dict(plan.prefill_overlap_by_tier),
+            overlap_source=plan.overlap_source, prompt_blocks=plan.prompt_blocks,
         )
         if plan.prefill is not None:
             resp.prefill.CopyFrom(self._choice(plan.prefill))
@@ -135,7 +202,7 @@ class LoadPoller:
         except grpc.RpcError:
             return
         self._core.update_load(worker.instance_id, rep.num_running, rep.num_waiting,
-                               rep.kv_usage)
+                               rep.kv_usage, rep.kv_total_blocks)
 
     async def _run(self) -> None:
         while True:
@@ -151,3 +218,36 @@ class LoadPoller:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._pool.close()
+
+
+class Evictor:
+    """Calls ``core.evict(clock())`` every ``period_s`` (SGLang evicts every 60 s)."""
+
+    def __init__(self, core: RouterCore, period_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._core = core
+        self._period = period_s
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Starts the eviction task."""
+        self._task = asyncio.create_task(self._run(), name="router-evictor")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._period)
+            try:
+                n = self._core.evict(self._clock())
+            except Exception:
+                log.exception("router eviction failed")
+                continue
+            if n:
+                log.debug("router evicted %d entries", n)
+
+    async def close(self) -> None:
+        """Stops the task."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
