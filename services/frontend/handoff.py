@@ -18,7 +18,9 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   computed); D's own count, which includes the KV it received, goes to the spans.
 - Spans: ``prefill`` (P call), ``kv_transfer`` (D call until its first token: the READ or
   WRITE plus D's first step) and ``decode`` (the rest), with mode, P-hit and D-hit tokens
-  and the number of blocks P held for D.
+  and the number of blocks P held for D, next to the router's predictions
+  (``kvmesh.predicted_cached_tokens`` on ``prefill`` for P, ``kvmesh.predicted_d_cached_tokens``
+  on ``kv_transfer`` for D; 0 when the router does not send its block size).
 """
 
 from __future__ import annotations
@@ -127,14 +129,22 @@ def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
     return d_req
 
 
+def _predicted_tokens(route: router_pb2.RouteResponse, prefill: bool) -> int:
+    """The router's predicted cached tokens on P (``prefill``) or D."""
+    blocks = (route.predicted_prefill_overlap_blocks if prefill
+              else route.predicted_overlap_blocks)
+    return blocks * route.block_size
+
+
 async def _stream_decode(pool: ChannelPool, d_req: worker_pb2.GenerateRequest,
                          choice: router_pb2.WorkerChoice, mode: str, p_cached: int,
-                         blocks: int, metrics: FrontendMetrics) -> AsyncIterator[
-                             worker_pb2.GenerateResponse]:
+                         blocks: int, metrics: FrontendMetrics,
+                         predicted_d: int = 0) -> AsyncIterator[worker_pb2.GenerateResponse]:
     tr = tracer("frontend")
     xfer = tr.start_span("kv_transfer", attributes={
         "kvmesh.handoff_mode": mode, "kvmesh.decode_worker_id": choice.instance_id,
-        "kvmesh.p_hit_tokens": p_cached, "kvmesh.p_held_blocks": blocks})
+        "kvmesh.p_hit_tokens": p_cached, "kvmesh.p_held_blocks": blocks,
+        "kvmesh.predicted_d_cached_tokens": predicted_d})
     with trace.use_span(xfer, end_on_exit=False):
         call = worker_pb2_grpc.WorkerStub(pool.get(choice.address)).Generate(
             d_req, timeout=WORKER_TIMEOUT_S)
@@ -178,7 +188,8 @@ async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteRespo
     start = time.monotonic()
     with tr.start_as_current_span("prefill", attributes={
             "kvmesh.prefill_worker_id": route.prefill.instance_id,
-            "kvmesh.handoff_mode": mode}) as span:
+            "kvmesh.handoff_mode": mode,
+            "kvmesh.predicted_cached_tokens": _predicted_tokens(route, True)}) as span:
         p_last = await _prefill(pool, req, route.prefill, mode)
         span.set_attribute("kvmesh.p_hit_tokens", p_last.usage.cached_tokens)
     metrics.prefill.labels(mode).observe(time.monotonic() - start)
@@ -187,7 +198,8 @@ async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteRespo
     metrics.blocks.labels(mode).inc(blocks)
     d_req = _decode_request(req, p_last.kv_transfer)
     async for resp in _stream_decode(pool, d_req, route.worker, mode,
-                                     p_last.usage.cached_tokens, blocks, metrics):
+                                     p_last.usage.cached_tokens, blocks, metrics,
+                                     _predicted_tokens(route, False)):
         if _finished(resp):
             _report_prefill_hits(resp, p_last)
         yield resp
@@ -204,14 +216,16 @@ async def _run_push(pool: ChannelPool, req: Request, route: router_pb2.RouteResp
     d_req = _decode_request(req, params)
     tr = tracer("frontend")
     p_span = tr.start_span("prefill", attributes={
-        "kvmesh.prefill_worker_id": route.prefill.instance_id, "kvmesh.handoff_mode": "push"})
+        "kvmesh.prefill_worker_id": route.prefill.instance_id, "kvmesh.handoff_mode": "push",
+        "kvmesh.predicted_cached_tokens": _predicted_tokens(route, True)})
 
     async def prefill() -> worker_pb2.GenerateResponse:
         with trace.use_span(p_span, end_on_exit=True):
             return await _prefill(pool, req, route.prefill, "push")
 
     p_task = asyncio.create_task(prefill())
-    d_iter = _stream_decode(pool, d_req, route.worker, "push", 0, 0, metrics).__aiter__()
+    d_iter = _stream_decode(pool, d_req, route.worker, "push", 0, 0, metrics,
+                            _predicted_tokens(route, False)).__aiter__()
     try:
         # Until D's first token, a failing P must end the request (D would wait forever).
         first = asyncio.ensure_future(d_iter.__anext__())

@@ -13,6 +13,13 @@ each ``observe_*`` call records one event; names follow ``kvmesh_<what>_<unit>``
 | ``kvmesh_prefill_hit_tokens_total`` / ``kvmesh_decode_hit_tokens_total`` | prefix hits on P / D |
 | ``kvmesh_predicted_overlap_tokens_total`` | overlap the router predicted |
 | ``kvmesh_actual_cached_tokens_total`` | tokens the engine actually reused |
+| ``kvmesh_frontend_predicted_cached_tokens{path,source}`` | router's prediction, per request |
+| ``kvmesh_frontend_actual_cached_tokens{path,source}`` | engine's ``cached_tokens``, per request |
+| ``kvmesh_frontend_cached_tokens_abs_error{path,source}`` | ``|predicted − actual|`` |
+
+The prediction is blocks · block_size on the worker whose hits the client's
+``cached_tokens`` counts (P when disaggregated, else the worker); ``source`` is where it
+came from (``indexer`` or ``history``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
 class FrontendMetrics:
@@ -46,6 +54,29 @@ class FrontendMetrics:
                                  "Overlap the router predicted", registry=r)
         self.actual = Counter("kvmesh_actual_cached_tokens", "Tokens the engine reused",
                               registry=r)
+        labels = ["path", "source"]
+        self.predicted_tokens = Histogram(
+            "kvmesh_frontend_predicted_cached_tokens",
+            "Cached prompt tokens the router predicted, per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.actual_tokens = Histogram(
+            "kvmesh_frontend_actual_cached_tokens",
+            "Cached prompt tokens the engine reported, per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.cached_error = Histogram(
+            "kvmesh_frontend_cached_tokens_abs_error",
+            "|predicted - actual| cached prompt tokens, per request", labels,
+            buckets=_TOKEN_BUCKETS, registry=r)
+
+    def observe_cache_prediction(self, path: str, source: str, predicted: int,
+                                 actual: int) -> None:
+        """Records one finished request's predicted and actual cached tokens (totals and
+        per-request histograms)."""
+        self.predicted.inc(predicted)
+        self.actual.inc(actual)
+        self.predicted_tokens.labels(path, source).observe(predicted)
+        self.actual_tokens.labels(path, source).observe(actual)
+        self.cached_error.labels(path, source).observe(abs(predicted - actual))
 
     def render(self) -> bytes:
         """The text exposition format."""

@@ -13,6 +13,10 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   the worker). The router is always told to release the request.
 - Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
   and the gRPC client spans of the router and worker calls (which carry the context on).
+  When it finishes, the span gets ``kvmesh.predicted_cached_tokens`` (the router's
+  prediction, see :func:`predicted_cached_tokens`) and ``kvmesh.actual_cached_tokens`` (the
+  engine's ``cached_tokens``: P's prefix hits when disaggregated), and the metrics record
+  both and their absolute error.
 """
 
 from __future__ import annotations
@@ -66,6 +70,17 @@ class Chunk:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    predicted_cached_tokens: int = 0
+
+
+def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size: int) -> int:
+    """The router's predicted cached prompt tokens for the tokens the client's
+    ``cached_tokens`` counts: P's overlap when disaggregated, else the worker's; in blocks
+    of ``route.block_size`` (``default_block_size`` for a router that does not send it)."""
+    bs = route.block_size or default_block_size
+    blocks = (route.predicted_prefill_overlap_blocks if route.disaggregated
+              else route.predicted_overlap_blocks)
+    return blocks * bs
 
 
 def _status_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
@@ -179,9 +194,11 @@ class Pipeline:
                     if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         finished = True
                         outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
-                        self.metrics.predicted.inc(route.predicted_overlap_blocks
-                                                   * job.model.block_size)
-                        self.metrics.actual.inc(resp.usage.cached_tokens)
+                        predicted = predicted_cached_tokens(route, job.model.block_size)
+                        self.metrics.observe_cache_prediction(
+                            path, route.overlap_source or "history", predicted,
+                            resp.usage.cached_tokens)
+                        chunk.predicted_cached_tokens = predicted
                         chunk.finish_reason = FINISH_NAMES.get(resp.finish_reason, "stop")
                         chunk.prompt_tokens = resp.usage.prompt_tokens
                         chunk.completion_tokens = resp.usage.completion_tokens
@@ -232,6 +249,9 @@ class Pipeline:
                 async for chunk in self.stream(job, ctx):
                     if chunk.finish_reason is not None:
                         span.set_attribute("kvmesh.cached_tokens", chunk.cached_tokens)
+                        span.set_attribute("kvmesh.actual_cached_tokens", chunk.cached_tokens)
+                        span.set_attribute("kvmesh.predicted_cached_tokens",
+                                           chunk.predicted_cached_tokens)
                         span.set_attribute("kvmesh.completion_tokens", chunk.completion_tokens)
                         span.set_attribute("kvmesh.finish_reason", chunk.finish_reason)
                     yield chunk

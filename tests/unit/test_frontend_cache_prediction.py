@@ -1,0 +1,100 @@
+"""The frontend records the router's predicted cached tokens next to the engine's actual
+ones (metrics and the final chunk that feeds the request span). No network: the router
+stub and the worker plan are fakes."""
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from protos import common_pb2, router_pb2, worker_pb2
+from services.frontend import pipeline as pipeline_mod
+from services.frontend.metrics import FrontendMetrics
+from services.frontend.models import ModelCatalog, ModelInfo
+from services.frontend.openai_schema import ParsedRequest, SamplingSpec
+from services.frontend.pipeline import Job, Pipeline, predicted_cached_tokens
+
+
+def route(disagg: bool, d_blocks: int, p_blocks: int, bs: int = 32) -> router_pb2.RouteResponse:
+    r = router_pb2.RouteResponse(
+        worker=router_pb2.WorkerChoice(instance_id="d1", address="x"),
+        disaggregated=disagg, predicted_overlap_blocks=d_blocks,
+        predicted_prefill_overlap_blocks=p_blocks, block_size=bs, overlap_source="indexer")
+    if disagg:
+        r.prefill.CopyFrom(router_pb2.WorkerChoice(instance_id="p1", address="y"))
+    return r
+
+
+def test_predicted_tokens_follow_whose_hits_the_client_sees() -> None:
+    assert predicted_cached_tokens(route(False, 3, 0), 16) == 96
+    assert predicted_cached_tokens(route(True, 3, 2), 16) == 64  # P's overlap
+    assert predicted_cached_tokens(route(False, 3, 0, bs=0), 16) == 48  # old router
+
+
+def sample(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    value = reg.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def test_metrics_histograms_and_error() -> None:
+    m = FrontendMetrics()
+    m.observe_cache_prediction("agg", "indexer", 96, 64)
+    m.observe_cache_prediction("agg", "indexer", 0, 32)
+    r = m.registry
+    assert sample(r, "kvmesh_frontend_predicted_cached_tokens_sum", path="agg",
+                  source="indexer") == 96
+    assert sample(r, "kvmesh_frontend_actual_cached_tokens_count", path="agg",
+                  source="indexer") == 2
+    assert sample(r, "kvmesh_frontend_cached_tokens_abs_error_sum", path="agg",
+                  source="indexer") == 64
+    assert sample(r, "kvmesh_frontend_cached_tokens_abs_error_bucket", path="agg",
+                  source="indexer", le="32.0") == 2  # both off by 32
+    assert sample(r, "kvmesh_frontend_cached_tokens_abs_error_bucket", path="agg",
+                  source="indexer", le="16.0") == 0
+    assert sample(r, "kvmesh_predicted_overlap_tokens_total") == 96
+    assert b"kvmesh_frontend_predicted_cached_tokens_bucket" in m.render()
+
+
+class FakeRouter:
+    def __init__(self, resp: router_pb2.RouteResponse) -> None:
+        self.resp = resp
+
+    async def Route(self, req: Any, **kw: Any) -> router_pb2.RouteResponse:  # noqa: N802
+        return self.resp
+
+    async def Release(self, req: Any, **kw: Any) -> router_pb2.ReleaseResponse:  # noqa: N802
+        return router_pb2.ReleaseResponse(found=True)
+
+
+@pytest.mark.parametrize("disagg,expected", [(False, 96), (True, 32)])
+async def test_pipeline_records_predicted_and_actual(monkeypatch: pytest.MonkeyPatch,
+                                                     disagg: bool, expected: int) -> None:
+    resp = route(disagg, 3, 1)
+    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: FakeRouter(resp))
+
+    async def fake_plan(pool: Any, req: Any, route: Any, metrics: Any) -> AsyncIterator[Any]:
+        yield worker_pb2.GenerateResponse(text="a", token_ids=[1])
+        last = worker_pb2.GenerateResponse(text="b", token_ids=[2],
+                                           finish_reason=common_pb2.FINISH_REASON_STOP)
+        last.usage.prompt_tokens = 130
+        last.usage.cached_tokens = 64
+        yield last
+
+    monkeypatch.setattr(pipeline_mod, "run_plan", fake_plan)
+    p = Pipeline(ModelCatalog(), lambda: "router:1")
+    info = ModelInfo("m", "/m", 4096, 16, 1, 0)
+    job = Job("r1", ParsedRequest("completion", "m", SamplingSpec(max_tokens=2)), info,
+              list(range(130)), 0)
+    chunks = [c async for c in p.stream(job)]
+    await p.close()
+    last = chunks[-1]
+    assert last.predicted_cached_tokens == expected and last.cached_tokens == 64
+    path = "disagg" if disagg else "agg"
+    r = p.metrics.registry
+    assert sample(r, "kvmesh_frontend_predicted_cached_tokens_sum", path=path,
+                  source="indexer") == expected
+    assert sample(r, "kvmesh_frontend_actual_cached_tokens_sum", path=path,
+                  source="indexer") == 64
+    assert sample(r, "kvmesh_frontend_cached_tokens_abs_error_sum", path=path,
+                  source="indexer") == abs(expected - 64)
