@@ -239,3 +239,13 @@ def test_approx_drops_trees_of_vanished_workers_via_core() -> None:
     c.set_workers([WorkerRecord("w2", "b", "m", "agg", 16, 4096)])
     assert p.tree_size("w1") == 0
     assert c.evict(0.0) == 0
+
+
+def test_bad_plugin_values_are_profile_errors() -> None:
+    reg = default_registry()
+    with pytest.raises(ProfileError, match="unknown tier 'disk'"):
+        reg.load_profiles("profiles:\n  x:\n    scorers:\n      - name: kv_cost\n"
+                          "        args: {tier_credit: {disk: 0.25}}\n")
+    with pytest.raises(ProfileError, match="temperature must be >= 0"):
+        reg.load_profiles("profiles:\n  x:\n    scorers: [kv_cost]\n"
+                          "    picker: {name: softmax, args: {temperature: -1}}\n")

@@ -108,7 +108,7 @@ class PolicyRegistry:
             def make(kind: str, name: str, args: Mapping[str, Any]) -> Any:
                 try:
                     return _call(self._plugins[kind][name], rng, **args)
-                except TypeError as exc:
+                except (TypeError, ValueError) as exc:
                     raise ProfileError(f"profile {spec.name!r}: bad args for {kind} "
                                        f"{name!r}: {exc}") from None
             return Profile(
