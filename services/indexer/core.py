@@ -16,7 +16,16 @@ Contract of :class:`KvIndex`:
 - ``remove_worker(worker)`` drops all of a worker's blocks (its etcd lease went).
 - ``find_matches(hashes)`` returns, per worker holding at least the first block, an
   :class:`Overlap`: the leading run in any tier and per tier.
-- ``dump()`` is the exact state, for comparisons and debugging; ``stats()`` sizes.
+- ``dump()`` is the exact state, for comparisons and debugging; ``stats()`` sizes;
+  ``workers()`` the workers holding at least one block (cheaper than ``dump()``).
+
+Internals (for speed; ``bench/indexer`` measures them): each block maps to the *interned*
+frozenset of workers holding it in any tier (one shared object per distinct set, refcounted
+so sets of departed workers are freed). ``find_matches`` walks the prompt with one dict
+lookup and one identity test per block while the holder set does not change, intersects
+only when it does, and stops at the first block nobody alive holds. Per-tier runs are
+computed only for workers that hold blocks outside the device tier; a device-only worker's
+``by_tier`` is ``{"device": blocks}``. Semantics do not depend on any of this.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 TIERS = ("device", "host", "store")
+DEVICE = TIERS[0]
+_NON_DEVICE = TIERS[1:]
 
 
 @dataclass(frozen=True)
@@ -60,28 +71,35 @@ class KvIndex:
     """See the module docstring."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, dict[str, set[str]]] = {}
+        # block → interned frozenset of the workers holding it in any tier
+        self._any: dict[int, frozenset[str]] = {}
+        # interning of those sets: canonical object and how many blocks map to it
+        self._canon: dict[frozenset[str], frozenset[str]] = {}
+        self._refs: dict[frozenset[str], int] = {}
         self._by_worker: dict[str, dict[str, set[int]]] = {}
+        self._multi_tier: set[str] = set()  # workers with blocks outside the device tier
         self._next_event: dict[str, int] = {}
 
     def apply(self, event: KvEvent) -> Gap | None:
         """Applies ``event`` or reports the gap before it."""
-        if event.kind not in ("stored", "removed", "cleared"):
-            raise ValueError(f"unknown event kind {event.kind!r}")
+        kind = event.kind
+        if kind not in ("stored", "removed", "cleared"):
+            raise ValueError(f"unknown event kind {kind!r}")
         if event.tier not in TIERS:
             raise ValueError(f"unknown tier {event.tier!r}")
-        expected = self._next_event.get(event.worker_id, 0)
-        if event.event_id < expected:
-            return None  # already applied (redelivery)
-        if event.event_id > expected:
-            return Gap(event.worker_id, expected, event.event_id)
-        self._next_event[event.worker_id] = expected + 1
-        if event.kind == "stored":
-            self._add(event.worker_id, event.tier, event.block_hashes)
-        elif event.kind == "removed":
-            self._remove(event.worker_id, event.tier, event.block_hashes)
+        worker = event.worker_id
+        expected = self._next_event.get(worker, 0)
+        if event.event_id != expected:
+            if event.event_id < expected:
+                return None  # already applied (redelivery)
+            return Gap(worker, expected, event.event_id)
+        self._next_event[worker] = expected + 1
+        if kind == "stored":
+            self._add(worker, event.tier, event.block_hashes)
+        elif kind == "removed":
+            self._remove(worker, event.tier, event.block_hashes)
         else:
-            self._clear(event.worker_id)
+            self._clear(worker)
         return None
 
     def next_event_id(self, worker: str) -> int:
@@ -91,10 +109,11 @@ class KvIndex:
     def resync(self, worker: str, event_id: int,
                blocks: dict[str, Iterable[int]]) -> None:
         """Replaces ``worker``'s state by a dump taken at ``event_id``."""
-        self._clear(worker)
-        for tier, hashes in blocks.items():
+        for tier in blocks:
             if tier not in TIERS:
                 raise ValueError(f"unknown tier {tier!r}")
+        self._clear(worker)
+        for tier, hashes in blocks.items():
             self._add(worker, tier, tuple(hashes))
         self._next_event[worker] = event_id + 1
 
@@ -104,59 +123,164 @@ class KvIndex:
         self._by_worker.pop(worker, None)
         self._next_event.pop(worker, None)
 
+    # -- interned holder sets ------------------------------------------------------------
+
+    def _intern(self, workers: frozenset[str]) -> frozenset[str]:
+        canon = self._canon.get(workers)
+        if canon is None:
+            canon = self._canon[workers] = workers
+        return canon
+
+    def _move(self, old: frozenset[str] | None, new: frozenset[str] | None, n: int) -> None:
+        """``n`` blocks went from holder set ``old`` to ``new`` (None: no holder)."""
+        refs = self._refs
+        if new is not None:
+            refs[new] = refs.get(new, 0) + n
+        if old is not None:
+            left = refs[old] - n
+            if left:
+                refs[old] = left
+            else:
+                del refs[old]
+                del self._canon[old]
+
+    # -- updates -----------------------------------------------------------------------
+
     def _add(self, worker: str, tier: str, hashes: Sequence[int]) -> None:
-        mine = self._by_worker.setdefault(worker, {}).setdefault(tier, set())
+        tiers = self._by_worker.setdefault(worker, {})
+        mine = tiers.get(tier)
+        if mine is None:
+            mine = tiers[tier] = set()
+        if tier != DEVICE and hashes:
+            self._multi_tier.add(worker)
+        holders = self._any
+        # consecutive blocks usually share their holder set: reuse the transition
+        last_old: frozenset[str] | None = None
+        last_new: frozenset[str] = frozenset()  # set before its first use (moved == 0)
+        moved = 0
         for h in hashes:
+            if h in mine:
+                continue
             mine.add(h)
-            self._holders.setdefault(h, {}).setdefault(worker, set()).add(tier)
+            old = holders.get(h)
+            if old is not None and worker in old:
+                continue  # already held in another tier
+            if moved == 0 or old is not last_old:
+                if moved:
+                    self._move(last_old, last_new, moved)
+                    moved = 0
+                last_old = old
+                last_new = self._intern(frozenset((worker,)) if old is None
+                                        else old | {worker})
+            holders[h] = last_new
+            moved += 1
+        if moved:
+            self._move(last_old, last_new, moved)
 
     def _remove(self, worker: str, tier: str, hashes: Sequence[int]) -> None:
-        mine = self._by_worker.get(worker, {}).get(tier)
+        tiers = self._by_worker.get(worker)
+        mine = tiers.get(tier) if tiers else None
+        if not mine:
+            return
+        assert tiers is not None
+        others = [hs for t, hs in tiers.items() if t != tier and hs]
+        holders = self._any
+        last_old: frozenset[str] | None = None
+        last_new: frozenset[str] | None = None
+        moved = 0
         for h in hashes:
-            if mine is not None:
-                mine.discard(h)
-            holders = self._holders.get(h)
-            if holders is None or worker not in holders:
+            if h not in mine:
                 continue
-            holders[worker].discard(tier)
-            if not holders[worker]:
-                del holders[worker]
-            if not holders:
-                del self._holders[h]
+            mine.discard(h)
+            if others and any(h in hs for hs in others):
+                continue  # still held in another tier
+            old = holders[h]
+            if moved == 0 or old is not last_old:
+                if moved:
+                    self._move(last_old, last_new, moved)
+                    moved = 0
+                last_old = old
+                rest = old - {worker}
+                last_new = self._intern(rest) if rest else None
+            if last_new is None:
+                del holders[h]
+            else:
+                holders[h] = last_new
+            moved += 1
+        if moved:
+            self._move(last_old, last_new, moved)
+        if tier != DEVICE and not any(tiers.get(t) for t in _NON_DEVICE):
+            self._multi_tier.discard(worker)
 
     def _clear(self, worker: str) -> None:
         for tier, hashes in list(self._by_worker.get(worker, {}).items()):
             self._remove(worker, tier, tuple(hashes))
         self._by_worker[worker] = {}
+        self._multi_tier.discard(worker)
+
+    # -- queries -----------------------------------------------------------------------
 
     def find_matches(self, hashes: Sequence[int]) -> dict[str, Overlap]:
         """Per-worker leading overlap of ``hashes`` (workers without the first block are
         absent)."""
         if not hashes:
             return {}
-        first = self._holders.get(hashes[0])
-        if not first:
+        get = self._any.get
+        alive = get(hashes[0])
+        if alive is None:
             return {}
-        any_run = {w: 0 for w in first}
-        tier_run = {w: {t: 0 for t in TIERS} for w in first}
-        alive_any = set(first)
-        alive_tier = {w: set(TIERS) for w in first}
-        for h in hashes:
-            holders = self._holders.get(h, {})
-            alive_any &= holders.keys()
-            for w in list(alive_tier):
-                tiers = holders.get(w, set())
-                alive_tier[w] &= tiers
-                for t in alive_tier[w]:
-                    tier_run[w][t] += 1
-                if not alive_tier[w]:
-                    del alive_tier[w]
-            for w in alive_any:
-                any_run[w] += 1
-            if not alive_any:
+        # Overlaps are built as Overlap(w, n, {"device": n}) without the frozen dataclass
+        # __init__ (2x faster); multi-tier workers get their by_tier at the end.
+        new = object.__new__
+        out: dict[str, Overlap] = {}
+        end = len(hashes)
+        for i, h in enumerate(hashes):
+            held = get(h)
+            if held is alive:
+                continue  # the common case: the same holders as the block before
+            if held is None:
+                end = i
                 break
-        return {w: Overlap(w, any_run[w], {t: n for t, n in tier_run[w].items() if n})
-                for w in first}
+            both = alive & held
+            if len(both) == len(alive):
+                continue  # everyone alive holds it (and some others too)
+            for w in alive:
+                if w not in both:  # w's run ends here
+                    o = out[w] = new(Overlap)
+                    d = o.__dict__
+                    d["worker_id"], d["blocks"], d["by_tier"] = w, i, {DEVICE: i}
+            if not both:
+                end = i
+                break
+            alive = self._canon.get(both, both)
+        for w in alive:  # never in out: alive only shrinks
+            o = out[w] = new(Overlap)
+            d = o.__dict__
+            d["worker_id"], d["blocks"], d["by_tier"] = w, end, {DEVICE: end}
+        if self._multi_tier:
+            for w in self._multi_tier.intersection(out):
+                o = out[w]
+                o.__dict__["by_tier"] = self._tier_runs(w, hashes, o.blocks)
+        return out
+
+    def _tier_runs(self, worker: str, hashes: Sequence[int], limit: int) -> dict[str, int]:
+        """Leading run of ``hashes[:limit]`` per non-empty tier of ``worker``."""
+        tiers = self._by_worker[worker]
+        out: dict[str, int] = {}
+        for t in TIERS:
+            hs = tiers.get(t)
+            if not hs:
+                continue
+            n = 0
+            while n < limit and hashes[n] in hs:
+                n += 1
+            if n:
+                out[t] = n
+        return out
+
+    def workers(self) -> set[str]:
+        """Workers holding at least one block, in any tier."""
+        return {w for w, tiers in self._by_worker.items() if any(tiers.values())}
 
     def dump(self) -> dict[str, dict[str, frozenset[int]]]:
         """worker → tier → block hashes (non-empty tiers only)."""
@@ -166,4 +290,4 @@ class KvIndex:
     def stats(self) -> dict[str, int]:
         """Sizes: distinct blocks, workers, (worker, tier, block) entries."""
         entries = sum(len(hs) for tiers in self._by_worker.values() for hs in tiers.values())
-        return {"blocks": len(self._holders), "workers": len(self.dump()), "entries": entries}
+        return {"blocks": len(self._any), "workers": len(self.workers()), "entries": entries}
