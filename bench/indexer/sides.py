@@ -20,7 +20,10 @@ Contracts:
 - :meth:`Side.hash_prompt` is the token → query-input conversion a router must do
   (ours: local + chained hashes; Dynamo: local hashes only); it is timed separately.
 - :func:`load_dynamo` returns the RadixTree class or the reason it is unavailable; the
-  benchmark runs without it.
+  benchmark runs without it. Install it by hand (it is not a project requirement):
+  ``pip install ai-dynamo-runtime==1.6.1``. That release pins ``pydantic<=2.13.5`` and pip
+  downgrades the project's pydantic; reinstall the project's version afterwards (the
+  RadixTree binding does not use pydantic).
 """
 
 from __future__ import annotations
