@@ -354,8 +354,10 @@ def plot(report: dict[str, Any], path: Path) -> bool:
              if dyn.get("available") else f"Dynamo unavailable: {dyn.get('error')}")
     host = report["host"]
     fig.suptitle(f"kvmesh KvIndex vs {dyn_s}\n{report['config']['workers']} workers, "
-                 f"Zipf {report['config']['zipf']} shared prefixes; {host['cpus']} CPUs, "
-                 f"load avg {host['loadavg_before'][0]:.1f} at start", fontsize=10)
+                 f"Zipf {report['config']['zipf']} shared prefixes; query times exclude prompt "
+                 f"hashing (see JSON); {host['cpus']} CPUs, pinned to CPU "
+                 f"{report['config']['pinned_cpu']}, load avg {host['loadavg_before'][0]:.1f} "
+                 f"at start", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
