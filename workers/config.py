@@ -44,6 +44,13 @@ class WorkerConfig(BaseConfig):
     nixl_port: int = dataclasses.field(
         default=0, metadata={"help": "NIXL side-channel port (0 = any free)"}
     )
+    kv_events: bool = dataclasses.field(
+        default=True, metadata={"help": "publish KV events to the Redis stream "
+                                        "(needs --redis-url)"}
+    )
+    kv_events_maxlen: int = dataclasses.field(
+        default=1_000_000, metadata={"help": "approximate MAXLEN of the KV event stream"}
+    )
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -71,7 +78,13 @@ class WorkerConfig(BaseConfig):
             out.append(f"metrics_port out of range: {self.metrics_port}")
         if not 0 <= self.nixl_port <= 65535:
             out.append(f"nixl_port out of range: {self.nixl_port}")
+        if self.kv_events_maxlen < 1000:
+            out.append("kv_events_maxlen must be >= 1000")
         return out
+
+    def publishes_kv_events(self) -> bool:
+        """KV events are on and there is a bus to publish them to."""
+        return self.kv_events and bool(self.redis_url)
 
     def resolved_handoff(self) -> str:
         """The handoff mode in force: the configured one, else pull for P/D, none for agg."""

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config import ConfigError, load_config
+from services.common.event_bus import stream_name
 from services.common.server import MeshServer, ServiceSpec, run, setup_logging
 from services.common.telemetry import setup_tracing
 from workers.config import WorkerConfig
 from workers.engines import create_engine
 from workers.engines.base import Engine
+from workers.kv.event_relay import EventEndpoints, KvEventRelay, vllm_kv_events_config
 from workers.service import WorkerServicer
 
 ROLE = {
@@ -65,8 +68,9 @@ def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
     )
 
 
-def build_engine(cfg: WorkerConfig) -> Engine:
-    """Creates (not starts) the configured engine."""
+def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Engine:
+    """Creates (not starts) the configured engine; with ``events`` its KV event
+    publisher binds those endpoints."""
     model_path = resolve_model_path(cfg.model_path)
     name = cfg.model_name or Path(model_path).name
     if cfg.engine == "vllm":
@@ -84,16 +88,28 @@ def build_engine(cfg: WorkerConfig) -> Engine:
                 seed=cfg.seed,
                 engine_kwargs={"max_num_seqs": cfg.max_num_seqs},
                 kv_transfer_config=kv_transfer_setup(cfg),
+                kv_events_config=vllm_kv_events_config(events) if events else None,
             ),
         )
     return create_engine(cfg.engine, model_path=model_path, model_name=name)
 
 
-def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
-    """The worker's MeshServer; the engine must be started (its info is published)."""
+def build_relay(cfg: WorkerConfig, engine: Engine,
+                events: EventEndpoints) -> KvEventRelay:
+    """The relay of the engine's KV events to the namespace's stream (not started)."""
+    return KvEventRelay(cfg.resolved_worker_id(), cfg.block_size, cfg.redis_url,
+                        stream_name(cfg.namespace), events,
+                        reset_cache=engine.reset_prefix_cache, maxlen=cfg.kv_events_maxlen)
+
+
+def build_server(cfg: WorkerConfig, engine: Engine,
+                 relay: KvEventRelay | None = None) -> MeshServer:
+    """The worker's MeshServer; the engine must be started (its info is published).
+    With a ``relay`` the worker answers GetKvState and closes the relay on stop."""
     worker_id = cfg.resolved_worker_id()
-    servicer = WorkerServicer(engine, worker_id)
+    servicer = WorkerServicer(engine, worker_id, relay)
     labels = {"pid": str(os.getpid())}
+    rec_caps = ["generate", "abort", "load"]
     if cfg.metrics_port >= 0:
         from workers.metrics import serve_metrics
 
@@ -111,7 +127,7 @@ def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
             model_path=info.model_path,
             block_size=info.block_size,
             max_model_len=info.max_model_len,
-            capabilities=["generate", "abort", "load"],
+            capabilities=rec_caps,
             engine=info.engine,
             labels=labels,
             kv_layout=info.kv_layout,
@@ -131,13 +147,59 @@ def build_server(cfg: WorkerConfig, engine: Engine) -> MeshServer:
         servicer,
         worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
     )
-    return MeshServer(cfg, "worker", [spec], record_factory=record, on_stop=[engine.shutdown])
+    on_stop: list[Callable[[], Awaitable[None]]] = [engine.shutdown]
+    if relay is not None:
+        on_stop.append(relay.close)
+        if "kv_events" not in rec_caps:
+            rec_caps.append("kv_events")
+    return MeshServer(cfg, "worker", [spec], record_factory=record, on_stop=on_stop)
+
+
+@dataclasses.dataclass
+class WorkerApp:
+    """A started worker: engine, optional KV event relay, server."""
+
+    server: MeshServer
+    engine: Engine
+    relay: KvEventRelay | None
+    events: EventEndpoints | None
+
+    async def stop(self) -> None:
+        """Stops the server (which stops engine and relay) and removes the ipc folder."""
+        await self.server.stop()
+        if self.events is not None:
+            self.events.remove()
+
+
+async def start_worker(cfg: WorkerConfig) -> WorkerApp:
+    """Builds and starts engine, relay (when KV events are published: started before
+    the engine, so it sees the first batch) and server."""
+    events = EventEndpoints.create() if cfg.publishes_kv_events() else None
+    engine = build_engine(cfg, events)
+    relay = build_relay(cfg, engine, events) if events is not None else None
+    try:
+        if relay is not None:
+            await relay.start()
+        await engine.start()
+        server = build_server(cfg, engine, relay)
+        await server.start()
+    except BaseException:
+        if relay is not None:
+            await relay.close()
+        await engine.shutdown()
+        if events is not None:
+            events.remove()
+        raise
+    return WorkerApp(server, engine, relay, events)
 
 
 async def amain(cfg: WorkerConfig) -> None:
-    engine = build_engine(cfg)
-    await engine.start()
-    await run(build_server(cfg, engine))
+    app = await start_worker(cfg)
+    try:
+        await run(app.server)
+    finally:
+        if app.events is not None:
+            app.events.remove()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

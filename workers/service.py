@@ -12,6 +12,7 @@ Contract:
 - ``Abort`` aborts by request id; ``found`` tells whether it was running.
 - ``GetLoad`` returns the engine's load, its cumulative counters and the number of active
   API requests.
+- ``GetKvState`` returns the KV event relay's full state (UNIMPLEMENTED without a relay).
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, kv_events_pb2, worker_pb2, worker_pb2_grpc
 from services.common import kv_params
 from services.common.telemetry import tracer
 from workers.engines.base import Engine, EngineError, EngineRequest, Sampling
+from workers.kv.event_relay import KvEventRelay
 
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -53,8 +55,10 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one engine."""
 
-    def __init__(self, engine: Engine, worker_id: str) -> None:
+    def __init__(self, engine: Engine, worker_id: str,
+                 relay: KvEventRelay | None = None) -> None:
         self._engine = engine
+        self._relay = relay
         self._worker_id = worker_id
         self._active = 0
         self._tracer = tracer("worker")
@@ -154,6 +158,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             active_requests=self._active,
             counters=self._engine.counters(),
         )
+
+
+    async def GetKvState(  # noqa: N802
+        self, request: kv_events_pb2.KvStateRequest, context: grpc.aio.ServicerContext
+    ) -> kv_events_pb2.KvState:
+        if self._relay is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "this worker publishes no KV events")
+        assert self._relay is not None
+        return self._relay.state()
 
 
 __all__ = ["WorkerServicer", "sampling_from_proto"]

@@ -69,6 +69,10 @@ class BaseConfig:
     etcd_endpoint: str = dataclasses.field(
         default="127.0.0.1:2379", metadata={"help": "etcd host:port"}
     )
+    redis_url: str = dataclasses.field(
+        default="", metadata={"help": "Redis of the KV event bus, redis://host:port "
+                                      "(empty: no KV events)"}
+    )
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "gRPC bind host"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port (0 = any free)"})
     advertise_host: str = dataclasses.field(
@@ -89,6 +93,8 @@ class BaseConfig:
             out.append("namespace must be non-empty and contain no '/'")
         if ":" not in self.etcd_endpoint:
             out.append(f"etcd_endpoint must be host:port, got {self.etcd_endpoint!r}")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "unix://")):
+            out.append(f"redis_url must start with redis:// or unix://, got {self.redis_url!r}")
         if not 0 <= self.port <= 65535:
             out.append(f"port out of range: {self.port}")
         if self.lease_ttl < 1:

@@ -15,6 +15,9 @@ Contract, method by method:
 - ``abort(request_id)``: aborts a running request; returns False if unknown.
 - ``load()``: cheap, non-blocking snapshot of the engine's load.
 - ``counters()``: cumulative counters (prefix hits, KV transfers and bytes, ...).
+- ``reset_prefix_cache()``: drops every cached block that no request uses; True when the
+  cache is now empty (the engine then announces AllBlocksCleared on its KV event bus).
+  Default: unsupported, False.
 - ``shutdown()``: stops the engine and frees its resources. Idempotent.
 
 Everything that crosses a process boundary is a plain dataclass here; the worker
@@ -132,6 +135,10 @@ class Engine(abc.ABC):
     def counters(self) -> dict[str, int]:
         """Cumulative, monotonic engine counters by name (default: none)."""
         return {}
+
+    async def reset_prefix_cache(self) -> bool:
+        """Default: not supported."""
+        return False
 
     async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Default: nothing to free."""

@@ -43,6 +43,8 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 - ``counters()``: cumulative prefix-cache, preemption and KV-connector counters (see
   :mod:`workers.engines.vllm_stats`), for a Prometheus collector. vLLM's own ``vllm:*``
   metrics also land in the default ``prometheus_client`` registry.
+- ``reset_prefix_cache()``: vLLM's ``reset_prefix_cache()`` (False while running requests
+  hold blocks); vLLM publishes AllBlocksCleared when KV events are on.
 - ``shutdown()``: aborts live requests (their streams end with "abort"), then shuts
   ``AsyncLLM`` and its EngineCore process down. Idempotent.
 """
@@ -382,6 +384,11 @@ class VllmEngine(Engine):
             "kv_transfer_bytes": s.kv_transfer_bytes,
             "kv_transfer_failures": s.kv_transfer_failures,
         }
+
+    async def reset_prefix_cache(self) -> bool:
+        if self._llm is None:
+            return False
+        return bool(await self._llm.reset_prefix_cache())
 
     async def shutdown(self) -> None:
         self._closed = True

@@ -1,0 +1,5 @@
+import sys
+
+from services.indexer.main import main
+
+sys.exit(main())

@@ -1,0 +1,295 @@
+"""The worker's KV event relay: engine ZMQ events → numbered kvmesh events → Redis Stream.
+
+vLLM's ``ZmqEventPublisher`` sends frames ``[topic, seq (8-byte big-endian), msgpack]``
+where the payload is ``[ts, [events], dp_rank]`` and keeps the last batches for a replay
+socket (ROUTER: send ``[b"", start_seq]``, receive ``[b"", topic, seq, payload]`` until
+seq -1). :func:`vllm_kv_events_config` makes vLLM bind both on private ``ipc://`` paths.
+
+Contract of :class:`KvEventRelay`:
+
+- ``start()`` connects the SUB and replay sockets and Redis and starts relaying. Start it
+  before the engine, so it sees the engine's first batch (the replay covers a late join).
+- Engine batches are processed in sequence order. When a batch's seq skips ahead, the
+  relay asks the replay socket for the missing range first; when replay cannot cover it
+  (buffer exceeded, timeout), it calls ``reset_cache`` (the engine's prefix-cache reset;
+  vLLM then announces AllBlocksCleared) and publishes a full-state resync entry, so an
+  index never keeps blocks the relay cannot account for. Duplicates (seq already seen)
+  are ignored.
+- Each kvmesh event (:mod:`workers.kv.event_translate`) gets the next per-worker event id
+  (from 0, no holes) and events are appended to the stream in batches: everything that is
+  ready when the socket runs dry, at most ``max_batch_events`` per entry, in one pipelined
+  XADD (approximate MAXLEN ``maxlen``), so the relay keeps up with the engine.
+- ``state()`` is the worker's full state with the id of the last event it reflects: what
+  ``Worker.GetKvState`` answers for an indexer that saw a gap.
+- ``drop_next(n)`` is fault injection for tests: the next ``n`` events (replacing any
+  count still pending; 0 stops dropping) get their ids but are not published, as if the
+  bus lost them.
+- ``stats`` counts events, entries, replays, unrecoverable gaps, orphans and drops.
+- ``close()`` stops relaying, flushes what is pending, closes sockets and Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import tempfile
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import redis.asyncio as aioredis
+import zmq
+import zmq.asyncio
+
+from protos import kv_events_pb2
+from services.common.event_bus import encode_batch, encode_state
+from workers.kv.event_translate import EventTranslator, TranslatedEvent, UnknownEvent
+
+log = logging.getLogger(__name__)
+
+KINDS = {
+    "stored": kv_events_pb2.KV_EVENT_KIND_STORED,
+    "removed": kv_events_pb2.KV_EVENT_KIND_REMOVED,
+    "cleared": kv_events_pb2.KV_EVENT_KIND_CLEARED,
+}
+END_SEQ = -1
+
+
+@dataclass
+class EventEndpoints:
+    """Private ipc endpoints for one engine's publisher and replay sockets."""
+
+    directory: Path
+    events: str
+    replay: str
+
+    @classmethod
+    def create(cls) -> EventEndpoints:
+        d = Path(tempfile.mkdtemp(prefix="kvmesh-ev-"))
+        return cls(d, f"ipc://{d}/events", f"ipc://{d}/replay")
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def vllm_kv_events_config(endpoints: EventEndpoints) -> dict[str, Any]:
+    """vLLM ``kv_events_config``: ZMQ publisher bound on the ipc endpoints (vLLM binds
+    ipc endpoints and connects tcp ones without ``*``)."""
+    return {"enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": endpoints.events, "replay_endpoint": endpoints.replay,
+            "topic": "kv", "buffer_steps": 10_000}
+
+
+@dataclass
+class RelayStats:
+    """Cumulative relay counters."""
+
+    engine_batches: int = 0
+    events: int = 0
+    entries: int = 0
+    replays: int = 0
+    replayed_batches: int = 0
+    unrecoverable_gaps: int = 0
+    resyncs_published: int = 0
+    dropped_on_purpose: int = 0
+    bad_payloads: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+class KvEventRelay:
+    """See the module docstring."""
+
+    def __init__(self, worker_id: str, block_size: int, redis_url: str, stream: str,
+                 endpoints: EventEndpoints, *,
+                 reset_cache: Callable[[], Awaitable[bool]] | None = None,
+                 max_batch_events: int = 1024, maxlen: int = 1_000_000,
+                 replay_timeout_s: float = 2.0) -> None:
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.stream = stream
+        self.endpoints = endpoints
+        self.stats = RelayStats()
+        self._redis_url = redis_url
+        self._reset_cache = reset_cache
+        self._max_batch = max_batch_events
+        self._maxlen = maxlen
+        self._replay_timeout = replay_timeout_s
+        self._translator = EventTranslator(block_size)
+        self._next_seq = 0
+        self._last_event_id = -1
+        self._pending: list[kv_events_pb2.KvEvent] = []
+        self._drop = 0
+        self._ctx = zmq.asyncio.Context()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._redis: aioredis.Redis | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._decoder = msgspec.msgpack.Decoder()
+
+    @property
+    def orphans(self) -> int:
+        """Engine blocks skipped because their parent was never seen."""
+        return self._translator.orphans
+
+    async def start(self) -> None:
+        """Connects sockets and Redis and starts the relay task."""
+        self._redis = aioredis.Redis.from_url(self._redis_url)
+        await self._redis.ping()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVHWM, 100_000)
+        self._sub.connect(self.endpoints.events)
+        self._task = asyncio.create_task(self._run(), name=f"kv-relay-{self.worker_id}")
+
+    def drop_next(self, n: int) -> None:
+        """Fault injection: number but do not publish the next ``n`` events."""
+        self._drop = n
+
+    def state(self) -> kv_events_pb2.KvState:
+        """The full state as of the last numbered event."""
+        tiers = [kv_events_pb2.TierBlocks(tier=t, block_hashes=sorted(hs))
+                 for t, hs in sorted(self._translator.state().items()) if hs]
+        return kv_events_pb2.KvState(worker_id=self.worker_id, event_id=self._last_event_id,
+                                     tiers=tiers, block_size=self.block_size)
+
+    async def _run(self) -> None:
+        assert self._sub is not None
+        while True:
+            frames = await self._sub.recv_multipart()
+            await self._on_frames(frames)
+            while await self._sub.poll(0):
+                await self._on_frames(await self._sub.recv_multipart())
+                if len(self._pending) >= self._max_batch:
+                    await self._flush()
+            await self._flush()
+
+    async def _on_frames(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            self.stats.bad_payloads += 1
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        if seq < self._next_seq:
+            return
+        if seq > self._next_seq:
+            await self._replay(self._next_seq, seq)
+            if seq < self._next_seq:
+                return
+        self._apply_payload(frames[2])
+        self._next_seq = seq + 1
+
+    async def _replay(self, start: int, upto: int) -> None:
+        """Fetches batches ``start`` .. ``upto - 1`` from the replay socket and applies
+        them; falls back to a reset + full-state resync when they are not all there."""
+        self.stats.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.endpoints.replay)
+        covered = False
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not await dealer.poll(int(self._replay_timeout * 1000)):
+                    break
+                frames = await dealer.recv_multipart()
+                if len(frames) != 4:
+                    continue
+                seq = int.from_bytes(frames[2], "big", signed=True)
+                if seq == END_SEQ:
+                    covered = self._next_seq >= upto
+                    break
+                if seq < self._next_seq or seq >= upto:
+                    continue
+                if seq > self._next_seq:
+                    break  # the buffer no longer holds what we missed
+                self._apply_payload(frames[3])
+                self._next_seq = seq + 1
+                self.stats.replayed_batches += 1
+        finally:
+            dealer.close(linger=0)
+        if not covered and self._next_seq < upto:
+            await self._unrecoverable(upto)
+
+    async def _unrecoverable(self, upto: int) -> None:
+        self.stats.unrecoverable_gaps += 1
+        log.warning("%s: engine KV events %d..%d are lost; resetting the prefix cache and "
+                    "publishing a full-state resync", self.worker_id, self._next_seq, upto - 1)
+        reset = False
+        if self._reset_cache is not None:
+            with contextlib.suppress(Exception):
+                reset = await self._reset_cache()
+        if reset:
+            self._translator.reset()
+        self._next_seq = upto
+        await self._flush()
+        assert self._redis is not None
+        await self._redis.xadd(self.stream, encode_state(self.state()),  # type: ignore[arg-type]
+                               maxlen=self._maxlen, approximate=True)
+        self.stats.resyncs_published += 1
+
+    def _apply_payload(self, payload: bytes) -> None:
+        try:
+            batch = self._decoder.decode(payload)
+            events = batch[1]
+        except (msgspec.DecodeError, IndexError, TypeError):
+            self.stats.bad_payloads += 1
+            return
+        self.stats.engine_batches += 1
+        for raw in events:
+            try:
+                translated = self._translator.translate(raw)
+            except (UnknownEvent, AttributeError, TypeError, ValueError):
+                self.stats.bad_payloads += 1
+                continue
+            for ev in translated:
+                self._number(ev)
+
+    def _number(self, ev: TranslatedEvent) -> None:
+        self._last_event_id += 1
+        self._pending.append(kv_events_pb2.KvEvent(
+            event_id=self._last_event_id, kind=KINDS[ev.kind],
+            block_hashes=ev.block_hashes, tier=ev.tier))
+
+    async def _flush(self) -> None:
+        """Publishes pending events as stream entries (one pipelined round trip)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self._drop:
+            n = min(self._drop, len(pending))
+            self._drop -= n
+            self.stats.dropped_on_purpose += n
+            pending = pending[n:]
+        if not pending:
+            return
+        assert self._redis is not None
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for i in range(0, len(pending), self._max_batch):
+                batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
+                                                   events=pending[i:i + self._max_batch],
+                                                   block_size=self.block_size)
+                pipe.xadd(self.stream, encode_batch(batch),  # type: ignore[arg-type]
+                          maxlen=self._maxlen, approximate=True)
+                self.stats.entries += 1
+            await pipe.execute()
+        self.stats.events += len(pending)
+
+    async def close(self) -> None:
+        """Stops relaying; flushes, closes sockets and Redis. Idempotent."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+            with contextlib.suppress(Exception):
+                await self._flush()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+        self._ctx.destroy(linger=0)
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.aclose()
+            self._redis = None
