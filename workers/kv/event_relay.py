@@ -19,6 +19,11 @@ Contract of :class:`KvEventRelay`:
   (from 0, no holes) and events are appended to the stream in batches: everything that is
   ready when the socket runs dry, at most ``max_batch_events`` per entry, in one pipelined
   XADD (approximate MAXLEN ``maxlen``), so the relay keeps up with the engine.
+- ``submit(events)`` is the in-process entry for engines without a ZMQ publisher (the
+  mock engine): a list of engine events in vLLM's decoded form (dicts with ``"type"``,
+  see :mod:`workers.kv.event_translate`) is translated and numbered exactly like a ZMQ
+  batch, and published by the relay's flush task. Start such a relay with
+  ``start(zmq=False)``.
 - ``state()`` is the worker's full state with the id of the last event it reflects: what
   ``Worker.GetKvState`` answers for an indexer that saw a gap.
 - ``drop_next(n)`` is fault injection for tests: the next ``n`` events (replacing any
@@ -128,21 +133,39 @@ class KvEventRelay:
         self._redis: aioredis.Redis | None = None
         self._task: asyncio.Task[None] | None = None
         self._decoder = msgspec.msgpack.Decoder()
+        self._wake = asyncio.Event()
 
     @property
     def orphans(self) -> int:
         """Engine blocks skipped because their parent was never seen."""
         return self._translator.orphans
 
-    async def start(self) -> None:
-        """Connects sockets and Redis and starts the relay task."""
+    async def start(self, zmq_input: bool = True) -> None:
+        """Connects Redis (and the engine's sockets unless ``zmq_input`` is False) and
+        starts the relay task."""
         self._redis = aioredis.Redis.from_url(self._redis_url)
         await self._redis.ping()
+        if not zmq_input:
+            self._task = asyncio.create_task(self._run_submitted(),
+                                             name=f"kv-relay-{self.worker_id}")
+            return
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.setsockopt(zmq.RCVHWM, 100_000)
         self._sub.connect(self.endpoints.events)
         self._task = asyncio.create_task(self._run(), name=f"kv-relay-{self.worker_id}")
+
+    def submit(self, events: list[dict[str, Any]]) -> None:
+        """Translates and numbers engine events now; they are published shortly."""
+        self.stats.engine_batches += 1
+        self._translate_all(events)
+        self._wake.set()
+
+    async def _run_submitted(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self._flush()
 
     def drop_next(self, n: int) -> None:
         """Fault injection: number but do not publish the next ``n`` events."""
@@ -237,6 +260,9 @@ class KvEventRelay:
             self.stats.bad_payloads += 1
             return
         self.stats.engine_batches += 1
+        self._translate_all(events)
+
+    def _translate_all(self, events: list[Any]) -> None:
         for raw in events:
             try:
                 translated = self._translator.translate(raw)
