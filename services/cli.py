@@ -25,7 +25,7 @@ def _up(args: argparse.Namespace) -> int:
 
     spec = MeshSpec(model=args.model, http_port=args.http_port, workers=args.workers,
                     mode=args.mode, handoff=args.handoff,
-                    policy=args.policy, kv_cache_gib=args.kv_cache_gib,
+                    policy=args.policy, indexer=args.indexer, kv_cache_gib=args.kv_cache_gib,
                     max_model_len=args.max_model_len, log_dir=Path(args.log_dir))
     if args.model == "smollm2":
         from workers.model.prepare import prepare_smollm2
@@ -110,6 +110,7 @@ def _model(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     services = {"worker": "workers.main", "router": "services.router.main",
+                "indexer": "services.indexer.main",
                 "frontend": "services.frontend.main"}
     if argv and argv[0] in services:
         import importlib
@@ -125,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--handoff", choices=["pull", "push"], default="pull",
                     help="P→D KV handoff: pull (D READs, default) or push (P WRITEs)")
     up.add_argument("--workers", type=int, default=1, help="workers per role")
-    up.add_argument("--policy", default="least_loaded")
+    up.add_argument("--policy", default="kv",
+                    help="worker policy or profile (kv, approx, least_loaded, round_robin, ...)")
+    up.add_argument("--indexer", default="remote", choices=("remote", "embedded", "none"),
+                    help="KV overlap source of the router: indexer service, embedded, "
+                         "or the router's own request history")
     up.add_argument("--kv-cache-gib", type=float, default=1.0)
     up.add_argument("--max-model-len", type=int, default=2048)
     up.add_argument("--log-dir", default=".kvmesh/logs")
@@ -143,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.set_defaults(fn=_model)
     sub.add_parser("worker", help="run a worker (flags: kvmesh worker --help)")
     sub.add_parser("router", help="run the router")
+    sub.add_parser("indexer", help="run the KV indexer (follows the Redis event stream)")
     sub.add_parser("frontend", help="run the frontend")
     args = parser.parse_args(argv)
     return int(args.fn(args))

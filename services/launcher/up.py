@@ -1,7 +1,8 @@
 """``kvmesh up``: start a whole local mesh as child processes, stop it with Ctrl-C.
 
 Contract: :class:`LocalMesh` starts etcd and redis-server on free loopback ports, then the
-router, the worker(s) and the frontend (each ``python -m ...`` in its own process group,
+indexer (with ``indexer="remote"``), the router, the worker(s) (publishing KV events to
+Redis) and the frontend (each ``python -m ...`` in its own process group,
 configured through ``KVMESH_*`` env vars), and waits until the frontend's ``/health``
 answers 200 (a worker registered). ``stop()`` stops everything it started, in reverse
 order, by PID. Logs go to ``log_dir/<name>.log``.
@@ -43,7 +44,8 @@ class MeshSpec:
     mode: str = "disagg"  # "disagg": prefill + decode workers; "agg": aggregated workers
     handoff: str = "pull"  # P→D KV handoff: "pull" (D READs) or "push" (P WRITEs)
     workers: int = 1  # per role
-    policy: str = "least_loaded"
+    policy: str = "kv"  # decode (or agg) worker policy: kv, approx, least_loaded, ...
+    indexer: str = "remote"  # where the router learns KV overlap: remote | embedded | none
     namespace: str = "kvmesh"
     kv_cache_gib: float = 1.0
     max_model_len: int = 2048
@@ -101,7 +103,10 @@ class LocalMesh:
             self.children.append(self.etcd)
             self.redis = start_redis(s.log_dir)
             self.children.append(self.redis)
-            self._python("router", "services.router", KVMESH_POLICY=s.policy)
+            if s.indexer == "remote":
+                self._python("indexer", "services.indexer")
+            self._python("router", "services.router", KVMESH_POLICY=s.policy,
+                         KVMESH_INDEXER=s.indexer)
             roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
             for role in roles:
                 for i in range(s.workers):

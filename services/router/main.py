@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -117,6 +118,8 @@ class RouterConfig(BaseConfig):
             out.append("load_poll_s must be > 0")
         if self.indexer not in INDEXER_MODES:
             out.append(f"indexer must be one of {INDEXER_MODES}, got {self.indexer!r}")
+        if self.indexer == "embedded" and not self.redis_url:
+            out.append("--indexer embedded needs --redis-url (the KV event stream)")
         if self.indexer_timeout_s <= 0 or self.evict_interval_s <= 0:
             out.append("indexer_timeout_s and evict_interval_s must be > 0")
         return out
@@ -187,8 +190,23 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
 
 
 async def amain(cfg: RouterConfig) -> None:
-    app = await start_router(cfg)
-    await run(app.server)
+    feed = None
+    index = None
+    if cfg.indexer == "embedded":
+        # Same stream, same core as the indexer service, inside the router process.
+        from services.indexer.core import KvIndex
+        from services.indexer.feed import IndexFeed
+
+        index = KvIndex()
+        feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
+                         f"router-{os.getpid()}")
+        await feed.start()
+    try:
+        app = await start_router(cfg, embedded_index=index)
+        await run(app.server)
+    finally:
+        if feed is not None:
+            await feed.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
