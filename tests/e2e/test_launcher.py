@@ -123,8 +123,8 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(60) == 0
     assert not port_open("127.0.0.1", port)
-    assert {p.stem for p in log_dir.glob("*.pid")} == {"etcd", "redis", "router", "agg-0",
-                                                       "frontend"}
+    assert {p.stem for p in log_dir.glob("*.pid")} == {"etcd", "redis", "indexer", "router",
+                                                       "agg-0", "frontend"}
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), pid
