@@ -11,7 +11,10 @@ Contract:
 
 Built in: ``"vllm"`` -> :class:`workers.engines.vllm_engine.VllmEngine`, which takes
 ``config=VllmEngineConfig(...)``; as a shortcut, ``create_engine("vllm", model_path=...,
-...)`` builds the config from the keyword arguments.
+...)`` builds the config from the keyword arguments. ``"mock"`` ->
+:class:`workers.engines.mock.MockEngine` (simulated, no model), which takes
+``config=MockEngineConfig(...)`` (and optionally ``event_sink=``); the same shortcut
+builds the config from keyword arguments that are its fields.
 """
 
 from __future__ import annotations
@@ -57,7 +60,13 @@ def create_engine(kind: str, **kwargs: Any) -> Engine:
         from workers.engines.vllm_engine import VllmEngineConfig
 
         kwargs = {"config": VllmEngineConfig(**kwargs)}
+    elif kind == "mock" and "config" not in kwargs:
+        from workers.engines.mock.engine import MockEngineConfig
+
+        sink = kwargs.pop("event_sink", None)
+        kwargs = {"config": MockEngineConfig(**kwargs), "event_sink": sink}
     return cls(**kwargs)
 
 
 register_engine("vllm", "workers.engines.vllm_engine:VllmEngine")
+register_engine("mock", "workers.engines.mock.engine:MockEngine")
