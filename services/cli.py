@@ -112,6 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     services = {"worker": "workers.main", "router": "services.router.main",
                 "indexer": "services.indexer.main",
                 "frontend": "services.frontend.main"}
+    if argv[:2] == ["bench", "replay"]:
+        from bench.replay.run import main as replay_main
+
+        return replay_main(argv[2:])
     if argv and argv[0] in services:
         import importlib
 
@@ -149,6 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("worker", help="run a worker (flags: kvmesh worker --help)")
     sub.add_parser("router", help="run the router")
     sub.add_parser("indexer", help="run the KV indexer (follows the Redis event stream)")
+    sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl ...")
     sub.add_parser("frontend", help="run the frontend")
     args = parser.parse_args(argv)
     return int(args.fn(args))

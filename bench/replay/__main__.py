@@ -1,0 +1,3 @@
+from bench.replay.run import entry
+
+entry()
