@@ -45,7 +45,8 @@ Reads (never before COMPLETE)
   while the put is in progress, NotFound for an unknown key. Refreshes the access time
   (LRU) and, for a soft-pinned object, its soft-pin TTL.
 - ``exist_key(key)`` → True only for a complete object, granting the same lease; False for
-  unknown keys and puts in progress. ``batch_exist_key(keys)`` is the same per key.
+  unknown keys and puts in progress.  Every key-taking method raises InvalidInput for an
+  empty key or one longer than ``max_key_bytes``. ``batch_exist_key(keys)`` is the same per key.
 
 Removal, pins, eviction
 
@@ -66,7 +67,8 @@ Periodic work and introspection
 - ``tick(now=None)``: soft-pin expiry, zombie reclaim, client liveness, then eviction, in
   that order; returns a :class:`TickReport`. Lease expiry needs no work (a lease is a
   deadline compared with the clock).
-- ``stats()`` → :class:`Stats`; ``get_object(key)`` → a copy of the metadata or None.
+- ``stats()`` → :class:`Stats`; ``get_object(key)`` → a copy of the metadata or None;
+  ``lease_until(key)`` → the end of its read lease; ``keys()``; ``segment(id)``.
 
 Persistence (``records.py``)
 
@@ -265,6 +267,8 @@ class StoreMaster:
         return self._drop_segments([segment_id])
 
     def ping(self, client_id: str) -> bool:
+        if not client_id:
+            raise InvalidInput("client_id must not be empty")
         client = self._clients.get(client_id)
         if client is None:
             return False
@@ -386,6 +390,7 @@ class StoreMaster:
         return [self._describe(r) for r in obj.replicas if r.state is ReplicaState.COMPLETE]
 
     def exist_key(self, key: str) -> bool:
+        self._check_key(key)
         obj = self._objects.get(key)
         if obj is None or not obj.complete:
             return False
@@ -393,6 +398,8 @@ class StoreMaster:
         return True
 
     def batch_exist_key(self, keys: Sequence[str]) -> list[bool]:
+        for k in keys:
+            self._check_key(k)
         return [self.exist_key(k) for k in keys]
 
     def _grant_lease(self, obj: ObjectMeta, now: float) -> None:
@@ -509,6 +516,10 @@ class StoreMaster:
     def get_object(self, key: str) -> ObjectMeta | None:
         obj = self._objects.get(key)
         return None if obj is None else copy.deepcopy(obj)
+
+    def lease_until(self, key: str) -> float:
+        """When ``key``'s read lease ends (0.0: never leased); NotFound for unknown keys."""
+        return self._get(key).lease_until
 
     def keys(self) -> list[str]:
         return sorted(self._objects)

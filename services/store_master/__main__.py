@@ -1,0 +1,5 @@
+import sys
+
+from services.store_master.main import main
+
+sys.exit(main())

@@ -1,0 +1,195 @@
+"""Store master process wiring: config → StoreMaster core (+ Redis metadata) → gRPC API.
+
+Contract:
+
+- :class:`StoreMasterConfig`: every tunable of the core as a flag / ``KVMESH_*`` env var,
+  plus the allocation strategy, eviction policy, tick interval and persistence
+  (``--persist auto|redis|none``; auto = redis when ``--redis-url`` is set).
+- :func:`start_store_master` loads the namespace's persisted metadata (when persistence is
+  on), serves the API, registers in etcd as component ``store_master``, and runs a
+  background task calling ``tick`` every ``tick_interval_s`` (then flushing the changes).
+  Stopping the server stops the task and flushes once more.
+- The clock is wall time (``time.time``) so deadlines persisted in Redis stay meaningful
+  across a restart; tests may inject another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from protos import discovery_pb2, store_pb2, store_pb2_grpc
+from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.server import MeshServer, ServiceSpec, run, setup_logging
+from services.common.telemetry import setup_tracing
+from services.store_master.core import (
+    POLICIES,
+    STRATEGIES,
+    MasterParams,
+    RestoreReport,
+    StoreMaster,
+    make_eviction_policy,
+    make_strategy,
+)
+from services.store_master.persist import Persister, RedisMetadata
+from services.store_master.service import StoreMasterServicer
+
+log = logging.getLogger(__name__)
+
+PERSIST_MODES = ("auto", "redis", "none")
+
+
+@dataclasses.dataclass
+class StoreMasterConfig(BaseConfig):
+    """kvmesh store master: object metadata, replicas, leases and segments of the KV store."""
+
+    read_lease_ttl_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "read lease granted by GetReplicaList/ExistKey (s)"})
+    soft_pin_ttl_s: float = dataclasses.field(
+        default=1800.0, metadata={"help": "soft pin lifetime, refreshed by reads (s)"})
+    client_ttl_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "a store client not pinging this long is dropped (s)"})
+    put_timeout_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "PutStart without PutEnd is reclaimed after (s)"})
+    high_watermark: float = dataclasses.field(
+        default=0.90, metadata={"help": "evict when used/capacity reaches this"})
+    eviction_ratio: float = dataclasses.field(
+        default=0.05, metadata={"help": "fraction of capacity one eviction round frees"})
+    max_replicas: int = dataclasses.field(
+        default=8, metadata={"help": "most replicas one PutStart may ask for"})
+    allocation_strategy: str = dataclasses.field(
+        default="random", metadata={"help": "replica placement: " + ", ".join(STRATEGIES)})
+    eviction_policy: str = dataclasses.field(
+        default="sampled_lru", metadata={"help": "victim choice: " + ", ".join(POLICIES)})
+    eviction_sample: int = dataclasses.field(
+        default=8, metadata={"help": "candidates drawn per victim by sampled_lru"})
+    tick_interval_s: float = dataclasses.field(
+        default=1.0, metadata={"help": "period of leases/TTL/zombie/liveness/eviction work"})
+    persist: str = dataclasses.field(
+        default="auto", metadata={"help": "metadata persistence: auto (redis when "
+                                          "--redis-url is set), redis, none"})
+
+    def params(self) -> MasterParams:
+        return MasterParams(
+            lease_ttl_s=self.read_lease_ttl_s, soft_pin_ttl_s=self.soft_pin_ttl_s,
+            client_ttl_s=self.client_ttl_s, put_timeout_s=self.put_timeout_s,
+            high_watermark=self.high_watermark, eviction_ratio=self.eviction_ratio,
+            max_replicas=self.max_replicas)
+
+    def persist_to_redis(self) -> bool:
+        return self.persist == "redis" or (self.persist == "auto" and bool(self.redis_url))
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        out += self.params().problems()
+        if self.allocation_strategy not in STRATEGIES:
+            out.append(f"unknown allocation_strategy {self.allocation_strategy!r} "
+                       f"(known: {', '.join(STRATEGIES)})")
+        if self.eviction_policy not in POLICIES:
+            out.append(f"unknown eviction_policy {self.eviction_policy!r} "
+                       f"(known: {', '.join(POLICIES)})")
+        if self.eviction_sample < 1:
+            out.append("eviction_sample must be >= 1")
+        if self.tick_interval_s <= 0:
+            out.append("tick_interval_s must be > 0")
+        if self.persist not in PERSIST_MODES:
+            out.append(f"persist must be one of {', '.join(PERSIST_MODES)}")
+        elif self.persist == "redis" and not self.redis_url:
+            out.append("--persist redis needs --redis-url")
+        return out
+
+
+@dataclasses.dataclass
+class StoreMasterApp:
+    """A started store master: server (stops the ticker too), core, persister."""
+
+    server: MeshServer
+    master: StoreMaster
+    persister: Persister
+    restored: RestoreReport | None
+
+
+async def _tick_loop(master: StoreMaster, persister: Persister, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            report = master.tick()
+            if report.zombies_reclaimed or report.clients_lost or report.objects_evicted:
+                log.info("store tick: %s", report)
+        except Exception:
+            log.exception("store tick failed")
+        await persister.flush()
+
+
+async def start_store_master(cfg: StoreMasterConfig,
+                             clock: Callable[[], float] = time.time) -> StoreMasterApp:
+    """Restores persisted metadata, then serves; stop with ``app.server.stop()``."""
+    rng = random.Random()
+    master = StoreMaster(clock, cfg.params(),
+                         strategy=make_strategy(cfg.allocation_strategy, rng),
+                         eviction=make_eviction_policy(cfg.eviction_policy, rng,
+                                                       cfg.eviction_sample),
+                         rng=rng)
+    store = RedisMetadata(cfg.redis_url, cfg.namespace) if cfg.persist_to_redis() else None
+    restored = None
+    if store is not None:
+        try:
+            segments, objects = await store.load()
+        except BaseException:
+            await store.close()
+            raise
+        restored = master.restore(segments, objects)
+        log.info("store metadata restored: %s", restored)
+    persister = Persister(master, store)
+    await persister.flush()  # drops what restore could not keep
+    ticker = asyncio.create_task(_tick_loop(master, persister, cfg.tick_interval_s),
+                                 name="store-master-tick")
+
+    async def stop_ticker() -> None:
+        ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await ticker
+        await persister.flush()
+        if store is not None:
+            await store.close()
+
+    servicer = StoreMasterServicer(master, persister)
+    spec = ServiceSpec(store_pb2_grpc.add_StoreMasterServicer_to_server, servicer,
+                       store_pb2.DESCRIPTOR.services_by_name["StoreMaster"].full_name)
+
+    def record(address: str) -> discovery_pb2.InstanceRecord:
+        return discovery_pb2.InstanceRecord(
+            instance_id=f"store-master-{address}", component="store_master", address=address,
+            labels={"persist": "redis" if store is not None else "none"})
+
+    server = MeshServer(cfg, "store_master", [spec], record_factory=record,
+                        on_stop=[stop_ticker])
+    try:
+        await server.start()
+    except BaseException:
+        await stop_ticker()
+        raise
+    return StoreMasterApp(server, master, persister, restored)
+
+
+async def amain(cfg: StoreMasterConfig) -> None:
+    app = await start_store_master(cfg)
+    await run(app.server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = load_config(StoreMasterConfig, argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    setup_tracing("kvmesh-store-master")
+    asyncio.run(amain(cfg))
+    return 0

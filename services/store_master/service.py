@@ -1,0 +1,177 @@
+"""The StoreMaster gRPC servicer: protobuf in, :class:`StoreMaster` calls, protobuf out.
+
+Contract (``protos/store.proto`` documents each RPC):
+
+- Every RPC validates what protobuf cannot (unknown enum values → INVALID_ARGUMENT), calls
+  the core, and maps a :class:`StoreError` to its status (``StoreError.status``): NOT_FOUND,
+  ALREADY_EXISTS, FAILED_PRECONDITION (leased, incomplete, wrong state),
+  RESOURCE_EXHAUSTED (no space), INVALID_ARGUMENT.
+- Every RPC that can change durable metadata flushes the persister before it answers
+  (write-through); a failed flush is logged and retried later, the answer is unaffected.
+  Reads (GetReplicaList, ExistKey, BatchExistKey, Ping, Stats) write nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+import grpc
+
+from protos import store_pb2, store_pb2_grpc
+from services.store_master.core import (
+    Pin,
+    ReplicaDescriptor,
+    ReplicaState,
+    StoreError,
+    StoreMaster,
+)
+from services.store_master.persist import Persister
+
+T = TypeVar("T")
+
+_PINS = {store_pb2.PIN_NONE: Pin.NONE, store_pb2.PIN_SOFT: Pin.SOFT,
+         store_pb2.PIN_HARD: Pin.HARD}
+_STATES = {s: getattr(store_pb2, f"REPLICA_STATE_{s.name}") for s in ReplicaState}
+
+
+def replica_pb(d: ReplicaDescriptor) -> store_pb2.Replica:
+    return store_pb2.Replica(segment_id=d.segment_id, client_id=d.client_id,
+                             endpoint=d.endpoint, offset=d.offset, address=d.address,
+                             size=d.size, state=_STATES[d.state])
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: StoreError) -> NoReturn:
+    await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
+    """Serves one :class:`StoreMaster`; flushes ``persister`` after every mutation."""
+
+    def __init__(self, master: StoreMaster, persister: Persister) -> None:
+        self._m = master
+        self._p = persister
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T],
+                    mutates: bool = True) -> T:
+        try:
+            out = fn()
+        except StoreError as exc:
+            await _abort(context, exc)
+        finally:
+            if mutates:  # even a refusal may have evicted (PutStart)
+                await self._p.flush()
+        return out
+
+    async def _pin(self, context: grpc.aio.ServicerContext, value: int) -> Pin:
+        pin = _PINS.get(value)  # type: ignore[call-overload]
+        if pin is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pin {value}")
+        return pin  # type: ignore[no-any-return]
+
+    async def PutStart(  # noqa: N802
+        self, request: store_pb2.PutStartRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.PutStartResponse:
+        pin = await self._pin(context, request.pin)
+        descs = await self._call(context, lambda: self._m.put_start(
+            request.key, request.size, replicas=request.replicas or 1, pin=pin,
+            preferred_segment=request.preferred_segment))
+        return store_pb2.PutStartResponse(replicas=[replica_pb(d) for d in descs])
+
+    async def PutEnd(  # noqa: N802
+        self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.PutEndResponse:
+        descs = await self._call(context, lambda: self._m.put_end(request.key))
+        return store_pb2.PutEndResponse(replicas=[replica_pb(d) for d in descs])
+
+    async def PutRevoke(  # noqa: N802
+        self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.PutRevokeResponse:
+        await self._call(context, lambda: self._m.put_revoke(request.key))
+        return store_pb2.PutRevokeResponse()
+
+    async def GetReplicaList(  # noqa: N802
+        self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.GetReplicaListResponse:
+        def read() -> tuple[list[ReplicaDescriptor], int, float]:
+            descs = self._m.get_replica_list(request.key)
+            return descs, descs[0].size if descs else 0, self._m.lease_until(request.key)
+
+        descs, size, until = await self._call(context, read, mutates=False)
+        return store_pb2.GetReplicaListResponse(
+            replicas=[replica_pb(d) for d in descs], size=size, lease_until=until)
+
+    async def ExistKey(  # noqa: N802
+        self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.ExistKeyResponse:
+        exists = await self._call(context, lambda: self._m.exist_key(request.key),
+                                  mutates=False)
+        return store_pb2.ExistKeyResponse(exists=exists)
+
+    async def BatchExistKey(  # noqa: N802
+        self, request: store_pb2.BatchExistKeyRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.BatchExistKeyResponse:
+        found = await self._call(context, lambda: self._m.batch_exist_key(list(request.keys)),
+                                 mutates=False)
+        return store_pb2.BatchExistKeyResponse(exists=found)
+
+    async def Remove(  # noqa: N802
+        self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.RemoveResponse:
+        await self._call(context, lambda: self._m.remove(request.key))
+        return store_pb2.RemoveResponse()
+
+    async def RemoveAll(  # noqa: N802
+        self, request: store_pb2.RemoveAllRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.RemoveAllResponse:
+        n = await self._call(context, self._m.remove_all)
+        return store_pb2.RemoveAllResponse(removed=n)
+
+    async def SetPin(  # noqa: N802
+        self, request: store_pb2.SetPinRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.SetPinResponse:
+        pin = await self._pin(context, request.pin)
+        await self._call(context, lambda: self._m.set_pin(request.key, pin))
+        return store_pb2.SetPinResponse()
+
+    async def MountSegment(  # noqa: N802
+        self, request: store_pb2.MountSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.MountSegmentResponse:
+        mounted = await self._call(context, lambda: self._m.mount_segment(
+            request.client_id, request.segment_id, request.base, request.size,
+            request.endpoint))
+        return store_pb2.MountSegmentResponse(mounted=mounted,
+                                              client_ttl_s=self._m.params.client_ttl_s)
+
+    async def UnmountSegment(  # noqa: N802
+        self, request: store_pb2.UnmountSegmentRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.UnmountSegmentResponse:
+        rep = await self._call(context, lambda: self._m.unmount_segment(
+            request.client_id, request.segment_id))
+        return store_pb2.UnmountSegmentResponse(replicas_lost=rep.replicas_lost,
+                                                objects_lost=rep.objects_lost)
+
+    async def Ping(  # noqa: N802
+        self, request: store_pb2.PingRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.PingResponse:
+        known = await self._call(context, lambda: self._m.ping(request.client_id),
+                                 mutates=False)
+        return store_pb2.PingResponse(known=known, client_ttl_s=self._m.params.client_ttl_s)
+
+    async def Stats(  # noqa: N802
+        self, request: store_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.StatsResponse:
+        s = self._m.stats()
+        c = s.counters
+        return store_pb2.StatsResponse(
+            capacity=s.capacity, used=s.used, objects=s.objects,
+            complete_objects=s.complete_objects, segments=s.segments, clients=s.clients,
+            puts_started=c.puts_started, puts_completed=c.puts_completed,
+            puts_revoked=c.puts_revoked, zombies_reclaimed=c.zombies_reclaimed,
+            objects_removed=c.objects_removed, objects_evicted=c.objects_evicted,
+            bytes_evicted=c.bytes_evicted, eviction_runs=c.eviction_runs,
+            allocation_failures=c.allocation_failures, clients_lost=c.clients_lost,
+            replicas_lost=c.replicas_lost, objects_lost=c.objects_lost,
+            leases_granted=c.leases_granted, records_persisted=self._p.records_written,
+            persist_failures=self._p.failures)

@@ -1,0 +1,262 @@
+"""The store master over gRPC, in process, on real etcd and Redis: the main flows, the error
+codes, leases, liveness, zombies, eviction, and a restart that keeps the metadata."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
+
+import grpc
+import pytest
+
+from protos import store_pb2, store_pb2_grpc
+from services.common.config import load_config
+from services.common.discovery import InstanceWatcher
+from services.launcher.procs import Child
+from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
+from services.store_master.persist import RedisMetadata
+from tests.integration.conftest import base_args
+
+_ns = itertools.count()
+
+
+def ns() -> str:
+    return f"store{next(_ns)}"
+
+
+def config(etcd: Child, redis_server: Child | None, namespace: str,
+           *extra: str) -> StoreMasterConfig:
+    args = [*base_args(etcd.address, namespace), "--tick-interval-s", "0.05", *extra]
+    if redis_server is not None:
+        args += ["--redis-url", f"redis://{redis_server.address}"]
+    return load_config(StoreMasterConfig, args, {})
+
+
+Starter = Callable[..., Coroutine[Any, Any, tuple[StoreMasterApp, store_pb2_grpc.StoreMasterStub]]]
+
+
+@pytest.fixture
+async def start(etcd: Child, redis_server: Child) -> AsyncIterator[Starter]:
+    apps: list[StoreMasterApp] = []
+    channels: list[grpc.aio.Channel] = []
+
+    async def go(namespace: str, *extra: str, redis: bool = True
+                 ) -> tuple[StoreMasterApp, store_pb2_grpc.StoreMasterStub]:
+        app = await start_store_master(config(etcd, redis_server if redis else None,
+                                              namespace, *extra))
+        apps.append(app)
+        ch = grpc.aio.insecure_channel(app.server.address)
+        channels.append(ch)
+        return app, store_pb2_grpc.StoreMasterStub(ch)
+
+    yield go
+    for ch in channels:
+        await ch.close()
+    for app in apps:
+        await app.server.stop()
+
+
+async def code_of(call: Any) -> grpc.StatusCode:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call
+    return info.value.code()
+
+
+def key(k: str) -> store_pb2.KeyRequest:
+    return store_pb2.KeyRequest(key=k)
+
+
+async def mount(stub: store_pb2_grpc.StoreMasterStub, client: str, seg: str,
+                size: int = 1000) -> None:
+    await stub.MountSegment(store_pb2.MountSegmentRequest(
+        client_id=client, segment_id=seg, base=1 << 30, size=size, endpoint=f"nixl-{client}"))
+
+
+async def test_put_get_remove_flow_and_error_codes(start: Starter) -> None:
+    app, stub = await start(ns(), "--read-lease-ttl-s", "1.0")
+    await mount(stub, "c0", "s0")
+    await mount(stub, "c1", "s1")
+    started = await stub.PutStart(store_pb2.PutStartRequest(key="k", size=100, replicas=2))
+    assert sorted(r.segment_id for r in started.replicas) == ["s0", "s1"]
+    assert {r.state for r in started.replicas} == {store_pb2.REPLICA_STATE_PROCESSING}
+    r0 = started.replicas[0]
+    assert r0.address == (1 << 30) + r0.offset and r0.endpoint == f"nixl-{r0.client_id}"
+
+    # Not served before PutEnd.
+    assert not (await stub.ExistKey(key("k"))).exists
+    assert await code_of(stub.GetReplicaList(key("k"))) == grpc.StatusCode.FAILED_PRECONDITION
+    assert await code_of(stub.Remove(key("k"))) == grpc.StatusCode.FAILED_PRECONDITION
+    assert await code_of(stub.PutStart(store_pb2.PutStartRequest(key="k", size=1))) == \
+        grpc.StatusCode.ALREADY_EXISTS
+
+    ended = await stub.PutEnd(key("k"))
+    assert {r.state for r in ended.replicas} == {store_pb2.REPLICA_STATE_COMPLETE}
+    got = await stub.GetReplicaList(key("k"))
+    assert got.size == 100 and len(got.replicas) == 2 and got.lease_until > 0
+    assert list((await stub.BatchExistKey(
+        store_pb2.BatchExistKeyRequest(keys=["k", "nope"]))).exists) == [True, False]
+
+    # Leased: Remove refused until the lease runs out.
+    assert await code_of(stub.Remove(key("k"))) == grpc.StatusCode.FAILED_PRECONDITION
+    await asyncio.sleep(1.1)
+    await stub.Remove(key("k"))
+    assert await code_of(stub.GetReplicaList(key("k"))) == grpc.StatusCode.NOT_FOUND
+
+    # Revoke of a put in progress; of a complete object it is refused.
+    await stub.PutStart(store_pb2.PutStartRequest(key="r", size=10))
+    await stub.PutRevoke(key("r"))
+    assert await code_of(stub.PutEnd(key("r"))) == grpc.StatusCode.NOT_FOUND
+    await stub.PutStart(store_pb2.PutStartRequest(key="r", size=10))
+    await stub.PutEnd(key("r"))
+    assert await code_of(stub.PutRevoke(key("r"))) == grpc.StatusCode.FAILED_PRECONDITION
+    await stub.SetPin(store_pb2.SetPinRequest(key="r", pin=store_pb2.PIN_HARD))
+    assert app.master.get_object("r").pin.name == "HARD"  # type: ignore[union-attr]
+    assert (await stub.RemoveAll(store_pb2.RemoveAllRequest())).removed == 1
+
+    bad = [
+        stub.PutStart(store_pb2.PutStartRequest(key="", size=1)),
+        stub.PutStart(store_pb2.PutStartRequest(key="x", size=0)),
+        stub.PutStart(store_pb2.PutStartRequest(key="x", size=1, replicas=-1)),
+        stub.PutStart(store_pb2.PutStartRequest(key="x", size=1, replicas=99)),
+        stub.PutStart(store_pb2.PutStartRequest(key="x", size=1, pin=7)),  # type: ignore[arg-type]
+        stub.SetPin(store_pb2.SetPinRequest(key="r", pin=9)),  # type: ignore[arg-type]
+        stub.ExistKey(key("")),
+        stub.BatchExistKey(store_pb2.BatchExistKeyRequest(keys=["a", ""])),
+        stub.Ping(store_pb2.PingRequest()),
+        stub.MountSegment(store_pb2.MountSegmentRequest(client_id="c", segment_id="s",
+                                                        size=0)),
+        stub.MountSegment(store_pb2.MountSegmentRequest(segment_id="s", size=10)),
+    ]
+    for call in bad:
+        assert await code_of(call) == grpc.StatusCode.INVALID_ARGUMENT
+    assert await code_of(stub.PutStart(store_pb2.PutStartRequest(key="x", size=5000))) == \
+        grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert await code_of(stub.MountSegment(store_pb2.MountSegmentRequest(
+        client_id="other", segment_id="s0", base=1 << 30, size=1000))) == \
+        grpc.StatusCode.ALREADY_EXISTS
+    assert await code_of(stub.UnmountSegment(store_pb2.UnmountSegmentRequest(
+        client_id="other", segment_id="s0"))) == grpc.StatusCode.NOT_FOUND
+    for rpc in (stub.PutEnd, stub.PutRevoke, stub.Remove, stub.GetReplicaList):
+        assert await code_of(rpc(key("missing"))) == grpc.StatusCode.NOT_FOUND
+    # Unparseable bytes → INVALID_ARGUMENT (the common server interceptor).
+    raw = grpc.aio.insecure_channel(app.server.address)
+    try:
+        call = raw.unary_unary("/kvmesh.store.StoreMaster/PutStart")
+        assert await code_of(call(b"\xff\xff\xff")) == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await raw.close()
+
+    stats = await stub.Stats(store_pb2.StatsRequest())
+    assert (stats.capacity, stats.segments, stats.clients, stats.objects) == (2000, 2, 2, 0)
+    assert stats.puts_started == 3 and stats.puts_revoked == 1 and stats.objects_removed == 2
+    assert stats.records_persisted > 0 and stats.persist_failures == 0
+
+
+async def test_registers_in_etcd(start: Starter, etcd: Child) -> None:
+    namespace = ns()
+    app, _ = await start(namespace)
+    watcher = InstanceWatcher(etcd.address, namespace, "store_master")
+    await watcher.start()
+    try:
+        found = list(watcher.instances().values())
+        assert [r.address for r in found] == [app.server.address]
+        assert found[0].labels["persist"] == "redis"
+    finally:
+        await watcher.close()
+
+
+async def test_client_liveness_zombies_and_eviction(start: Starter) -> None:
+    app, stub = await start(ns(), "--client-ttl-s", "1.0", "--put-timeout-s", "0.4",
+                            "--read-lease-ttl-s", "0.2", "--persist", "none")
+    await mount(stub, "alive", "sa", size=100)
+    await mount(stub, "dead", "sd", size=100)
+    await stub.PutStart(store_pb2.PutStartRequest(key="both", size=10, replicas=2))
+    await stub.PutEnd(key("both"))
+    await stub.PutStart(store_pb2.PutStartRequest(key="zombie", size=10,
+                                                  preferred_segment="sa"))
+    for _ in range(15):  # "alive" pings, "dead" does not
+        await asyncio.sleep(0.1)
+        assert (await stub.Ping(store_pb2.PingRequest(client_id="alive"))).known
+    assert not (await stub.Ping(store_pb2.PingRequest(client_id="dead"))).known
+    got = await stub.GetReplicaList(key("both"))
+    assert [r.segment_id for r in got.replicas] == ["sa"]
+    assert await code_of(stub.PutEnd(key("zombie"))) == grpc.StatusCode.NOT_FOUND
+    stats = await stub.Stats(store_pb2.StatsRequest())
+    assert (stats.clients_lost, stats.zombies_reclaimed, stats.segments) == (1, 1, 1)
+
+    # Fill "sa" to the watermark once "both"'s lease is over: the next tick evicts the least
+    # recently used object, "both".
+    await asyncio.sleep(0.3)
+    for i in range(8):
+        await stub.PutStart(store_pb2.PutStartRequest(key=f"f{i}", size=10))
+        await stub.PutEnd(key(f"f{i}"))
+    await asyncio.sleep(0.3)  # ticks run every 50 ms
+    await stub.Ping(store_pb2.PingRequest(client_id="alive"))
+    stats = await stub.Stats(store_pb2.StatsRequest())
+    assert stats.objects_evicted == 1 and stats.used == 80
+    assert await code_of(stub.GetReplicaList(key("both"))) == grpc.StatusCode.NOT_FOUND
+
+
+async def test_restart_keeps_metadata(start: Starter, redis_server: Child) -> None:
+    namespace = ns()
+    app, stub = await start(namespace, "--client-ttl-s", "30")
+    await mount(stub, "c0", "s0")
+    await mount(stub, "c1", "s1")
+    await stub.PutStart(store_pb2.PutStartRequest(key="a", size=100, replicas=2,
+                                                  pin=store_pb2.PIN_SOFT))
+    await stub.PutEnd(key("a"))
+    await stub.PutStart(store_pb2.PutStartRequest(key="b", size=50))
+    await stub.PutEnd(key("b"))
+    await stub.PutStart(store_pb2.PutStartRequest(key="pending", size=10))
+    await stub.PutStart(store_pb2.PutStartRequest(key="gone", size=10))
+    await stub.PutRevoke(key("gone"))
+    before = {k: (await stub.GetReplicaList(key(k))).replicas for k in ("a", "b")}
+    stats = await stub.Stats(store_pb2.StatsRequest())
+    await app.server.stop()
+
+    app2, stub2 = await start(namespace, "--client-ttl-s", "30")
+    assert app2.restored is not None
+    assert (app2.restored.segments, app2.restored.objects) == (2, 3)
+    assert app2.master.keys() == ["a", "b", "pending"]
+    for k, reps in before.items():
+        assert (await stub2.GetReplicaList(key(k))).replicas == reps
+    stats2 = await stub2.Stats(store_pb2.StatsRequest())
+    assert (stats2.capacity, stats2.used, stats2.objects, stats2.complete_objects) == \
+        (stats.capacity, stats.used, 3, 2)
+    # The put in progress survives and can still complete.
+    await stub2.PutEnd(key("pending"))
+    # Clients remount idempotently and keep pinging.
+    assert not (await stub2.MountSegment(store_pb2.MountSegmentRequest(
+        client_id="c0", segment_id="s0", base=1 << 30, size=1000))).mounted
+    assert (await stub2.Ping(store_pb2.PingRequest(client_id="c1"))).known
+    # New allocations do not overlap restored ones.
+    new = await stub2.PutStart(store_pb2.PutStartRequest(key="c", size=100,
+                                                         preferred_segment="s0"))
+    old = [r for r in before["a"] if r.segment_id == "s0"][0]
+    assert new.replicas[0].offset >= old.offset + old.size or \
+        new.replicas[0].offset + 100 <= old.offset
+
+    # What Redis holds equals the master's snapshot (write-through).
+    await app2.server.stop()
+    store = RedisMetadata(f"redis://{redis_server.address}", namespace)
+    try:
+        segs, objs = await store.load()
+        assert sorted(o["key"] for o in objs) == ["a", "b", "c", "pending"]
+        assert sorted(s["segment_id"] for s in segs) == ["s0", "s1"]
+        await store.clear()
+        assert await store.load() == ([], [])
+    finally:
+        await store.close()
+
+
+async def test_without_redis_metadata_is_not_kept(start: Starter) -> None:
+    namespace = ns()
+    app, stub = await start(namespace, redis=False)
+    assert not app.persister.enabled
+    await mount(stub, "c0", "s0")
+    await app.server.stop()
+    app2, stub2 = await start(namespace, redis=False)
+    assert app2.restored is None
+    assert (await stub2.Stats(store_pb2.StatsRequest())).segments == 0
