@@ -1,0 +1,157 @@
+"""32 mock workers in this process on real etcd and Redis, plus the indexer service.
+
+28 aggregated workers and a 2 + 2 prefill/decode split: all register in etcd under their
+own leases; a request through a worker's gRPC Generate streams tokens and its blocks reach
+the indexer through the worker's in-process KV event relay; a P→D handoff works over gRPC;
+stopping the fleet removes every record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+
+from protos import (
+    common_pb2,
+    discovery_pb2,
+    indexer_pb2,
+    indexer_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.config import load_config
+from services.common.discovery import etcd_client, instances_prefix
+from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
+from services.launcher.procs import Child
+from tests.integration.conftest import base_args
+from workers.fleet import Fleet, FleetConfig, start_fleet
+
+NS = "mockfleet"
+BLOCK = 32
+
+
+async def records(etcd: str) -> dict[str, discovery_pb2.InstanceRecord]:
+    client = etcd_client(etcd)
+    await client.connect()
+    try:
+        out = {}
+        for kv in await client.get_prefix(instances_prefix(NS, "worker").encode()):
+            rec = discovery_pb2.InstanceRecord()
+            rec.ParseFromString(kv.value)
+            out[rec.instance_id] = rec
+        return out
+    finally:
+        await client.close()
+
+
+async def eventually(check: Callable[[], Awaitable[object]], within: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        result = await check()
+        if result:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met in {within}s (last: {result!r})")
+        await asyncio.sleep(0.1)
+
+
+async def generate(address: str, req: worker_pb2.GenerateRequest) -> list[
+        worker_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        return [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(req)]
+
+
+@pytest.fixture(scope="module")
+async def fleet(etcd: Child, redis_server: Child) -> AsyncIterator[tuple[Fleet, IndexerApp]]:
+    args = [*base_args(etcd.address, NS), "--redis-url", f"redis://{redis_server.address}"]
+    cfg = load_config(FleetConfig, [
+        *args, "--workers", "28", "--prefill-workers", "2", "--decode-workers", "2",
+        "--block-size", str(BLOCK), "--num-blocks", "256", "--max-model-len", "2048",
+        "--timing", "poly", "--speedup-ratio", "20", "--worker-id", "fl-"], {})
+    indexer = await start_indexer(load_config(IndexerConfig, [*args, "--group", "fl"], {}))
+    f = await start_fleet(cfg)
+    try:
+        yield f, indexer
+    finally:
+        await f.stop()
+        await indexer.server.stop()
+
+
+async def test_all_workers_register_with_their_roles(fleet: tuple[Fleet, IndexerApp],
+                                                     etcd: Child) -> None:
+    f, _ = fleet
+    assert len(f.workers) == 32
+    assert len({w.address for w in f.workers}) == 32
+    recs = await records(etcd.address)
+    assert set(recs) == {w.worker_id for w in f.workers}
+    roles = [recs[w.worker_id].role for w in f.workers]
+    assert roles.count(discovery_pb2.WORKER_ROLE_AGG) == 28
+    assert roles.count(discovery_pb2.WORKER_ROLE_PREFILL) == 2
+    assert roles.count(discovery_pb2.WORKER_ROLE_DECODE) == 2
+    assert {r.engine for r in recs.values()} == {"mock"}
+    assert recs["fl-p28"].handoff.mode == "mock" and not recs["fl-a0"].handoff.mode
+    assert "kv_events" in recs["fl-a0"].capabilities
+
+
+async def test_generate_streams_and_blocks_reach_the_indexer(
+        fleet: tuple[Fleet, IndexerApp]) -> None:
+    f, indexer = fleet
+    worker = f.workers[5]
+    prompt = [(7 * i + 3) % 1000 for i in range(4 * BLOCK + 9)]
+    req = worker_pb2.GenerateRequest(request_id="fl-1", token_ids=prompt, model="mock",
+                                     sampling=common_pb2.SamplingParams(max_tokens=6))
+    chunks = await generate(worker.address, req)
+    assert sum(len(c.token_ids) for c in chunks) == 6
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert chunks[-1].usage.prompt_tokens == len(prompt)
+    assert {c.worker_id for c in chunks} == {worker.worker_id}
+
+    async with grpc.aio.insecure_channel(indexer.server.address) as ch:
+        stub = indexer_pb2_grpc.IndexerStub(ch)
+
+        async def overlap() -> int:
+            resp = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
+                token_ids=prompt, block_size=BLOCK))
+            return next((o.blocks for o in resp.overlaps if o.worker_id == worker.worker_id), 0)
+
+        await eventually(overlap)
+        assert await overlap() == 4
+    again = await generate(worker.address, worker_pb2.GenerateRequest(
+        request_id="fl-2", token_ids=prompt, model="mock",
+        sampling=common_pb2.SamplingParams(max_tokens=2)))
+    assert again[-1].usage.cached_tokens == 4 * BLOCK
+
+
+async def test_prefill_decode_handoff_over_grpc(fleet: tuple[Fleet, IndexerApp]) -> None:
+    f, _ = fleet
+    p, d = f.by_role("prefill")[0], f.by_role("decode")[0]
+    prompt = list(range(1, 3 * BLOCK + 1))
+    p_req = worker_pb2.GenerateRequest(
+        request_id="fl-pd", token_ids=prompt, model="mock",
+        sampling=common_pb2.SamplingParams(max_tokens=1, ignore_eos=True))
+    p_req.kv_transfer.do_remote_decode = True
+    p_last = (await generate(p.address, p_req))[-1]
+    assert p_last.kv_transfer.do_remote_prefill
+    assert p_last.kv_transfer.remote_engine_id == p.engine.info.handoff["engine_id"]
+    assert len(p_last.kv_transfer.remote_block_ids) == 3
+    d_req = worker_pb2.GenerateRequest(request_id="fl-pd", token_ids=prompt, model="mock",
+                                       sampling=common_pb2.SamplingParams(max_tokens=4))
+    d_req.kv_transfer.CopyFrom(p_last.kv_transfer)
+    d_req.kv_transfer.do_remote_decode = False
+    chunks = await generate(d.address, d_req)
+    assert sum(len(c.token_ids) for c in chunks) == 4
+    assert chunks[-1].usage.cached_tokens == len(prompt) - 1
+    assert d.engine.counters()["kv_transfers"] == 1
+
+
+async def test_stop_removes_every_record(etcd: Child, redis_server: Child) -> None:
+    args = [*base_args(etcd.address, NS), "--redis-url", f"redis://{redis_server.address}"]
+    small = await start_fleet(load_config(FleetConfig, [
+        *args, "--workers", "3", "--worker-id", "gone-", "--timing", "zero"], {}))
+    assert {w.worker_id for w in small.workers} <= set(await records(etcd.address))
+    await small.stop()
+    await small.stop()  # idempotent
+    assert not {w.worker_id for w in small.workers} & set(await records(etcd.address))
