@@ -171,7 +171,9 @@ class StoreMasterServicer:
 
     def MountSegment(self, request, context):
         """A store client contributes a memory segment. Remounting the same segment with the same
-        owner, base and size is a no-op (after a master restart, clients may remount).
+        owner, base and size is a no-op (after a master restart, clients may remount). Use a
+        fresh segment id per client launch: a restarted client's memory no longer holds the
+        bytes of the replicas recorded under its old segment, and a remount would revive them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -13,7 +13,8 @@ Store clients and segments
   bytes at address ``base``, owned by ``client_id`` (which counts as alive from now on).
   Mounting the same segment again with the same owner, base and size is a no-op returning
   False (a client remounting after a master restart); a different owner or geometry is
-  AlreadyExists. Returns True when newly mounted.
+  AlreadyExists. Returns True when newly mounted. A remount trusts the bytes already
+  recorded in that segment, so clients must use a fresh segment id per launch.
 - ``unmount_segment(client_id, segment_id)``: drops the segment; every replica on it goes
   to FAILED and is dropped; objects left without replicas are deleted (even leased ones: the
   bytes are gone). NotFound unless ``client_id`` owns that segment.
