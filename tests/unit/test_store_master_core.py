@@ -561,12 +561,15 @@ def test_restore_drops_what_no_longer_fits() -> None:
     kv.apply(m.drain_changes())
     del kv.segments["s1"]  # that segment's record is gone
     kv.objects["junk"] = b'{"key": "junk"}'
+    kv.segments["bad"] = b'{"segment_id": "bad", "client_id": "c9", "base": 0, "size": -1}'
     m2 = make(clock, segments=0)
     rep = kv.restore_into(m2)
     assert (rep.objects, rep.replicas_dropped, rep.objects_dropped) == (1, 2, 2)
+    assert (rep.segments, rep.segments_dropped) == (1, 1)
     assert [d.segment_id for d in m2.get_replica_list("a")] == ["s0"]
     ch = m2.drain_changes()
     assert set(ch.objects) == {"a", "b", "junk"} and ch.objects["b"] is None
+    assert ch.segments == {"bad": None}
     with pytest.raises(WrongState):
         m2.restore([], [])
 

@@ -116,6 +116,7 @@ from services.store_master.core.states import (
     Replica,
     ReplicaDescriptor,
     ReplicaState,
+    StoreError,
     WrongState,
 )
 
@@ -202,6 +203,7 @@ class RestoreReport:
     objects: int
     replicas_dropped: int
     objects_dropped: int
+    segments_dropped: int = 0  # malformed segment records
 
 
 @dataclass
@@ -550,9 +552,16 @@ class StoreMaster:
         if self._objects or self._segments:
             raise WrongState("restore needs an empty master")
         now = self._clock()
+        segments_dropped = 0
+        bad_segments: set[str] = set()
         for rec in segments:
-            self.mount_segment(str(rec["client_id"]), str(rec["segment_id"]),
-                               int(rec["base"]), int(rec["size"]), str(rec.get("endpoint", "")))
+            try:
+                self.mount_segment(str(rec["client_id"]), str(rec["segment_id"]),
+                                   int(rec["base"]), int(rec["size"]),
+                                   str(rec.get("endpoint", "")))
+            except (StoreError, KeyError, TypeError, ValueError):
+                segments_dropped += 1
+                bad_segments.add(str(rec.get("segment_id", "")))
         n_objects = replicas_dropped = objects_dropped = 0
         for rec in objects:
             try:
@@ -588,9 +597,11 @@ class StoreMaster:
             for r in keep:
                 self._by_segment[r.segment_id].add(obj.key)
             n_objects += 1
-        self._dirty_segments.clear()
+        self._dirty_segments = {sid for sid in bad_segments
+                                if sid and sid not in self._segments}  # delete those
         self._dirty_objects.discard("")
-        return RestoreReport(len(self._segments), n_objects, replicas_dropped, objects_dropped)
+        return RestoreReport(len(self._segments), n_objects, replicas_dropped, objects_dropped,
+                             segments_dropped)
 
     # -- helpers --------------------------------------------------------------------------
 
