@@ -111,6 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     services = {"worker": "workers.main", "router": "services.router.main",
                 "indexer": "services.indexer.main",
+                "store-master": "services.store_master.main",
                 "frontend": "services.frontend.main"}
     if argv[:2] == ["bench", "replay"]:
         from bench.replay.run import main as replay_main
@@ -153,6 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("worker", help="run a worker (flags: kvmesh worker --help)")
     sub.add_parser("router", help="run the router")
     sub.add_parser("indexer", help="run the KV indexer (follows the Redis event stream)")
+    sub.add_parser("store-master", help="run the KV store master (object metadata, leases)")
     sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl ...")
     sub.add_parser("frontend", help="run the frontend")
     args = parser.parse_args(argv)
