@@ -1,0 +1,5 @@
+import sys
+
+from services.planner.main import main
+
+sys.exit(main())

@@ -1,0 +1,297 @@
+"""Planner process wiring: MeshObserver → PlannerCore.tick → Actuator, registered in etcd.
+
+Contract:
+
+- :class:`PlannerConfig` (flags + ``KVMESH_*`` env, one ``validate()``) maps onto
+  :class:`PlannerSettings`, a performance model and an actuator.
+- :class:`PlannerLoop.step` runs one tick: collect observations, ``core.tick(clock(), obs)``,
+  apply the decision when it has actions or the mesh differs from it (an actuator error
+  is logged; the next tick applies again), publish the desired counts as ``desired_<pool>``
+  labels on the planner's etcd record, and return the decision. ``start()`` runs ``step``
+  every ``tick_s`` in a task; ``close()`` stops it.
+- :func:`start_planner` builds and starts everything and registers the planner as
+  component ``planner`` through :class:`MeshServer` (health + reflection only; no gRPC API).
+  Stopping the server stops the loop, the observer and the actuator (the local actuator
+  stops the workers it started).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+
+from protos import discovery_pb2
+from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.server import MeshServer, run, setup_logging
+from services.common.telemetry import setup_tracing
+from services.planner.actuators import ACTUATORS, Actuator, LocalActuator, make_actuator
+from services.planner.core import PlannerCore, PlannerSettings, PoolLimits, ScalingDecision
+from services.planner.observe import MeshObserver, Snapshot
+from services.planner.perf_model import load_perf_model
+from services.planner.predictors import PREDICTORS
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class PlannerConfig(BaseConfig):
+    """kvmesh planner: predicts load and scales prefill/decode workers."""
+
+    mode: str = dataclasses.field(default="disagg", metadata={
+        "help": "disagg (prefill + decode pools) or agg (one pool of agg workers)"})
+    throughput_interval_s: float = dataclasses.field(default=180.0, metadata={
+        "help": "throughput-based prediction period (0 = off)"})
+    load_interval_s: float = dataclasses.field(default=5.0, metadata={
+        "help": "load-based correction period (0 = off)"})
+    tick_s: float = dataclasses.field(default=0.0, metadata={
+        "help": "observation period (0 = the shorter enabled interval)"})
+    ttft_slo_ms: float = dataclasses.field(default=1000.0, metadata={"help": "TTFT SLO"})
+    itl_slo_ms: float = dataclasses.field(default=50.0, metadata={"help": "ITL SLO"})
+    min_prefill: int = dataclasses.field(default=1, metadata={"help": "min prefill replicas"})
+    max_prefill: int = dataclasses.field(default=8, metadata={"help": "max prefill replicas"})
+    min_decode: int = dataclasses.field(default=1, metadata={
+        "help": "min decode replicas (agg workers in agg mode)"})
+    max_decode: int = dataclasses.field(default=8, metadata={
+        "help": "max decode replicas (agg workers in agg mode)"})
+    cooldown_s: float = dataclasses.field(default=30.0, metadata={
+        "help": "no load-based change of a pool this long after its last change"})
+    predictor: str = dataclasses.field(default="constant", metadata={
+        "help": "load predictor: " + ", ".join(PREDICTORS)})
+    predictor_window: int = dataclasses.field(default=8, metadata={
+        "help": "history window of moving_average / arima"})
+    queue_high: float = dataclasses.field(default=2.0, metadata={
+        "help": "waiting requests per worker above which a pool scales up"})
+    kv_high: float = dataclasses.field(default=0.85, metadata={
+        "help": "mean KV usage above which a pool scales up"})
+    kv_low: float = dataclasses.field(default=0.4, metadata={
+        "help": "mean KV usage below which a pool may scale down"})
+    perf_model: str = dataclasses.field(default="mocker", metadata={
+        "help": "'mocker' (Dynamo polynomial) or a JSON table of measured points"})
+    perf_speedup: float = dataclasses.field(default=1.0, metadata={
+        "help": "speedup ratio of the mocker polynomial"})
+    kv_capacity_tokens: int = dataclasses.field(default=262144, metadata={
+        "help": "KV capacity per replica in tokens (mocker model)"})
+    actuator: str = dataclasses.field(default="dry_run", metadata={
+        "help": "how to scale: " + ", ".join(ACTUATORS)})
+    worker_env: str = dataclasses.field(default="{}", metadata={
+        "help": "local actuator: JSON object of extra env vars for spawned workers"})
+    worker_log_dir: str = dataclasses.field(default=".kvmesh/logs/planner", metadata={
+        "help": "local actuator: logs of spawned workers"})
+    compose_file: str = dataclasses.field(default="", metadata={
+        "help": "compose actuator: compose file (-f)"})
+    compose_project: str = dataclasses.field(default="", metadata={
+        "help": "compose actuator: project name (-p)"})
+    compose_services: str = dataclasses.field(
+        default="prefill=prefill,decode=decode,agg=worker",
+        metadata={"help": "compose actuator: pool=service,..."})
+    metrics_urls: str = dataclasses.field(default="", metadata={
+        "help": "comma-separated frontend /metrics URLs (default: discover frontends)"})
+    scrape_timeout_s: float = dataclasses.field(default=2.0, metadata={
+        "help": "timeout of GetLoad and /metrics scrapes"})
+
+    def worker_env_dict(self) -> dict[str, str]:
+        data = json.loads(self.worker_env or "{}")
+        if not isinstance(data, dict):
+            raise ValueError("worker_env must be a JSON object")
+        return {str(k): str(v) for k, v in data.items()}
+
+    def compose_map(self) -> dict[str, str]:
+        out = {}
+        for item in filter(None, (s.strip() for s in self.compose_services.split(","))):
+            pool, sep, svc = item.partition("=")
+            if not sep or not pool or not svc:
+                raise ValueError(f"bad compose_services item {item!r}")
+            out[pool] = svc
+        return out
+
+    def settings(self) -> PlannerSettings:
+        dec = PoolLimits(self.min_decode, self.max_decode)
+        return PlannerSettings(
+            mode=self.mode, throughput_interval_s=self.throughput_interval_s,
+            load_interval_s=self.load_interval_s, ttft_slo_ms=self.ttft_slo_ms,
+            itl_slo_ms=self.itl_slo_ms, cooldown_s=self.cooldown_s, predictor=self.predictor,
+            predictor_window=self.predictor_window, queue_high=self.queue_high,
+            kv_high=self.kv_high, kv_low=self.kv_low,
+            limits={"prefill": PoolLimits(self.min_prefill, self.max_prefill),
+                    "decode": dec, "agg": dec})
+
+    def resolved_tick_s(self) -> float:
+        if self.tick_s > 0:
+            return self.tick_s
+        return min(x for x in (self.load_interval_s, self.throughput_interval_s) if x > 0)
+
+    def problems(self) -> list[str]:
+        out = super().problems() + self.settings().problems()
+        if self.tick_s < 0 or self.scrape_timeout_s <= 0:
+            out.append("tick_s must be >= 0 and scrape_timeout_s > 0")
+        if self.actuator not in ACTUATORS:
+            out.append(f"unknown actuator {self.actuator!r}")
+        if self.perf_speedup <= 0 or self.kv_capacity_tokens < 1:
+            out.append("perf_speedup must be > 0 and kv_capacity_tokens >= 1")
+        if self.perf_model not in ("mocker", "polynomial") and not Path(self.perf_model).is_file():
+            out.append(f"perf_model {self.perf_model!r} is neither 'mocker' nor a file")
+        try:
+            self.worker_env_dict()
+            self.compose_map()
+        except ValueError as exc:
+            out.append(str(exc))
+        return out
+
+
+def build_actuator(cfg: PlannerConfig) -> Actuator:
+    """The configured actuator; the local one passes the mesh's etcd/namespace on."""
+    if cfg.actuator == "local":
+        env = {"KVMESH_ETCD_ENDPOINT": cfg.etcd_endpoint, "KVMESH_NAMESPACE": cfg.namespace,
+               "KVMESH_REDIS_URL": cfg.redis_url, "KVMESH_LEASE_TTL": str(cfg.lease_ttl),
+               **cfg.worker_env_dict()}
+        return LocalActuator(Path(cfg.worker_log_dir), {**os.environ, **env})
+    if cfg.actuator == "compose":
+        return make_actuator("compose", services=cfg.compose_map(),
+                             compose_file=cfg.compose_file, project=cfg.compose_project)
+    return make_actuator(cfg.actuator)
+
+
+def external_workers(snapshot: Snapshot, own_pids: set[int]) -> dict[str, int]:
+    """Ready workers per pool that the local actuator did not start (by published pid)."""
+    out: dict[str, int] = {}
+    for load in snapshot.observations.workers:
+        rec = snapshot.records.get(load.worker_id)
+        pid = rec.labels.get("pid", "") if rec is not None else ""
+        if not (pid.isdigit() and int(pid) in own_pids):
+            out[load.role] = out.get(load.role, 0) + 1
+    return out
+
+
+class PlannerLoop:
+    """Observe → tick → actuate, every ``tick_s``; see the module docstring."""
+
+    def __init__(self, core: PlannerCore, observer: MeshObserver, actuator: Actuator,
+                 tick_s: float, clock: Callable[[], float] = time.monotonic,
+                 publish: Callable[[ScalingDecision], Awaitable[None]] | None = None) -> None:
+        self.core = core
+        self.observer = observer
+        self.actuator = actuator
+        self.tick_s = tick_s
+        self.clock = clock
+        self.last: ScalingDecision | None = None
+        self._publish = publish
+        self._task: asyncio.Task[None] | None = None
+
+    async def step(self) -> ScalingDecision:
+        """One observe → tick → actuate round."""
+        snap = await self.observer.collect()
+        decision = self.core.tick(self.clock(), snap.observations)
+        for a in decision.actions:
+            log.info("%s %s by %d (%d → %d, %s): %s", a.kind, a.pool, a.n, a.from_replicas,
+                     a.to_replicas, a.source, a.reason)
+        for note in decision.notes:
+            log.debug("planner: %s", note)
+        if isinstance(self.actuator, LocalActuator):
+            self.actuator.external = external_workers(snap, self.actuator.pids())
+        if decision.actions or decision.ready != decision.desired:
+            try:
+                await self.actuator.apply(decision)
+            except Exception:
+                log.exception("actuator failed; retrying next tick")
+        self.last = decision
+        if self._publish is not None:
+            try:
+                await self._publish(decision)
+            except Exception:
+                log.exception("publishing the desired counts failed")
+        return decision
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("planner tick failed")
+            await asyncio.sleep(self.tick_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="planner-loop")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+@dataclasses.dataclass
+class PlannerApp:
+    """A started planner."""
+
+    server: MeshServer
+    loop: PlannerLoop
+    core: PlannerCore
+
+
+async def start_planner(cfg: PlannerConfig) -> PlannerApp:
+    """Builds, registers and starts the planner; stop it with ``app.server.stop()``."""
+    model = load_perf_model(cfg.perf_model, cfg.perf_speedup, cfg.kv_capacity_tokens)
+    core = PlannerCore(cfg.settings(), model)
+    urls = [u.strip() for u in cfg.metrics_urls.split(",") if u.strip()]
+    observer = MeshObserver(cfg.etcd_endpoint, cfg.namespace, cfg.scrape_timeout_s, urls)
+    actuator = build_actuator(cfg)
+    await observer.start()
+    labels = {"mode": cfg.mode, "actuator": cfg.actuator}
+
+    def record(address: str) -> discovery_pb2.InstanceRecord:
+        return discovery_pb2.InstanceRecord(instance_id=f"planner-{address}",
+                                            component="planner", address=address,
+                                            labels=labels)
+
+    holder: dict[str, MeshServer] = {}
+    published: dict[str, str] = {}
+
+    async def publish(decision: ScalingDecision) -> None:
+        new = {f"desired_{p}": str(n) for p, n in decision.desired.items()}
+        server = holder.get("server")
+        if new == published or server is None or server.registration is None:
+            return
+        published.clear()
+        published.update(new)
+        labels.update(new)
+        await server.registration.update(record(server.address))
+
+    loop = PlannerLoop(core, observer, actuator, cfg.resolved_tick_s(), publish=publish)
+    server = MeshServer(cfg, "planner", [], record_factory=record,
+                        on_stop=[loop.close, observer.close, actuator.close])
+    holder["server"] = server
+    try:
+        await server.start()
+    except BaseException:
+        await observer.close()
+        raise
+    loop.start()
+    return PlannerApp(server, loop, core)
+
+
+async def amain(cfg: PlannerConfig) -> None:
+    app = await start_planner(cfg)
+    await run(app.server)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        cfg = load_config(PlannerConfig, argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    setup_tracing("kvmesh-planner")
+    asyncio.run(amain(cfg))
+    return 0

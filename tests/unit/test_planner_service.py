@@ -1,0 +1,99 @@
+"""Planner service glue without network: metrics parsing, config, one loop step."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from protos import discovery_pb2
+from services.common.config import ConfigError, load_config
+from services.frontend.metrics import FrontendMetrics
+from services.planner.actuators import DryRunActuator, LocalActuator
+from services.planner.core import Observations, PlannerCore, TrafficCounters, WorkerLoad
+from services.planner.main import PlannerConfig, PlannerLoop, external_workers
+from services.planner.observe import Snapshot, add_traffic, traffic_from_metrics
+from services.planner.perf_model import PolynomialPerfModel
+
+
+def test_traffic_from_the_frontends_metrics() -> None:
+    fm = FrontendMetrics()
+    fm.requests.labels("agg", "ok").inc(3)
+    fm.requests.labels("disagg", "error").inc(1)
+    fm.ttft.labels("agg").observe(0.2)
+    fm.ttft.labels("disagg").observe(0.4)
+    # the metrics the planner also reads (proposed for the frontend)
+    r = CollectorRegistry()
+    Counter("kvmesh_prompt_tokens", "", registry=r).inc(4000)
+    Counter("kvmesh_completion_tokens", "", registry=r).inc(400)
+    itl = Histogram("kvmesh_itl_seconds", "", registry=r)
+    for v in (0.01, 0.03):
+        itl.observe(v)
+    text = fm.render().decode() + generate_latest(r).decode()
+    t = traffic_from_metrics(text)
+    assert t.requests == 4 and t.input_tokens == 4000 and t.output_tokens == 400
+    assert t.ttft_count == 2 and t.ttft_sum_s == pytest.approx(0.6)
+    assert t.itl_count == 2 and t.itl_sum_s == pytest.approx(0.04)
+    assert traffic_from_metrics("") == TrafficCounters()
+    assert add_traffic([t, t]).requests == 8
+
+
+def test_config_validation_and_settings() -> None:
+    cfg = load_config(PlannerConfig, ["--max-decode", "4", "--predictor", "kalman",
+                                      "--compose-services", "decode=dw"],
+                      {"KVMESH_LOAD_INTERVAL_S": "2"})
+    s = cfg.settings()
+    assert s.limit("decode").max_replicas == 4 and s.predictor == "kalman"
+    assert cfg.resolved_tick_s() == 2 and cfg.compose_map() == {"decode": "dw"}
+    for argv in (["--actuator", "k8s"], ["--predictor", "prophet"], ["--min-decode", "9"],
+                 ["--worker-env", "[1]"], ["--perf-model", "/nonexistent.json"],
+                 ["--throughput-interval-s", "0", "--load-interval-s", "0"]):
+        with pytest.raises(ConfigError):
+            load_config(PlannerConfig, argv, {})
+
+
+class FakeObserver:
+    def __init__(self, snaps: list[Snapshot]) -> None:
+        self.snaps = snaps
+
+    async def collect(self) -> Snapshot:
+        return self.snaps.pop(0)
+
+
+def snap(n_p: int, n_d: int, **load: float) -> Snapshot:
+    workers = ([WorkerLoad(f"p{i}", "prefill", **load) for i in range(n_p)]  # type: ignore[arg-type]
+               + [WorkerLoad(f"d{i}", "decode", **load) for i in range(n_d)])  # type: ignore[arg-type]
+    return Snapshot(Observations(tuple(workers)), {})
+
+
+async def test_loop_step_applies_and_publishes() -> None:
+    now = [0.0]
+    core = PlannerCore(PlannerConfig(throughput_interval_s=0, load_interval_s=5,
+                                     cooldown_s=0).settings(), PolynomialPerfModel())
+    act = DryRunActuator()
+    published = []
+
+    async def publish(d):  # type: ignore[no-untyped-def]
+        published.append(d.desired)
+
+    loop = PlannerLoop(core, FakeObserver([snap(1, 1), snap(1, 1), snap(1, 1, num_waiting=9)]),
+                       act, 5.0, clock=lambda: now[0], publish=publish)  # type: ignore[arg-type]
+    d0 = await loop.step()
+    assert d0.desired == {"prefill": 1, "decode": 1} and act.applied == []  # nothing to do
+    now[0] = 5.0
+    await loop.step()
+    now[0] = 10.0
+    d2 = await loop.step()
+    assert d2.desired == {"prefill": 2, "decode": 2} and act.applied == [d2]
+    assert published[-1] == {"prefill": 2, "decode": 2}
+
+
+def test_external_workers_by_published_pid(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    recs = {
+        "p0": discovery_pb2.InstanceRecord(instance_id="p0", labels={"pid": "11"}),
+        "p1": discovery_pb2.InstanceRecord(instance_id="p1", labels={"pid": "22"}),
+        "d0": discovery_pb2.InstanceRecord(instance_id="d0"),
+    }
+    s = Snapshot(Observations((WorkerLoad("p0", "prefill"), WorkerLoad("p1", "prefill"),
+                               WorkerLoad("d0", "decode"))), recs)
+    assert external_workers(s, {22}) == {"prefill": 1, "decode": 1}
+    assert isinstance(LocalActuator(tmp_path, {}), LocalActuator)
