@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from protos import discovery_pb2
 from services.common.config import BaseConfig, ConfigError, load_config
@@ -170,10 +171,17 @@ def external_workers(snapshot: Snapshot, own_pids: set[int]) -> dict[str, int]:
     return out
 
 
+class Observer(Protocol):
+    """Anything that yields the mesh's current :class:`Snapshot` (MeshObserver, fakes)."""
+
+    async def collect(self) -> Snapshot:
+        ...
+
+
 class PlannerLoop:
     """Observe → tick → actuate, every ``tick_s``; see the module docstring."""
 
-    def __init__(self, core: PlannerCore, observer: MeshObserver, actuator: Actuator,
+    def __init__(self, core: PlannerCore, observer: Observer, actuator: Actuator,
                  tick_s: float, clock: Callable[[], float] = time.monotonic,
                  publish: Callable[[ScalingDecision], Awaitable[None]] | None = None) -> None:
         self.core = core

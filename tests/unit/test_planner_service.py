@@ -76,7 +76,7 @@ async def test_loop_step_applies_and_publishes() -> None:
         published.append(d.desired)
 
     loop = PlannerLoop(core, FakeObserver([snap(1, 1), snap(1, 1), snap(1, 1, num_waiting=9)]),
-                       act, 5.0, clock=lambda: now[0], publish=publish)  # type: ignore[arg-type]
+                       act, 5.0, clock=lambda: now[0], publish=publish)
     d0 = await loop.step()
     assert d0.desired == {"prefill": 1, "decode": 1} and act.applied == []  # nothing to do
     now[0] = 5.0
