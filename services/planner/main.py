@@ -148,12 +148,15 @@ class PlannerConfig(BaseConfig):
 
 
 def build_actuator(cfg: PlannerConfig) -> Actuator:
-    """The configured actuator; the local one passes the mesh's etcd/namespace on."""
+    """The configured actuator. The local one gives workers the mesh's etcd, namespace,
+    Redis and lease TTL plus ``worker_env``, and none of the planner's other KVMESH_*."""
     if cfg.actuator == "local":
         env = {"KVMESH_ETCD_ENDPOINT": cfg.etcd_endpoint, "KVMESH_NAMESPACE": cfg.namespace,
                "KVMESH_REDIS_URL": cfg.redis_url, "KVMESH_LEASE_TTL": str(cfg.lease_ttl),
                **cfg.worker_env_dict()}
-        return LocalActuator(Path(cfg.worker_log_dir), {**os.environ, **env})
+        # the planner's own KVMESH_* settings (port, host, ...) must not leak into workers
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
+        return LocalActuator(Path(cfg.worker_log_dir), {**inherited, **env})
     if cfg.actuator == "compose":
         return make_actuator("compose", services=cfg.compose_map(),
                              compose_file=cfg.compose_file, project=cfg.compose_project)

@@ -97,3 +97,18 @@ def test_external_workers_by_published_pid(tmp_path) -> None:  # type: ignore[no
                                WorkerLoad("d0", "decode"))), recs)
     assert external_workers(s, {22}) == {"prefill": 1, "decode": 1}
     assert isinstance(LocalActuator(tmp_path, {}), LocalActuator)
+
+
+def test_local_actuator_env_does_not_leak_planner_settings(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from services.planner.main import build_actuator
+
+    monkeypatch.setenv("KVMESH_PORT", "50051")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = load_config(PlannerConfig, ["--actuator", "local", "--etcd-endpoint", "e:1",
+                                      "--worker-env", '{"KVMESH_ENGINE": "mock"}',
+                                      "--worker-log-dir", str(tmp_path)], {})
+    act = build_actuator(cfg)
+    assert isinstance(act, LocalActuator)
+    env = act._env
+    assert "KVMESH_PORT" not in env and env["OMP_NUM_THREADS"] == "1"
+    assert env["KVMESH_ETCD_ENDPOINT"] == "e:1" and env["KVMESH_ENGINE"] == "mock"
