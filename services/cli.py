@@ -112,6 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     services = {"worker": "workers.main", "router": "services.router.main",
                 "indexer": "services.indexer.main",
                 "store-master": "services.store_master.main",
+                "fleet": "workers.fleet",
                 "frontend": "services.frontend.main"}
     if argv[:2] == ["bench", "replay"]:
         from bench.replay.run import main as replay_main
@@ -154,6 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("worker", help="run a worker (flags: kvmesh worker --help)")
     sub.add_parser("router", help="run the router")
     sub.add_parser("indexer", help="run the KV indexer (follows the Redis event stream)")
+    sub.add_parser("fleet", help="run many simulated (mock) workers in one process")
     sub.add_parser("store-master", help="run the KV store master (object metadata, leases)")
     sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl ...")
     sub.add_parser("frontend", help="run the frontend")

@@ -56,9 +56,10 @@ class WorkerConfig(BaseConfig):
         out = super().problems()
         if self.role not in ROLES:
             out.append(f"role must be one of {ROLES}, got {self.role!r}")
-        if not self.model_path:
+        vllm = self.engine == "vllm"
+        if vllm and not self.model_path:
             out.append("model_path is required")
-        if self.block_size <= 0 or self.block_size % 32:
+        if self.block_size <= 0 or (vllm and self.block_size % 32):
             out.append("block_size must be a positive multiple of 32 (vLLM-CPU)")
         if self.max_model_len < 16:
             out.append("max_model_len must be >= 16")
@@ -70,7 +71,7 @@ class WorkerConfig(BaseConfig):
             out.append("max_num_seqs must be >= 1")
         if self.handoff not in ("", "none", "pull", "push"):
             out.append(f"handoff must be pull, push or none, got {self.handoff!r}")
-        if self.role != "agg" and self.resolved_handoff() == "none":
+        if vllm and self.role != "agg" and self.resolved_handoff() == "none":
             out.append(f"a {self.role} worker needs a KV handoff (pull or push)")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             out.append("kv_load_failure_policy must be recompute or fail")

@@ -71,8 +71,13 @@ def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
 def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Engine:
     """Creates (not starts) the configured engine; with ``events`` its KV event
     publisher binds those endpoints."""
-    model_path = resolve_model_path(cfg.model_path)
-    name = cfg.model_name or Path(model_path).name
+    model_path = resolve_model_path(cfg.model_path) if cfg.model_path else ""
+    name = cfg.model_name or (Path(model_path).name if model_path else cfg.engine)
+    if cfg.engine == "mock":  # one simulated engine; many in one process: workers.fleet
+        return create_engine("mock", model_path=model_path, model_name=name,
+                             block_size=cfg.block_size, max_model_len=cfg.max_model_len,
+                             max_num_seqs=cfg.max_num_seqs, seed=cfg.seed,
+                             handoff="" if cfg.role == "agg" else "mock")
     if cfg.engine == "vllm":
         from workers.engines.vllm_engine import VllmEngineConfig
 
@@ -174,12 +179,18 @@ class WorkerApp:
 async def start_worker(cfg: WorkerConfig) -> WorkerApp:
     """Builds and starts engine, relay (when KV events are published: started before
     the engine, so it sees the first batch) and server."""
-    events = EventEndpoints.create() if cfg.publishes_kv_events() else None
+    zmq_events = cfg.publishes_kv_events() and cfg.engine == "vllm"
+    events = EventEndpoints.create() if zmq_events else None
     engine = build_engine(cfg, events)
-    relay = build_relay(cfg, engine, events) if events is not None else None
+    relay = None
+    if cfg.publishes_kv_events():  # vLLM publishes on ZMQ; other engines call submit()
+        relay = build_relay(cfg, engine, events or EventEndpoints(Path("/nonexistent"), "", ""))
     try:
         if relay is not None:
-            await relay.start()
+            await relay.start(zmq_input=zmq_events)
+            set_sink = getattr(engine, "set_event_sink", None)
+            if not zmq_events and set_sink is not None:
+                set_sink(relay.submit)
         await engine.start()
         server = build_server(cfg, engine, relay)
         await server.start()

@@ -140,8 +140,11 @@ async def test_config_flags_and_embedded_hook(tmp_path: Any) -> None:
     f = tmp_path / "p.yaml"
     f.write_text("profiles:\n  mine:\n    scorers: [prefix_cache, queue]\n")
     cfg = load_config(RouterConfig, ["--policy", "mine", "--prefill-policy", "kv",
-                                     "--profiles", str(f), "--indexer", "embedded"], {})
+                                     "--profiles", str(f), "--indexer", "embedded",
+                                     "--redis-url", "redis://127.0.0.1:1"], {})
     assert cfg.indexer == "embedded" and "mine" in cfg.registry().names()
+    with pytest.raises(ConfigError, match="embedded needs --redis-url"):
+        load_config(RouterConfig, ["--indexer", "embedded"], {})
     with pytest.raises(ConfigError, match="indexer must be one of"):
         load_config(RouterConfig, ["--indexer", "sideways"], {})
     with pytest.raises(ConfigError, match="unknown policy 'mine'"):

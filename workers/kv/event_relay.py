@@ -23,7 +23,7 @@ Contract of :class:`KvEventRelay`:
   mock engine): a list of engine events in vLLM's decoded form (dicts with ``"type"``,
   see :mod:`workers.kv.event_translate`) is translated and numbered exactly like a ZMQ
   batch, and published by the relay's flush task. Start such a relay with
-  ``start(zmq=False)``.
+  ``start(zmq_input=False)``.
 - ``state()`` is the worker's full state with the id of the last event it reflects: what
   ``Worker.GetKvState`` answers for an indexer that saw a gap.
 - ``drop_next(n)`` is fault injection for tests: the next ``n`` events (replacing any
