@@ -1,0 +1,90 @@
+"""Admission control in the offline replay: simulation state → the admission core.
+
+Contract of :class:`SimAdmission` (built by :meth:`SimConfig.make_admission`):
+
+- ``admit(track, plan, tokens) -> bool`` asks :func:`services.admission.core.make_policy`
+  (``early`` = Mooncake early rejection, ``current_load``) whether the request the router
+  just placed may run, with the cluster state of the *routed* workers: the decode (or
+  aggregated) worker's running requests (context tokens, tokens still to generate) and,
+  as the prefill queue, the uncached prompt tokens queued on the worker that will
+  prefill it (P when disaggregated, else the same worker). The request's cached tokens
+  are the router's predicted overlap. Decisions are counted by reason in ``reasons``.
+- :class:`ChunkedPerfModel` is the admission core's ``PerfModel`` for the mock engine:
+  prefill time of ``n`` tokens is the chunked estimate of
+  :func:`bench.offline.policies.chunked_prefill_ms` (at most ``max_num_batched_tokens``
+  per step, as the engine runs it), decode step time is the timing model at the KV
+  usage ``active tokens / capacity``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from bench.offline.policies import chunked_prefill_ms
+from services.admission.core import (
+    AdmissionSettings,
+    ClusterState,
+    DecodeState,
+    PrefillState,
+    RequestShape,
+    RunningRequest,
+    make_policy,
+)
+from services.router.core import RoutePlan
+from workers.engines.mock.timing import TimingModel
+
+
+class ChunkedPerfModel:
+    """See the module docstring."""
+
+    def __init__(self, timing: TimingModel, capacity_tokens: int, budget: int,
+                 speedup: float = 1.0) -> None:
+        self.timing = timing
+        self.capacity = capacity_tokens
+        self.budget = budget
+        self.speedup = speedup
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.capacity
+
+    def prefill_ms(self, tokens: float) -> float:
+        return chunked_prefill_ms(self.timing, int(tokens), self.budget, 0.0) / self.speedup
+
+    def decode_step_ms(self, active_kv_tokens: float) -> float:
+        u = min(max(active_kv_tokens / self.capacity, 0.0), 1.0)
+        return self.timing.step_ms(0, 1, u) / self.speedup
+
+
+class SimAdmission:
+    """See the module docstring."""
+
+    def __init__(self, name: str, sim: Any) -> None:
+        cfg = sim.cfg
+        self.sim = sim
+        self.model = ChunkedPerfModel(cfg.timing(), cfg.num_blocks * cfg.block_size,
+                                      cfg.max_num_batched_tokens, cfg.engine_speedup)
+        ms_per_token = (cfg.kv_bytes_per_token / cfg.transfer_bandwidth * 1000.0
+                        if cfg.disaggregated else 0.0)
+        self.policy = make_policy(name, self.model, AdmissionSettings(
+            itl_slo_ms=cfg.slo_itl_s * 1000.0, ttft_slo_ms=cfg.slo_ttft_s * 1000.0,
+            transfer_ms_per_token=ms_per_token))
+        self.reasons: Counter[str] = Counter()
+
+    def admit(self, track: Any, plan: RoutePlan, tokens: list[int]) -> bool:
+        """Whether the routed request may run (see the module docstring)."""
+        sim = self.sim
+        d = sim.workers[plan.worker.instance_id]
+        p = sim.workers[plan.prefill.instance_id] if plan.prefill is not None else d
+        running = tuple(RunningRequest(len(r.tokens), max(r.max_tokens - r.num_output, 0))
+                        for r in d.sched.running if r.num_computed >= r.num_prompt)
+        cluster = ClusterState(
+            decode=[DecodeState(d.wid, running)],
+            prefill=[PrefillState(p.wid, (p.pending_prefill_tokens(),))])
+        cached = (plan.prefill_overlap_blocks if plan.prefill is not None
+                  else plan.overlap_blocks) * sim.cfg.block_size
+        decision = self.policy.decide(
+            RequestShape(len(tokens), track.osl, min(cached, len(tokens))), cluster)
+        self.reasons[decision.reason] += 1
+        return decision.admit
