@@ -1,0 +1,3 @@
+from bench.router_overhead.run import entry
+
+entry()
