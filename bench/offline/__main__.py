@@ -1,0 +1,5 @@
+import sys
+
+from bench.offline.cli import main
+
+sys.exit(main())
