@@ -1,0 +1,152 @@
+"""kvmesh's store connector in a real vLLM-CPU engine (tiny model), with a real store master
+(in process, on etcd) and store nodes (child processes) over NIXL.
+
+- Fidelity: greedy tokens are identical when the prefix is loaded from the store (after
+  the engine's prefix cache was reset) and when it was computed; the load shows in vLLM's
+  connector hit and external-token counters; a prompt sharing only a prefix loads only
+  the shared blocks.
+- A store node killed after saving (the master still lists its segment): the lookup says
+  hit, the load fails → "recompute" policy gives the computed tokens; "fail" ends the
+  request in error (no full answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import pytest_asyncio
+
+from services.common.config import load_config
+from services.launcher.procs import Child
+from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
+from tests.integration.conftest import base_args
+from tests.integration.pd_support import BLOCK, KV_GIB, MAX_MODEL_LEN, delta, prompt, run, token_ids
+from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
+from workers.kv.store_connector import store_kv_transfer_config
+from workers.model.tiny import ensure_tiny_model
+from workers.store_node import StoreNodeProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
+UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+_ids = itertools.count()
+
+
+def rid(tag: str) -> str:
+    return f"store-{tag}-{next(_ids)}"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def master(etcd: Child) -> AsyncIterator[StoreMasterApp]:
+    cfg = load_config(StoreMasterConfig, [*base_args(etcd.address, "storeconn"),
+                                          "--tick-interval-s", "0.1",
+                                          "--read-lease-ttl-s", "1", "--client-ttl-s", "3"],
+                      {})
+    app = await start_store_master(cfg)
+    yield app
+    await app.server.stop()
+
+
+async def start_engine(master_addr: str, policy: str) -> VllmEngine:
+    eng = VllmEngine(VllmEngineConfig(
+        model_path=str(ensure_tiny_model()), max_model_len=MAX_MODEL_LEN, block_size=BLOCK,
+        kv_cache_space_gib=KV_GIB, seed=0,
+        kv_transfer_config=store_kv_transfer_config(master_addr,
+                                                    kv_load_failure_policy=policy),
+        env=dict(UCX_ENV)))
+    await eng.start()
+    return eng
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def engine(master: StoreMasterApp) -> AsyncIterator[VllmEngine]:
+    eng = await start_engine(master.server.address, "recompute")
+    yield eng
+    await eng.shutdown()
+
+
+async def wait_for(cond: Callable[[], bool], what: str, within: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, f"not {what} after {within}s"
+        await asyncio.sleep(0.1)
+
+
+async def node(master: StoreMasterApp, mib: int = 32) -> StoreNodeProcess:
+    return await asyncio.to_thread(StoreNodeProcess, master.server.address, mib)
+
+
+async def test_store_reload_matches_compute_and_counts_hits(
+        master: StoreMasterApp, engine: VllmEngine) -> None:
+    sn = await node(master)
+    try:
+        tokens = prompt(11, 5 * BLOCK + 7)  # 5 full blocks, all loadable
+        before = engine.counters()
+        computed = token_ids(await run(engine, rid("a"), tokens))
+        assert master.master.stats().complete_objects >= 5
+        assert await engine.reset_prefix_cache()
+        loaded = token_ids(await run(engine, rid("b"), tokens))
+        assert loaded == computed
+        moved = delta(engine.counters(), before)
+        assert moved.get("kv_connector_hits_tokens") == 5 * BLOCK
+        assert moved.get("kv_external_loaded_tokens") == 5 * BLOCK
+
+        # Shared prefix only: 3 blocks in common, then a different tail.
+        other = tokens[:3 * BLOCK] + prompt(12, 2 * BLOCK + 3)
+        assert await engine.reset_prefix_cache()
+        before = engine.counters()
+        with_store = token_ids(await run(engine, rid("c"), other))
+        assert delta(engine.counters(), before).get("kv_connector_hits_tokens") == 3 * BLOCK
+        # The same prompt computed from scratch: no prefix cache, and its blocks dropped
+        # from the store.
+        assert await engine.reset_prefix_cache()
+        await asyncio.sleep(1.1)  # read leases granted by the lookups run out
+        assert master.master.remove_all() > 0
+        before = engine.counters()
+        assert token_ids(await run(engine, rid("d"), other)) == with_store
+        assert delta(engine.counters(), before).get("kv_connector_hits_tokens", 0) == 0
+
+        # A prompt whose length is an exact multiple of the block: the last block is
+        # computed (vLLM must compute at least one token).
+        exact = prompt(13, 4 * BLOCK)
+        first = token_ids(await run(engine, rid("e"), exact))
+        assert await engine.reset_prefix_cache()
+        before = engine.counters()
+        assert token_ids(await run(engine, rid("f"), exact)) == first
+        assert delta(engine.counters(), before).get("kv_connector_hits_tokens") == 3 * BLOCK
+    finally:
+        sn.stop()
+
+
+async def test_load_failure_recompute_and_fail(master: StoreMasterApp,
+                                               engine: VllmEngine) -> None:
+    tokens = prompt(21, 6 * BLOCK + 1)
+    sn = await node(master)
+    try:
+        computed = token_ids(await run(engine, rid("g"), tokens))
+        assert await engine.reset_prefix_cache()
+    finally:
+        sn.kill()  # gone without unmounting: the master still serves its replicas
+    before = engine.counters()
+    again = token_ids(await run(engine, rid("h"), tokens))
+    assert again == computed  # recomputed after the failed load
+    moved = delta(engine.counters(), before)
+    assert moved.get("kv_connector_hits_tokens") == 6 * BLOCK  # the lookup said hit
+
+    await wait_for(lambda: master.master.stats().clients == 0, "dead node dropped")
+    fail = await start_engine(master.server.address, "fail")
+    try:
+        sn2 = await node(master)
+        try:
+            tokens2 = prompt(22, 4 * BLOCK + 1)
+            ref = token_ids(await run(fail, rid("i"), tokens2))
+            assert await fail.reset_prefix_cache()
+        finally:
+            sn2.kill()
+        outs = await run(fail, rid("j"), tokens2)
+        assert outs[-1].finish_reason == "abort"
+        assert token_ids(outs) != ref
+    finally:
+        await fail.shutdown()

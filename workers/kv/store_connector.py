@@ -1,0 +1,353 @@
+"""kvmesh's vLLM KV connector: prefix blocks saved to and loaded from the kvmesh store.
+
+Loaded by vLLM inside EngineCore through ``kv_transfer_config`` (:func:`store_kv_transfer_config`)::
+
+    {"kv_connector": "KvmeshStoreConnector",
+     "kv_connector_module_path": "workers.kv.store_connector",
+     "kv_role": "kv_both",
+     "kv_connector_extra_config": {"store_master": "host:port", ...}}
+
+Extra config: ``store_master`` (required), ``replicas`` (1), ``save`` / ``load`` (true),
+``segment_mib`` (0: the worker contributes no memory; store nodes do),
+``rpc_timeout_s``, ``transfer_timeout_s``.
+
+Objects and keys. One store object per full KV block: for every attention layer (in
+vLLM's layer order) the block's bytes in vLLM's paged cache ``[num_blocks, kv_heads,
+block_size, 2*head_size]`` (one contiguous range per layer), concatenated. The key is
+``kv/<layout id>/tp<rank>of<size>/<chained hash, 16 hex>``: the chained block hash of
+:mod:`services.common.block_hash` over the prompt's token ids, and a hash of
+:func:`workers.kv.layout.kv_layout` (architecture, dtypes, layers, KV heads, head and
+block size), so engines with incompatible layouts never read each other's objects; a
+size mismatch on read is a load error, never a silent copy. Requests with LoRA, multimodal
+inputs or prompt embeddings are neither saved nor loaded (their KV is not a function of
+the token ids alone).
+
+Scheduler side (role SCHEDULER):
+
+- ``get_num_new_matched_tokens(request, num_computed)``: hashes the prompt (cached per
+  request), asks the master (BatchExistKey, which grants read leases) for the blocks after
+  the engine's local hit, and reports ``consecutive hits × block_size`` extra tokens, full
+  blocks only and never the prompt's last token (vLLM must compute at least one). Loads are
+  synchronous: it returns ``(n, False)``. A miss (or a master error) is ``(0, False)``:
+  vLLM computes.
+- ``update_state_after_alloc``: when ``num_external_tokens > 0``, records the load plan
+  (which block indices to load); the block ids are read in ``build_connector_meta``.
+- ``build_connector_meta`` → :class:`StoreMeta`: the loads planned this step (keys, block
+  ids) and the saves: for every scheduled request, the prompt blocks that become full in
+  this step and were neither loaded nor hit locally (each block is saved once per
+  request).
+- ``request_finished`` → ``(False, None)``: every save and load finishes inside the step
+  that scheduled it (below), so vLLM may free the blocks at once.
+
+Worker side (role WORKER):
+
+- ``register_kv_caches``: creates the NIXL-backed :class:`StoreClient` and registers every
+  layer's cache tensor with NIXL, so blocks move between the paged cache and the store
+  with no staging copy (the NIXL descriptor list is the gather/scatter).
+- ``start_load_kv``: vLLM calls it *before* the forward pass when the step has
+  synchronous loads (``SchedulerOutput.has_sync_kv_loads``); it reads every planned block
+  from the store into the blocks vLLM allocated and returns when done. A block that the
+  master no longer has, or whose read fails (segment owner gone, transfer error), is a
+  *load error*: its id is reported by ``get_block_ids_with_load_errors`` in the same step,
+  and vLLM applies ``kv_load_failure_policy`` (recompute from the first failed block, or
+  fail the request).
+- ``wait_for_layer_load``: nothing (loads are complete before the forward).
+- ``save_kv_layer``: nothing; ``wait_for_save`` (after the forward, while vLLM still holds
+  every block of the step) writes the step's saves (PutStart → NIXL WRITE → PutEnd) and
+  returns when done, so no block is freed or reused while a save may touch it. A failed or
+  refused save (no space, key already stored) only costs a future miss.
+- ``get_finished`` → ``(None, None)``: nothing is asynchronous.
+- ``get_kv_connector_stats``: None (loads show in vLLM's connector hit / external token
+  counters); ``counters()`` (this process) has the store client's op/byte counts.
+- ``shutdown``: closes the store client.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from services.common.block_hash import block_hashes
+from workers.kv.layout import kv_layout
+from workers.kv.store_client import Region, StoreClient
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+MODULE = "workers.kv.store_connector"
+CLASS = "KvmeshStoreConnector"
+
+
+def store_kv_transfer_config(
+    store_master: str,
+    *,
+    kv_load_failure_policy: str | None = None,
+    replicas: int = 1,
+    save: bool = True,
+    load: bool = True,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``kv_transfer_config`` for an engine using the kvmesh store connector alone."""
+    if kv_load_failure_policy not in (None, "recompute", "fail"):
+        raise ValueError(f"bad kv_load_failure_policy {kv_load_failure_policy!r}")
+    cfg: dict[str, Any] = {
+        "kv_connector": CLASS,
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"store_master": store_master, "replicas": replicas,
+                                      "save": save, "load": load, **(extra or {})},
+    }
+    if kv_load_failure_policy is not None:
+        cfg["kv_load_failure_policy"] = kv_load_failure_policy
+    return cfg
+
+
+@dataclass
+class BlockJob:
+    """Blocks of one request to load or save: ``keys[i]`` ↔ ``block_ids[i]``."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+@dataclass
+class StoreMeta(KVConnectorMetadata):
+    """What the worker side does in one step (crosses the scheduler → worker boundary)."""
+
+    loads: list[BlockJob] = field(default_factory=list)
+    saves: list[BlockJob] = field(default_factory=list)
+
+
+@dataclass
+class _ReqState:
+    """Scheduler-side bookkeeping of one live request."""
+
+    request: Request
+    keys: list[str]
+    saved_upto: int = -1  # prompt blocks [0, saved_upto) are in the store or need no save
+    load_from: int = 0  # planned load: blocks [load_from, load_to)
+    load_to: int = 0
+    eligible: bool = True
+
+
+def _eligible(request: Request) -> bool:
+    return (getattr(request, "lora_request", None) is None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None
+            and bool(request.prompt_token_ids))
+
+
+class KvmeshStoreConnector(KVConnectorBase_V1):
+    """vLLM connector for the kvmesh store; see the module docstring for each hook."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role,
+                         kv_cache_config=kv_cache_config)  # type: ignore[arg-type]
+        ktc = self._kv_transfer_config
+        self._extra: dict[str, Any] = dict(ktc.kv_connector_extra_config or {})
+        master = self._extra.get("store_master")
+        if not master:
+            raise ValueError("kv_connector_extra_config.store_master is required")
+        self._master = str(master)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._replicas = int(self._extra.get("replicas", 1))
+        self._save = bool(self._extra.get("save", True))
+        self._load = bool(self._extra.get("load", True))
+        par = vllm_config.parallel_config
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = get_tensor_model_parallel_rank()
+        self._layout = kv_layout(vllm_config)
+        self._key_prefix_base = f"tp{tp_rank}of{par.tensor_parallel_size}"
+        self._key_prefix = self._prefix()
+        self._rpc_timeout_s = float(self._extra.get("rpc_timeout_s", 5.0))
+        self._transfer_timeout_s = float(self._extra.get("transfer_timeout_s", 10.0))
+        # Scheduler side
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_loads: list[str] = []
+        # Worker side
+        self._client: StoreClient | None = None
+        self._layers: list[tuple[int, int, int]] = []  # (base addr, block stride, bytes)
+        self._load_errors: set[int] = set()
+        if role == KVConnectorRole.SCHEDULER:
+            self._client = StoreClient(self._master, nixl=False,
+                                       rpc_timeout_s=self._rpc_timeout_s)
+
+    # -- keys -------------------------------------------------------------------------
+
+    def _prefix(self) -> str:
+        layout = xxhash.xxh3_64_hexdigest(self._layout.encode())
+        return f"kv/{layout}/{self._key_prefix_base}/"
+
+    def _keys(self, token_ids: Sequence[int]) -> list[str]:
+        return [f"{self._key_prefix}{h:016x}"
+                for h in block_hashes(token_ids, self._block_size)]
+
+    # -- scheduler side ---------------------------------------------------------------
+
+    def _state(self, request: Request) -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            ok = _eligible(request)
+            keys = self._keys(list(request.prompt_token_ids or [])) if ok else []
+            st = self._reqs[request.request_id] = _ReqState(request, keys, eligible=ok)
+        return st
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        if not (self._load and st.eligible):
+            return 0, False
+        local = num_computed_tokens // self._block_size
+        n_prompt = len(request.prompt_token_ids or [])
+        limit = min(len(st.keys), (n_prompt - 1) // self._block_size)
+        if local >= limit:
+            return 0, False
+        assert self._client is not None
+        hits = self._client.exists_prefix(st.keys[local:limit])
+        return hits * self._block_size, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        st = self._state(request)
+        if num_external_tokens <= 0:
+            return
+        start = request.num_computed_tokens // self._block_size
+        st.load_from, st.load_to = start, start + num_external_tokens // self._block_size
+        self._pending_loads.append(request.request_id)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = StoreMeta()
+        mgr = self._kv_cache_manager
+        for req_id in self._pending_loads:
+            st = self._reqs.get(req_id)
+            if st is None or mgr is None:
+                continue
+            ids = mgr.get_block_ids(req_id)[0]
+            rng = range(st.load_from, st.load_to)
+            meta.loads.append(BlockJob(req_id, [st.keys[i] for i in rng],
+                                       [ids[i] for i in rng]))
+            st.saved_upto = max(st.saved_upto, st.load_to)
+        self._pending_loads.clear()
+        if self._save and mgr is not None:
+            computed: dict[str, int] = {
+                r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+            cached = scheduler_output.scheduled_cached_reqs
+            computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+            for req_id, done in computed.items():
+                st = self._reqs.get(req_id)
+                if st is None or not st.eligible:
+                    continue
+                if st.saved_upto < 0:  # first step: blocks hit locally need no save
+                    st.saved_upto = done // self._block_size
+                upto = (done + scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                        ) // self._block_size
+                upto = min(upto, len(st.keys))
+                if upto > st.saved_upto:
+                    ids = mgr.get_block_ids(req_id)[0]
+                    rng = range(st.saved_upto, upto)
+                    meta.saves.append(BlockJob(req_id, [st.keys[i] for i in rng],
+                                               [ids[i] for i in rng]))
+                    st.saved_upto = upto
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._reqs.pop(request.request_id, None)
+        return False, None
+
+    # -- worker side ------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        client = StoreClient(self._master, int(self._extra.get("segment_mib", 0)) << 20,
+                             rpc_timeout_s=self._rpc_timeout_s,
+                             transfer_timeout_s=self._transfer_timeout_s)
+        seen: set[int] = set()
+        total = 0
+        for name, kv in kv_caches.items():
+            if not kv[0].is_contiguous():
+                raise ValueError(f"KV cache of {name} has non-contiguous blocks: "
+                                 f"shape {tuple(kv.shape)}, stride {kv.stride()}")
+            stride = kv.stride(0) * kv.element_size()
+            nbytes = kv[0].numel() * kv.element_size()
+            base = int(kv.data_ptr())
+            if base not in seen:  # layers may share one tensor
+                client.register(base, kv.shape[0] * stride)
+                seen.add(base)
+            self._layers.append((base, stride, nbytes))
+            total += nbytes
+        self._client = client
+        log.info("kvmesh store connector: %d layers, %d B per block, keys %s",
+                 len(self._layers), total, self._key_prefix)
+
+    def _regions(self, block_id: int) -> list[Region]:
+        return [(base + block_id * stride, n) for base, stride, n in self._layers]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, StoreMeta) or not meta.loads or self._client is None:
+            return
+        items = [(k, self._regions(b)) for job in meta.loads
+                 for k, b in zip(job.keys, job.block_ids, strict=True)]
+        results = self._client.get_many(items)
+        ids = [b for job in meta.loads for b in job.block_ids]
+        failed = {b for b, r in zip(ids, results, strict=True) if r != "ok"}
+        if failed:
+            log.warning("kvmesh store: %d of %d blocks failed to load", len(failed), len(ids))
+            self._load_errors |= failed
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, StoreMeta) or not meta.saves or self._client is None:
+            return
+        items = [(k, self._regions(b)) for job in meta.saves
+                 for k, b in zip(job.keys, job.block_ids, strict=True)]
+        results = self._client.put_many(items, replicas=self._replicas)
+        if "failed" in results:
+            log.info("kvmesh store: %d of %d block saves failed",
+                     results.count("failed"), len(results))
+
+    def get_finished(self, finished_req_ids: set[str]
+                     ) -> tuple[set[str] | None, set[str] | None]:
+        return None, None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def counters(self) -> dict[str, int]:
+        return dict(vars(self._client.counters)) if self._client is not None else {}
+
+    def shutdown(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
