@@ -28,8 +28,9 @@ serialised by one lock):
 - ``get_many([(key, regions)])`` → per key ``"ok"``, ``"missing"`` (unknown / not yet
   complete: a miss) or ``"failed"`` (the master had it but the bytes could not be read:
   wrong size, replica's agent unreachable, transfer error). The object is scattered into
-  ``regions`` in order (sizes must add up to the object's size). Reads the first COMPLETE
-  replica (its own segment first, copied with memmove), holding the master's read lease.
+  ``regions`` in order (sizes must add up to the object's size). Reads a COMPLETE replica
+  (its own segment first, copied with memmove; then the master's order), falling back to
+  the next replica when a read fails; the master's read lease covers the read.
 - ``exists_prefix(keys)`` → how many leading keys exist (BatchExistKey; grants leases).
 - ``stats()``: the master's Stats; ``counters``: bytes/ops moved by this client.
 - ``close()``: stops the pinger, unmounts its segment (best effort), releases NIXL
@@ -327,8 +328,7 @@ class StoreClient:
         futures = [self.stub.GetReplicaList.future(store_pb2.KeyRequest(key=key),
                                                    timeout=self.rpc_timeout_s)
                    for key, _ in items]
-        groups: dict[str, list[_Op]] = {}
-        pending: list[tuple[int, _Op]] = []
+        pending: list[tuple[int, _Op, list[Any]]] = []
         for i, ((key, regions), fut) in enumerate(zip(items, futures, strict=True)):
             try:
                 resp = fut.result()
@@ -346,17 +346,26 @@ class StoreClient:
                 log.warning("store object %s: size %d, expected %d", key, resp.size, want)
                 self.counters.get_failures += 1
                 continue
-            op = _Op(key, list(regions), reps[0].address)
-            groups.setdefault(reps[0].endpoint, []).append(op)
-            pending.append((i, op))
-        self._run_grouped("READ", groups)
-        for i, op in pending:
-            if op.ok:
-                results[i] = "ok"
-                self.counters.gets += 1
-                self.counters.get_bytes += sum(n for _, n in op.local)
-            else:
-                self.counters.get_failures += 1
+            pending.append((i, _Op(key, list(regions), 0), list(reps)))
+        # Round k reads each unfinished object from its k-th replica (fallback on failure).
+        while pending:
+            groups: dict[str, list[_Op]] = {}
+            for _, op, reps in pending:
+                rep = reps.pop(0)
+                op.remote_base, op.ok = rep.address, True
+                groups.setdefault(rep.endpoint, []).append(op)
+            self._run_grouped("READ", groups)
+            retry = []
+            for i, op, reps in pending:
+                if op.ok:
+                    results[i] = "ok"
+                    self.counters.gets += 1
+                    self.counters.get_bytes += sum(n for _, n in op.local)
+                elif reps:
+                    retry.append((i, op, reps))
+                else:
+                    self.counters.get_failures += 1
+            pending = retry
         return results
 
     def get(self, key: str, regions: Sequence[Region]) -> GetResult:
