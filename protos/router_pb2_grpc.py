@@ -56,7 +56,11 @@ class RouterServicer:
 
     def Route(self, request, context):
         """Chooses the worker(s) for one request. NOT_FOUND if no worker serves the model,
-        UNAVAILABLE if the model has no live worker.
+        UNAVAILABLE if the model has no live worker. RESOURCE_EXHAUSTED when admission
+        control rejects the request (router --admission early|current_load): the trailing
+        metadata carries "retry-after" (seconds, decimal) and "kvmesh-admission-reason"
+        (predicted_itl, predicted_ttft, kv_full, no_decode_workers); a rejected request is
+        not in flight (no Release needed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

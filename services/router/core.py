@@ -27,6 +27,13 @@ Contract of :class:`RouterCore`:
   prompt's hashes per block size; otherwise the core hashes once per block size.
   The plan reports the source, the predicted overlap of D and P (with tiers) and the
   chosen workers' score and cost when the policy has them.
+- Admission (``admission``, a :class:`~services.router.admission.RouterAdmission`, None =
+  off): ``route(ctx, max_tokens)`` asks it, after the plan is chosen and before anything
+  is recorded, whether the request may run on the chosen pair at ``clock()``; a
+  rejection raises :class:`Rejected` (carrying the decision) and the request is neither
+  in flight nor in the history. Admitted requests are kept as
+  :class:`~services.router.admission.Flight` records (routed-at time, estimated prefill
+  finish) until released; ``plan.admission`` holds the decision. ``flights()`` lists them.
 - ``evict(now)`` forwards to the policies' ``evict`` hook (e.g. the approx trees);
   returns how many entries they evicted.
 """
@@ -35,10 +42,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from services.admission.core import AdmissionDecision, RequestShape
 from services.common.block_hash import block_hashes
+from services.router.admission import Flight, RouterAdmission, WorkerLoad
 from services.router.disagg import (
     DisaggConfig,
     PairInfo,
@@ -70,6 +80,15 @@ class NoWorkers(RoutingError):
 
 class Incompatible(RoutingError):
     """Prefill and decode workers exist, but no pair can hand KV over."""
+
+
+class Rejected(RoutingError):
+    """Admission control refused the request (the plan it would have run on is kept)."""
+
+    def __init__(self, decision: AdmissionDecision, plan: RoutePlan) -> None:
+        super().__init__(decision.detail or decision.reason)
+        self.decision = decision
+        self.plan = plan
 
 
 @dataclass(frozen=True)
@@ -112,6 +131,7 @@ class RoutePlan:
     cost: float | None = None
     prefill_score: float | None = None
     prefill_cost: float | None = None
+    admission: AdmissionDecision | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -170,6 +190,9 @@ class RouterCore:
     # request id → ((worker id, active blocks), ...)
     _in_flight: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     _known_models: set[str] = field(default_factory=set)
+    admission: RouterAdmission | None = None
+    clock: Callable[[], float] = time.monotonic
+    _flights: dict[str, Flight] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -266,8 +289,44 @@ class RouterCore:
         load = self._loads.get(w.instance_id, _Load())
         return max(load.num_waiting + load.num_running, self.in_flight().get(w.instance_id, 0))
 
-    def route(self, ctx: RouteContext) -> RoutePlan:
-        """Chooses worker(s) for ``ctx``; see the module docstring."""
+    def flights(self) -> list[Flight]:
+        """Admitted requests not yet released (tracked only with admission on)."""
+        return list(self._flights.values())
+
+    def _worker_loads(self) -> dict[str, WorkerLoad]:
+        return {wid: WorkerLoad(load.kv_usage, load.kv_total_blocks,
+                                self._workers[wid].block_size)
+                for wid, load in self._loads.items() if wid in self._workers}
+
+    def _admit(self, plan: RoutePlan, n: int, max_tokens: int) -> tuple[RoutePlan,
+                                                                         Flight | None]:
+        """Asks admission control; raises Rejected. Returns the plan with the decision and
+        the flight to record (None with admission off)."""
+        adm = self.admission
+        if adm is None:
+            return plan, None
+        now = self.clock()
+        d = plan.worker.instance_id
+        p = plan.prefill.instance_id if plan.prefill is not None else None
+        cached_blocks = plan.prefill_overlap_blocks if p is not None else plan.overlap_blocks
+        cached = min(cached_blocks * plan.block_size, n)
+        shape = RequestShape(n, adm.output_tokens(max_tokens), cached)
+        flights = list(self._flights.values())
+        loads = self._worker_loads()
+        decision = adm.decide(shape, d, p, flights, now, loads)
+        plan = dataclasses.replace(plan, admission=decision)
+        if not decision.admit:
+            raise Rejected(decision, plan)
+        load = loads.get(d)
+        model = adm.model_for(load.kv_capacity_tokens if load is not None else 0)
+        wait = adm.prefill_wait_s(flights, p or d, now)
+        done = now + adm.horizon_s(model, wait, n, shape.uncached_tokens, p is not None)
+        return plan, Flight("", d, p, n, shape.uncached_tokens, shape.output_tokens, now,
+                            done)
+
+    def route(self, ctx: RouteContext, max_tokens: int = 0) -> RoutePlan:
+        """Chooses worker(s) for ``ctx``; see the module docstring. ``max_tokens`` is the
+        request's output limit (0: unknown), used by admission control."""
         if ctx.request_id in self._in_flight:
             raise RoutingError(f"request id {ctx.request_id!r} is already in flight")
         serving = [w for w in self._workers.values() if w.model == ctx.model]
@@ -290,6 +349,10 @@ class RouterCore:
                              prompt_blocks=len(prompt.hashes(worker.block_size)),
                              score=d.score, cost=d.cost)
         n = len(ctx.token_ids)
+        plan, flight = self._admit(plan, n, max_tokens)
+        if flight is not None:
+            self._flights[ctx.request_id] = dataclasses.replace(flight,
+                                                                request_id=ctx.request_id)
         chosen = [plan.worker] + ([plan.prefill] if plan.prefill is not None else [])
         for w in chosen:
             self.history.record(w.instance_id, prompt.hashes(w.block_size))
@@ -356,4 +419,5 @@ class RouterCore:
 
     def release(self, request_id: str) -> bool:
         """Stops counting ``request_id`` as load. False when it was not in flight."""
+        self._flights.pop(request_id, None)
         return self._in_flight.pop(request_id, None) is not None

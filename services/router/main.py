@@ -12,6 +12,16 @@ Contract:
   ``--indexer embedded`` pass the index (an object with ``find_matches(hashes)``, like
   ``services.indexer.core.KvIndex``; the caller keeps it fresh, e.g. with the indexer's
   stream consumer, and owns its lifetime); passing one with another mode is an error.
+- Admission control: ``--admission none|early|current_load`` (default none) with
+  ``--admission-ttft-slo-ms``, ``--admission-itl-slo-ms`` and ``--admission-perf-model``
+  (``mocker`` = Dynamo's mocker polynomials, or a JSON perf table;
+  ``services.planner.perf_model.load_perf_model``), scaled by
+  ``--admission-perf-speedup`` (the mock engine's ``speedup_ratio``), with
+  ``--admission-kv-capacity-tokens`` (0: each decode worker's load report, blocks ×
+  block size), ``--admission-decode-correction`` (actual / model ITL) and
+  ``--admission-default-output-tokens`` (when a request carries no ``max_tokens``).
+  :meth:`RouterConfig.make_admission` builds the
+  :class:`~services.router.admission.RouterAdmission` (None for ``none``).
 """
 
 from __future__ import annotations
@@ -25,10 +35,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc
+from services.admission.core import POLICIES as ADMISSION_POLICIES
+from services.admission.core import AdmissionSettings
 from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, run, setup_logging
 from services.common.telemetry import setup_tracing
+from services.planner.perf_model import PerfModel, load_perf_model
+from services.router.admission import RouterAdmission
 from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.overlaps import (
@@ -92,6 +106,56 @@ class RouterConfig(BaseConfig):
         default=16, metadata={"help": "decode-first: remote P only for >= this many uncached"}
     )
 
+    admission: str = dataclasses.field(
+        default="none", metadata={"help": "admission control: none | early (Mooncake early "
+                                          "rejection) | current_load"}
+    )
+    admission_ttft_slo_ms: float = dataclasses.field(
+        default=2000.0, metadata={"help": "admission: TTFT SLO in ms"}
+    )
+    admission_itl_slo_ms: float = dataclasses.field(
+        default=50.0, metadata={"help": "admission: ITL (decode step) SLO in ms"}
+    )
+    admission_perf_model: str = dataclasses.field(
+        default="mocker", metadata={"help": "admission: 'mocker' or a JSON perf table path"}
+    )
+    admission_perf_speedup: float = dataclasses.field(
+        default=1.0, metadata={"help": "admission: divide the mocker model's times by this "
+                                       "(the mock engine's speedup_ratio)"}
+    )
+    admission_kv_capacity_tokens: int = dataclasses.field(
+        default=0, metadata={"help": "admission: KV tokens per decode worker (0: from its "
+                                     "load report)"}
+    )
+    admission_decode_correction: float = dataclasses.field(
+        default=1.0, metadata={"help": "admission: actual / model ITL"}
+    )
+    admission_default_output_tokens: int = dataclasses.field(
+        default=256, metadata={"help": "admission: expected output when max_tokens is unset"}
+    )
+
+    def admission_settings(self) -> AdmissionSettings:
+        """The admission knobs as the core's AdmissionSettings."""
+        return AdmissionSettings(itl_slo_ms=self.admission_itl_slo_ms,
+                                 ttft_slo_ms=self.admission_ttft_slo_ms,
+                                 decode_correction=self.admission_decode_correction)
+
+    def perf_model(self, capacity_tokens: int = 0) -> PerfModel:
+        """The admission performance model for a worker of ``capacity_tokens`` (0: the
+        model's default)."""
+        if capacity_tokens > 0:
+            return load_perf_model(self.admission_perf_model, self.admission_perf_speedup,
+                                   capacity_tokens)
+        return load_perf_model(self.admission_perf_model, self.admission_perf_speedup)
+
+    def make_admission(self) -> RouterAdmission | None:
+        """The router's admission control (None when ``--admission none``)."""
+        if self.admission == "none":
+            return None
+        return RouterAdmission(self.admission, self.perf_model, self.admission_settings(),
+                               self.admission_kv_capacity_tokens,
+                               self.admission_default_output_tokens)
+
     def disagg_config(self) -> DisaggConfig:
         """The P/D knobs as the core's DisaggConfig."""
         return DisaggConfig(order=self.disagg_order, conditional=self.conditional_disagg,
@@ -122,6 +186,18 @@ class RouterConfig(BaseConfig):
             out.append("--indexer embedded needs --redis-url (the KV event stream)")
         if self.indexer_timeout_s <= 0 or self.evict_interval_s <= 0:
             out.append("indexer_timeout_s and evict_interval_s must be > 0")
+        if self.admission not in ADMISSION_POLICIES:
+            out.append(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
+        out.extend(self.admission_settings().problems())
+        if self.admission_perf_speedup <= 0 or self.admission_kv_capacity_tokens < 0 \
+                or self.admission_default_output_tokens < 1:
+            out.append("admission_perf_speedup must be > 0, admission_kv_capacity_tokens "
+                       ">= 0 and admission_default_output_tokens >= 1")
+        elif self.admission != "none":
+            try:
+                self.make_admission()
+            except (OSError, ValueError) as exc:
+                out.append(f"admission perf model: {exc}")
         return out
 
 
@@ -151,7 +227,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     core = RouterCore(policy=registry.create(cfg.policy, random.Random(rng.random())),
                       prefill_policy=registry.create(cfg.prefill_policy,
                                                      random.Random(rng.random())),
-                      disagg=cfg.disagg_config())
+                      disagg=cfg.disagg_config(), admission=cfg.make_admission())
     indexer_watcher: InstanceWatcher | None = None
     overlaps: OverlapSource
     if cfg.indexer == "embedded":
@@ -177,7 +253,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
         return discovery_pb2.InstanceRecord(
             instance_id=f"router-{address}", component="router", address=address,
             labels={"policy": cfg.policy, "prefill_policy": cfg.prefill_policy,
-                    "indexer": cfg.indexer},
+                    "indexer": cfg.indexer, "admission": cfg.admission},
         )
 
     on_stop: list[Callable[[], Awaitable[None]]] = [

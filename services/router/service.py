@@ -10,6 +10,12 @@ Contract:
   core decides; no answer means the core's history. Records a ``router.route`` span:
   policy, worker id, reason, overlap source (and whether the indexer failed), predicted
   overlap blocks in total and per tier for D and P, the chosen workers' score and cost.
+  With admission control on (``core.admission``), the chosen plan is judged before it
+  is counted: a rejection aborts with RESOURCE_EXHAUSTED, the decision's detail as the
+  message and trailing metadata ``retry-after`` (seconds, decimal) and
+  ``kvmesh-admission-reason``; the span gets ``kvmesh.admission`` (admit / reject /
+  off), ``kvmesh.admission_reason``, ``kvmesh.predicted_itl_ms``,
+  ``kvmesh.predicted_ttft_ms`` and ``kvmesh.retry_after_s``.
 - ``Release``: ends the request's load accounting.
 - ``ListWorkers``: the live worker records from etcd.
 - :class:`LoadPoller` asks every live worker for ``GetLoad`` every ``period_s`` and feeds
@@ -29,11 +35,13 @@ from typing import Any
 import grpc
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.admission.core import AdmissionDecision
 from services.common.block_hash import block_hashes
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
 from services.router.core import (
     NoWorkers,
+    Rejected,
     RoutePlan,
     RouterCore,
     RoutingError,
@@ -90,6 +98,23 @@ def _set_plan_attributes(span: Any, plan: RoutePlan) -> None:
             span.set_attribute("kvmesh.prefill_worker_cost", plan.prefill_cost)
 
 
+RETRY_AFTER_KEY = "retry-after"
+REASON_KEY = "kvmesh-admission-reason"
+
+
+def _set_admission_attributes(span: Any, decision: AdmissionDecision | None) -> None:
+    if decision is None:
+        span.set_attribute("kvmesh.admission", "off")
+        return
+    span.set_attribute("kvmesh.admission", "admit" if decision.admit else "reject")
+    span.set_attribute("kvmesh.admission_policy", decision.policy)
+    span.set_attribute("kvmesh.admission_reason", decision.reason)
+    span.set_attribute("kvmesh.predicted_itl_ms", decision.predicted_itl_ms)
+    span.set_attribute("kvmesh.predicted_ttft_ms", decision.predicted_ttft_ms)
+    if not decision.admit:
+        span.set_attribute("kvmesh.retry_after_s", decision.retry_after_s)
+
+
 class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves routing decisions from a RouterCore."""
 
@@ -139,7 +164,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if self._overlaps.name != "none":
                 span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
             try:
-                plan = self._core.route(ctx)
+                plan = self._core.route(ctx, max_tokens=request.max_tokens)
+            except Rejected as exc:
+                _set_plan_attributes(span, exc.plan)
+                _set_admission_attributes(span, exc.decision)
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"overloaded ({exc.decision.reason}): {exc}",
+                    trailing_metadata=((RETRY_AFTER_KEY, f"{exc.decision.retry_after_s:.3f}"),
+                                       (REASON_KEY, exc.decision.reason)))
             except UnknownModel as exc:
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             except NoWorkers as exc:
@@ -147,6 +180,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except RoutingError as exc:  # incl. Incompatible P/D layouts
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             _set_plan_attributes(span, plan)
+            _set_admission_attributes(span, plan.admission)
         resp = router_pb2.RouteResponse(
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,
