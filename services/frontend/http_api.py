@@ -11,13 +11,16 @@ Contract:
   always reported.
 - Every error is ``{"error": {message, type, param, code}}`` with a 4xx for client mistakes
   (malformed JSON, wrong types, unknown model, context overflow) and 5xx for upstream
-  failures. An error after streaming began is sent as a final ``data: {"error": ...}``
-  event. A client that disconnects cancels the request on the worker.
+  failures. An admission rejection is 503 ``overloaded_error`` (``code`` = the reason)
+  with a ``Retry-After`` header (whole seconds, rounded up). An error after streaming
+  began is sent as a final ``data: {"error": ...}`` event. A client that disconnects
+  cancels the request on the worker.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,7 +48,9 @@ def _usage(last: Chunk | None) -> dict[str, Any]:
 
 
 def _error_response(err: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=err.status)
+    headers = ({"Retry-After": str(max(math.ceil(err.retry_after_s), 1))}
+               if err.retry_after_s is not None else None)
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:

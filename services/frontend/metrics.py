@@ -5,7 +5,12 @@ each ``observe_*`` call records one event; names follow ``kvmesh_<what>_<unit>``
 
 | metric | meaning |
 |---|---|
-| ``kvmesh_requests_total{path,outcome}`` | requests by path (agg, disagg) and outcome |
+| ``kvmesh_requests_total{path,outcome}`` | requests by path (agg, disagg; ``none`` when \
+rejected) and outcome (``rejected``: admission control) |
+| ``kvmesh_admission_rejections_total{reason}`` | admission rejections by reason |
+| ``kvmesh_prompt_tokens_total`` | prompt tokens (usage) of finished requests |
+| ``kvmesh_completion_tokens_total`` | completion tokens (usage) of finished requests |
+| ``kvmesh_itl_seconds`` | chunk gap / tokens in the chunk, one sample per token |
 | ``kvmesh_ttft_seconds{path}`` | time to first token seen by the frontend |
 | ``kvmesh_prefill_seconds{mode}`` | the remote prefill call on P |
 | ``kvmesh_kv_transfer_seconds{mode}`` | D call until its first token (READ/WRITE + D's step) |
@@ -26,6 +31,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+_ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
+                0.5, 1, 2.5)
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
@@ -37,6 +44,16 @@ class FrontendMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvmesh_requests", "Requests by path and outcome",
                                 ["path", "outcome"], registry=r)
+        self.rejections = Counter("kvmesh_admission_rejections",
+                                  "Requests rejected by admission control", ["reason"],
+                                  registry=r)
+        self.prompt_tokens = Counter("kvmesh_prompt_tokens",
+                                     "Prompt tokens of finished requests", registry=r)
+        self.completion_tokens = Counter("kvmesh_completion_tokens",
+                                         "Completion tokens of finished requests", registry=r)
+        self.itl = Histogram("kvmesh_itl_seconds",
+                             "Inter-token latency (chunk gap / tokens in the chunk)",
+                             buckets=_ITL_BUCKETS, registry=r)
         self.ttft = Histogram("kvmesh_ttft_seconds", "Time to first token", ["path"],
                               buckets=_BUCKETS, registry=r)
         self.prefill = Histogram("kvmesh_prefill_seconds", "Remote prefill on P", ["mode"],
@@ -77,6 +94,25 @@ class FrontendMetrics:
         self.predicted_tokens.labels(path, source).observe(predicted)
         self.actual_tokens.labels(path, source).observe(actual)
         self.cached_error.labels(path, source).observe(abs(predicted - actual))
+
+    def observe_chunk_gap(self, gap_s: float, tokens: int) -> None:
+        """One streamed chunk of ``tokens`` tokens arrived ``gap_s`` after the previous
+        one: ``tokens`` ITL observations of ``gap_s / tokens``."""
+        if tokens <= 0:
+            return
+        per = max(gap_s, 0.0) / tokens
+        for _ in range(tokens):
+            self.itl.observe(per)
+
+    def observe_usage(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """A finished request's usage."""
+        self.prompt_tokens.inc(max(prompt_tokens, 0))
+        self.completion_tokens.inc(max(completion_tokens, 0))
+
+    def observe_rejection(self, reason: str) -> None:
+        """A request admission control rejected."""
+        self.requests.labels("none", "rejected").inc()
+        self.rejections.labels(reason or "unknown").inc()
 
     def render(self) -> bytes:
         """The text exposition format."""

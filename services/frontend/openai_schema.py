@@ -28,6 +28,9 @@ class ApiError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    # Seconds the client should wait before retrying (admission rejections): HTTP sends
+    # ``Retry-After``, gRPC the ``retry-after`` trailing metadata.
+    retry_after_s: float | None = None
 
     def __str__(self) -> str:
         return self.message

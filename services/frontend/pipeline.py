@@ -16,7 +16,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   When it finishes, the span gets ``kvmesh.predicted_cached_tokens`` (the router's
   prediction, see :func:`predicted_cached_tokens`) and ``kvmesh.actual_cached_tokens`` (the
   engine's ``cached_tokens``: P's prefix hits when disaggregated), and the metrics record
-  both and their absolute error.
+  both and their absolute error. Finished requests add their usage to the token counters;
+  every chunk after the first that carries tokens records ITL samples (its gap / its
+  tokens); a rejection counts ``outcome="rejected"`` and the reason.
 """
 
 from __future__ import annotations
@@ -81,6 +83,28 @@ def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size:
     blocks = (route.predicted_prefill_overlap_blocks if route.disaggregated
               else route.predicted_overlap_blocks)
     return blocks * bs
+
+
+RETRY_AFTER_KEY = "retry-after"
+REASON_KEY = "kvmesh-admission-reason"
+
+
+def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
+    for k, v in exc.trailing_metadata() or ():
+        if k == key:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return None
+
+
+def rejection_error(exc: grpc.aio.AioRpcError) -> ApiError:
+    """A router RESOURCE_EXHAUSTED (admission rejection) as an overloaded ApiError 503."""
+    reason = _trailer(exc, REASON_KEY) or "overloaded"
+    try:
+        retry = float(_trailer(exc, RETRY_AFTER_KEY) or 1.0)
+    except ValueError:
+        retry = 1.0
+    return ApiError(503, exc.details() or "the mesh is overloaded", type="overloaded_error",
+                    code=reason, retry_after_s=max(retry, 0.0))
 
 
 def _status_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
@@ -168,8 +192,13 @@ class Pipeline:
             with _attached(ctx):
                 route = await router.Route(router_pb2.RouteRequest(
                     request_id=job.request_id, model=job.req.model, token_ids=job.token_ids,
+                    max_tokens=sampling_proto(job).max_tokens,
                 ), timeout=10)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                err = rejection_error(exc)
+                self.metrics.observe_rejection(err.code or "")
+                raise err from exc
             raise _status_error(exc, "router") from exc
         try:
             plan = Request(job.request_id, job.req.model, job.token_ids, sampling_proto(job))
@@ -180,6 +209,7 @@ class Pipeline:
             path = "disagg" if route.disaggregated else "agg"
             started, outcome = time.monotonic(), "error"
             first_token = True
+            last_at = started
             try:
                 finished = False
                 while pending is not None:
@@ -188,9 +218,14 @@ class Pipeline:
                     except StopAsyncIteration:
                         break
                     chunk = Chunk(resp.text, list(resp.token_ids))
-                    if first_token and resp.token_ids:
-                        first_token = False
-                        self.metrics.ttft.labels(path).observe(time.monotonic() - started)
+                    if resp.token_ids:
+                        now = time.monotonic()
+                        if first_token:
+                            first_token = False
+                            self.metrics.ttft.labels(path).observe(now - started)
+                        else:
+                            self.metrics.observe_chunk_gap(now - last_at, len(resp.token_ids))
+                        last_at = now
                     if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         finished = True
                         outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
@@ -203,6 +238,8 @@ class Pipeline:
                         chunk.prompt_tokens = resp.usage.prompt_tokens
                         chunk.completion_tokens = resp.usage.completion_tokens
                         chunk.cached_tokens = resp.usage.cached_tokens
+                        self.metrics.observe_usage(resp.usage.prompt_tokens,
+                                                   resp.usage.completion_tokens)
                     yield chunk
                     with _attached(ctx):
                         pending = asyncio.ensure_future(responses.__anext__())

@@ -3,7 +3,9 @@
 Contract: ``Generate`` converts the protobuf request to the same validated request the
 OpenAI API builds (so the rules are identical), runs it and streams CompletionChunks; the
 last one carries ``finish_reason`` and ``usage``. Errors map to status codes:
-400 → INVALID_ARGUMENT, 404 → NOT_FOUND, 503 → UNAVAILABLE, other → INTERNAL.
+400 → INVALID_ARGUMENT, 404 → NOT_FOUND, 503 → UNAVAILABLE, other → INTERNAL; an
+admission rejection (``overloaded_error``) → RESOURCE_EXHAUSTED with the message and the
+``retry-after`` (seconds) and ``kvmesh-admission-reason`` trailing metadata.
 ``ListModels`` lists the served models.
 """
 
@@ -15,7 +17,7 @@ import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
 from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec
-from services.frontend.pipeline import Pipeline
+from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
@@ -91,6 +93,11 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
         except ApiError as err:
+            if err.type == "overloaded_error":
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, err.message, trailing_metadata=(
+                        (RETRY_AFTER_KEY, f"{err.retry_after_s or 0.0:.3f}"),
+                        (REASON_KEY, err.code or "overloaded")))
             await context.abort(STATUS.get(err.status, grpc.StatusCode.INTERNAL), err.message)
 
     async def ListModels(  # noqa: N802
