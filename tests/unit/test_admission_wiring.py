@@ -207,3 +207,15 @@ def test_router_config_flags_build_the_admission() -> None:
 def test_flight_prefill_worker() -> None:
     assert Flight("a", "d", "p", 1, 1, 1, 0, 0).prefill_worker() == "p"
     assert Flight("a", "d", None, 1, 1, 1, 0, 0).prefill_worker() == "d"
+
+
+def test_cli_and_launcher_pass_admission_and_planner(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+    from services.launcher.up import LocalMesh, MeshSpec
+
+    env = LocalMesh(MeshSpec(admission="early", admission_itl_slo_ms=12.0)).admission_env()
+    assert env == {"KVMESH_ADMISSION": "early", "KVMESH_ADMISSION_TTFT_SLO_MS": "2000.0",
+                   "KVMESH_ADMISSION_ITL_SLO_MS": "12.0"}
+    assert load_config(RouterConfig, [], env).make_admission() is not None
+    assert main(["planner", "--actuator", "nope"]) == 2  # dispatched to the planner's main
+    assert "actuator" in capsys.readouterr().err
