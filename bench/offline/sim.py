@@ -26,7 +26,10 @@ heap order.
 Event kinds: ``ARRIVAL`` (route, admit, queue on the worker), ``STEP`` (an engine step
 ends: apply it, publish KV events, report load, start the next step), ``WAKE`` (a KV
 reception may have finished), ``KV`` (KV events reach the indexer), ``DECODE`` (a
-prefill finished: its decode half is queued on D).
+prefill finished: its decode half is queued on D), ``TICK`` (every ``tick_s`` virtual
+seconds while other events remain, ``on_tick(sim)`` is called: the hook for a planner core,
+which may read ``sim.workers`` / ``sim.router`` and change the worker set through
+``sim.router.set_workers``; no planner is wired by default).
 
 Prompts: each trace hash id stands for ``trace_block_size`` tokens; hash id ``h`` is the
 token run ``h·B .. h·B + B − 1`` (B = trace block size), so equal ids are equal blocks and
@@ -63,7 +66,7 @@ from workers.engines.mock.scheduler import (
 )
 from workers.kv.event_translate import EventTranslator
 
-ARRIVAL, STEP, WAKE, KV, DECODE = range(5)
+ARRIVAL, STEP, WAKE, KV, DECODE, TICK = range(6)
 MODEL = "sim"
 TOKEN_BASE = 1 << 20  # output tokens are < vocab (32000): keep prompt tokens apart
 
@@ -159,8 +162,12 @@ class SimRun:
 class Simulation:
     """See the module docstring."""
 
-    def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig) -> None:
+    def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig,
+                 on_tick: Callable[[Simulation], None] | None = None,
+                 tick_s: float = 5.0) -> None:
         cfg.validate()
+        self.on_tick = on_tick
+        self.tick_s = tick_s
         self.cfg = cfg
         self.trace = trace
         self.now = 0.0
@@ -215,9 +222,11 @@ class Simulation:
             at = (req.timestamp_ms - t0) / 1000.0 / cfg.speedup
             self.tracks.append(_Track(i, at, req.input_length, max(1, req.output_length)))
             self.push(at, ARRIVAL, i)
+        if self.on_tick is not None:
+            self.push(0.0, TICK, None)
         handlers: dict[int, Callable[[Any], None]] = {
             ARRIVAL: self._arrival, STEP: self._step_end, WAKE: self._wake,
-            KV: self._deliver, DECODE: self._start_decode}
+            KV: self._deliver, DECODE: self._start_decode, TICK: self._tick}
         heap = self._heap
         while heap:
             t, _, kind, payload = heapq.heappop(heap)
@@ -233,6 +242,12 @@ class Simulation:
         results = [self._result(tr) for tr in self.tracks]
         end = max((tr.last_token or tr.arrival) for tr in self.tracks)
         return SimRun(results, end, dict(self.counters))
+
+    def _tick(self, _: Any) -> None:
+        assert self.on_tick is not None
+        self.on_tick(self)
+        if self._heap:  # something else can still happen
+            self.push(self.now + self.tick_s, TICK, None)
 
     def _result(self, tr: _Track) -> Result:
         r = Result(tr.index, tr.arrival, status=tr.status, prompt_tokens=tr.isl,

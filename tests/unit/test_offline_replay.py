@@ -137,3 +137,13 @@ def test_live_offline_comparison_helpers() -> None:
     assert c[1.0]["diff_hit_ratio"] == pytest.approx(0.05)
     assert same_order({"kv": 0.5, "rr": 0.1}, {"kv": 0.6, "rr": 0.2})
     assert not same_order({"kv": 0.5, "rr": 0.1}, {"kv": 0.1, "rr": 0.2})
+
+
+def test_tick_hook_is_called_on_the_virtual_clock() -> None:
+    from bench.offline.sim import Simulation
+
+    seen: list[float] = []
+    sim = Simulation(conversations(3, 2), SMALL, on_tick=lambda s: seen.append(s.now),
+                     tick_s=0.25)
+    sim.run()
+    assert seen[:3] == [0.0, 0.25, 0.5]
