@@ -136,17 +136,21 @@ class StoreClient:
         rpc_timeout_s: float = 5.0,
         err_mode: str = "none",
         nixl: bool = True,
+        stub: Any = None,
+        agent: Any = None,
     ) -> None:
         self.client_id = client_id or f"store-client-{uuid.uuid4().hex[:12]}"
         self.transfer_timeout_s = transfer_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = Counters()
         self._channel = grpc.insecure_channel(master_address)
-        self.stub = store_pb2_grpc.StoreMasterStub(self._channel)
+        # ``stub`` / ``agent``: injected fakes (unit tests); by default the real ones.
+        self.stub = stub or store_pb2_grpc.StoreMasterStub(self._channel)
         self._lock = threading.RLock()  # NIXL agent calls
         # nixl=False: metadata only (lookups, stats), e.g. vLLM's scheduler-side connector.
-        self.agent: Any = (make_agent(f"{self.client_id}-{uuid.uuid4().hex[:8]}", err_mode)
-                      if nixl else None)
+        self.agent: Any = agent
+        if agent is None and nixl:
+            self.agent = make_agent(f"{self.client_id}-{uuid.uuid4().hex[:8]}", err_mode)
         self._regs: list[Any] = []
         self._remotes: dict[str, str] = {}  # endpoint -> remote agent name
         self._stop = threading.Event()
@@ -157,7 +161,8 @@ class StoreClient:
         if segment_bytes > 0:
             if self.agent is None:
                 raise ValueError("a segment needs NIXL (nixl=True)")
-            self.segment = np.zeros(segment_bytes, dtype=np.uint8)
+            self.segment = np.empty(segment_bytes, dtype=np.uint8)
+            self.segment.fill(0)  # fault the pages in now, not during peers' WRITEs
             self.register(int(self.segment.ctypes.data), segment_bytes)
             self.segment_id = f"{self.client_id}-{uuid.uuid4().hex[:12]}"
             self.endpoint = encode_endpoint(self.agent.get_agent_metadata())

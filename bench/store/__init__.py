@@ -1,0 +1,1 @@
+"""kvmesh store benchmark (``python -m bench.store``); see :mod:`bench.store.run`."""

@@ -1,0 +1,3 @@
+from bench.store.run import entry
+
+entry()

@@ -1,0 +1,291 @@
+"""kvmesh store benchmark: put/get throughput, and TTFT with store reuse vs recompute.
+
+``python -m bench.store [--part ops,ttft] [--sizes 64KiB,1MiB,4MiB,16MiB] [--model smollm2]
+[--prefixes 1024,2048,4096] [--reps 3] [--out bench/results]``
+
+Contracts:
+
+- Starts its own etcd (temporary directory), a store master child (``python -m
+  services.store_master``, read lease 0.5 s, no persistence) and one store node child
+  (``--node-mib``), all on 127.0.0.1; stops them by their own PIDs at the end. The process
+  ends with ``os._exit`` (NIXL).
+- ``ops``: a :class:`StoreClient` in this process (no segment; UCX tcp,self,sm on lo, cma
+  zero-copy to the node). For each object size it puts ``n`` objects (``--batch`` keys per
+  ``put_many``: pipelined PutStart, one NIXL WRITE, pipelined PutEnd), then gets them
+  (``get_many``), checks every byte once, and removes them. GB/s is decimal over the whole
+  phase; ops/s is objects per second. A ``batch=1`` row at the smallest size gives the
+  per-op latency floor (two RPCs + one transfer). Written to ``<out>/store.json``/``.png``.
+- ``ttft``: for each prefix length L, prompts = a shared L-token prefix + a 16-token unique
+  suffix, ``max_tokens=1``, TTFT = wall time to the first output. Three configurations:
+  ``plain`` (engine without connector: pure recompute after a prefix-cache reset),
+  ``store_miss`` (engine with the store connector, a fresh prefix: compute + save) and
+  ``store_hit`` (same prefix again after a prefix-cache reset: loaded from the store).
+  Medians over ``--reps``. Written to ``<out>/store_ttft.json``/``.png``.
+- Mooncake Store comparison: not run (``mooncake`` in the JSON says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.transfer.run import parse_sizes
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": "127.0.0.1"}
+MOONCAKE_NOTE = ("not measured: mooncake-transfer-engine-non-cuda was not installed in this "
+                 "run (time budget); see issue 6")
+
+
+def bench_ops(master_addr: str, sizes: list[int], batch: int, budget_bytes: int,
+              client_cls: Any) -> list[dict[str, Any]]:
+    """Put/get phases per size (see the module docstring)."""
+    client = client_cls(master_addr, client_id="bench-ops")
+    biggest = max(sizes) * batch
+    src = np.random.default_rng(0).integers(0, 255, biggest, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    client.register(int(src.ctypes.data), src.nbytes)
+    client.register(int(dst.ctypes.data), dst.nbytes)
+    rows = []
+    plan = [(s, batch) for s in sizes] + [(min(sizes), 1)]
+    try:
+        for size, b in plan:
+            n = max(b * 4, min(512, budget_bytes // size)) // b * b
+            keys = [f"bench/{size}/{b}/{i}" for i in range(n)]
+            batches = [keys[i:i + b] for i in range(0, n, b)]
+            regions = [[(int(src.ctypes.data) + j * size, size)] for j in range(b)]
+            out_regions = [[(int(dst.ctypes.data) + j * size, size)] for j in range(b)]
+            t0 = time.perf_counter()
+            for ks in batches:
+                res = client.put_many(list(zip(ks, regions, strict=True)))
+                assert all(r == "ok" for r in res), res
+            put_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for ks in batches:
+                res = client.get_many(list(zip(ks, out_regions, strict=True)))
+                assert all(r == "ok" for r in res), res
+            get_s = time.perf_counter() - t0
+            ok = bool(np.array_equal(dst[:b * size], src[:b * size]))
+            time.sleep(0.6)  # read leases (0.5 s) run out
+            client.stub.RemoveAll(client_cls_pb().RemoveAllRequest())
+            rows.append({"size": size, "batch": b, "objects": n, "verified": ok,
+                         "put_s": put_s, "get_s": get_s,
+                         "put_gbps": n * size / put_s / 1e9, "get_gbps": n * size / get_s / 1e9,
+                         "put_ops": n / put_s, "get_ops": n / get_s})
+            print(f"size {size:>9} batch {b:>2}: put {rows[-1]['put_gbps']:.2f} GB/s "
+                  f"{rows[-1]['put_ops']:.0f} op/s, get {rows[-1]['get_gbps']:.2f} GB/s "
+                  f"{rows[-1]['get_ops']:.0f} op/s, verified={ok}", flush=True)
+    finally:
+        client.close()
+    return rows
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=1))
+
+
+def client_cls_pb() -> Any:
+    from protos import store_pb2
+
+    return store_pb2
+
+
+async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: int,
+                     kv_gib: float) -> dict[str, Any]:
+    """TTFT per configuration and prefix length (see the module docstring)."""
+    from workers.engines.base import EngineRequest, Sampling
+    from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
+    from workers.kv.store_connector import store_kv_transfer_config
+
+    path = resolve_model(model)
+    rng = random.Random(0)
+    max_len = max(prefixes) + 64
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(100, 20000) for _ in range(n)]
+
+    async def ttft(eng: VllmEngine, tokens: list[int]) -> float:
+        req = EngineRequest(f"ttft-{rng.random()}", tokens,
+                            Sampling(max_tokens=1, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        first = None
+        async for out in eng.generate(req):
+            if first is None and out.token_ids:
+                first = time.perf_counter() - t0
+        assert first is not None
+        return first
+
+    def config(ktc: dict[str, Any] | None) -> VllmEngineConfig:
+        return VllmEngineConfig(model_path=str(path), max_model_len=max_len, block_size=32,
+                                kv_cache_space_gib=kv_gib, seed=0, kv_transfer_config=ktc,
+                                env=dict(UCX_ENV))
+
+    result: dict[str, Any] = {"model": str(path), "prefixes": prefixes, "reps": reps,
+                              "plain": {}, "store_miss": {}, "store_hit": {}, "hit_tokens": {}}
+    plain = VllmEngine(config(None))
+    await plain.start()
+    try:
+        await ttft(plain, toks(64))  # warm-up
+        for n in prefixes:
+            samples = []
+            for _ in range(reps):
+                await plain.reset_prefix_cache()
+                samples.append(await ttft(plain, toks(n) + toks(16)))
+            result["plain"][n] = statistics.median(samples)
+            print(f"plain {n}: {result['plain'][n] * 1e3:.0f} ms", flush=True)
+    finally:
+        await plain.shutdown()
+    eng = VllmEngine(config(store_kv_transfer_config(master_addr)))
+    await eng.start()
+    try:
+        await ttft(eng, toks(64))
+        for n in prefixes:
+            miss, hit = [], []
+            for _ in range(reps):
+                prefix = toks(n)
+                await eng.reset_prefix_cache()
+                miss.append(await ttft(eng, prefix + toks(16)))
+                await eng.reset_prefix_cache()
+                before = eng.counters()["kv_connector_hits_tokens"]
+                hit.append(await ttft(eng, prefix + toks(16)))
+                result["hit_tokens"][n] = eng.counters()["kv_connector_hits_tokens"] - before
+            result["store_miss"][n] = statistics.median(miss)
+            result["store_hit"][n] = statistics.median(hit)
+            print(f"store {n}: miss {result['store_miss'][n] * 1e3:.0f} ms, hit "
+                  f"{result['store_hit'][n] * 1e3:.0f} ms ({result['hit_tokens'][n]} tokens "
+                  "from the store)", flush=True)
+    finally:
+        await eng.shutdown()
+    return result
+
+
+def resolve_model(model: str) -> Path:
+    if model == "tiny":
+        from workers.model.tiny import ensure_tiny_model
+
+        return Path(ensure_tiny_model())
+    if model == "smollm2":
+        from workers.model.prepare import prepare_smollm2
+
+        return Path(prepare_smollm2(progress=False))
+    return Path(model)
+
+
+def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | None) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    if ops:
+        rows = [r for r in ops if r["batch"] > 1]
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = [r["size"] for r in rows]
+        ax.plot(xs, [r["put_gbps"] for r in rows], "o-", label="put (PutStart+WRITE+PutEnd)")
+        ax.plot(xs, [r["get_gbps"] for r in rows], "s-", label="get (GetReplicaList+READ)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("object size (bytes)")
+        ax.set_ylabel("GB/s")
+        ax.set_title("kvmesh store over NIXL (127.0.0.1, one store node)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "store.png", dpi=120)
+        plt.close(fig)
+    if ttft:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = ttft["prefixes"]
+        for name, mark in (("plain", "o-"), ("store_miss", "^-"), ("store_hit", "s-")):
+            ax.plot(xs, [ttft[name][n] * 1e3 for n in xs], mark, label=name)
+        ax.set_xlabel("shared prefix (tokens)")
+        ax.set_ylabel("TTFT (ms, median)")
+        ax.set_title(f"TTFT: store reuse vs recompute ({Path(ttft['model']).name})")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / "store_ttft.png", dpi=120)
+        plt.close(fig)
+
+
+async def amain(args: argparse.Namespace) -> int:
+    from services.launcher.procs import free_port, port_open, spawn, start_etcd, wait_until
+    from workers.kv.store_client import StoreClient
+    from workers.store_node import StoreNodeProcess
+
+    os.environ.update(UCX_ENV)
+    parts = set(args.part.split(","))
+    out = Path(args.out)
+    meta = {"host": platform.node(), "cpus": os.cpu_count(), "ucx": UCX_ENV,
+            "mooncake": MOONCAKE_NOTE, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
+        etcd = start_etcd(Path(tmp), Path(tmp))
+        node = master = None
+        try:
+            port = free_port()
+            master = spawn("store-master", [
+                sys.executable, "-m", "services.store_master", "--etcd-endpoint",
+                etcd.address, "--namespace", "benchstore", "--port", str(port),
+                "--read-lease-ttl-s", "0.5", "--persist", "none"], Path(tmp))
+            wait_until(lambda: port_open("127.0.0.1", port), master, 60, "store master")
+            addr = f"127.0.0.1:{port}"
+            node = await asyncio.to_thread(StoreNodeProcess, addr, args.node_mib, env=UCX_ENV)
+            ops = ttft = None
+            if "ops" in parts:
+                ops = await asyncio.to_thread(bench_ops, addr, parse_sizes(args.sizes),
+                                              args.batch, args.node_mib << 19, StoreClient)
+                write_json(out / "store.json", {**meta, "rows": ops})
+            if "ttft" in parts:
+                prefixes = [int(x) for x in args.prefixes.split(",")]
+                ttft = await bench_ttft(addr, args.model, prefixes, args.reps, args.kv_gib)
+                write_json(out / "store_ttft.json", {**meta, **ttft})
+            await asyncio.to_thread(plot, out, ops, ttft)
+        finally:
+            if node is not None:
+                node.stop()
+            if master is not None:
+                master.stop()
+            etcd.stop()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.store")
+    p.add_argument("--part", default="ops,ttft")
+    p.add_argument("--sizes", default="64KiB,256KiB,1MiB,4MiB,16MiB")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--node-mib", type=int, default=1024)
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prefixes", default="1024,2048,4096")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
+    args = p.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    return asyncio.run(amain(args))
+
+
+def entry() -> None:
+    """Process entry: :func:`main`, then ``os._exit`` (NIXL may crash at exit)."""
+    code = 1
+    try:
+        code = main()
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

@@ -1,0 +1,166 @@
+"""KvmeshStoreConnector's scheduler side with duck-typed vLLM objects and a fake store
+(no network): what it reports as matched, which blocks it plans to load and save."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from services.common.block_hash import block_hashes
+from workers.kv.store_connector import (
+    KvmeshStoreConnector,
+    StoreMeta,
+    store_kv_transfer_config,
+)
+
+BS = 32
+
+
+def vllm_config(block_size: int = BS, dtype: str = "float32", **extra: Any) -> Any:
+    ktc = store_kv_transfer_config("127.0.0.1:1", extra=extra)
+    model = SimpleNamespace(
+        architecture="LlamaForCausalLM", dtype=dtype, use_mla=False,
+        get_total_num_hidden_layers=lambda: 2, get_total_num_kv_heads=lambda: 1,
+        get_head_size=lambda: 64)
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=ktc[
+            "kv_connector_extra_config"], is_kv_producer=True),
+        model_config=model,
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+
+class FakeStore:
+    def __init__(self) -> None:
+        self.keys: set[str] = set()
+        self.asked: list[list[str]] = []
+
+    def exists_prefix(self, keys: list[str]) -> int:
+        self.asked.append(list(keys))
+        n = 0
+        for k in keys:
+            if k not in self.keys:
+                break
+            n += 1
+        return n
+
+
+class FakeManager:
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        return (self.blocks[req_id],)
+
+
+def make(**extra: Any) -> tuple[KvmeshStoreConnector, FakeStore, FakeManager]:
+    conn = KvmeshStoreConnector(vllm_config(**extra), KVConnectorRole.SCHEDULER, None)
+    store, mgr = FakeStore(), FakeManager()
+    conn._client = store  # type: ignore[assignment]
+    conn._kv_cache_manager = mgr  # type: ignore[assignment]
+    return conn, store, mgr
+
+
+def request(rid: str, n: int, seed: int = 0, **kw: Any) -> Any:
+    tokens = [(seed * 7919 + i * 31) % 900 + 3 for i in range(n)]
+    return SimpleNamespace(request_id=rid, prompt_token_ids=tokens, num_computed_tokens=0,
+                           lora_request=kw.get("lora"), mm_features=[], prompt_embeds=None)
+
+
+def sched_out(new: list[tuple[str, int]] = (), cached: list[tuple[str, int]] = (),  # type: ignore[assignment]
+              scheduled: dict[str, int] | None = None) -> Any:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=c) for r, c in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[r for r, _ in cached],
+                                              num_computed_tokens=[c for _, c in cached]),
+        num_scheduled_tokens=scheduled or {})
+
+
+def test_keys_are_chained_hashes_under_a_layout_prefix() -> None:
+    conn, _, _ = make()
+    req = request("r", 3 * BS + 5)
+    keys = conn._keys(req.prompt_token_ids)
+    hashes = block_hashes(req.prompt_token_ids, BS)
+    assert [k.rsplit("/", 1)[1] for k in keys] == [f"{h:016x}" for h in hashes]
+    assert all(k.startswith("kv/") and "/tp0of1/" in k for k in keys)
+    other = KvmeshStoreConnector(vllm_config(dtype="bfloat16"), KVConnectorRole.SCHEDULER,
+                                 None)
+    assert other._keys(req.prompt_token_ids)[0] != keys[0]  # another layout never mixes
+
+
+def test_matched_tokens_full_blocks_after_local_hit_never_last_token() -> None:
+    conn, store, _ = make()
+    req = request("r", 5 * BS + 7)
+    keys = conn._keys(req.prompt_token_ids)
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)  # miss: compute
+    store.keys |= set(keys)
+    assert conn.get_num_new_matched_tokens(req, 0) == (5 * BS, False)
+    assert conn.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, False)
+    assert store.asked[-1] == keys[2:5]  # only the blocks after the local hit
+    exact = request("e", 4 * BS, seed=1)
+    store.keys |= set(conn._keys(exact.prompt_token_ids))
+    assert conn.get_num_new_matched_tokens(exact, 0) == (3 * BS, False)
+    assert conn.get_num_new_matched_tokens(exact, 3 * BS) == (0, False)
+    store.keys.discard(keys[3])  # a hole stops the prefix
+    assert conn.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    asked = len(store.asked)
+    lora = request("l", 3 * BS + 1, lora=object())
+    assert conn.get_num_new_matched_tokens(lora, 0) == (0, False)
+    assert len(store.asked) == asked  # not eligible: not even asked
+
+
+def test_load_plan_and_saves_follow_the_steps() -> None:
+    conn, store, mgr = make()
+    req = request("r", 5 * BS + 7)
+    keys = conn._keys(req.prompt_token_ids)
+    store.keys |= set(keys[:4])
+    mgr.blocks["r"] = [10, 11, 12, 13, 14, 15]
+    assert conn.get_num_new_matched_tokens(req, BS) == (3 * BS, False)
+    req.num_computed_tokens = BS  # the engine's local hit, before the external tokens
+    conn.update_state_after_alloc(req, None, 3 * BS)  # type: ignore[arg-type]
+    meta = conn.build_connector_meta(sched_out(new=[("r", 4 * BS)], scheduled={"r": BS + 7}))
+    assert isinstance(meta, StoreMeta)
+    assert [(j.keys, j.block_ids) for j in meta.loads] == [(keys[1:4], [11, 12, 13])]
+    # Block 4 becomes full in this step and was neither hit nor loaded: saved.
+    assert [(j.keys, j.block_ids) for j in meta.saves] == [(keys[4:5], [14])]
+    meta = conn.build_connector_meta(sched_out(cached=[("r", 5 * BS + 7)],
+                                               scheduled={"r": 1}))
+    assert isinstance(meta, StoreMeta) and not meta.loads and not meta.saves
+    assert conn.request_finished(req, [10, 11]) == (False, None)
+    assert "r" not in conn._reqs
+
+
+def test_chunked_prefill_saves_each_block_once() -> None:
+    conn, _, mgr = make()
+    req = request("c", 5 * BS + 7)
+    keys = conn._keys(req.prompt_token_ids)
+    mgr.blocks["c"] = list(range(20, 26))
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    conn.update_state_after_alloc(req, None, 0)  # type: ignore[arg-type]
+    m1 = conn.build_connector_meta(sched_out(new=[("c", 0)], scheduled={"c": 100}))
+    m2 = conn.build_connector_meta(sched_out(cached=[("c", 100)], scheduled={"c": 67}))
+    m3 = conn.build_connector_meta(sched_out(cached=[("c", 167)], scheduled={"c": 1}))
+    assert isinstance(m1, StoreMeta) and isinstance(m2, StoreMeta)
+    assert isinstance(m3, StoreMeta)
+    assert [j.block_ids for j in m1.saves] == [[20, 21, 22]]
+    assert [j.keys for j in m2.saves] == [keys[3:5]] and not m3.saves
+
+
+def test_save_and_load_can_be_switched_off() -> None:
+    conn, store, mgr = make(save=False, load=False)
+    req = request("q", 3 * BS + 1)
+    store.keys |= set(conn._keys(req.prompt_token_ids))
+    mgr.blocks["q"] = [1, 2, 3, 4]
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = conn.build_connector_meta(sched_out(new=[("q", 0)], scheduled={"q": 3 * BS + 1}))
+    assert isinstance(meta, StoreMeta) and not meta.saves
+
+
+def test_store_master_is_required() -> None:
+    cfg = vllm_config()
+    cfg.kv_transfer_config.kv_connector_extra_config = {}
+    with pytest.raises(ValueError, match="store_master"):
+        KvmeshStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
