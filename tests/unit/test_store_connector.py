@@ -7,12 +7,15 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.distributed.kv_events import BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from services.common.block_hash import block_hashes
+from workers.kv.event_translate import EventTranslator
 from workers.kv.store_connector import (
     KvmeshStoreConnector,
     StoreMeta,
+    StoreWorkerMeta,
     store_kv_transfer_config,
 )
 
@@ -164,3 +167,32 @@ def test_store_master_is_required() -> None:
     cfg.kv_transfer_config.kv_connector_extra_config = {}
     with pytest.raises(ValueError, match="store_master"):
         KvmeshStoreConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+
+def test_stored_blocks_become_store_tier_events() -> None:
+    conn, _, mgr = make()
+    req = request("v", 4 * BS + 3)
+    keys = conn._keys(req.prompt_token_ids)
+    mgr.blocks["v"] = [5, 6, 7, 8, 9]
+    conn.get_num_new_matched_tokens(req, 0)
+    conn.build_connector_meta(sched_out(new=[("v", 0)], scheduled={"v": 4 * BS + 3}))
+    # The worker saved the first 3 of the 4 blocks (the 4th failed).
+    conn.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        kv_connector_worker_meta=StoreWorkerMeta([("v", 0, 3)])))
+    events = list(conn.take_events())
+    assert len(events) == 1 and not list(conn.take_events())
+    ev = events[0]
+    assert isinstance(ev, BlockStored)
+    assert ev.medium == "STORAGE" and ev.parent_block_hash is None
+    assert ev.token_ids == req.prompt_token_ids[:3 * BS]
+    translated = EventTranslator(BS).translate(
+        {"type": "BlockStored", "block_hashes": ev.block_hashes, "parent_block_hash": None,
+         "token_ids": ev.token_ids, "block_size": BS, "medium": ev.medium})
+    assert [(t.kind, t.tier) for t in translated] == [("stored", "store")]
+    assert list(translated[0].block_hashes) == [int(k.rsplit("/", 1)[1], 16) for k in keys[:3]]
+    # Nothing saved: nothing announced; unknown jobs are ignored.
+    conn.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        kv_connector_worker_meta=StoreWorkerMeta([("v", 0, 0), ("zz", 0, 2)])))
+    assert not list(conn.take_events())
+    merged = StoreWorkerMeta([("a", 0, 1)]).aggregate(StoreWorkerMeta([("b", 1, 1)]))
+    assert isinstance(merged, StoreWorkerMeta) and len(merged.done) == 2

@@ -8,7 +8,8 @@ Loaded by vLLM inside EngineCore through ``kv_transfer_config`` (:func:`store_kv
      "kv_connector_extra_config": {"store_master": "host:port", ...}}
 
 Extra config: ``store_master`` (required), ``replicas`` (1), ``save`` / ``load`` (true),
-``segment_mib`` (0: the worker contributes no memory; store nodes do),
+``segment_mib`` (0: the worker contributes no memory; store nodes do), ``publish_events``
+(true),
 ``rpc_timeout_s``, ``transfer_timeout_s``.
 
 Objects and keys. One store object per full KV block: for every attention layer (in
@@ -36,6 +37,14 @@ Scheduler side (role SCHEDULER):
   ids) and the saves: for every scheduled request, the prompt blocks that become full in
   this step and were neither loaded nor hit locally (each block is saved once per
   request).
+- ``update_connector_output`` / ``take_events`` (tier ``store`` for the indexer): for each
+  job the worker reports (:class:`StoreWorkerMeta`: the leading blocks now in the store),
+  one vLLM ``BlockStored`` event with ``medium="STORAGE"`` covering the request's prefix
+  up to that block, block hashes = kvmesh's chained hashes, no parent; vLLM publishes it
+  with its own KV events, and the worker's relay maps STORAGE to tier ``store``. Loaded
+  prefixes are announced too (this worker can load them). The store does not report
+  evictions, so tier ``store`` entries can go stale (approximate, like Dynamo's
+  host/disk tiers). ``publish_events: false`` turns this off.
 - ``request_finished`` → ``(False, None)``: every save and load finishes inside the step
   that scheduled it (below), so vLLM may free the blocks at once.
 
@@ -56,6 +65,7 @@ Worker side (role WORKER):
   every block of the step) writes the step's saves (PutStart → NIXL WRITE → PutEnd) and
   returns when done, so no block is freed or reused while a save may touch it. A failed or
   refused save (no space, key already stored) only costs a future miss.
+- ``build_connector_worker_meta`` → :class:`StoreWorkerMeta` of this step's jobs.
 - ``get_finished`` → ``(None, None)``: nothing is asynchronous.
 - ``get_kv_connector_stats``: None (loads show in vLLM's connector hit / external token
   counters); ``counters()`` (this process) has the store client's op/byte counts.
@@ -65,15 +75,17 @@ Worker side (role WORKER):
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import xxhash
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
 from services.common.block_hash import block_hashes
@@ -83,11 +95,13 @@ from workers.kv.store_client import Region, StoreClient
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -120,6 +134,39 @@ def store_kv_transfer_config(
     return cfg
 
 
+def combined_kv_transfer_config(
+    nixl_config: dict[str, Any],
+    store_master: str,
+    *,
+    kv_load_failure_policy: str | None = None,
+    store_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """vLLM ``MultiConnector``: NIXL P→D handoff first, then the kvmesh store.
+
+    ``nixl_config`` is :func:`workers.kv.nixl.nixl_kv_transfer_config`'s dict (its engine
+    id and role become the top level's). vLLM loads from the first connector reporting
+    matched tokens: a decode request with ``do_remote_prefill`` loads from P over NIXL;
+    any other request (P's prefill, an aggregated one) loads its prefix from the store.
+    Both save: NIXL keeps P's blocks for D under its own lease (request_finished → True),
+    while the store's copy lives by the master's leases, pins and eviction: two separate
+    retention rules. The failure policy applies to both.
+    """
+    nixl = dict(nixl_config)
+    policy = kv_load_failure_policy or nixl.pop("kv_load_failure_policy", None)
+    nixl.pop("kv_load_failure_policy", None)
+    store = store_kv_transfer_config(store_master, extra=store_extra)
+    cfg: dict[str, Any] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": nixl.get("kv_role", "kv_both"),
+        "engine_id": nixl.get("engine_id"),
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"connectors": [nixl, store]},
+    }
+    if policy is not None:
+        cfg["kv_load_failure_policy"] = policy
+    return cfg
+
+
 @dataclass
 class BlockJob:
     """Blocks of one request to load or save: ``keys[i]`` ↔ ``block_ids[i]``."""
@@ -127,6 +174,7 @@ class BlockJob:
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    first: int = 0  # the request's block index of keys[0]
 
 
 @dataclass
@@ -135,6 +183,19 @@ class StoreMeta(KVConnectorMetadata):
 
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
+
+
+@dataclass
+class StoreWorkerMeta(KVConnectorWorkerMetadata):
+    """Worker → scheduler, per step: ``(req_id, first, n)`` for each job whose first ``n``
+    blocks are now in the store (saved, already there, or loaded from it)."""
+
+    done: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, StoreWorkerMeta):
+            return StoreWorkerMeta(self.done + other.done)
+        return self
 
 
 @dataclass
@@ -187,10 +248,15 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
         # Scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[str] = []
+        self._publish = bool(self._extra.get("publish_events", True))
+        # (req_id, first) → (token ids, block hashes) of the job's prefix, until reported
+        self._jobs: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        self._events: list[BlockStored] = []
         # Worker side
         self._client: StoreClient | None = None
         self._layers: list[tuple[int, int, int]] = []  # (base addr, block stride, bytes)
         self._load_errors: set[int] = set()
+        self._done: list[tuple[str, int, int]] = []
         if role == KVConnectorRole.SCHEDULER:
             self._client = StoreClient(self._master, nixl=False,
                                        rpc_timeout_s=self._rpc_timeout_s)
@@ -248,7 +314,8 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
             ids = mgr.get_block_ids(req_id)[0]
             rng = range(st.load_from, st.load_to)
             meta.loads.append(BlockJob(req_id, [st.keys[i] for i in rng],
-                                       [ids[i] for i in rng]))
+                                       [ids[i] for i in rng], st.load_from))
+            self._track(st, st.load_from, st.load_to)
             st.saved_upto = max(st.saved_upto, st.load_to)
         self._pending_loads.clear()
         if self._save and mgr is not None:
@@ -269,9 +336,38 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
                     ids = mgr.get_block_ids(req_id)[0]
                     rng = range(st.saved_upto, upto)
                     meta.saves.append(BlockJob(req_id, [st.keys[i] for i in rng],
-                                               [ids[i] for i in rng]))
+                                               [ids[i] for i in rng], st.saved_upto))
+                    self._track(st, st.saved_upto, upto)
                     st.saved_upto = upto
         return meta
+
+    def _track(self, st: _ReqState, first: int, upto: int) -> None:
+        if not self._publish:
+            return
+        if len(self._jobs) > 10_000:  # reports lost (worker error): forget the oldest
+            self._jobs.pop(next(iter(self._jobs)))
+        tokens = list(st.request.prompt_token_ids or [])[:upto * self._block_size]
+        hashes = [int(k.rsplit("/", 1)[1], 16) for k in st.keys[:upto]]
+        self._jobs[(st.request.request_id, first)] = (tokens, hashes)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        if not isinstance(meta, StoreWorkerMeta):
+            return
+        for req_id, first, n in meta.done:
+            job = self._jobs.pop((req_id, first), None)
+            if job is None or n <= 0:
+                continue
+            tokens, hashes = job
+            upto = first + n  # the whole prefix up to here is available from the store
+            self._events.append(BlockStored(
+                block_hashes=list[Any](hashes[:upto]), parent_block_hash=None,
+                token_ids=tokens[:upto * self._block_size], block_size=self._block_size,
+                lora_id=None, medium=MEDIUM_STORAGE, lora_name=None))
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        out, self._events = self._events, []
+        return out
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -314,6 +410,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
         results = self._client.get_many(items)
         ids = [b for job in meta.loads for b in job.block_ids]
         failed = {b for b, r in zip(ids, results, strict=True) if r != "ok"}
+        self._report(meta.loads, results, ("ok",))
         if failed:
             log.warning("kvmesh store: %d of %d blocks failed to load", len(failed), len(ids))
             self._load_errors |= failed
@@ -332,9 +429,28 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
         items = [(k, self._regions(b)) for job in meta.saves
                  for k, b in zip(job.keys, job.block_ids, strict=True)]
         results = self._client.put_many(items, replicas=self._replicas)
+        self._report(meta.saves, results, ("ok", "exists"))
         if "failed" in results:
             log.info("kvmesh store: %d of %d block saves failed",
                      results.count("failed"), len(results))
+
+    def _report(self, jobs: list[BlockJob], results: Sequence[str],
+                good: tuple[str, ...]) -> None:
+        i = 0
+        for job in jobs:
+            n = 0
+            for r in results[i:i + len(job.keys)]:
+                if r not in good:
+                    break
+                n += 1
+            i += len(job.keys)
+            self._done.append((job.req_id, job.first, n))
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._done:
+            return None
+        out, self._done = StoreWorkerMeta(self._done), []
+        return out
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
