@@ -3,7 +3,9 @@
 Contract:
 
 - ``update(records)`` replaces the catalog from live worker records; a model exists while
-  at least one worker serves it. Tokenizers stay cached by model folder.
+  at least one worker serves it. Tokenizers stay cached by model folder; a model folder
+  seen for the first time starts loading its tokenizer in a background thread at once,
+  so the first request does not pay for importing and loading it (seconds).
 - ``get(name)`` returns :class:`ModelInfo` or None.
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
   and returns a :class:`Tokenizer`.
@@ -70,6 +72,7 @@ class ModelCatalog:
         self._models: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
         self._lock = threading.Lock()
+        self._warming: set[str] = set()
 
     def update(self, records: Iterable[discovery_pb2.InstanceRecord]) -> None:
         """Rebuilds the catalog from worker records."""
@@ -86,6 +89,17 @@ class ModelCatalog:
                     prev.block_size, prev.num_workers + 1, min(prev.created, created),
                 )
         self._models = models
+        for info in models.values():
+            if info.model_path and info.model_path not in self._warming:
+                self._warming.add(info.model_path)
+                threading.Thread(target=self._warm, args=(info,), daemon=True,
+                                 name=f"tokenizer-{info.name}").start()
+
+    def _warm(self, info: ModelInfo) -> None:
+        try:
+            self.tokenizer(info)
+        except Exception:  # noqa: BLE001 - the request path reports it properly
+            self._warming.discard(info.model_path)
 
     def on_workers(self, instances: dict[str, discovery_pb2.InstanceRecord]) -> None:
         """Discovery listener."""

@@ -1,0 +1,3 @@
+from bench.fleet_replay.run import entry
+
+entry()

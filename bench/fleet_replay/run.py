@@ -1,0 +1,188 @@
+"""Routing policies compared on a Mooncake trace, through the live mesh with a mock fleet.
+
+``python -m bench.fleet_replay [--trace ../shared/traces/mooncake_conversation_trace.jsonl]
+[--limit 200] [--policies kv,approx,round_robin] [--speedups 1,2,4] [--workers 32]``
+
+Contracts:
+
+- Per policy, a fresh mesh of child processes on free loopback ports (stopped by PID):
+  etcd, Redis, the indexer, one fleet process with ``--workers`` mock workers
+  (Dynamo's polynomial timing, ``--block-size`` 64, ``--num-blocks`` per worker), the
+  router with that policy (``kv`` reads the indexer; ``approx`` and ``round_robin`` use no
+  events) and the frontend. Fresh engines per policy, so no policy inherits another's
+  cache.
+- **Time dilation**: the mock engines run ``--dilation`` times slower than Dynamo's
+  timing model (``speedup_ratio = 1/dilation``) and the SLOs are multiplied by the same
+  factor, so engine saturation happens at request rates this machine's Python frontend
+  can drive. Attainment and hit ratio are unchanged by a uniform dilation; rates are
+  reported in trace time (divided by the dilation) and in wall time.
+- The trace's first ``--limit`` requests are replayed (bench/replay: prompts from hash
+  ids, ``--trace-block`` tokens per id; outputs capped at ``--max-output``) at each
+  ``--speedups`` arrival speed-up. Per policy and speed-up: hit ratio, TTFT/TPOT
+  percentiles, SLO attainment; per policy: goodput (DistServe, highest rate with ≥ 90 %
+  attainment). Writes ``<out>/<name>.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.replay.stats import goodput
+from bench.replay.trace import PromptMaker, load_trace
+from services.launcher.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
+from services.launcher.up import CHILD_ENV, health
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
+    "mooncake_conversation_trace.jsonl"
+
+
+def warm_up(url: str) -> None:
+    """One small request, so the frontend's tokenizer and connections are ready."""
+    import httpx
+
+    resp = httpx.post(f"{url}/v1/completions", json={
+        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}, timeout=120)
+    resp.raise_for_status()
+
+
+def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One fresh mesh, one policy, every speed-up (see the module docstring)."""
+    from bench.replay.run import replay_once
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"kvmesh-fleet-{policy}-"))
+    logs = tmp / "logs"
+    children: list[Child] = []
+    try:
+        etcd = start_etcd(tmp / "etcd", logs)
+        children.append(etcd)
+        redis = start_redis(logs)
+        children.append(redis)
+        env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": etcd.address,
+               "KVMESH_REDIS_URL": f"redis://{redis.address}", "KVMESH_NAMESPACE": "fleet",
+               "KVMESH_LOG_LEVEL": "WARNING"}
+
+        def py(name: str, *argv: str) -> Child:
+            child = spawn(name, [sys.executable, "-m", *argv], logs, env)
+            children.append(child)
+            return child
+
+        indexer = "remote" if policy in ("kv", "kv_sampled") else "none"
+        if indexer == "remote":
+            py("indexer", "services.indexer")
+        py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "poly",
+           "--speedup-ratio", str(1.0 / args.dilation), "--block-size", str(args.block_size),
+           "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len),
+           "--model-path", "tiny", "--model-name", "tiny", "--seed", "1")
+        py("router", "services.router", "--policy", policy, "--indexer", indexer,
+           "--seed", "1")
+        port = free_port()
+        front = py("frontend", "services.frontend", "--http-port", str(port))
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            code, body = health(url)
+            return code == 200 and int(str(body.get("workers", 0))) >= args.workers
+        wait_until(ready, front, 180, "the mesh to serve")
+        warm_up(url)
+        trace = load_trace(args.trace, args.limit)
+        maker = PromptMaker(args.trace_block, 1.0, 700, 0, args.max_input, args.max_output)
+        runs = []
+        for s in (float(x) for x in args.speedups.split(",")):
+            # Wall-clock arrivals are the trace's, sped up and then dilated.
+            _, summary = asyncio.run(replay_once(
+                url, "tiny", trace, maker, s / args.dilation,
+                args.slo_ttft_ms * args.dilation / 1000, args.slo_tpot_ms * args.dilation / 1000,
+                progress=not args.no_progress))
+            summary["speedup"] = s
+            summary["wall_rate_rps"] = summary["rate_rps"]
+            summary["rate_rps"] = summary["rate_rps"] * args.dilation  # trace time
+            runs.append(summary)
+            print(f"{policy:12s} x{s:g}: {summary['rate_rps']:.2f} req/s (trace time)  hit "
+                  f"{summary['hit_ratio']:.3f}  SLO {summary['slo_attainment']:.3f}  "
+                  f"errors {summary['errors']}", flush=True)
+        return {"policy": policy, "runs": runs, "goodput_rps": goodput(runs)}
+    finally:
+        for c in reversed(children):
+            c.stop()
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for p in report["policies"]:
+        xs = [r["speedup"] for r in p["runs"]]
+        ax[0].plot(xs, [r["slo_attainment"] for r in p["runs"]], "o-", label=p["policy"])
+        ax[1].plot(xs, [r["hit_ratio"] for r in p["runs"]], "o-", label=p["policy"])
+    ax[0].axhline(0.9, color="grey", ls="--", lw=1)
+    ax[0].set(xlabel="arrival speed-up", ylabel="share meeting both SLOs", ylim=(0, 1.05),
+              title="SLO attainment")
+    ax[1].set(xlabel="arrival speed-up", ylabel="prompt tokens served from cache",
+              ylim=(0, 1.05), title="KV hit ratio")
+    for a in ax:
+        a.legend()
+        a.grid(alpha=0.3)
+    fig.suptitle(f"{report['workers']} mock workers, {report['requests']} requests")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench.fleet_replay", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default=str(DEFAULT_TRACE))
+    p.add_argument("--limit", type=int, default=200)
+    p.add_argument("--policies", default="kv,approx,round_robin")
+    p.add_argument("--speedups", default="1,2,4")
+    p.add_argument("--workers", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-model-len", type=int, default=16384)
+    p.add_argument("--max-input", type=int, default=12000)
+    p.add_argument("--max-output", type=int, default=32)
+    p.add_argument("--trace-block", type=int, default=512)
+    p.add_argument("--dilation", type=float, default=5.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--name", default="fleet_replay")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every policy; the whole report."""
+    policies = [run_policy(p, args) for p in args.policies.split(",")]
+    return {"benchmark": "fleet_replay", "trace": args.trace, "requests": args.limit,
+            "workers": args.workers, "block_size": args.block_size,
+            "num_blocks": args.num_blocks, "dilation": args.dilation,
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
+            "max_output": args.max_output, "speedups": args.speedups, "policies": policies}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / f"{args.name}.png")
+    for p in report["policies"]:
+        print(f"{p['policy']:12s} goodput {p['goodput_rps']:.2f} req/s (trace time)")
+    return 0
+
+
+def entry() -> None:
+    sys.exit(main())
