@@ -133,9 +133,10 @@ def start_etcd(work_dir: Path, log_dir: Path) -> Child:
     return child
 
 
-def start_redis(log_dir: Path) -> Child:
-    """redis-server on a 127.0.0.1 free port, no persistence; address is host:port."""
-    port = free_port()
+def start_redis(log_dir: Path, port: int = 0) -> Child:
+    """redis-server on 127.0.0.1 (``port``, or a free one), no persistence; address is
+    host:port."""
+    port = port or free_port()
     child = spawn("redis", [
         which_or_raise("redis-server"), "--bind", "127.0.0.1", "--port", str(port),
         "--save", "", "--appendonly", "no", "--protected-mode", "yes",

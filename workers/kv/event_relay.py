@@ -30,6 +30,9 @@ Contract of :class:`KvEventRelay`:
   count still pending; 0 stops dropping) get their ids but are not published, as if the
   bus lost them.
 - ``stats`` counts events, entries, replays, unrecoverable gaps, orphans and drops.
+- Redis being down never stops the worker or the relay: ``start()`` only warns, a failed
+  XADD keeps its events (up to ``max_pending``; beyond that the oldest are dropped, which
+  an indexer sees as a gap and repairs from ``state()``) and is retried with backoff.
 - ``close()`` stops relaying, flushes what is pending, closes sockets and Redis.
 """
 
@@ -49,6 +52,7 @@ import msgspec
 import redis.asyncio as aioredis
 import zmq
 import zmq.asyncio
+from redis.exceptions import RedisError
 
 from protos import kv_events_pb2
 from services.common.event_bus import encode_batch, encode_state
@@ -102,6 +106,8 @@ class RelayStats:
     resyncs_published: int = 0
     dropped_on_purpose: int = 0
     bad_payloads: int = 0
+    publish_failures: int = 0
+    dropped_backlog: int = 0
     extra: dict[str, int] = field(default_factory=dict)
 
 
@@ -112,7 +118,7 @@ class KvEventRelay:
                  endpoints: EventEndpoints, *,
                  reset_cache: Callable[[], Awaitable[bool]] | None = None,
                  max_batch_events: int = 1024, maxlen: int = 1_000_000,
-                 replay_timeout_s: float = 2.0) -> None:
+                 replay_timeout_s: float = 2.0, max_pending: int = 200_000) -> None:
         self.worker_id = worker_id
         self.block_size = block_size
         self.stream = stream
@@ -134,6 +140,8 @@ class KvEventRelay:
         self._task: asyncio.Task[None] | None = None
         self._decoder = msgspec.msgpack.Decoder()
         self._wake = asyncio.Event()
+        self._max_pending = max_pending
+        self._retry_s = 0.2
 
     @property
     def orphans(self) -> int:
@@ -144,7 +152,11 @@ class KvEventRelay:
         """Connects Redis (and the engine's sockets unless ``zmq_input`` is False) and
         starts the relay task."""
         self._redis = aioredis.Redis.from_url(self._redis_url)
-        await self._redis.ping()
+        try:
+            await self._redis.ping()
+        except (RedisError, OSError) as exc:
+            log.warning("%s: KV event bus %s unreachable (%s); events are kept and retried",
+                        self.worker_id, self._redis_url, exc)
         if not zmq_input:
             self._task = asyncio.create_task(self._run_submitted(),
                                              name=f"kv-relay-{self.worker_id}")
@@ -165,7 +177,13 @@ class KvEventRelay:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self._flush()
+            if not await self._flush():
+                await self._backoff()
+
+    async def _backoff(self) -> None:
+        await asyncio.sleep(self._retry_s)
+        self._retry_s = min(self._retry_s * 2, 5.0)
+        self._wake.set()
 
     def drop_next(self, n: int) -> None:
         """Fault injection: number but do not publish the next ``n`` events."""
@@ -187,7 +205,8 @@ class KvEventRelay:
                 await self._on_frames(await self._sub.recv_multipart())
                 if len(self._pending) >= self._max_batch:
                     await self._flush()
-            await self._flush()
+            if not await self._flush():
+                await self._backoff()
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -248,9 +267,12 @@ class KvEventRelay:
         self._next_seq = upto
         await self._flush()
         assert self._redis is not None
-        await self._redis.xadd(self.stream, encode_state(self.state()),  # type: ignore[arg-type]
-                               maxlen=self._maxlen, approximate=True)
-        self.stats.resyncs_published += 1
+        try:
+            await self._redis.xadd(self.stream, encode_state(self.state()),  # type: ignore[arg-type]
+                                   maxlen=self._maxlen, approximate=True)
+            self.stats.resyncs_published += 1
+        except (RedisError, OSError) as exc:  # the indexer will ask for state() on the gap
+            log.warning("%s: could not publish the resync: %s", self.worker_id, exc)
 
     def _apply_payload(self, payload: bytes) -> None:
         try:
@@ -278,10 +300,11 @@ class KvEventRelay:
             event_id=self._last_event_id, kind=KINDS[ev.kind],
             block_hashes=ev.block_hashes, tier=ev.tier))
 
-    async def _flush(self) -> None:
-        """Publishes pending events as stream entries (one pipelined round trip)."""
+    async def _flush(self) -> bool:
+        """Publishes pending events as stream entries (one pipelined round trip); False
+        when Redis failed (the events stay pending, see the module docstring)."""
         if not self._pending:
-            return
+            return True
         pending, self._pending = self._pending, []
         if self._drop:
             n = min(self._drop, len(pending))
@@ -289,18 +312,34 @@ class KvEventRelay:
             self.stats.dropped_on_purpose += n
             pending = pending[n:]
         if not pending:
-            return
+            return True
         assert self._redis is not None
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for i in range(0, len(pending), self._max_batch):
-                batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
-                                                   events=pending[i:i + self._max_batch],
-                                                   block_size=self.block_size)
-                pipe.xadd(self.stream, encode_batch(batch),  # type: ignore[arg-type]
-                          maxlen=self._maxlen, approximate=True)
-                self.stats.entries += 1
-            await pipe.execute()
+        try:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                entries = 0
+                for i in range(0, len(pending), self._max_batch):
+                    batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
+                                                       events=pending[i:i + self._max_batch],
+                                                       block_size=self.block_size)
+                    pipe.xadd(self.stream, encode_batch(batch),  # type: ignore[arg-type]
+                              maxlen=self._maxlen, approximate=True)
+                    entries += 1
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self.stats.publish_failures += 1
+            if self.stats.publish_failures == 1 or self.stats.publish_failures % 100 == 0:
+                log.warning("%s: publishing KV events failed (%s); retrying",
+                            self.worker_id, exc)
+            self._pending = pending + self._pending
+            excess = len(self._pending) - self._max_pending
+            if excess > 0:  # the indexer sees the hole and resyncs from state()
+                del self._pending[:excess]
+                self.stats.dropped_backlog += excess
+            return False
+        self.stats.entries += entries
         self.stats.events += len(pending)
+        self._retry_s = 0.2
+        return True
 
     async def close(self) -> None:
         """Stops relaying; flushes, closes sockets and Redis. Idempotent."""
