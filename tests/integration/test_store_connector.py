@@ -117,7 +117,7 @@ async def test_store_reload_matches_compute_and_counts_hits(
         assert token_ids(await run(engine, rid("f"), exact)) == first
         assert delta(engine.counters(), before).get("kv_connector_hits_tokens") == 3 * BLOCK
     finally:
-        sn.stop()
+        await asyncio.to_thread(sn.stop)
 
 
 async def test_load_failure_recompute_and_fail(master: StoreMasterApp,

@@ -45,8 +45,13 @@ Scheduler side (role SCHEDULER):
   prefixes are announced too (this worker can load them). The store does not report
   evictions, so tier ``store`` entries can go stale (approximate, like Dynamo's
   host/disk tiers). ``publish_events: false`` turns this off.
-- ``request_finished`` → ``(False, None)``: every save and load finishes inside the step
-  that scheduled it (below), so vLLM may free the blocks at once.
+- ``request_finished`` / ``request_finished_all_groups`` → ``(False, None)``: every save
+  and load finishes inside the step that scheduled it (below), so vLLM may free the blocks
+  at once.
+- HMA: the class declares ``SupportsHMA`` so that a ``MultiConnector`` with NIXL keeps
+  vLLM's hybrid allocator setting equal to a NIXL-only peer's (it is part of NIXL's
+  handshake compatibility hash); with more than one KV cache group (hybrid models) the
+  connector turns itself off (saves and loads nothing).
 
 Worker side (role WORKER):
 
@@ -86,6 +91,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from services.common.block_hash import block_hashes
@@ -154,11 +160,14 @@ def combined_kv_transfer_config(
     nixl = dict(nixl_config)
     policy = kv_load_failure_policy or nixl.pop("kv_load_failure_policy", None)
     nixl.pop("kv_load_failure_policy", None)
+    # vLLM 0.32's MultiConnector passes the top-level engine_id to every child and fails
+    # ("multiple values for keyword argument 'engine_id'") when a child repeats it.
+    engine_id = nixl.pop("engine_id", None)
     store = store_kv_transfer_config(store_master, extra=store_extra)
     cfg: dict[str, Any] = {
         "kv_connector": "MultiConnector",
         "kv_role": nixl.get("kv_role", "kv_both"),
-        "engine_id": nixl.get("engine_id"),
+        "engine_id": engine_id,
         "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {"connectors": [nixl, store]},
     }
@@ -217,7 +226,7 @@ def _eligible(request: Request) -> bool:
             and bool(request.prompt_token_ids))
 
 
-class KvmeshStoreConnector(KVConnectorBase_V1):
+class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM connector for the kvmesh store; see the module docstring for each hook."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -230,10 +239,14 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
         if not master:
             raise ValueError("kv_connector_extra_config.store_master is required")
         self._master = str(master)
+        groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or [None])
         self._block_size = int(vllm_config.cache_config.block_size)
         self._replicas = int(self._extra.get("replicas", 1))
         self._save = bool(self._extra.get("save", True))
         self._load = bool(self._extra.get("load", True))
+        if groups > 1:  # block ids of one group only; hybrid models are not served
+            log.warning("kvmesh store connector: %d KV cache groups; store disabled", groups)
+            self._save = self._load = False
         par = vllm_config.parallel_config
         tp_rank = 0
         if role == KVConnectorRole.WORKER:
@@ -373,6 +386,10 @@ class KvmeshStoreConnector(KVConnectorBase_V1):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
         return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     # -- worker side ------------------------------------------------------------------
 
