@@ -5,6 +5,8 @@
   the engine's prefix cache was reset) and when it was computed; the load shows in vLLM's
   connector hit and external-token counters; a prompt sharing only a prefix loads only
   the shared blocks.
+- L1 (``l1_mib``): saves written behind reach the store; reloads hit L1; another engine
+  loads the same blocks from the store with the same tokens.
 - A store node killed after saving (the master still lists its segment): the lookup says
   hit, the load fails → "recompute" policy gives the computed tokens; "fail" ends the
   request in error (no full answer).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 import pytest_asyncio
@@ -49,12 +52,12 @@ async def master(etcd: Child) -> AsyncIterator[StoreMasterApp]:
     await app.server.stop()
 
 
-async def start_engine(master_addr: str, policy: str) -> VllmEngine:
+async def start_engine(master_addr: str, policy: str, **extra: Any) -> VllmEngine:
     eng = VllmEngine(VllmEngineConfig(
         model_path=str(ensure_tiny_model()), max_model_len=MAX_MODEL_LEN, block_size=BLOCK,
         kv_cache_space_gib=KV_GIB, seed=0,
-        kv_transfer_config=store_kv_transfer_config(master_addr,
-                                                    kv_load_failure_policy=policy),
+        kv_transfer_config=store_kv_transfer_config(
+            master_addr, kv_load_failure_policy=policy, extra=extra),
         env=dict(UCX_ENV)))
     await eng.start()
     return eng
@@ -117,6 +120,31 @@ async def test_store_reload_matches_compute_and_counts_hits(
         assert token_ids(await run(engine, rid("f"), exact)) == first
         assert delta(engine.counters(), before).get("kv_connector_hits_tokens") == 3 * BLOCK
     finally:
+        await asyncio.to_thread(sn.stop)
+
+
+async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
+                                                 engine: VllmEngine) -> None:
+    """An engine with an L1 pool saves in the background; its blocks serve reloads from
+    L1 and, once written behind, another engine (no L1) loads them from the store."""
+    sn = await node(master)
+    l1 = await start_engine(master.server.address, "recompute", l1_mib=4)
+    try:
+        tokens = prompt(41, 5 * BLOCK + 3)
+        objects = master.master.stats().complete_objects
+        computed = token_ids(await run(l1, rid("l1a"), tokens))
+        await wait_for(lambda: master.master.stats().complete_objects >= objects + 5,
+                       "write-behind saves in the store")
+        assert await l1.reset_prefix_cache()
+        before = l1.counters()
+        assert token_ids(await run(l1, rid("l1b"), tokens)) == computed  # from L1
+        assert delta(l1.counters(), before).get("kv_connector_hits_tokens") == 5 * BLOCK
+        assert await engine.reset_prefix_cache()
+        before = engine.counters()
+        assert token_ids(await run(engine, rid("l1c"), tokens)) == computed  # from store
+        assert delta(engine.counters(), before).get("kv_external_loaded_tokens") == 5 * BLOCK
+    finally:
+        await l1.shutdown()
         await asyncio.to_thread(sn.stop)
 
 

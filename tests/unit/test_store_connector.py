@@ -196,3 +196,23 @@ def test_stored_blocks_become_store_tier_events() -> None:
     assert not list(conn.take_events())
     merged = StoreWorkerMeta([("a", 0, 1)]).aggregate(StoreWorkerMeta([("b", 1, 1)]))
     assert isinstance(merged, StoreWorkerMeta) and len(merged.done) == 2
+
+
+def test_lookup_hit_of_a_queued_request_is_prefetched_once() -> None:
+    conn, store, mgr = make(l1_mib=1)
+    req = request("w", 3 * BS + 2)
+    keys = conn._keys(req.prompt_token_ids)
+    store.keys |= set(keys)
+    assert conn.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    # Not scheduled in this step (no update_state_after_alloc): prefetch its hits.
+    meta = conn.build_connector_meta(sched_out())
+    assert isinstance(meta, StoreMeta) and meta.prefetch == keys[:3] and not meta.loads
+    conn.get_num_new_matched_tokens(req, 0)
+    meta = conn.build_connector_meta(sched_out())
+    assert isinstance(meta, StoreMeta) and not meta.prefetch  # once per request
+    # Without L1 nothing is prefetched.
+    plain, store2, _ = make()
+    store2.keys |= set(keys)
+    plain.get_num_new_matched_tokens(request("w", 3 * BS + 2), 0)
+    meta = plain.build_connector_meta(sched_out())
+    assert isinstance(meta, StoreMeta) and not meta.prefetch

@@ -9,7 +9,7 @@ Loaded by vLLM inside EngineCore through ``kv_transfer_config`` (:func:`store_kv
 
 Extra config: ``store_master`` (required), ``replicas`` (1), ``save`` / ``load`` (true),
 ``segment_mib`` (0: the worker contributes no memory; store nodes do), ``publish_events``
-(true),
+(true), ``l1_mib`` (0: no L1; see below),
 ``rpc_timeout_s``, ``transfer_timeout_s``.
 
 Objects and keys. One store object per full KV block: for every attention layer (in
@@ -66,11 +66,19 @@ Worker side (role WORKER):
   and vLLM applies ``kv_load_failure_policy`` (recompute from the first failed block, or
   fail the request).
 - ``wait_for_layer_load``: nothing (loads are complete before the forward).
+- Prefetch keys in the metadata are handed to L1 in ``start_load_kv``.
 - ``save_kv_layer``: nothing; ``wait_for_save`` (after the forward, while vLLM still holds
   every block of the step) writes the step's saves (PutStart → NIXL WRITE → PutEnd) and
   returns when done, so no block is freed or reused while a save may touch it. A failed or
   refused save (no space, key already stored) only costs a future miss.
-- ``build_connector_worker_meta`` → :class:`StoreWorkerMeta` of this step's jobs.
+- L1 (``l1_mib > 0``, :class:`workers.kv.store.l1.L1Pool` in the worker): saves are
+  copied into the CPU pool inside ``wait_for_save`` and written to the store by the pool's
+  thread (write-behind: the step no longer waits for the store; a full pool falls back
+  to the synchronous save); loads read L1 first, then the store; when a lookup hits but
+  the request is not scheduled in that step (queued), the scheduler lists the hit keys in
+  ``StoreMeta.prefetch`` once and the worker prefetches them store → L1.
+- ``build_connector_worker_meta`` → :class:`StoreWorkerMeta` of the jobs that reached
+  the store since the last step (synchronous ones, and L1 write-behind completions).
 - ``get_finished`` → ``(None, None)``: nothing is asynchronous.
 - ``get_kv_connector_stats``: None (loads show in vLLM's connector hit / external token
   counters); ``counters()`` (this process) has the store client's op/byte counts.
@@ -80,6 +88,7 @@ Worker side (role WORKER):
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -96,6 +105,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from services.common.block_hash import block_hashes
 from workers.kv.layout import kv_layout
+from workers.kv.store.l1 import L1Pool
 from workers.kv.store_client import Region, StoreClient
 
 if TYPE_CHECKING:
@@ -192,6 +202,7 @@ class StoreMeta(KVConnectorMetadata):
 
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
+    prefetch: list[str] = field(default_factory=list)  # store → L1 (queued requests)
 
 
 @dataclass
@@ -217,6 +228,8 @@ class _ReqState:
     load_from: int = 0  # planned load: blocks [load_from, load_to)
     load_to: int = 0
     eligible: bool = True
+    hit_keys: list[str] = field(default_factory=list)  # last lookup's store hits
+    prefetched: bool = False
 
 
 def _eligible(request: Request) -> bool:
@@ -262,6 +275,8 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._reqs: dict[str, _ReqState] = {}
         self._pending_loads: list[str] = []
         self._publish = bool(self._extra.get("publish_events", True))
+        self._l1_bytes = int(self._extra.get("l1_mib", 0)) << 20
+        self._prefetch_wanted: set[str] = set()
         # (req_id, first) → (token ids, block hashes) of the job's prefix, until reported
         self._jobs: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
         self._events: list[BlockStored] = []
@@ -270,6 +285,8 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._layers: list[tuple[int, int, int]] = []  # (base addr, block stride, bytes)
         self._load_errors: set[int] = set()
         self._done: list[tuple[str, int, int]] = []
+        self._done_lock = threading.Lock()  # the L1 thread reports saves too
+        self._l1: L1Pool | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._client = StoreClient(self._master, nixl=False,
                                        rpc_timeout_s=self._rpc_timeout_s)
@@ -306,6 +323,9 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         assert self._client is not None
         hits = self._client.exists_prefix(st.keys[local:limit])
+        if self._l1_bytes and hits and not st.prefetched:
+            st.hit_keys = st.keys[local:local + hits]
+            self._prefetch_wanted.add(request.request_id)
         return hits * self._block_size, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
@@ -330,6 +350,12 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                        [ids[i] for i in rng], st.load_from))
             self._track(st, st.load_from, st.load_to)
             st.saved_upto = max(st.saved_upto, st.load_to)
+        for req_id in self._prefetch_wanted:  # lookup hit, not scheduled (yet): prefetch
+            st = self._reqs.get(req_id)
+            if st is not None and req_id not in self._pending_loads and not st.prefetched:
+                meta.prefetch.extend(st.hit_keys)
+                st.prefetched = True
+        self._prefetch_wanted.clear()
         self._pending_loads.clear()
         if self._save and mgr is not None:
             computed: dict[str, int] = {
@@ -412,19 +438,36 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._layers.append((base, stride, nbytes))
             total += nbytes
         self._client = client
-        log.info("kvmesh store connector: %d layers, %d B per block, keys %s",
-                 len(self._layers), total, self._key_prefix)
+        if self._l1_bytes >= total > 0:
+            self._l1 = L1Pool(client, total, self._l1_bytes // total, self._replicas,
+                              on_saved=self._l1_saved)
+        log.info("kvmesh store connector: %d layers, %d B per block, keys %s, L1 %s",
+                 len(self._layers), total, self._key_prefix,
+                 f"{self._l1_bytes // total} blocks" if self._l1 else "off")
 
     def _regions(self, block_id: int) -> list[Region]:
         return [(base + block_id * stride, n) for base, stride, n in self._layers]
 
+    def _get(self, items: list[tuple[str, list[Region]]]) -> list[str]:
+        """L1 first, then the store."""
+        assert self._client is not None
+        if self._l1 is None:
+            return list(self._client.get_many(items))
+        results = ["ok" if hit else "" for hit in self._l1.load(items)]
+        rest = [i for i, r in enumerate(results) if not r]
+        for i, r in zip(rest, self._client.get_many([items[i] for i in rest]), strict=True):
+            results[i] = r
+        return results
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
+        if isinstance(meta, StoreMeta) and meta.prefetch and self._l1 is not None:
+            self._l1.prefetch(meta.prefetch)
         if not isinstance(meta, StoreMeta) or not meta.loads or self._client is None:
             return
         items = [(k, self._regions(b)) for job in meta.loads
                  for k, b in zip(job.keys, job.block_ids, strict=True)]
-        results = self._client.get_many(items)
+        results = self._get(items)
         ids = [b for job in meta.loads for b in job.block_ids]
         failed = {b for b, r in zip(ids, results, strict=True) if r != "ok"}
         self._report(meta.loads, results, ("ok",))
@@ -443,10 +486,18 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._connector_metadata
         if not isinstance(meta, StoreMeta) or not meta.saves or self._client is None:
             return
-        items = [(k, self._regions(b)) for job in meta.saves
+        direct = []
+        for job in meta.saves:  # L1: copy now, write to the store in the background
+            items = [(k, self._regions(b)) for k, b in zip(job.keys, job.block_ids,
+                                                           strict=True)]
+            if self._l1 is None or not self._l1.save((job.req_id, job.first), items):
+                direct.append(job)
+        if not direct:
+            return
+        items = [(k, self._regions(b)) for job in direct
                  for k, b in zip(job.keys, job.block_ids, strict=True)]
         results = self._client.put_many(items, replicas=self._replicas)
-        self._report(meta.saves, results, ("ok", "exists"))
+        self._report(direct, results, ("ok", "exists"))
         if "failed" in results:
             log.info("kvmesh store: %d of %d block saves failed",
                      results.count("failed"), len(results))
@@ -461,12 +512,24 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
                     break
                 n += 1
             i += len(job.keys)
-            self._done.append((job.req_id, job.first, n))
+            with self._done_lock:
+                self._done.append((job.req_id, job.first, n))
+
+    def _l1_saved(self, job_id: tuple[str, int], results: list[str]) -> None:
+        """L1 thread: a write-behind job reached the store (or failed)."""
+        n = 0
+        for r in results:
+            if r not in ("ok", "exists"):
+                break
+            n += 1
+        with self._done_lock:
+            self._done.append((job_id[0], job_id[1], n))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if not self._done:
-            return None
-        out, self._done = StoreWorkerMeta(self._done), []
+        with self._done_lock:
+            if not self._done:
+                return None
+            out, self._done = StoreWorkerMeta(self._done), []
         return out
 
     def get_finished(self, finished_req_ids: set[str]
@@ -480,7 +543,13 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def counters(self) -> dict[str, int]:
         return dict(vars(self._client.counters)) if self._client is not None else {}
 
+    def l1(self) -> L1Pool | None:
+        return self._l1
+
     def shutdown(self) -> None:
+        if self._l1 is not None:
+            self._l1.close()
+            self._l1 = None
         client, self._client = self._client, None
         if client is not None:
             client.close()
