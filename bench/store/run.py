@@ -21,7 +21,11 @@ Contracts:
   ``store_miss`` (engine with the store connector, a fresh prefix: compute + save) and
   ``store_hit`` (same prefix again after a prefix-cache reset: loaded from the store).
   Medians over ``--reps``. Written to ``<out>/store_ttft.json``/``.png``.
-- Mooncake Store comparison: not run (``mooncake`` in the JSON says why).
+- ``--mooncake-python PY`` (a Python with ``mooncake-transfer-engine-non-cuda``, kept out
+  of kvmesh's requirements): the real Mooncake Store the same way (``mooncake_master``
+  with its HTTP metadata server, a node and a client of ``mooncake_peer.py``; all on
+  127.0.0.1; TCP transport), under ``"mooncake"`` in ``store.json``: its rows, or the
+  error it ended with.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from bench.transfer.run import parse_sizes
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": "127.0.0.1"}
-MOONCAKE_NOTE = ("not measured: mooncake-transfer-engine-non-cuda was not installed in this "
-                 "run (time budget); see issue 6")
+MOONCAKE_NOTE = "not run (pass --mooncake-python)"
+PEER = Path(__file__).resolve().parent / "mooncake_peer.py"
 
 
 def bench_ops(master_addr: str, sizes: list[int], batch: int, budget_bytes: int,
@@ -91,6 +95,64 @@ def bench_ops(master_addr: str, sizes: list[int], batch: int, budget_bytes: int,
     finally:
         client.close()
     return rows
+
+
+def bench_mooncake(python: str, sizes: list[int], batch: int, node_mib: int,
+                   budget: int) -> dict[str, Any]:
+    """Mooncake master + node + client children; their rows or the error (stderr tail)."""
+    import shutil
+    import subprocess
+
+    from services.launcher.procs import free_port
+
+    master_bin = Path(python).parent.parent / "lib"  # the venv (no resolve: a symlink)
+    found = sorted(master_bin.glob("python3*/site-packages/mooncake/mooncake_master"))
+    if not found and not shutil.which("mooncake_master"):
+        return {"error": f"mooncake_master not found next to {python}"}
+    binary = str(found[0]) if found else str(shutil.which("mooncake_master"))
+    rpc, meta, metrics, node_port = (free_port() for _ in range(4))
+    meta_url = f"http://127.0.0.1:{meta}/metadata"
+    master = subprocess.Popen(
+        [binary, "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
+         "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
+         "-http_metadata_server_port", str(meta), "-metrics_host", "127.0.0.1",
+         "-metrics_port", str(metrics), "-default_kv_lease_ttl", "500"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    node = None
+    try:
+        time.sleep(2)
+        node = subprocess.Popen(
+            [python, str(PEER), "node", f"127.0.0.1:{rpc}", meta_url, str(node_mib),
+             f"127.0.0.1:{node_port}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL, text=True)
+        assert node.stdout is not None
+        if "ready" not in node.stdout.readline():
+            return {"error": "mooncake node did not start"}
+        out: dict[str, Any] = {"version": "mooncake-transfer-engine-non-cuda",
+                               "protocol": "tcp"}
+        for label, target in (("preferred_node", f"127.0.0.1:{node_port}"), ("default", "-")):
+            proc = subprocess.run(
+                [python, str(PEER), "client", f"127.0.0.1:{rpc}", meta_url,
+                 ",".join(map(str, sizes)), str(batch), str(budget), target],
+                capture_output=True, text=True, timeout=300)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+            if proc.returncode == 0 and lines:
+                out[label] = json.loads(lines[-1])
+            else:
+                done = [ln for ln in proc.stderr.splitlines() if ln.startswith("mooncake size")]
+                tail = [ln for ln in proc.stderr.splitlines()
+                        if "Error" in ln or "failed" in ln][-3:]
+                out[label] = {"error": f"exit {proc.returncode}: " + " | ".join(tail),
+                              "completed": done}
+        return out
+    finally:
+        for p in (node, master):
+            if p is not None and p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -229,7 +291,7 @@ async def amain(args: argparse.Namespace) -> int:
     os.environ.update(UCX_ENV)
     parts = set(args.part.split(","))
     out = Path(args.out)
-    meta = {"host": platform.node(), "cpus": os.cpu_count(), "ucx": UCX_ENV,
+    meta: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "ucx": UCX_ENV,
             "mooncake": MOONCAKE_NOTE, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         etcd = start_etcd(Path(tmp), Path(tmp))
@@ -247,6 +309,10 @@ async def amain(args: argparse.Namespace) -> int:
             if "ops" in parts:
                 ops = await asyncio.to_thread(bench_ops, addr, parse_sizes(args.sizes),
                                               args.batch, args.node_mib << 19, StoreClient)
+                if args.mooncake_python:
+                    meta["mooncake"] = await asyncio.to_thread(
+                        bench_mooncake, args.mooncake_python, parse_sizes(args.sizes),
+                        args.batch, args.node_mib, args.node_mib << 19)
                 write_json(out / "store.json", {**meta, "rows": ops})
             if "ttft" in parts:
                 prefixes = [int(x) for x in args.prefixes.split(",")]
@@ -272,6 +338,8 @@ def main() -> int:
     p.add_argument("--prefixes", default="1024,2048,4096")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--mooncake-python", default="",
+                   help="Python of an environment with mooncake-transfer-engine-non-cuda")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,108 @@
+"""The real Mooncake Store measured like :func:`bench.store.run.bench_ops` (same machine).
+
+Run by :mod:`bench.store.run` with the Python of a separate environment holding
+``mooncake-transfer-engine-non-cuda`` (``--mooncake-python``; it is not a kvmesh
+requirement), and with no kvmesh import: ``python bench/store/mooncake_peer.py ROLE ...`` (not named
+mooncake.py: its folder comes first on sys.path and would shadow the package).
+
+- ``node MASTER META SEG_MIB HOST:PORT``: a MooncakeDistributedStore contributing a
+  SEG_MIB global segment under that name (the counterpart of ``kvmesh store-node``);
+  prints ``ready`` and waits on stdin.
+- ``client MASTER META SIZES BATCH BUDGET NODE``: a client with the minimum global segment
+  Mooncake accepts (16 MiB) and ``preferred_segment=NODE`` so objects land in the node,
+  with a registered buffer; per size, ``put_from`` /
+  ``get_into`` (batch 1) or ``batch_put_from`` / ``batch_get_into`` (batch > 1), checks
+  the bytes, removes the keys; prints one JSON line of rows like ``bench_ops``.
+Everything binds 127.0.0.1; protocol "tcp" (Mooncake's transfer engine; no RDMA here).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def make_store(master: str, meta: str, seg_bytes: int, local_bytes: int,
+               hostname: str = "127.0.0.1") -> object:
+    from mooncake.store import MooncakeDistributedStore
+
+    store = MooncakeDistributedStore()
+    rc = store.setup({"local_hostname": hostname, "metadata_server": meta,
+                      "global_segment_size": seg_bytes, "local_buffer_size": local_bytes,
+                      "protocol": "tcp", "master_server_addr": master})
+    if rc != 0:
+        raise RuntimeError(f"MooncakeDistributedStore.setup failed: {rc}")
+    return store
+
+
+def node(master: str, meta: str, seg_mib: int, hostname: str) -> None:
+    make_store(master, meta, seg_mib << 20, 16 << 20, hostname)
+    print("ready", flush=True)
+    sys.stdin.read()  # until the parent closes our stdin
+
+
+def client(master: str, meta: str, sizes: list[int], batch: int, budget: int,
+           node_segment: str) -> None:
+    from mooncake.store import ReplicateConfig
+
+    store = make_store(master, meta, 16 << 20, 16 << 20)
+    cfg = ReplicateConfig()
+    if node_segment != "-":
+        cfg.preferred_segment = node_segment  # the node's memory, not the client's own
+    biggest = max(sizes) * batch
+    src = np.random.default_rng(0).integers(0, 255, biggest, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    s, d = int(src.ctypes.data), int(dst.ctypes.data)
+    for buf in (src, dst):
+        rc = store.register_buffer(int(buf.ctypes.data), buf.nbytes)  # type: ignore[attr-defined]
+        if rc != 0:
+            raise RuntimeError(f"register_buffer failed: {rc}")
+    rows = []
+    for size, b in [(x, batch) for x in sizes] + [(min(sizes), 1)]:
+        n = max(b * 4, min(512, budget // size)) // b * b
+        keys = [f"mc/{size}/{b}/{i}" for i in range(n)]
+        t0 = time.perf_counter()
+        for i in range(0, n, b):
+            ks = keys[i:i + b]
+            if b == 1:
+                rcs = [store.put_from(ks[0], s, size, cfg)]  # type: ignore[attr-defined]
+            else:
+                rcs = store.batch_put_from(  # type: ignore[attr-defined]
+                    ks, [s + j * size for j in range(b)], [size] * b, cfg)
+            if any(r != 0 for r in rcs):
+                raise RuntimeError(f"put failed: {rcs}")
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(0, n, b):
+            ks = keys[i:i + b]
+            if b == 1:
+                got = [store.get_into(ks[0], d, size)]  # type: ignore[attr-defined]
+            else:
+                got = store.batch_get_into(  # type: ignore[attr-defined]
+                    ks, [d + j * size for j in range(b)], [size] * b)
+            if any(g != size for g in got):
+                raise RuntimeError(f"get failed: {got}")
+        get_s = time.perf_counter() - t0
+        ok = bool(np.array_equal(dst[:b * size], src[:b * size]))
+        time.sleep(0.6)  # the read leases (0.5 s) run out, then remove
+        for k in keys:
+            store.remove(k)  # type: ignore[attr-defined]
+        print(f"mooncake size {size} batch {b}: put {n * size / put_s / 1e9:.2f} GB/s, "
+              f"get {n * size / get_s / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+        rows.append({"size": size, "batch": b, "objects": n, "verified": ok, "put_s": put_s,
+                     "get_s": get_s, "put_gbps": n * size / put_s / 1e9,
+                     "get_gbps": n * size / get_s / 1e9, "put_ops": n / put_s,
+                     "get_ops": n / get_s})
+    print(json.dumps(rows), flush=True)
+
+
+if __name__ == "__main__":
+    role = sys.argv[1]
+    if role == "node":
+        node(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+    else:
+        client(sys.argv[2], sys.argv[3], [int(x) for x in sys.argv[4].split(",")],
+               int(sys.argv[5]), int(sys.argv[6]), sys.argv[7])
