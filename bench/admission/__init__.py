@@ -1,0 +1,1 @@
+"""Admission-control benchmark on a live mock mesh (see run.py)."""

@@ -1,0 +1,3 @@
+from bench.admission.run import entry
+
+entry()
