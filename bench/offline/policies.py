@@ -17,7 +17,10 @@ Contract:
   knows it) and ``own = prompt − predicted overlap``; ties (within ``tie_ms``) go to
   the larger overlap, then the lower KV usage, then at random (seeded).
   ``ttft_kv`` adds Dynamo's decode-block term: ``+ decode_weight · active blocks`` ms
-  per block, steering away from workers whose decode batch is large.
+  per block, steering away from workers whose decode batch is large. ``ttft_hit`` adds
+  ``own_weight · chunked_prefill_ms(own)``: the uncached work a placement adds also
+  slows the decodes sharing its steps (ITL), so cache hits count for more than their
+  TTFT effect.
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class TtftPolicy:
     name = "ttft"
 
     def __init__(self, sim: Any, rng: random.Random, decode_weight: float = 0.0,
-                 tie_ms: float = 1e-6) -> None:
+                 own_weight: float = 0.0, tie_ms: float = 1e-6) -> None:
+        self.own_weight = own_weight
         self.sim = sim
         self.rng = rng
         self.decode_weight = decode_weight
@@ -68,6 +72,9 @@ class TtftPolicy:
         ms = chunked_prefill_ms(self.timing, pending + own, self.budget, w.kv_usage)
         if self.decode_weight:
             ms += self.decode_weight * decode_blocks(w)
+        if self.own_weight:
+            ms += self.own_weight * chunked_prefill_ms(self.timing, own, self.budget,
+                                                       w.kv_usage)
         return ms
 
     def select(self, ctx: RouteContext, candidates: Sequence[WorkerState]) -> Decision:
@@ -86,7 +93,7 @@ class TtftPolicy:
         return Decision(w.instance_id, f"lowest predicted TTFT {c:.0f} ms", cost=c)
 
 
-EXTRA = ("ttft", "ttft_kv")
+EXTRA = ("ttft", "ttft_kv", "ttft_hit")
 
 
 def make_policy(name: str, sim: Any, rng: random.Random) -> Policy:
@@ -100,5 +107,9 @@ def make_policy(name: str, sim: Any, rng: random.Random) -> Policy:
     if name == "ttft_kv":
         p = TtftPolicy(sim, rng, decode_weight=0.05)
         p.name = "ttft_kv"
+        return p
+    if name == "ttft_hit":
+        p = TtftPolicy(sim, rng, own_weight=1.0)
+        p.name = "ttft_hit"
         return p
     return default_registry(cfg.profiles_file).create(name, rng)

@@ -7,7 +7,9 @@ Contract:
   run's row: the share of *all* requests meeting both SLOs (TTFT ≤ and per-request mean
   ITL ≤, as Dynamo counts; rejected and failed requests are misses), TTFT and ITL
   p50/p90/p99/mean over completed requests (ITL = per-request mean ITL), KV hit ratio
-  (cached / prompt tokens of completed requests), counts of ok/rejected/errors.
+  (cached / prompt tokens of completed requests), counts of ok/rejected/errors, and the
+  shares of all requests that completed but missed the TTFT (``ttft_miss_share``) or the
+  ITL SLO (``itl_miss_share``; a request may miss both).
 - :func:`capacity(evaluate, points, target, iters)`: ``points`` maps speed-up → SLO share
   of the sweep. The capacity is the highest speed-up whose share is ≥ ``target``: take
   the highest passing sweep point below the first failing one above it and bisect
@@ -38,7 +40,12 @@ def point_metrics(results: list[Result], duration_s: float, speedup: float,
                   slo_ttft_s: float, slo_itl_s: float) -> dict[str, Any]:
     """One run's row; see the module docstring."""
     s = summarize(results, duration_s, 0.0, slo_ttft_s, slo_itl_s)
+    ok = [r for r in results if r.status == "ok"]
+    n = len(results) or 1
+    ttft_miss = sum(1 for r in ok if r.ttft_s is not None and r.ttft_s > slo_ttft_s)
+    itl_miss = sum(1 for r in ok if (t := r.tpot_s) is not None and t > slo_itl_s)
     return {
+        "ttft_miss_share": ttft_miss / n, "itl_miss_share": itl_miss / n,
         "speedup": speedup, "slo_share": s["slo_attainment"], "requests": s["requests"],
         "ok": s["ok"], "rejected": s["rejected"], "errors": s["errors"],
         "hit_ratio": s["hit_ratio"], "ttft_s": s["ttft_s"], "itl_s": s["tpot_s"],
