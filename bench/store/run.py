@@ -19,8 +19,10 @@ Contracts:
   suffix, ``max_tokens=1``, TTFT = wall time to the first output. Three configurations:
   ``plain`` (engine without connector: pure recompute after a prefix-cache reset),
   ``store_miss`` (engine with the store connector, a fresh prefix: compute + save) and
-  ``store_hit`` (same prefix again after a prefix-cache reset: loaded from the store).
-  Medians over ``--reps``. Written to ``<out>/store_ttft.json``/``.png``.
+  ``store_hit`` (same prefix again after a prefix-cache reset: loaded from the store);
+  with ``--l1-mib`` also ``store_l1_miss`` / ``store_l1_hit`` (an engine with an L1 pool:
+  saves written behind, reloads from L1). Medians over ``--reps``. Written to
+  ``<out>/store_ttft.json``/``.png``.
 - ``--mooncake-python PY`` (a Python with ``mooncake-transfer-engine-non-cuda``, kept out
   of kvmesh's requirements): the real Mooncake Store the same way (``mooncake_master``
   with its HTTP metadata server, a node and a client of ``mooncake_peer.py``; all on
@@ -166,7 +168,7 @@ def client_cls_pb() -> Any:
 
 
 async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: int,
-                     kv_gib: float) -> dict[str, Any]:
+                     kv_gib: float, l1_mib: int = 0) -> dict[str, Any]:
     """TTFT per configuration and prefix length (see the module docstring)."""
     from workers.engines.base import EngineRequest, Sampling
     from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
@@ -210,27 +212,36 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
             print(f"plain {n}: {result['plain'][n] * 1e3:.0f} ms", flush=True)
     finally:
         await plain.shutdown()
-    eng = VllmEngine(config(store_kv_transfer_config(master_addr)))
-    await eng.start()
-    try:
-        await ttft(eng, toks(64))
-        for n in prefixes:
-            miss, hit = [], []
-            for _ in range(reps):
-                prefix = toks(n)
-                await eng.reset_prefix_cache()
-                miss.append(await ttft(eng, prefix + toks(16)))
-                await eng.reset_prefix_cache()
-                before = eng.counters()["kv_connector_hits_tokens"]
-                hit.append(await ttft(eng, prefix + toks(16)))
-                result["hit_tokens"][n] = eng.counters()["kv_connector_hits_tokens"] - before
-            result["store_miss"][n] = statistics.median(miss)
-            result["store_hit"][n] = statistics.median(hit)
-            print(f"store {n}: miss {result['store_miss'][n] * 1e3:.0f} ms, hit "
-                  f"{result['store_hit'][n] * 1e3:.0f} ms ({result['hit_tokens'][n]} tokens "
-                  "from the store)", flush=True)
-    finally:
-        await eng.shutdown()
+    variants = [("store", {})]
+    if l1_mib:
+        variants.append(("store_l1", {"l1_mib": l1_mib}))
+    for name, extra in variants:
+        eng = VllmEngine(config(store_kv_transfer_config(master_addr, extra=extra)))
+        await eng.start()
+        miss_key, hit_key = f"{name}_miss", f"{name}_hit"
+        result.setdefault(miss_key, {})
+        result.setdefault(hit_key, {})
+        try:
+            await ttft(eng, toks(64))
+            for n in prefixes:
+                miss, hit = [], []
+                for _ in range(reps):
+                    prefix = toks(n)
+                    await eng.reset_prefix_cache()
+                    miss.append(await ttft(eng, prefix + toks(16)))
+                    await asyncio.sleep(1.0)  # let L1 write-behind reach the store
+                    await eng.reset_prefix_cache()
+                    before = eng.counters()["kv_connector_hits_tokens"]
+                    hit.append(await ttft(eng, prefix + toks(16)))
+                    result["hit_tokens"][n] = (eng.counters()["kv_connector_hits_tokens"]
+                                               - before)
+                result[miss_key][n] = statistics.median(miss)
+                result[hit_key][n] = statistics.median(hit)
+                print(f"{name} {n}: miss {result[miss_key][n] * 1e3:.0f} ms, hit "
+                      f"{result[hit_key][n] * 1e3:.0f} ms ({result['hit_tokens'][n]} tokens "
+                      "from the store)", flush=True)
+        finally:
+            await eng.shutdown()
     return result
 
 
@@ -272,8 +283,10 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
     if ttft:
         fig, ax = plt.subplots(figsize=(7, 4))
         xs = ttft["prefixes"]
-        for name, mark in (("plain", "o-"), ("store_miss", "^-"), ("store_hit", "s-")):
-            ax.plot(xs, [ttft[name][n] * 1e3 for n in xs], mark, label=name)
+        for name, mark in (("plain", "o-"), ("store_miss", "^-"), ("store_hit", "s-"),
+                           ("store_l1_miss", "v--"), ("store_l1_hit", "D--")):
+            if ttft.get(name):
+                ax.plot(xs, [ttft[name][n] * 1e3 for n in xs], mark, label=name)
         ax.set_xlabel("shared prefix (tokens)")
         ax.set_ylabel("TTFT (ms, median)")
         ax.set_title(f"TTFT: store reuse vs recompute ({Path(ttft['model']).name})")
@@ -316,7 +329,8 @@ async def amain(args: argparse.Namespace) -> int:
                 write_json(out / "store.json", {**meta, "rows": ops})
             if "ttft" in parts:
                 prefixes = [int(x) for x in args.prefixes.split(",")]
-                ttft = await bench_ttft(addr, args.model, prefixes, args.reps, args.kv_gib)
+                ttft = await bench_ttft(addr, args.model, prefixes, args.reps, args.kv_gib,
+                                        args.l1_mib)
                 write_json(out / "store_ttft.json", {**meta, **ttft})
             await asyncio.to_thread(plot, out, ops, ttft)
         finally:
@@ -338,6 +352,8 @@ def main() -> int:
     p.add_argument("--prefixes", default="1024,2048,4096")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--kv-gib", type=float, default=1.0)
+    p.add_argument("--l1-mib", type=int, default=512,
+                   help="also measure an engine with an L1 pool of this size (0: skip)")
     p.add_argument("--mooncake-python", default="",
                    help="Python of an environment with mooncake-transfer-engine-non-cuda")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))

@@ -9,8 +9,8 @@ Loaded by vLLM inside EngineCore through ``kv_transfer_config`` (:func:`store_kv
 
 Extra config: ``store_master`` (required), ``replicas`` (1), ``save`` / ``load`` (true),
 ``segment_mib`` (0: the worker contributes no memory; store nodes do), ``publish_events``
-(true), ``l1_mib`` (0: no L1; see below),
-``rpc_timeout_s``, ``transfer_timeout_s``.
+(true), ``l1_mib`` (0: no L1; see below), ``rpc_timeout_s``, ``transfer_timeout_s``.
+:func:`combined_kv_transfer_config` builds the ``MultiConnector`` form (NIXL P→D + store).
 
 Objects and keys. One store object per full KV block: for every attention layer (in
 vLLM's layer order) the block's bytes in vLLM's paged cache ``[num_blocks, kv_heads,
@@ -79,10 +79,11 @@ Worker side (role WORKER):
   ``StoreMeta.prefetch`` once and the worker prefetches them store → L1.
 - ``build_connector_worker_meta`` → :class:`StoreWorkerMeta` of the jobs that reached
   the store since the last step (synchronous ones, and L1 write-behind completions).
-- ``get_finished`` → ``(None, None)``: nothing is asynchronous.
+- ``get_finished`` → ``(None, None)``: nothing vLLM owns is touched after the step that
+  scheduled it (L1 write-behind works on its own copy), so no request waits on us.
 - ``get_kv_connector_stats``: None (loads show in vLLM's connector hit / external token
   counters); ``counters()`` (this process) has the store client's op/byte counts.
-- ``shutdown``: closes the store client.
+- ``shutdown``: drains and closes the L1 pool, then closes the store client.
 """
 
 from __future__ import annotations
