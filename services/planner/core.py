@@ -78,6 +78,9 @@ class TrafficCounters:
     ttft_count: float = 0.0
     itl_sum_s: float = 0.0
     itl_count: float = 0.0
+    # Requests that finished (their tokens are in the totals); ``requests`` also counts
+    # rejected and failed ones, i.e. demand. 0 when unknown: then ``requests`` is used.
+    finished: float = 0.0
 
     def minus(self, base: TrafficCounters) -> TrafficCounters:
         """``self - base``; when any counter went down (a reset), ``self`` itself."""
@@ -318,8 +321,9 @@ class PlannerCore:
             return
         d = obs.traffic.minus(base)
         self._rate.add(d.requests / (now - base_at))
-        if d.requests > 0:
-            isl_obs, osl_obs = d.input_tokens / d.requests, d.output_tokens / d.requests
+        served = d.finished or d.requests
+        if served > 0:
+            isl_obs, osl_obs = d.input_tokens / served, d.output_tokens / served
             self._isl.add(isl_obs)
             self._osl.add(osl_obs)
             self._update_corrections(obs, d, isl_obs, osl_obs)

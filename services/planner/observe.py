@@ -4,8 +4,10 @@ Contract:
 
 - :func:`traffic_from_metrics` (pure) parses one frontend's Prometheus text exposition
   into cumulative :class:`TrafficCounters`: requests = ``kvmesh_requests_total`` summed
-  over labels; ISL/OSL token totals = ``kvmesh_prompt_tokens_total`` /
-  ``kvmesh_completion_tokens_total`` (or the ``_sum`` of histograms of those names);
+  over labels (demand, incl. rejected); finished = those with outcome stop or length (the
+  requests whose tokens the token totals count); ISL/OSL token totals =
+  ``kvmesh_prompt_tokens_total`` / ``kvmesh_completion_tokens_total`` (or the ``_sum``
+  of histograms of those names);
   TTFT = ``kvmesh_ttft_seconds`` ``_sum``/``_count``; ITL = ``kvmesh_itl_seconds``
   ``_sum``/``_count``. Missing metrics count as 0.
 - :class:`MeshObserver` follows the ``worker`` and ``frontend`` components in etcd
@@ -57,12 +59,15 @@ _SAMPLES = {
 
 def traffic_from_metrics(text: str) -> TrafficCounters:
     """One frontend's cumulative counters from its ``/metrics`` text."""
-    acc = dict.fromkeys(set(_SAMPLES.values()), 0.0)
+    acc = dict.fromkeys({*_SAMPLES.values(), "finished"}, 0.0)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             key = _SAMPLES.get(sample.name)
             if key is not None:
                 acc[key] += float(sample.value)
+            if (sample.name == "kvmesh_requests_total"
+                    and sample.labels.get("outcome") in ("stop", "length")):
+                acc["finished"] += float(sample.value)
     return TrafficCounters(**acc)
 
 
@@ -70,7 +75,7 @@ def add_traffic(items: Sequence[TrafficCounters]) -> TrafficCounters:
     """Field-wise sum."""
     return TrafficCounters(*(sum(getattr(t, f) for t in items) for f in (
         "requests", "input_tokens", "output_tokens", "ttft_sum_s", "ttft_count", "itl_sum_s",
-        "itl_count")))
+        "itl_count", "finished")))
 
 
 @dataclass(frozen=True)

@@ -112,3 +112,18 @@ def test_local_actuator_env_does_not_leak_planner_settings(monkeypatch, tmp_path
     env = act._env
     assert "KVMESH_PORT" not in env and env["OMP_NUM_THREADS"] == "1"
     assert env["KVMESH_ETCD_ENDPOINT"] == "e:1" and env["KVMESH_ENGINE"] == "mock"
+
+
+def test_isl_is_averaged_over_finished_requests_not_rejected_ones() -> None:
+    from services.planner.observe import traffic_from_metrics
+
+    text = "\n".join([
+        "# TYPE kvmesh_requests_total counter",
+        'kvmesh_requests_total{path="agg",outcome="stop"} 3',
+        'kvmesh_requests_total{path="agg",outcome="length"} 1',
+        'kvmesh_requests_total{path="none",outcome="rejected"} 6',
+        "# TYPE kvmesh_prompt_tokens_total counter",
+        "kvmesh_prompt_tokens_total 4000",
+        ""])
+    t = traffic_from_metrics(text)
+    assert t.requests == 10 and t.finished == 4 and t.input_tokens / t.finished == 1000
