@@ -119,6 +119,17 @@ async def test_store_reload_matches_compute_and_counts_hits(
         before = engine.counters()
         assert token_ids(await run(engine, rid("f"), exact)) == first
         assert delta(engine.counters(), before).get("kv_connector_hits_tokens") == 3 * BLOCK
+
+        # Local hit first, then the store: the engine holds blocks 0-1 of `other` (loaded
+        # by a shorter prompt), the store has all 5 (saved by "d"); the load starts at
+        # block 2.
+        assert await engine.reset_prefix_cache()
+        await run(engine, rid("g"), other[:2 * BLOCK + 5])
+        before = engine.counters()
+        assert token_ids(await run(engine, rid("h"), other)) == with_store
+        moved = delta(engine.counters(), before)
+        assert moved.get("prefix_cache_hits_tokens") == 2 * BLOCK
+        assert moved.get("kv_connector_hits_tokens") == 3 * BLOCK
     finally:
         await asyncio.to_thread(sn.stop)
 

@@ -122,7 +122,7 @@ def test_load_plan_and_saves_follow_the_steps() -> None:
     store.keys |= set(keys[:4])
     mgr.blocks["r"] = [10, 11, 12, 13, 14, 15]
     assert conn.get_num_new_matched_tokens(req, BS) == (3 * BS, False)
-    req.num_computed_tokens = BS  # the engine's local hit, before the external tokens
+    # vLLM sets num_computed_tokens (local + external) only after this call.
     conn.update_state_after_alloc(req, None, 3 * BS)  # type: ignore[arg-type]
     meta = conn.build_connector_meta(sched_out(new=[("r", 4 * BS)], scheduled={"r": BS + 7}))
     assert isinstance(meta, StoreMeta)

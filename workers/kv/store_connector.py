@@ -31,8 +31,10 @@ Scheduler side (role SCHEDULER):
   blocks only and never the prompt's last token (vLLM must compute at least one). Loads are
   synchronous: it returns ``(n, False)``. A miss (or a master error) is ``(0, False)``:
   vLLM computes.
-- ``update_state_after_alloc``: when ``num_external_tokens > 0``, records the load plan
-  (which block indices to load); the block ids are read in ``build_connector_meta``.
+- ``update_state_after_alloc``: when ``num_external_tokens > 0``, records the load plan:
+  block indices from the local hit seen by the lookup just before (vLLM updates
+  ``request.num_computed_tokens`` only after this call); the block ids are read in
+  ``build_connector_meta``.
 - ``build_connector_meta`` → :class:`StoreMeta`: the loads planned this step (keys, block
   ids) and the saves: for every scheduled request, the prompt blocks that become full in
   this step and were neither loaded nor hit locally (each block is saved once per
@@ -230,6 +232,7 @@ class _ReqState:
     load_to: int = 0
     eligible: bool = True
     hit_keys: list[str] = field(default_factory=list)  # last lookup's store hits
+    lookup_local: int = 0  # blocks the engine had locally at the last lookup
     prefetched: bool = False
 
 
@@ -324,6 +327,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         assert self._client is not None
         hits = self._client.exists_prefix(st.keys[local:limit])
+        st.lookup_local = local  # vLLM sets num_computed_tokens only after the allocation
         if self._l1_bytes and hits and not st.prefetched:
             st.hit_keys = st.keys[local:local + hits]
             self._prefetch_wanted.add(request.request_id)
@@ -334,7 +338,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._state(request)
         if num_external_tokens <= 0:
             return
-        start = request.num_computed_tokens // self._block_size
+        start = st.lookup_local  # the local hit the matching lookup saw
         st.load_from, st.load_to = start, start + num_external_tokens // self._block_size
         self._pending_loads.append(request.request_id)
 
