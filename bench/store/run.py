@@ -212,7 +212,7 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
             print(f"plain {n}: {result['plain'][n] * 1e3:.0f} ms", flush=True)
     finally:
         await plain.shutdown()
-    variants = [("store", {})]
+    variants: list[tuple[str, dict[str, Any]]] = [("store", {})]
     if l1_mib:
         variants.append(("store_l1", {"l1_mib": l1_mib}))
     for name, extra in variants:
