@@ -8,6 +8,8 @@ Contract:
   one line per system (kvmesh solid, Dynamo dashed), the target as a horizontal line and
   each capacity as a marker; and, beside it, the KV hit ratio against the speed-up.
 - :func:`table(systems)` is the capacity table as Markdown lines.
+- :func:`merge(paths, out)` (``python -m bench.offline.report OUT IN.json ...``) combines
+  reports of separate runs into one JSON + PNG.
 """
 
 from __future__ import annotations
@@ -72,3 +74,28 @@ def table(systems: list[dict[str, Any]]) -> list[str]:
             f"{s['capacity']:.2f}" + ("" if s.get("capacity_bounded") else "+"))
         lines.append(f"| {s['name']} | {s['config']} | {cap} | {shares} | {hits} |")
     return lines
+
+
+def merge(paths: list[Path], out: Path) -> dict[str, Any]:
+    """Combines several reports' systems (first occurrence of a name wins) into one
+    JSON + PNG at ``out`` (without extension); returns the merged report."""
+    merged: dict[str, Any] = {"merged_from": [str(p) for p in paths], "systems": []}
+    seen: set[str] = set()
+    for p in paths:
+        rep = json.loads(p.read_text())
+        for k in ("trace", "limit", "target", "slo", "config", "dynamo"):
+            merged.setdefault(k, rep.get(k))
+        for s in rep.get("systems", []):
+            if s["name"] not in seen:
+                seen.add(s["name"])
+                merged["systems"].append(s)
+    merged["table"] = table(merged["systems"])
+    write_json(out.with_suffix(".json"), merged)
+    plot(out.with_suffix(".png"), merged["systems"], merged.get("target") or 0.9)
+    return merged
+
+
+if __name__ == "__main__":  # python -m bench.offline.report OUT IN.json [IN.json ...]
+    import sys
+
+    print("\n".join(merge([Path(p) for p in sys.argv[2:]], Path(sys.argv[1]))["table"]))
