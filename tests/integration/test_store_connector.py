@@ -7,6 +7,8 @@
   the shared blocks.
 - L1 (``l1_mib``): saves written behind reach the store; reloads hit L1; another engine
   loads the same blocks from the store with the same tokens.
+- ``async_load``: the same through vLLM's asynchronous path (get_finished), including a
+  failed load recomputed.
 - A store node killed after saving (the master still lists its segment): the lookup says
   hit, the load fails → "recompute" policy gives the computed tokens; "fail" ends the
   request in error (no full answer).
@@ -157,6 +159,29 @@ async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
     finally:
         await l1.shutdown()
         await asyncio.to_thread(sn.stop)
+
+
+async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -> None:
+    """async_load: vLLM parks the request while the loader thread reads the store; the
+    tokens are the computed ones; a vanished node → failed blocks → recompute."""
+    sn = await node(master)
+    eng = await start_engine(master.server.address, "recompute", async_load=True)
+    try:
+        tokens = prompt(51, 4 * BLOCK + 9)
+        computed = token_ids(await run(eng, rid("as1"), tokens))
+        assert await eng.reset_prefix_cache()
+        before = eng.counters()
+        assert token_ids(await run(eng, rid("as2"), tokens)) == computed
+        moved = delta(eng.counters(), before)
+        assert moved.get("kv_connector_hits_tokens") == 4 * BLOCK
+        assert moved.get("kv_external_loaded_tokens") == 4 * BLOCK
+        assert await eng.reset_prefix_cache()
+        sn.kill()  # the master still lists the node: the async load fails
+        assert token_ids(await run(eng, rid("as3"), tokens)) == computed
+    finally:
+        await eng.shutdown()
+        sn.kill()
+    await wait_for(lambda: master.master.stats().clients == 0, "dead node dropped")
 
 
 async def test_load_failure_recompute_and_fail(master: StoreMasterApp,

@@ -178,7 +178,7 @@ def test_stored_blocks_become_store_tier_events() -> None:
     conn.build_connector_meta(sched_out(new=[("v", 0)], scheduled={"v": 4 * BS + 3}))
     # The worker saved the first 3 of the 4 blocks (the 4th failed).
     conn.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
-        kv_connector_worker_meta=StoreWorkerMeta([("v", 0, 3)])))
+        finished_recving=None, kv_connector_worker_meta=StoreWorkerMeta([("v", 0, 3)])))
     events = list(conn.take_events())
     assert len(events) == 1 and not list(conn.take_events())
     ev = events[0]
@@ -192,6 +192,7 @@ def test_stored_blocks_become_store_tier_events() -> None:
     assert list(translated[0].block_hashes) == [int(k.rsplit("/", 1)[1], 16) for k in keys[:3]]
     # Nothing saved: nothing announced; unknown jobs are ignored.
     conn.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        finished_recving=None,
         kv_connector_worker_meta=StoreWorkerMeta([("v", 0, 0), ("zz", 0, 2)])))
     assert not list(conn.take_events())
     merged = StoreWorkerMeta([("a", 0, 1)]).aggregate(StoreWorkerMeta([("b", 1, 1)]))
@@ -216,3 +217,21 @@ def test_lookup_hit_of_a_queued_request_is_prefetched_once() -> None:
     plain.get_num_new_matched_tokens(request("w", 3 * BS + 2), 0)
     meta = plain.build_connector_meta(sched_out())
     assert isinstance(meta, StoreMeta) and not meta.prefetch
+
+
+def test_a_failed_load_is_not_offered_again() -> None:
+    conn, store, mgr = make(async_load=True)
+    req = request("f", 4 * BS + 1)
+    keys = conn._keys(req.prompt_token_ids)
+    store.keys |= set(keys)
+    mgr.blocks["f"] = [1, 2, 3, 4, 5]
+    assert conn.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    conn.update_state_after_alloc(req, None, 4 * BS)  # type: ignore[arg-type]
+    meta = conn.build_connector_meta(sched_out())
+    assert isinstance(meta, StoreMeta) and meta.load_async and len(meta.loads) == 1
+    conn.update_state_after_alloc(req, None, 4 * BS)  # type: ignore[arg-type]
+    assert not conn._pending_loads  # the call after an async load plans nothing
+    # The worker loaded only the first block, then failed.
+    conn.update_connector_output(SimpleNamespace(  # type: ignore[arg-type]
+        finished_recving={"f"}, kv_connector_worker_meta=StoreWorkerMeta([("f", 0, 1)])))
+    assert conn.get_num_new_matched_tokens(req, 0) == (0, False)

@@ -9,7 +9,8 @@ Loaded by vLLM inside EngineCore through ``kv_transfer_config`` (:func:`store_kv
 
 Extra config: ``store_master`` (required), ``replicas`` (1), ``save`` / ``load`` (true),
 ``segment_mib`` (0: the worker contributes no memory; store nodes do), ``publish_events``
-(true), ``l1_mib`` (0: no L1; see below), ``rpc_timeout_s``, ``transfer_timeout_s``.
+(true), ``l1_mib`` (0: no L1; see below), ``async_load`` (false), ``rpc_timeout_s``,
+``transfer_timeout_s``.
 :func:`combined_kv_transfer_config` builds the ``MultiConnector`` form (NIXL P→D + store).
 
 Objects and keys. One store object per full KV block: for every attention layer (in
@@ -29,8 +30,12 @@ Scheduler side (role SCHEDULER):
   request), asks the master (BatchExistKey, which grants read leases) for the blocks after
   the engine's local hit, and reports ``consecutive hits × block_size`` extra tokens, full
   blocks only and never the prompt's last token (vLLM must compute at least one). Loads are
-  synchronous: it returns ``(n, False)``. A miss (or a master error) is ``(0, False)``:
-  vLLM computes.
+  synchronous by default: it returns ``(n, False)``; with ``async_load: true`` it returns
+  ``(n, True)`` and vLLM parks the request (WAITING_FOR_REMOTE_KVS) until the worker
+  reports the load finished. A miss (or a master error) is ``(0, False)``: vLLM computes.
+  After a load of a request failed (reported back in :class:`StoreWorkerMeta`), that
+  request is never offered the store again (vLLM recomputes it; an async one is looked up
+  again and the master may still list the lost replicas until the owner's TTL).
 - ``update_state_after_alloc``: when ``num_external_tokens > 0``, records the load plan:
   block indices from the local hit seen by the lookup just before (vLLM updates
   ``request.num_computed_tokens`` only after this call); the block ids are read in
@@ -81,8 +86,12 @@ Worker side (role WORKER):
   ``StoreMeta.prefetch`` once and the worker prefetches them store → L1.
 - ``build_connector_worker_meta`` → :class:`StoreWorkerMeta` of the jobs that reached
   the store since the last step (synchronous ones, and L1 write-behind completions).
-- ``get_finished`` → ``(None, None)``: nothing vLLM owns is touched after the step that
-  scheduled it (L1 write-behind works on its own copy), so no request waits on us.
+- ``get_finished`` → ``(None, finished loads)``: with ``async_load``, ``start_load_kv``
+  (after the forward) hands each request's load to a loader thread, and ``get_finished``
+  returns the requests whose load ended (failed blocks join the load errors in that same
+  step, as vLLM requires). vLLM keeps a parked request's blocks, even when it is aborted,
+  until its id comes back here. Saves are never reported: nothing vLLM owns is touched
+  after the step that scheduled it (L1 write-behind works on its own copy).
 - ``get_kv_connector_stats``: None (loads show in vLLM's connector hit / external token
   counters); ``counters()`` (this process) has the store client's op/byte counts.
 - ``shutdown``: drains and closes the L1 pool, then closes the store client.
@@ -93,6 +102,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -206,6 +216,7 @@ class StoreMeta(KVConnectorMetadata):
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
     prefetch: list[str] = field(default_factory=list)  # store → L1 (queued requests)
+    load_async: bool = False  # loads run in the background, reported by get_finished
 
 
 @dataclass
@@ -233,6 +244,8 @@ class _ReqState:
     eligible: bool = True
     hit_keys: list[str] = field(default_factory=list)  # last lookup's store hits
     lookup_local: int = 0  # blocks the engine had locally at the last lookup
+    loading: bool = False  # an asynchronous load is in flight
+    load_failed: bool = False  # a load of this request failed: do not offer the store again
     prefetched: bool = False
 
 
@@ -261,6 +274,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._replicas = int(self._extra.get("replicas", 1))
         self._save = bool(self._extra.get("save", True))
         self._load = bool(self._extra.get("load", True))
+        self._async_load = bool(self._extra.get("async_load", False))
         if groups > 1:  # block ids of one group only; hybrid models are not served
             log.warning("kvmesh store connector: %d KV cache groups; store disabled", groups)
             self._save = self._load = False
@@ -281,6 +295,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._publish = bool(self._extra.get("publish_events", True))
         self._l1_bytes = int(self._extra.get("l1_mib", 0)) << 20
         self._prefetch_wanted: set[str] = set()
+        self._load_jobs: dict[tuple[str, int], int] = {}  # (req_id, first) → blocks
         # (req_id, first) → (token ids, block hashes) of the job's prefix, until reported
         self._jobs: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
         self._events: list[BlockStored] = []
@@ -291,6 +306,8 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._done: list[tuple[str, int, int]] = []
         self._done_lock = threading.Lock()  # the L1 thread reports saves too
         self._l1: L1Pool | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, tuple[BlockJob, Future[list[str]]]] = {}
         if role == KVConnectorRole.SCHEDULER:
             self._client = StoreClient(self._master, nixl=False,
                                        rpc_timeout_s=self._rpc_timeout_s)
@@ -318,7 +335,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        if not (self._load and st.eligible):
+        if not (self._load and st.eligible) or st.load_failed:
             return 0, False
         local = num_computed_tokens // self._block_size
         n_prompt = len(request.prompt_token_ids or [])
@@ -331,19 +348,20 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if self._l1_bytes and hits and not st.prefetched:
             st.hit_keys = st.keys[local:local + hits]
             self._prefetch_wanted.add(request.request_id)
-        return hits * self._block_size, False
+        return hits * self._block_size, self._async_load and hits > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         st = self._state(request)
-        if num_external_tokens <= 0:
+        if num_external_tokens <= 0 or st.loading:  # (async: the call after the load)
             return
+        st.loading = self._async_load
         start = st.lookup_local  # the local hit the matching lookup saw
         st.load_from, st.load_to = start, start + num_external_tokens // self._block_size
         self._pending_loads.append(request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = StoreMeta()
+        meta = StoreMeta(load_async=self._async_load)
         mgr = self._kv_cache_manager
         for req_id in self._pending_loads:
             st = self._reqs.get(req_id)
@@ -354,6 +372,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             meta.loads.append(BlockJob(req_id, [st.keys[i] for i in rng],
                                        [ids[i] for i in rng], st.load_from))
             self._track(st, st.load_from, st.load_to)
+            self._load_jobs[(req_id, st.load_from)] = len(rng)
             st.saved_upto = max(st.saved_upto, st.load_to)
         for req_id in self._prefetch_wanted:  # lookup hit, not scheduled (yet): prefetch
             st = self._reqs.get(req_id)
@@ -395,10 +414,20 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._jobs[(st.request.request_id, first)] = (tokens, hashes)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving or ():
+            st = self._reqs.get(req_id)
+            if st is not None:
+                st.loading = False
         meta = connector_output.kv_connector_worker_meta
         if not isinstance(meta, StoreWorkerMeta):
             return
         for req_id, first, n in meta.done:
+            wanted = self._load_jobs.pop((req_id, first), None)
+            st = self._reqs.get(req_id)
+            if wanted is not None and n < wanted and st is not None:
+                # After a failed load vLLM recomputes; an async request is queued again
+                # and looked up again, and the master may still list the lost replicas.
+                st.load_failed = True
             job = self._jobs.pop((req_id, first), None)
             if job is None or n <= 0:
                 continue
@@ -416,6 +445,8 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._reqs.pop(request.request_id, None)
+        if len(self._load_jobs) > 10_000:  # reports lost (worker error): forget the oldest
+            self._load_jobs.pop(next(iter(self._load_jobs)))
         return False, None
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
@@ -469,6 +500,14 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         if isinstance(meta, StoreMeta) and meta.prefetch and self._l1 is not None:
             self._l1.prefetch(meta.prefetch)
         if not isinstance(meta, StoreMeta) or not meta.loads or self._client is None:
+            return
+        if meta.load_async:  # into blocks of requests vLLM keeps waiting for us
+            if self._loader is None:
+                self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-load")
+            for job in meta.loads:
+                items = [(k, self._regions(b)) for k, b in zip(job.keys, job.block_ids,
+                                                               strict=True)]
+                self._inflight[job.req_id] = (job, self._loader.submit(self._get, items))
             return
         items = [(k, self._regions(b)) for job in meta.loads
                  for k, b in zip(job.keys, job.block_ids, strict=True)]
@@ -539,7 +578,21 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        done = {r for r, (_, fut) in self._inflight.items() if fut.done()}
+        for req_id in done:
+            job, fut = self._inflight.pop(req_id)
+            try:
+                results = fut.result()
+            except Exception:  # the loader thread failed: every block is a load error
+                log.exception("kvmesh store: async load of %s failed", req_id)
+                results = ["failed"] * len(job.keys)
+            self._report([job], results, ("ok",))
+            failed = {b for b, r in zip(job.block_ids, results, strict=True) if r != "ok"}
+            if failed:  # reported in this same step, as vLLM requires
+                log.warning("kvmesh store: %d of %d blocks failed to load", len(failed),
+                            len(job.block_ids))
+                self._load_errors |= failed
+        return None, (done or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
@@ -552,6 +605,9 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return self._l1
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self._l1 is not None:
             self._l1.close()
             self._l1 = None
