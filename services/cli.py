@@ -115,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "indexer": "services.indexer.main",
                 "store-master": "services.store_master.main",
                 "fleet": "workers.fleet",
+                "store-node": "workers.store_node",
                 "planner": "services.planner.main",
                 "frontend": "services.frontend.main"}
     if argv[:2] == ["bench", "replay"]:
@@ -167,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("indexer", help="run the KV indexer (follows the Redis event stream)")
     sub.add_parser("fleet", help="run many simulated (mock) workers in one process")
     sub.add_parser("planner", help="run the planner (flags: kvmesh planner --help)")
+    sub.add_parser("store-node", help="contribute a DRAM segment to the KV store")
     sub.add_parser("store-master", help="run the KV store master (object metadata, leases)")
     sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl ...")
     sub.add_parser("frontend", help="run the frontend")

@@ -44,6 +44,20 @@ class WorkerConfig(BaseConfig):
     nixl_port: int = dataclasses.field(
         default=0, metadata={"help": "NIXL side-channel port (0 = any free)"}
     )
+    store_master: str = dataclasses.field(
+        default="", metadata={"help": "store master host:port: save prefix KV to the shared "
+                                      "store and load it back (empty: off)"}
+    )
+    store_l1_mib: int = dataclasses.field(
+        default=0, metadata={"help": "CPU (L1) pool in front of the store, MiB (0: none)"}
+    )
+    store_replicas: int = dataclasses.field(
+        default=1, metadata={"help": "store replicas per saved block"}
+    )
+    store_async_load: bool = dataclasses.field(
+        default=False, metadata={"help": "load store hits asynchronously (vLLM parks the "
+                                         "request until its KV arrives)"}
+    )
     kv_events: bool = dataclasses.field(
         default=True, metadata={"help": "publish KV events to the Redis stream "
                                         "(needs --redis-url)"}
@@ -79,6 +93,12 @@ class WorkerConfig(BaseConfig):
             out.append(f"metrics_port out of range: {self.metrics_port}")
         if not 0 <= self.nixl_port <= 65535:
             out.append(f"nixl_port out of range: {self.nixl_port}")
+        if self.store_master and ":" not in self.store_master:
+            out.append(f"store_master must be host:port, got {self.store_master!r}")
+        if self.store_l1_mib < 0 or self.store_replicas < 1:
+            out.append("store_l1_mib must be >= 0 and store_replicas >= 1")
+        if self.store_master and self.engine != "vllm":
+            out.append("the KV store connector needs the vllm engine")
         if self.kv_events_maxlen < 1000:
             out.append("kv_events_maxlen must be >= 1000")
         return out

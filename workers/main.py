@@ -44,20 +44,30 @@ KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "agg": "kv_both"}
 
 
 def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
-    """The engine's kv_transfer_config for the worker's handoff mode (None without one).
+    """The engine's kv_transfer_config: the NIXL P→D handoff for the worker's mode, the
+    kvmesh store connector when ``--store-master`` is set, both through vLLM's
+    MultiConnector when both are on (None without either).
 
     Sets the NIXL side-channel environment in this process, which the engine process
     inherits at spawn; every launch gets a fresh NIXL engine id.
     """
     mode = cfg.resolved_handoff()
-    if mode == "none":
+    if mode == "none" and not cfg.store_master:
         return None
     from services.launcher.procs import free_port
     from workers.kv.nixl import new_engine_id, nixl_env, nixl_kv_transfer_config
 
     os.environ.update(nixl_env(cfg.nixl_port or free_port()))
+    store_extra = {"l1_mib": cfg.store_l1_mib, "replicas": cfg.store_replicas,
+                   "async_load": cfg.store_async_load}
+    if mode == "none":
+        from workers.kv.store_connector import store_kv_transfer_config
+
+        return store_kv_transfer_config(cfg.store_master,
+                                        kv_load_failure_policy=cfg.kv_load_failure_policy,
+                                        extra=store_extra)
     # A decode worker also prefills locally (conditional disaggregation): kv_both for all.
-    return nixl_kv_transfer_config(
+    nixl_cfg = nixl_kv_transfer_config(
         mode,  # type: ignore[arg-type]
         new_engine_id(cfg.resolved_worker_id()), "kv_both",
         cfg.kv_load_failure_policy,  # type: ignore[arg-type]
@@ -66,6 +76,13 @@ def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
         # keeps a core busy per idle engine on this 2-core machine (workers/kv/nixl_quiet).
         progress_thread=False,
     )
+    if not cfg.store_master:
+        return nixl_cfg
+    from workers.kv.store_connector import combined_kv_transfer_config
+
+    return combined_kv_transfer_config(nixl_cfg, cfg.store_master,
+                                       kv_load_failure_policy=cfg.kv_load_failure_policy,
+                                       store_extra=store_extra)
 
 
 def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Engine:

@@ -48,8 +48,13 @@ def handoff_of(vllm_config: Any, environ: Mapping[str, str]) -> dict[str, Any]:
     if ktc is None:
         return {}
     par = vllm_config.parallel_config
+    connector = ktc.kv_connector
+    if connector == "MultiConnector":  # NIXL P→D handoff + the kvmesh store: the NIXL child
+        children = (ktc.kv_connector_extra_config or {}).get("connectors", [])
+        connector = next((c.get("kv_connector") for c in children
+                          if "Nixl" in str(c.get("kv_connector", ""))), connector)
     return handoff_info(
-        ktc.kv_connector,
+        connector,
         ktc.engine_id,
         ktc.kv_role,
         tp_size=par.tensor_parallel_size,

@@ -1,0 +1,102 @@
+"""KV reuse across requests through the whole mesh: a vLLM worker started by the normal
+worker wiring with ``--store-master`` (kvmesh store connector), a store node, the store
+master, the indexer, router and frontend. A prefix evicted from the engine (its prefix
+cache reset) comes back from the store: the client sees it in ``cached_tokens``, the
+tokens equal the computed ones, and the indexer lists the blocks in tier ``store``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import httpx
+import pytest
+
+from protos import indexer_pb2, indexer_pb2_grpc
+from services.common.config import load_config
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
+from services.launcher.procs import Child
+from services.router.main import RouterApp, RouterConfig, start_router
+from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
+from tests.integration.conftest import base_args
+from tests.integration.pd_support import prompt
+from workers.config import WorkerConfig
+from workers.main import WorkerApp, start_worker
+from workers.store_node import StoreNodeProcess
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+NS = "storemesh"
+BLOCK = 32
+
+
+@dataclass
+class StoreMesh:
+    master: StoreMasterApp
+    node: StoreNodeProcess
+    worker: WorkerApp
+    indexer: IndexerApp
+    router: RouterApp
+    frontend: FrontendApp
+
+
+@pytest.fixture(scope="module")
+async def smesh(etcd: Child, redis_server: Child, tiny_model: str) -> AsyncIterator[StoreMesh]:
+    args = [*base_args(etcd.address, NS), "--redis-url", f"redis://{redis_server.address}"]
+    master = await start_store_master(load_config(StoreMasterConfig, [
+        *base_args(etcd.address, NS), "--persist", "none"], {}))
+    node = await asyncio.to_thread(StoreNodeProcess, master.server.address, 32)
+    worker = await start_worker(load_config(WorkerConfig, [
+        *args, "--model-path", tiny_model, "--model-name", "tiny", "--kv-cache-gib", "0.05",
+        "--max-model-len", "512", "--store-master", master.server.address], {}))
+    indexer = await start_indexer(load_config(IndexerConfig, [*args, "--group", "ix-st"], {}))
+    router = await start_router(load_config(RouterConfig, [
+        *args, "--policy", "kv", "--indexer", "remote"], {}))
+    frontend = await start_frontend(load_config(FrontendConfig, [
+        *args, "--http-port", "0", "--router-address", router.server.address], {}))
+    for _ in range(200):
+        if router.watcher.instances():
+            break
+        await asyncio.sleep(0.05)
+    try:
+        yield StoreMesh(master, node, worker, indexer, router, frontend)
+    finally:
+        await frontend.server.stop()
+        await router.server.stop()
+        await indexer.server.stop()
+        await worker.stop()
+        node.stop()
+        await master.server.stop()
+
+
+async def complete(url: str, ids: list[int]) -> dict:  # type: ignore[type-arg]
+    async with httpx.AsyncClient(timeout=120) as client:
+        resp = await client.post(f"{url}/v1/completions", json={
+            "model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()  # type: ignore[no-any-return]
+
+
+async def test_evicted_prefix_comes_back_from_the_store(smesh: StoreMesh) -> None:
+    head = prompt(77, 5 * BLOCK)
+    first = await complete(smesh.frontend.base_url, [*head, 9, 8, 7])
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    async with grpc.aio.insecure_channel(smesh.indexer.server.address) as ch:
+        stub = indexer_pb2_grpc.IndexerStub(ch)
+        for _ in range(100):  # saved blocks are announced with tier "store"
+            resp = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
+                token_ids=head, block_size=BLOCK))
+            if any(o.by_tier.get("store", 0) == 5 for o in resp.overlaps):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"no store-tier blocks in the index: {resp}")
+    assert await smesh.worker.engine.reset_prefix_cache()  # the engine forgets the prefix
+    again = await complete(smesh.frontend.base_url, [*head, 9, 8, 7])
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * BLOCK
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    counters = smesh.worker.engine.counters()
+    assert counters["kv_external_loaded_tokens"] >= 5 * BLOCK
