@@ -119,9 +119,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "planner": "services.planner.main",
                 "frontend": "services.frontend.main"}
     if argv[:2] == ["bench", "replay"]:
+        rest = argv[2:]
+        if "--offline" in rest:  # the virtual-clock simulation on the pure cores
+            from bench.offline.cli import main as offline_main
+
+            return int(offline_main([a for a in rest if a != "--offline"]))
         from bench.replay.run import main as replay_main
 
-        return replay_main(argv[2:])
+        return replay_main(rest)
     if argv and argv[0] in services:
         import importlib
 
@@ -170,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub.add_parser("planner", help="run the planner (flags: kvmesh planner --help)")
     sub.add_parser("store-node", help="contribute a DRAM segment to the KV store")
     sub.add_parser("store-master", help="run the KV store master (object metadata, leases)")
-    sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl ...")
+    sub.add_parser("bench", help="benchmarks: kvmesh bench replay --trace FILE.jsonl "
+                                        "[--offline] ...")
     sub.add_parser("frontend", help="run the frontend")
     args = parser.parse_args(argv)
     return int(args.fn(args))

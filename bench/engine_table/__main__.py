@@ -1,0 +1,3 @@
+from bench.engine_table.run import entry
+
+entry()
