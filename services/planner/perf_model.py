@@ -14,6 +14,13 @@ Implementations:
 - :class:`PolynomialPerfModel`: Dynamo's mocker polynomials (ARCHITECTURE.md §3):
   prefill ms = 4.21e-7·T² + 1.518e-2·T + 16.5; decode step ms = −25.74u² + 54.01u + 5.74
   with u = active KV / capacity (at least 1 ms), both divided by ``speedup``.
+- :class:`ChunkedPerfModel`: wraps any model for an engine that prefills in chunks of
+  at most ``budget`` tokens per step, each step also running the decodes (continuous
+  batching with chunked prefill, as vLLM and the mock engine do):
+  :func:`chunked_prefill_ms` ``(model, tokens, budget, kv_usage)`` = ``full`` chunks of
+  ``budget`` plus one of the rest, each costing ``prefill_ms(chunk) +
+  decode_step_ms(kv_usage · capacity)``; 0 tokens take 0 ms. Its ``prefill_ms(tokens)``
+  is that estimate at KV usage 0; ``decode_step_ms`` and the capacity are the base's.
 - :class:`TablePerfModel`: piecewise-linear interpolation (linear extrapolation past the
   ends) through measured points, e.g. profiled from the mock or the vLLM engine. The JSON /
   dict form is ``{"kv_capacity_tokens": N, "prefill": [[tokens, ms], ...],
@@ -77,6 +84,49 @@ class PolynomialPerfModel:
     def decode_step_ms(self, active_kv_tokens: float) -> float:
         u = min(max(float(active_kv_tokens), 0.0) / self.capacity, 1.0)
         return max(-25.74 * u * u + 54.01 * u + 5.74, 1.0) / self.speedup
+
+
+def chunked_prefill_ms(model: PerfModel, tokens: float, budget: int,
+                       kv_usage: float = 0.0) -> float:
+    """Milliseconds to prefill ``tokens`` in chunks of at most ``budget`` tokens, each
+    step also carrying decodes at ``kv_usage`` (see the module docstring)."""
+    n = int(tokens)
+    if n <= 0:
+        return 0.0
+    if budget < 1:
+        raise ValueError("budget must be >= 1")
+    decode = model.decode_step_ms(kv_usage * model.kv_capacity_tokens)
+    full, rest = divmod(n, budget)
+    ms = full * (model.prefill_ms(budget) + decode)
+    if rest:
+        ms += model.prefill_ms(rest) + decode
+    return ms
+
+
+@dataclass(frozen=True)
+class ChunkedPerfModel:
+    """``base`` on an engine with a per-step token ``budget`` (chunked prefill)."""
+
+    base: PerfModel
+    budget: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.budget < 1:
+            raise ValueError("budget must be >= 1")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.base.kv_capacity_tokens
+
+    def prefill_ms(self, tokens: float) -> float:
+        return chunked_prefill_ms(self.base, tokens, self.budget, 0.0)
+
+    def chunked_prefill_ms(self, tokens: float, kv_usage: float) -> float:
+        """:func:`chunked_prefill_ms` at ``kv_usage``."""
+        return chunked_prefill_ms(self.base, tokens, self.budget, kv_usage)
+
+    def decode_step_ms(self, active_kv_tokens: float) -> float:
+        return self.base.decode_step_ms(active_kv_tokens)
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

@@ -21,6 +21,13 @@ Contract of :class:`RouterCore`:
   but no pair can hand KV to each other (layout, block size or mode differ).
   The chosen workers count the request as in flight, and its ``ceil(prompt tokens /
   block_size)`` blocks as active, until ``release(request_id)``.
+- Pending prefill: the worker that will prefill the request (the agg worker; P when
+  disaggregated; D when it prefills locally) also counts the request's uncached prompt
+  tokens (:func:`~services.router.policies.ttft.uncached_tokens`: prompt − its predicted
+  overlap · block size) as ``WorkerState.pending_prefill_tokens`` until the prefill is
+  over: ``release_prefill(request_id)`` (the first token arrived; idempotent) or
+  ``release(request_id)``. ``pending_prefill()`` lists the totals per worker; they are
+  never negative, and a vanished worker's entries are dropped.
 - Overlap predictions: ``ctx.overlaps`` when the service gives it (the indexer's answer,
   per worker, with tiers; absent workers hold nothing), else :class:`PrefixHistory` (the
   router's own decisions, counted as device blocks). ``ctx.block_hashes`` may carry the
@@ -64,6 +71,7 @@ from services.router.policies.base import (
     WorkerOverlap,
     WorkerState,
 )
+from services.router.policies.ttft import uncached_tokens
 
 
 class RoutingError(Exception):
@@ -193,6 +201,9 @@ class RouterCore:
     admission: RouterAdmission | None = None
     clock: Callable[[], float] = time.monotonic
     _flights: dict[str, Flight] = field(default_factory=dict)
+    # request id → (prefilling worker id, uncached tokens); totals per worker id.
+    _prefills: dict[str, tuple[str, int]] = field(default_factory=dict)
+    _pending: dict[str, int] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -206,6 +217,10 @@ class RouterCore:
         self._known_models.update(r.model for r in self._workers.values())
         for wid in [w for w in self._loads if w not in self._workers]:
             del self._loads[wid]
+        for rid in [r for r, (w, _) in self._prefills.items() if w not in self._workers]:
+            del self._prefills[rid]
+        for wid in [w for w in self._pending if w not in self._workers]:
+            del self._pending[wid]
         self.history.keep_only(self._workers)
         for policy in self._policies():
             keep_only = getattr(policy, "keep_only", None)
@@ -242,6 +257,10 @@ class RouterCore:
                 blocks[wid] = blocks.get(wid, 0) + n
         return blocks
 
+    def pending_prefill(self) -> Mapping[str, int]:
+        """Uncached prompt tokens whose prefill is not over, per worker id."""
+        return dict(self._pending)
+
     def evict(self, now: float) -> int:
         """Calls the policies' ``evict(now)`` hooks; returns the entries they evicted."""
         n = 0
@@ -268,6 +287,7 @@ class RouterCore:
                 overlap_blocks=ov.blocks, overlap_by_tier=ov.by_tier,
                 tree_blocks=(trees.get(w.instance_id, 0) if trees is not None
                              else self.history.size(w.instance_id)),
+                pending_prefill_tokens=self._pending.get(w.instance_id, 0),
             ))
         return out
 
@@ -359,6 +379,12 @@ class RouterCore:
         self._in_flight[ctx.request_id] = tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
             for w in chosen)
+        doer, overlap = ((plan.prefill, plan.prefill_overlap_blocks) if plan.prefill is not None
+                         else (plan.worker, plan.overlap_blocks))  # predicted before recording
+        tokens = uncached_tokens(n, overlap, doer.block_size)
+        if tokens > 0:
+            self._prefills[ctx.request_id] = (doer.instance_id, tokens)
+            self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
         return plan
 
     def _compatible_pairs(self, prefill: list[WorkerRecord],
@@ -417,7 +443,23 @@ class RouterCore:
         return self._plan(prompt, d, dd, p, pd, f"prefill first: prefill {pd.reason}; "
                           f"decode {dd.reason}; {why}")
 
+    def release_prefill(self, request_id: str) -> bool:
+        """The request's prefill is over: its uncached tokens stop counting as the
+        worker's pending prefill. False when nothing was pending for it."""
+        entry = self._prefills.pop(request_id, None)
+        if entry is None:
+            return False
+        wid, tokens = entry
+        left = self._pending.get(wid, 0) - tokens
+        if left > 0:
+            self._pending[wid] = left
+        else:
+            self._pending.pop(wid, None)
+        return True
+
     def release(self, request_id: str) -> bool:
-        """Stops counting ``request_id`` as load. False when it was not in flight."""
+        """Stops counting ``request_id`` as load (and as pending prefill). False when it
+        was not in flight."""
         self._flights.pop(request_id, None)
+        self.release_prefill(request_id)
         return self._in_flight.pop(request_id, None) is not None

@@ -18,7 +18,7 @@ Contract:
   overlap of every candidate (from the indexer when the service gave it, else from the
   router's own history; ``ctx.overlap_source`` says which), ``ctx.prompt_blocks`` the
   prompt's full blocks at the candidates' block size, and each :class:`WorkerState` the
-  same numbers for that worker plus its load.
+  same numbers for that worker plus its load and its pending prefill tokens.
 - Policies are created by name through :class:`PolicyRegistry` (see ``registry.py``).
 """
 
@@ -85,6 +85,9 @@ class WorkerState:
     overlap_by_tier: Mapping[str, int] = field(default_factory=dict)
     # Blocks indexed for this worker (its cached tree), when known.
     tree_blocks: int | None = None
+    # Uncached prompt tokens the router sent here whose prefill is not over yet (the
+    # router's own accounting: added on route, removed on prefill done or release).
+    pending_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

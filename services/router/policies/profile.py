@@ -14,6 +14,11 @@ adds profiles or replaces same-named ones)::
             weight: 1.0                     # > 0, default 1
             args: {overlap_weight: 1.0}
         picker: {name: softmax, args: {temperature: 0.0}}   # or just: picker: max_score
+      ttft_hit:                             # a *policy profile*: a built-in policy
+        description: lowest TTFT, hits x2   # with YAML arguments (no filters/scorers/
+        policy:                             # picker then)
+          name: ttft
+          args: {own_weight: 1.0, chunk_budget: 8192}
 
 Contract:
 
@@ -21,7 +26,8 @@ Contract:
   returns ``{name: ProfileSpec}``. Raises :class:`ProfileError` (a ValueError) naming the
   source and profile for: invalid YAML, duplicate keys anywhere (so duplicate profile
   names), unknown keys, unknown filter/scorer/picker names (listing the known ones),
-  non-positive weights, no scorer.
+  non-positive weights, no scorer; for a policy profile (``policy:``): an unknown
+  built-in policy name, or ``filters``/``scorers``/``picker`` beside it.
 - :class:`Profile` is a policy: ``select`` applies the filters (a filter that would keep
   no candidate is skipped and noted in the reason), combines the scorers' scores as
   ``Σ weight·score / Σ weight`` (so the total stays in [0, 1]) and lets the picker choose.
@@ -70,6 +76,8 @@ class ProfileSpec:
     picker: PluginSpec
     filters: tuple[PluginSpec, ...] = ()
     description: str = ""
+    # A policy profile: a built-in policy with arguments (scorers, picker unused).
+    policy: PluginSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class KnownPlugins:
     filters: frozenset[str]
     scorers: frozenset[str]
     pickers: frozenset[str]
+    policies: frozenset[str] = frozenset()
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -123,7 +132,7 @@ def _plugin(raw: Any, kind: str, known: frozenset[str], where: str,
     return PluginSpec(name, dict(args), float(weight))
 
 
-_PROFILE_KEYS = {"description", "filters", "scorers", "picker"}
+_PROFILE_KEYS = {"description", "filters", "scorers", "picker", "policy"}
 
 
 def parse_profiles(text: str, source: str, known: KnownPlugins) -> dict[str, ProfileSpec]:
@@ -148,6 +157,15 @@ def parse_profiles(text: str, source: str, known: KnownPlugins) -> dict[str, Pro
         if extra:
             raise ProfileError(f"{where}: unknown keys {sorted(extra)}; "
                                f"allowed: {sorted(_PROFILE_KEYS)}")
+        if "policy" in body:
+            clash = sorted(set(body) & {"filters", "scorers", "picker"})
+            if clash:
+                raise ProfileError(f"{where}: a policy profile takes no {clash}")
+            out[name] = ProfileSpec(
+                name=name, scorers=(), picker=PluginSpec(""),
+                description=str(body.get("description", "")),
+                policy=_plugin(body["policy"], "policy", known.policies, where))
+            continue
         scorers = body.get("scorers") or []
         filters = body.get("filters") or []
         if not isinstance(scorers, list) or not scorers:

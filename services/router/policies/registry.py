@@ -6,14 +6,20 @@ Contract:
   one); ``register_filter`` / ``register_scorer`` / ``register_picker`` add plugin
   factories (called with the profile's YAML ``args`` as keywords, plus ``rng=`` when they
   take one). Every kind rejects duplicate names with ValueError.
-- ``add_profiles(specs, replace)`` makes each profile a policy name. A profile may not
+- ``add_profiles(specs, replace)`` makes each profile a policy name (a policy profile,
+  ``policy: {name, args}``, builds that built-in policy with the YAML ``args`` as
+  keywords and names the instance after the profile). A profile may not
   take the name of a built-in policy; it replaces an existing profile only with
   ``replace=True`` (how ``--profiles FILE`` overrides the packaged defaults).
   ``load_profiles(text, source, replace)`` / ``load_profiles_file(path, replace)`` parse
   (see ``profile.py``) and add; the plugin names a profile uses must be registered.
-- ``create(name, rng=None)`` builds a new instance of a policy or profile (each instance
-  has its own plugins and state) or raises KeyError listing the known names; ``rng``
-  (a ``random.Random``) makes random choices reproducible. ``names()`` lists policies.
+- ``create(name, rng=None, context=None)`` builds a new instance of a policy or profile
+  (each instance has its own plugins and state) or raises KeyError listing the known
+  names; ``rng`` (a ``random.Random``) makes random choices reproducible. ``context``
+  (keyword → value, e.g. the offline simulator's engine facts: ``perf_model``,
+  ``chunk_budget``, ``page_size``, ``clock``) is passed to a built-in policy's factory,
+  or a policy profile's, for the keywords it accepts (others are ignored), overriding
+  the profile's YAML args; plugin profiles ignore it. ``names()`` lists policies.
 - :func:`register_all` registers every built-in policy, filter, scorer and picker, and
   the packaged default profiles (``profiles.yaml``). Call it once per registry.
 """
@@ -30,6 +36,7 @@ from typing import Any
 from services.router.policies.base import Policy
 from services.router.policies.profile import (
     KnownPlugins,
+    PluginSpec,
     Profile,
     ProfileError,
     ProfileSpec,
@@ -46,6 +53,20 @@ def _takes_rng(factory: Callable[..., Any]) -> bool:
         return "rng" in inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _accepted(factory: Callable[..., Any], context: Mapping[str, Any] | None
+              ) -> dict[str, Any]:
+    """The entries of ``context`` that ``factory`` takes as keywords."""
+    if not context:
+        return {}
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(context)
+    return {k: v for k, v in context.items() if k in params and k != "rng"}
 
 
 def _call(factory: Callable[..., Any], rng: random.Random, **kwargs: Any) -> Any:
@@ -89,8 +110,10 @@ class PolicyRegistry:
 
     def known_plugins(self) -> KnownPlugins:
         """The plugin names profiles may use."""
-        return KnownPlugins(*(frozenset(self._plugins[k]) for k in ("filter", "scorer",
-                                                                      "picker")))
+        return KnownPlugins(frozenset(self._plugins["filter"]),
+                            frozenset(self._plugins["scorer"]),
+                            frozenset(self._plugins["picker"]),
+                            frozenset(n for n in self._factories if n not in self._profiles))
 
     def add_profiles(self, specs: Mapping[str, ProfileSpec], replace: bool = False) -> None:
         """Registers each profile as a policy name (see the module docstring)."""
@@ -104,6 +127,9 @@ class PolicyRegistry:
             self._factories[name] = self._profile_factory(spec)
 
     def _profile_factory(self, spec: ProfileSpec) -> Factory:
+        if spec.policy is not None:
+            return self._policy_profile_factory(spec, spec.policy)
+
         def build(rng: random.Random) -> Policy:
             def make(kind: str, name: str, args: Mapping[str, Any]) -> Any:
                 try:
@@ -117,6 +143,20 @@ class PolicyRegistry:
                 [(make("scorer", s.name, s.args), s.weight) for s in spec.scorers],
                 make("picker", spec.picker.name, spec.picker.args),
             )
+        return build
+
+    def _policy_profile_factory(self, spec: ProfileSpec, target: PluginSpec) -> Factory:
+        base = self._factories[target.name]
+
+        def build(rng: random.Random, **context: Any) -> Policy:
+            kwargs = {**target.args, **_accepted(base, context)}
+            try:
+                policy: Policy = _call(base, rng, **kwargs)
+            except (TypeError, ValueError) as exc:
+                raise ProfileError(f"profile {spec.name!r}: bad args for policy "
+                                   f"{target.name!r}: {exc}") from None
+            policy.name = spec.name
+            return policy
         return build
 
     def load_profiles(self, text: str, source: str = "<profiles>",
@@ -142,13 +182,14 @@ class PolicyRegistry:
         """The spec of profile ``name`` (None for built-in policies and unknown names)."""
         return self._profiles.get(name)
 
-    def create(self, name: str, rng: random.Random | None = None) -> Policy:
-        """A new instance of policy ``name``."""
+    def create(self, name: str, rng: random.Random | None = None,
+               context: Mapping[str, Any] | None = None) -> Policy:
+        """A new instance of policy ``name`` (see the module docstring)."""
         try:
             factory = self._factories[name]
         except KeyError:
             raise KeyError(f"unknown policy {name!r}; known: {sorted(self._factories)}") from None
-        policy: Policy = _call(factory, rng or random.Random())
+        policy: Policy = _call(factory, rng or random.Random(), **_accepted(factory, context))
         return policy
 
     def names(self) -> list[str]:
@@ -167,11 +208,13 @@ def register_all(registry: PolicyRegistry) -> PolicyRegistry:
     from services.router.policies.approx import ApproxPolicy
     from services.router.policies.plugins import FILTERS, PICKERS, SCORERS
     from services.router.policies.simple import LeastLoaded, RandomPolicy, RoundRobin
+    from services.router.policies.ttft import TtftPolicy
 
     registry.register(RoundRobin.name, RoundRobin)
     registry.register(LeastLoaded.name, LeastLoaded)
     registry.register(RandomPolicy.name, RandomPolicy)
     registry.register(ApproxPolicy.name, ApproxPolicy)
+    registry.register(TtftPolicy.name, TtftPolicy)
     for name, f in FILTERS.items():
         registry.register_filter(name, f)
     for name, s in SCORERS.items():

@@ -1,0 +1,113 @@
+"""TTFT-aware routing: send each request where its first token is predicted soonest.
+
+Pure (no I/O, no asyncio). The prediction uses a chunked-prefill performance model
+(:func:`services.planner.perf_model.chunked_prefill_ms`): an engine prefills at most
+``chunk_budget`` tokens per step and every step also runs the decodes, whose step time
+depends on the worker's KV usage.
+
+Contract:
+
+- :func:`uncached_tokens(prompt_tokens, overlap_blocks, block_size)` is the prompt
+  tokens a worker must compute: ``prompt − overlap · block_size``, at least 1 (an engine
+  always computes the last token), 0 for an empty prompt. The router's pending-prefill
+  accounting (``RouterCore``) and the policies use the same number.
+- :class:`TtftPolicy` (registered as ``ttft``; the default profiles ``ttft_kv`` and
+  ``ttft_hit`` in ``profiles.yaml`` are the same class with other weights) picks the
+  candidate with the lowest cost, in ms::
+
+      cost = chunked_prefill_ms(pending + own, kv_usage)
+             + decode_weight · decode_blocks(w)
+             + own_weight · chunked_prefill_ms(own, kv_usage)
+
+  with ``pending`` = :attr:`WorkerState.pending_prefill_tokens` (uncached prompt tokens
+  routed to the worker whose prefill is not over) and ``own`` = this request's
+  uncached tokens on that worker. ``ttft`` has both weights 0 (pure predicted TTFT);
+  ``ttft_kv`` adds Dynamo's decode-block term (steers away from large decode batches);
+  ``ttft_hit`` sets ``own_weight = 1``: the uncached work a placement adds also slows
+  the decodes sharing its steps (ITL), so cache hits count for more than their TTFT
+  effect. Ties (costs within ``tie_ms`` of the best) go to the larger overlap, then the
+  lower KV usage, then at random from the injected ``rng`` (reproducible when seeded).
+  The decision carries ``cost``; ``last_costs`` keeps every candidate's cost of the last
+  call, for traces and tests.
+- Arguments (YAML ``args`` of a policy profile, or keywords): ``perf_model`` (a
+  :class:`~services.planner.perf_model.PerfModel` instance, or a spec for
+  :func:`~services.planner.perf_model.load_perf_model`: ``mocker`` = Dynamo's mocker
+  polynomials, else a JSON table path), ``speedup`` (> 0, divides the spec model's
+  times; ignored for an instance), ``kv_capacity_tokens`` (the spec model's capacity),
+  ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``), ``own_weight``,
+  ``decode_weight`` and ``tie_ms`` (>= 0). Invalid values raise ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from services.planner.perf_model import PerfModel, chunked_prefill_ms, load_perf_model
+from services.router.policies.base import Decision, RouteContext, WorkerState
+from services.router.policies.plugins import decode_blocks
+
+
+def uncached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
+    """Prompt tokens left to compute after the cached overlap (see the module docstring)."""
+    if prompt_tokens <= 0:
+        return 0
+    return max(prompt_tokens - overlap_blocks * block_size, 1)
+
+
+class TtftPolicy:
+    """Lowest predicted time to first token; see the module docstring."""
+
+    name = "ttft"
+
+    def __init__(self, perf_model: PerfModel | str = "mocker", speedup: float = 1.0,
+                 kv_capacity_tokens: int = 16384 * 16, chunk_budget: int = 8192,
+                 own_weight: float = 0.0, decode_weight: float = 0.0, tie_ms: float = 1e-6,
+                 rng: random.Random | None = None) -> None:
+        if int(chunk_budget) < 1:
+            raise ValueError("chunk_budget must be >= 1")
+        if own_weight < 0 or decode_weight < 0 or tie_ms < 0:
+            raise ValueError("own_weight, decode_weight and tie_ms must be >= 0")
+        if isinstance(perf_model, str):
+            if not speedup > 0:
+                raise ValueError("speedup must be > 0")
+            perf_model = load_perf_model(perf_model, float(speedup), int(kv_capacity_tokens))
+        self.model: PerfModel = perf_model
+        self.budget = int(chunk_budget)
+        self.own_weight = float(own_weight)
+        self.decode_weight = float(decode_weight)
+        self.tie_ms = float(tie_ms)
+        self.rng = rng or random.Random()
+        self.last_costs: dict[str, float] = {}
+
+    def prefill_ms(self, tokens: int, kv_usage: float) -> float:
+        """Chunked prefill time of ``tokens`` on a worker at ``kv_usage``."""
+        return chunked_prefill_ms(self.model, tokens, self.budget, kv_usage)
+
+    def cost(self, ctx: RouteContext, w: WorkerState) -> float:
+        """The predicted cost of ``w`` in ms (see the module docstring)."""
+        own = max(uncached_tokens(len(ctx.token_ids), w.overlap_blocks, w.block_size), 1)
+        ms = self.prefill_ms(w.pending_prefill_tokens + own, w.kv_usage)
+        if self.decode_weight:
+            ms += self.decode_weight * decode_blocks(w)
+        if self.own_weight:
+            ms += self.own_weight * self.prefill_ms(own, w.kv_usage)
+        return ms
+
+    def select(self, ctx: RouteContext, candidates: Sequence[WorkerState]) -> Decision:
+        """The candidate with the lowest cost; ties as in the module docstring."""
+        costs = {w.instance_id: self.cost(ctx, w) for w in candidates}
+        self.last_costs = costs
+        best = min(costs.values())
+        tied = [w for w in candidates if costs[w.instance_id] <= best + self.tie_ms]
+        if len(tied) > 1:
+            top = max(w.overlap_blocks for w in tied)
+            tied = [w for w in tied if w.overlap_blocks == top]
+            low = min(w.kv_usage for w in tied)
+            tied = [w for w in tied if math.isclose(w.kv_usage, low)]
+        w = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        c = costs[w.instance_id]
+        return Decision(w.instance_id, f"{self.name}: lowest predicted TTFT {c:.0f} ms "
+                        f"(pending {w.pending_prefill_tokens} tokens, overlap "
+                        f"{w.overlap_blocks}/{w.prompt_blocks} blocks)", cost=c)
