@@ -44,6 +44,11 @@ class RouterStub:
                 request_serializer=protos_dot_router__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.PrefillDone = channel.unary_unary(
+                '/kvmesh.router.Router/PrefillDone',
+                request_serializer=protos_dot_router__pb2.PrefillDoneRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.PrefillDoneResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/kvmesh.router.Router/ListWorkers',
                 request_serializer=protos_dot_router__pb2.ListWorkersRequest.SerializeToString,
@@ -73,6 +78,16 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillDone(self, request, context):
+        """Tells the router the request's prefill is over (its first token arrived), so its
+        uncached prompt tokens stop counting as the prefilling worker's pending prefill
+        (the TTFT policies read it). Optional: Release also ends it. found is false when
+        nothing was pending for the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListWorkers(self, request, context):
         """Lists the workers the router currently knows (from etcd).
         """
@@ -92,6 +107,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=protos_dot_router__pb2.ReleaseRequest.FromString,
                     response_serializer=protos_dot_router__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'PrefillDone': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillDone,
+                    request_deserializer=protos_dot_router__pb2.PrefillDoneRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.PrefillDoneResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -153,6 +173,33 @@ class Router:
             '/kvmesh.router.Router/Release',
             protos_dot_router__pb2.ReleaseRequest.SerializeToString,
             protos_dot_router__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillDone(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.router.Router/PrefillDone',
+            protos_dot_router__pb2.PrefillDoneRequest.SerializeToString,
+            protos_dot_router__pb2.PrefillDoneResponse.FromString,
             options,
             channel_credentials,
             insecure,

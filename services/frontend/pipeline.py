@@ -10,7 +10,10 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   first chunk raise ApiError (404/503 from routing, 400 from the worker's validation, 502
   when the worker fails). A worker that dies mid-stream raises ApiError 502, never hangs.
   When the consumer stops early, the worker call is cancelled (which aborts the request on
-  the worker). The router is always told to release the request.
+  the worker). When the first token arrives the router is told ``PrefillDone``
+  (fire-and-forget: the stream never waits for it, and its failures, e.g. an older
+  router without the RPC, are ignored). The router is always told to release the
+  request.
 - Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
   and the gRPC client spans of the router and worker calls (which carry the context on).
   When it finishes, the span gets ``kvmesh.predicted_cached_tokens`` (the router's
@@ -157,6 +160,19 @@ class Pipeline:
         self._pool = ChannelPool()
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
+        self._background: set[asyncio.Future[None]] = set()
+
+    def _prefill_done(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
+        """Tells the router the prefill is over, without waiting (see the module doc)."""
+
+        async def call() -> None:
+            with contextlib.suppress(Exception):
+                await router.PrefillDone(router_pb2.PrefillDoneRequest(request_id=request_id),
+                                         timeout=5)
+
+        task = asyncio.ensure_future(call())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -223,6 +239,8 @@ class Pipeline:
                         if first_token:
                             first_token = False
                             self.metrics.ttft.labels(path).observe(now - started)
+                            with _attached(ctx):
+                                self._prefill_done(router, job.request_id)
                         else:
                             self.metrics.observe_chunk_gap(now - last_at, len(resp.token_ids))
                         last_at = now
@@ -301,5 +319,7 @@ class Pipeline:
         return job, traced()
 
     async def close(self) -> None:
-        """Closes the gRPC channels."""
+        """Closes the gRPC channels (after the pending ``PrefillDone`` calls)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
         await self._pool.close()

@@ -16,7 +16,9 @@ Contract:
   ``kvmesh-admission-reason``; the span gets ``kvmesh.admission`` (admit / reject /
   off), ``kvmesh.admission_reason``, ``kvmesh.predicted_itl_ms``,
   ``kvmesh.predicted_ttft_ms`` and ``kvmesh.retry_after_s``.
-- ``Release``: ends the request's load accounting.
+- ``Release``: ends the request's load accounting (pending prefill included).
+- ``PrefillDone``: the request's prefill is over (the frontend saw its first token):
+  ``core.release_prefill``; ``found`` is false when nothing was pending for it.
 - ``ListWorkers``: the live worker records from etcd.
 - :class:`LoadPoller` asks every live worker for ``GetLoad`` every ``period_s`` and feeds
   the core; a worker that does not answer keeps its last report until discovery drops it.
@@ -207,6 +209,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ReleaseResponse:
         return router_pb2.ReleaseResponse(found=self._core.release(request.request_id))
+
+    async def PrefillDone(  # noqa: N802
+        self, request: router_pb2.PrefillDoneRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.PrefillDoneResponse:
+        return router_pb2.PrefillDoneResponse(
+            found=self._core.release_prefill(request.request_id))
 
     async def ListWorkers(  # noqa: N802
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
