@@ -57,6 +57,8 @@ Contract of :class:`Scheduler`:
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,6 +78,7 @@ COUNTERS = (
     "kv_external_loaded_tokens", "evicted_blocks",
 )
 _PAIR = struct.Struct("<QQ")
+_U32 = "I" if array("I").itemsize == 4 else "L"  # an array typecode of 4-byte items
 
 
 @dataclass
@@ -137,6 +140,8 @@ class SimRequest:
     preemptions: int = 0
     finish_reason: str | None = None
     token_seed: int = 0
+    # Tokens its held blocks are known to cover (a lower bound; 0 = ask the manager).
+    held_tokens: int = 0
 
     @property
     def num_prompt(self) -> int:
@@ -212,8 +217,14 @@ class Scheduler:
         h = xxhash.xxh3_64()
         h.update(_PAIR.pack(self.config.seed & (2**64 - 1),
                             (req.sampling_seed or 0) & (2**64 - 1)))
-        h.update(struct.pack(f"<{len(req.prompt)}I",
-                             *(t & 0xFFFFFFFF for t in req.prompt)))
+        try:  # the little-endian u32 tokens, packed fast (array is native-endian)
+            packed = array(_U32, req.prompt)
+            if sys.byteorder != "little":
+                packed.byteswap()
+            h.update(packed.tobytes())
+        except OverflowError:  # a token outside [0, 2**32): keep its low 32 bits
+            h.update(struct.pack(f"<{len(req.prompt)}I",
+                                 *(t & 0xFFFFFFFF for t in req.prompt)))
         return h.intdigest()
 
     def _sample(self, req: SimRequest) -> int:
@@ -264,14 +275,17 @@ class Scheduler:
             req = self.running[i]
             n = min(len(req.tokens) - req.num_computed, budget)
             victim: SimRequest | None = None
-            while not self.blocks.allocate(req.request_id, req.num_computed + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
+            need = req.num_computed + n
+            if need > req.held_tokens:  # a block boundary is crossed: allocate
+                while not self.blocks.allocate(req.request_id, need):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is req:
+                        break
                 if victim is req:
                     break
-            if victim is req:
-                break
+                req.held_tokens = -(-need // bs) * bs
             entries.append((req, n))
             budget -= n
             i += 1
@@ -318,6 +332,7 @@ class Scheduler:
 
     def _preempt(self, req: SimRequest) -> None:
         self.blocks.free(req.request_id)
+        req.held_tokens = 0
         req.num_computed = 0
         req.status = WAITING
         req.preemptions += 1
