@@ -9,11 +9,13 @@ Contract of :class:`SimAdmission` (built by :meth:`SimConfig.make_admission`):
   as the prefill queue, the uncached prompt tokens queued on the worker that will
   prefill it (P when disaggregated, else the same worker). The request's cached tokens
   are the router's predicted overlap. Decisions are counted by reason in ``reasons``.
-- :class:`ChunkedPerfModel` is the admission core's ``PerfModel`` for the mock engine:
-  prefill time of ``n`` tokens is the chunked estimate of
-  :func:`bench.offline.policies.chunked_prefill_ms` (at most ``max_num_batched_tokens``
-  per step, as the engine runs it), decode step time is the timing model at the KV
-  usage ``active tokens / capacity``.
+- The admission core's ``PerfModel`` for the mock engine is
+  :class:`services.planner.perf_model.ChunkedPerfModel` over
+  :class:`bench.offline.policies.TimingPerfModel` (the engines' timing model, KV
+  capacity and speedup): prefill time of ``n`` tokens is the chunked estimate (at most
+  ``max_num_batched_tokens`` per step, as the engine runs it, each step with its decode
+  term at KV usage 0), decode step time is the timing model at the KV usage ``active
+  tokens / capacity`` (the same numbers the TTFT router policies use).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from bench.offline.policies import chunked_prefill_ms
+from bench.offline.policies import TimingPerfModel
 from services.admission.core import (
     AdmissionSettings,
     ClusterState,
@@ -31,30 +33,8 @@ from services.admission.core import (
     RunningRequest,
     make_policy,
 )
+from services.planner.perf_model import ChunkedPerfModel
 from services.router.core import RoutePlan
-from workers.engines.mock.timing import TimingModel
-
-
-class ChunkedPerfModel:
-    """See the module docstring."""
-
-    def __init__(self, timing: TimingModel, capacity_tokens: int, budget: int,
-                 speedup: float = 1.0) -> None:
-        self.timing = timing
-        self.capacity = capacity_tokens
-        self.budget = budget
-        self.speedup = speedup
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        return self.capacity
-
-    def prefill_ms(self, tokens: float) -> float:
-        return chunked_prefill_ms(self.timing, int(tokens), self.budget, 0.0) / self.speedup
-
-    def decode_step_ms(self, active_kv_tokens: float) -> float:
-        u = min(max(active_kv_tokens / self.capacity, 0.0), 1.0)
-        return self.timing.step_ms(0, 1, u) / self.speedup
 
 
 class SimAdmission:
@@ -63,8 +43,9 @@ class SimAdmission:
     def __init__(self, name: str, sim: Any) -> None:
         cfg = sim.cfg
         self.sim = sim
-        self.model = ChunkedPerfModel(cfg.timing(), cfg.num_blocks * cfg.block_size,
-                                      cfg.max_num_batched_tokens, cfg.engine_speedup)
+        self.model = ChunkedPerfModel(
+            TimingPerfModel(cfg.timing(), cfg.num_blocks * cfg.block_size,
+                            cfg.engine_speedup), cfg.max_num_batched_tokens)
         ms_per_token = (cfg.kv_bytes_per_token / cfg.transfer_bandwidth * 1000.0
                         if cfg.disaggregated else 0.0)
         self.policy = make_policy(name, self.model, AdmissionSettings(

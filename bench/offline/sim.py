@@ -6,9 +6,11 @@ It drives the same pure cores the live services run:
 - one :class:`workers.engines.mock.scheduler.Scheduler` per worker (the mock engine's
   block manager, continuous batching, chunked prefill, preemption, timing model and
   simulated P→D KV reception);
-- :class:`services.router.core.RouterCore` with any registered policy or profile (and
-  the policies of :mod:`bench.offline.policies`), P/D orders and conditional
-  disaggregation;
+- :class:`services.router.core.RouterCore` with any policy or profile of the live
+  router's registry (built by :mod:`bench.offline.policies` with the engines' facts), P/D
+  orders and conditional disaggregation; the router's pending-prefill accounting is told
+  a prefill is over exactly when the live frontend tells it (``PrefillDone``): at the
+  request's first token, or when the prefill half of a disaggregated request finishes;
 - :class:`services.indexer.core.KvIndex`, fed with the engines' KV events translated by
   :class:`workers.kv.event_translate.EventTranslator` exactly as the live relay does,
   delivered ``event_delay_s`` after the step that produced them;
@@ -41,12 +43,9 @@ from __future__ import annotations
 
 import heapq
 import random
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import xxhash
 
 from bench.offline.config import SimConfig
 from bench.offline.policies import make_policy
@@ -58,7 +57,6 @@ from services.router.core import RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
 from services.router.policies.base import RouteContext, WorkerOverlap
 from workers.engines.mock.scheduler import (
-    _PAIR,
     Batch,
     Scheduler,
     SchedulerConfig,
@@ -85,19 +83,6 @@ def prompt_tokens(req: TraceRequest, trace_block_size: int) -> list[int]:
         start = TOKEN_BASE + (1 << 30) + len(out)
         out.extend(range(start, start + n - len(out)))
     return out[:n]
-
-
-class FastScheduler(Scheduler):
-    """The mock scheduler with a faster, byte-identical sampling seed: the prompt is
-    packed with ``array("I")`` instead of ``struct.pack(*generator)`` (same little-endian
-    u32 bytes for tokens < 2**32, so the same tokens are sampled)."""
-
-    def _token_seed(self, req: SimRequest) -> int:
-        h = xxhash.xxh3_64()
-        h.update(_PAIR.pack(self.config.seed & (2**64 - 1),
-                            (req.sampling_seed or 0) & (2**64 - 1)))
-        h.update(array("I", req.prompt).tobytes())
-        return h.intdigest()
 
 
 @dataclass
@@ -183,7 +168,7 @@ class Simulation:
             rec = WorkerRecord(wid, f"sim://{wid}", MODEL, role, cfg.block_size,
                                cfg.max_model_len, handoff_mode="push" if cfg.disaggregated
                                else "", kv_layout="sim")
-            sched = FastScheduler(SchedulerConfig(
+            sched = Scheduler(SchedulerConfig(
                 num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -340,11 +325,13 @@ class Simulation:
                     i = int(rid[:-2])
                     tr = self.tracks[i]
                     tr.cached = out.cached_tokens
+                    self.router.release_prefill(str(i))
                     self.push(now, DECODE, i)
                 continue
             tr = self.tracks[int(rid)]
             if tr.first_token is None:
                 tr.first_token = now
+                self.router.release_prefill(rid)
                 if tr.cached < 0:
                     tr.cached = out.cached_tokens
             tr.n_out += len(out.token_ids)

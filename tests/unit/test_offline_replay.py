@@ -10,10 +10,12 @@ import pytest
 
 from bench.offline.compare import compare, live_metrics, offline_metrics, same_order
 from bench.offline.config import SimConfig
-from bench.offline.sim import prompt_tokens, simulate
+from bench.offline.sim import Simulation, prompt_tokens, simulate
 from bench.offline.sweep import capacity, point_metrics
 from bench.replay.stats import Result
 from bench.replay.trace import TraceRequest
+from services.router.policies.approx import ApproxPolicy
+from services.router.policies.ttft import TtftPolicy
 
 SMALL = SimConfig(trace_block_size=64, block_size=16, num_blocks=2048, workers=4,
                   max_num_batched_tokens=2048)
@@ -123,9 +125,40 @@ def test_early_rejection_rejects_under_overload_and_counts_misses() -> None:
 
 def test_event_delay_and_ttft_policy_run() -> None:
     trace = conversations()
-    for policy in ("ttft", "approx"):
+    for policy in ("ttft", "ttft_kv", "ttft_hit", "approx"):
         run = simulate(trace, SMALL.replace(policy=policy, event_delay_s=0.05))
         assert all(r.status == "ok" for r in run.results)
+
+
+def test_sim_uses_the_live_routers_policies_with_the_engines_facts() -> None:
+    cfg = SMALL.replace(policy="ttft_hit", engine_speedup=2.0)
+    sim = Simulation(conversations(), cfg)
+    policy = sim.router.policy
+    assert isinstance(policy, TtftPolicy) and policy.name == "ttft_hit"
+    assert policy.own_weight == 1.0 and policy.budget == cfg.max_num_batched_tokens
+    timing = cfg.timing()
+    assert policy.prefill_ms(100, 0.0) == pytest.approx(
+        (timing.step_ms(100, 0, 0.0) + timing.step_ms(0, 1, 0.0)) / 2.0)
+    approx = Simulation([], SMALL.replace(policy="approx")).router.policy
+    assert isinstance(approx, ApproxPolicy) and approx.page_size == SMALL.block_size
+
+
+@pytest.mark.parametrize("topology", [{}, {"prefill_workers": 2, "decode_workers": 2}])
+def test_pending_prefill_is_released_by_the_end(topology: dict[str, int]) -> None:
+    sim = Simulation(conversations(), SMALL.replace(policy="ttft_hit", speedup=200.0,
+                                                    **topology))
+    seen: list[int] = []
+    route = sim.router.route
+
+    def spy(ctx, max_tokens=0):  # type: ignore[no-untyped-def]
+        seen.append(sum(sim.router.pending_prefill().values()))
+        return route(ctx, max_tokens)
+
+    sim.router.route = spy  # type: ignore[method-assign]
+    run = sim.run()
+    assert all(r.status == "ok" for r in run.results)
+    assert max(seen) > 0  # requests overlapped: some prefill was pending at routing time
+    assert sim.router.pending_prefill() == {} and sim.router.in_flight() == {}
 
 
 def test_live_offline_comparison_helpers() -> None:
