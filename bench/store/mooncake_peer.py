@@ -46,9 +46,14 @@ def node(master: str, meta: str, seg_mib: int, hostname: str) -> None:
 
 def client(master: str, meta: str, sizes: list[int], batch: int, budget: int,
            node_segment: str) -> None:
+    import socket
+
     from mooncake.store import ReplicateConfig
 
-    store = make_store(master, meta, 16 << 20, 16 << 20)
+    with socket.socket() as sock:  # a name of its own: "127.0.0.1" alone collides with the
+        sock.bind(("127.0.0.1", 0))  # node's default transfer-engine name on one host
+        own = f"127.0.0.1:{sock.getsockname()[1]}"
+    store = make_store(master, meta, 16 << 20, max(sizes) * batch + (16 << 20), own)
     cfg = ReplicateConfig()
     if node_segment != "-":
         cfg.preferred_segment = node_segment  # the node's memory, not the client's own
