@@ -30,9 +30,9 @@ def make_store(master: str, meta: str, seg_bytes: int, local_bytes: int,
     from mooncake.store import MooncakeDistributedStore
 
     store = MooncakeDistributedStore()
-    rc = store.setup({"local_hostname": hostname, "metadata_server": meta,
-                      "global_segment_size": seg_bytes, "local_buffer_size": local_bytes,
-                      "protocol": "tcp", "master_server_addr": master})
+    # Positional form: (local_hostname, metadata_server, global_segment_size,
+    # local_buffer_size, protocol, device_name, master_server_addr).
+    rc = store.setup(hostname, meta, seg_bytes, local_bytes, "tcp", "", master)
     if rc != 0:
         raise RuntimeError(f"MooncakeDistributedStore.setup failed: {rc}")
     return store
