@@ -67,41 +67,50 @@ def client(master: str, meta: str, sizes: list[int], batch: int, budget: int,
             raise RuntimeError(f"register_buffer failed: {rc}")
     rows = []
     for size, b in [(x, batch) for x in sizes] + [(min(sizes), 1)]:
-        n = max(b * 4, min(512, budget // size)) // b * b
-        keys = [f"mc/{size}/{b}/{i}" for i in range(n)]
-        t0 = time.perf_counter()
-        for i in range(0, n, b):
-            ks = keys[i:i + b]
-            if b == 1:
-                rcs = [store.put_from(ks[0], s, size, cfg)]  # type: ignore[attr-defined]
-            else:
-                rcs = store.batch_put_from(  # type: ignore[attr-defined]
-                    ks, [s + j * size for j in range(b)], [size] * b, cfg)
-            if any(r != 0 for r in rcs):
-                raise RuntimeError(f"put failed: {rcs}")
-        put_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for i in range(0, n, b):
-            ks = keys[i:i + b]
-            if b == 1:
-                got = [store.get_into(ks[0], d, size)]  # type: ignore[attr-defined]
-            else:
-                got = store.batch_get_into(  # type: ignore[attr-defined]
-                    ks, [d + j * size for j in range(b)], [size] * b)
-            if any(g != size for g in got):
-                raise RuntimeError(f"get failed: {got}")
-        get_s = time.perf_counter() - t0
-        ok = bool(np.array_equal(dst[:b * size], src[:b * size]))
-        time.sleep(0.6)  # the read leases (0.5 s) run out, then remove
-        for k in keys:
-            store.remove(k)  # type: ignore[attr-defined]
-        print(f"mooncake size {size} batch {b}: put {n * size / put_s / 1e9:.2f} GB/s, "
-              f"get {n * size / get_s / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
-        rows.append({"size": size, "batch": b, "objects": n, "verified": ok, "put_s": put_s,
-                     "get_s": get_s, "put_gbps": n * size / put_s / 1e9,
-                     "get_gbps": n * size / get_s / 1e9, "put_ops": n / put_s,
-                     "get_ops": n / get_s})
+        try:
+            rows.append(_measure(store, cfg, s, d, src, dst, size, b, budget))
+        except RuntimeError as exc:  # one failing shape does not hide the others
+            print(f"mooncake size {size} batch {b}: {exc}", file=sys.stderr, flush=True)
+            rows.append({"size": size, "batch": b, "error": str(exc)})
     print(json.dumps(rows), flush=True)
+
+
+def _measure(store: object, cfg: object, s: int, d: int, src: object, dst: object,
+             size: int, b: int, budget: int) -> dict[str, object]:
+    """One (size, batch) shape: timed puts then gets, checked, then removed."""
+    n = max(b * 4, min(512, budget // size)) // b * b
+    keys = [f"mc/{size}/{b}/{i}" for i in range(n)]
+    t0 = time.perf_counter()
+    for i in range(0, n, b):
+        ks = keys[i:i + b]
+        if b == 1:
+            rcs = [store.put_from(ks[0], s, size, cfg)]  # type: ignore[attr-defined]
+        else:
+            rcs = store.batch_put_from(  # type: ignore[attr-defined]
+                ks, [s + j * size for j in range(b)], [size] * b, cfg)
+        if any(r != 0 for r in rcs):
+            raise RuntimeError(f"put failed: {rcs}")
+    put_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for i in range(0, n, b):
+        ks = keys[i:i + b]
+        if b == 1:
+            got = [store.get_into(ks[0], d, size)]  # type: ignore[attr-defined]
+        else:
+            got = store.batch_get_into(  # type: ignore[attr-defined]
+                ks, [d + j * size for j in range(b)], [size] * b)
+        if any(g != size for g in got):
+            raise RuntimeError(f"get failed: {got}")
+    get_s = time.perf_counter() - t0
+    ok = bool(np.array_equal(dst[:b * size], src[:b * size]))  # type: ignore[index]
+    time.sleep(0.6)  # the read leases (0.5 s) run out, then remove
+    for k in keys:
+        store.remove(k)  # type: ignore[attr-defined]
+    print(f"mooncake size {size} batch {b}: put {n * size / put_s / 1e9:.2f} GB/s, "
+          f"get {n * size / get_s / 1e9:.2f} GB/s", file=sys.stderr, flush=True)
+    return {"size": size, "batch": b, "objects": n, "verified": ok, "put_s": put_s,
+            "get_s": get_s, "put_gbps": n * size / put_s / 1e9,
+            "get_gbps": n * size / get_s / 1e9, "put_ops": n / put_s, "get_ops": n / get_s}
 
 
 if __name__ == "__main__":
