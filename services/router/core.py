@@ -48,9 +48,10 @@ Contract of :class:`RouterCore`:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.admission.core import AdmissionDecision, RequestShape
@@ -204,6 +205,11 @@ class RouterCore:
     # request id → (prefilling worker id, uncached tokens); totals per worker id.
     _prefills: dict[str, tuple[str, int]] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
+    # Event order of load reports and releases per worker: a report taken before the
+    # router's latest release on that worker still counts the released request.
+    _seq: Iterator[int] = field(default_factory=itertools.count)
+    _load_seq: dict[str, int] = field(default_factory=dict)
+    _release_seq: dict[str, int] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -240,6 +246,7 @@ class RouterCore:
         if worker_id in self._workers:
             self._loads[worker_id] = _Load(num_running, num_waiting, kv_usage,
                                            kv_total_blocks)
+            self._load_seq[worker_id] = next(self._seq)
 
     def in_flight(self) -> Mapping[str, int]:
         """Requests routed and not yet released, per worker id."""
@@ -283,6 +290,8 @@ class RouterCore:
                 kv_usage=load.kv_usage, in_flight=flight.get(w.instance_id, 0),
                 active_blocks=active.get(w.instance_id, 0),
                 kv_total_blocks=load.kv_total_blocks,
+                load_fresh=(self._load_seq.get(w.instance_id, -1)
+                            > self._release_seq.get(w.instance_id, -1)),
                 prompt_blocks=len(prompt.hashes(w.block_size)),
                 overlap_blocks=ov.blocks, overlap_by_tier=ov.by_tier,
                 tree_blocks=(trees.get(w.instance_id, 0) if trees is not None
@@ -462,4 +471,10 @@ class RouterCore:
         was not in flight."""
         self._flights.pop(request_id, None)
         self.release_prefill(request_id)
-        return self._in_flight.pop(request_id, None) is not None
+        entries = self._in_flight.pop(request_id, None)
+        if entries is None:
+            return False
+        seq = next(self._seq)
+        for wid, _ in entries:  # its last load report still counts this request
+            self._release_seq[wid] = seq
+        return True

@@ -79,6 +79,9 @@ class WorkerState:
     active_blocks: int = 0
     # KV capacity from the load report (0 = unknown).
     kv_total_blocks: int = 0
+    # False when the load report predates the router's latest release on this worker
+    # (it still counts a finished request's blocks).
+    load_fresh: bool = True
     # The prompt's full blocks at this worker's block size, and how many it holds.
     prompt_blocks: int = 0
     overlap_blocks: int = 0

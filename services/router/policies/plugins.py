@@ -10,7 +10,8 @@ Contract (see ``base.py`` for the protocols):
 - :func:`kv_cost(w, overlap_weight, credits)` is Dynamo's cost
   ``overlap_weight · prefill_blocks + decode_blocks`` with ``prefill_blocks`` = prompt
   blocks − credited overlap and ``decode_blocks`` = the worker's active blocks (the larger
-  of the router's count and ``kv_usage · kv_total_blocks`` when the report has a total).
+  of the router's count and ``kv_usage · kv_total_blocks`` when the report has a total and
+  was taken after the router's latest release on that worker).
 - Scorers (each returns one score in [0, 1] per candidate, higher is better):
   ``kv_cost`` (min-max normalised: cheapest → 1), ``prefix_cache`` (``match/total``),
   ``queue`` (min-max normalised queue: shortest → 1), ``kv_utilization`` (``1 − usage``).
@@ -60,7 +61,8 @@ def credited_overlap(w: WorkerState, credits: Mapping[str, float] = DEFAULT_TIER
 
 def decode_blocks(w: WorkerState) -> float:
     """Active blocks: router-tracked, or from the load report when it knows the total."""
-    reported = w.kv_usage * w.kv_total_blocks if w.kv_total_blocks > 0 else 0.0
+    fresh = w.kv_total_blocks > 0 and w.load_fresh
+    reported = w.kv_usage * w.kv_total_blocks if fresh else 0.0
     return max(float(w.active_blocks), reported)
 
 
