@@ -28,17 +28,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.mesh import BenchMesh
 from bench.replay.stats import goodput
 from bench.replay.trace import PromptMaker, load_trace
-from services.launcher.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
-from services.launcher.up import CHILD_ENV, health
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
@@ -58,40 +55,19 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     """One fresh mesh, one policy, every speed-up (see the module docstring)."""
     from bench.replay.run import replay_once
 
-    tmp = Path(tempfile.mkdtemp(prefix=f"kvmesh-fleet-{policy}-"))
-    logs = tmp / "logs"
-    children: list[Child] = []
-    try:
-        etcd = start_etcd(tmp / "etcd", logs)
-        children.append(etcd)
-        redis = start_redis(logs)
-        children.append(redis)
-        env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": etcd.address,
-               "KVMESH_REDIS_URL": f"redis://{redis.address}", "KVMESH_NAMESPACE": "fleet",
-               "KVMESH_LOG_LEVEL": "WARNING"}
-
-        def py(name: str, *argv: str) -> Child:
-            child = spawn(name, [sys.executable, "-m", *argv], logs, env)
-            children.append(child)
-            return child
-
-        indexer = "remote" if policy in ("kv", "kv_sampled") else "none"
+    # The policies the router serves from its own history need no events.
+    indexer = "none" if policy in ("approx", "round_robin", "random", "least_loaded") \
+        else "remote"
+    with BenchMesh("fleet") as mesh:
         if indexer == "remote":
-            py("indexer", "services.indexer")
-        py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "poly",
-           "--speedup-ratio", str(1.0 / args.dilation), "--block-size", str(args.block_size),
-           "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len),
-           "--model-path", "tiny", "--model-name", "tiny", "--seed", "1")
-        py("router", "services.router", "--policy", policy, "--indexer", indexer,
-           "--seed", "1")
-        port = free_port()
-        front = py("frontend", "services.frontend", "--http-port", str(port))
-        url = f"http://127.0.0.1:{port}"
-
-        def ready() -> bool:
-            code, body = health(url)
-            return code == 200 and int(str(body.get("workers", 0))) >= args.workers
-        wait_until(ready, front, 180, "the mesh to serve")
+            mesh.py("indexer", "services.indexer")
+        mesh.py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "poly",
+                "--speedup-ratio", str(1.0 / args.dilation), "--block-size", str(args.block_size),
+                "--num-blocks", str(args.num_blocks), "--max-model-len", str(args.max_model_len),
+                "--model-path", "tiny", "--model-name", "tiny", "--seed", "1")
+        mesh.py("router", "services.router", "--policy", policy, "--indexer", indexer,
+                "--seed", "1")
+        url = mesh.frontend(args.workers)
         warm_up(url)
         trace = load_trace(args.trace, args.limit)
         maker = PromptMaker(args.trace_block, 1.0, 700, 0, args.max_input, args.max_output)
@@ -110,9 +86,6 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
                   f"{summary['hit_ratio']:.3f}  SLO {summary['slo_attainment']:.3f}  "
                   f"errors {summary['errors']}", flush=True)
         return {"policy": policy, "runs": runs, "goodput_rps": goodput(runs)}
-    finally:
-        for c in reversed(children):
-            c.stop()
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -29,7 +29,6 @@ import json
 import os
 import random
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,9 +38,9 @@ import grpc
 import httpx
 import numpy as np
 
+from bench.mesh import BenchMesh
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.launcher.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
-from services.launcher.up import CHILD_ENV, health
+from services.launcher.procs import free_port
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
@@ -142,37 +141,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    tmp = Path(tempfile.mkdtemp(prefix="kvmesh-rovh-"))
-    logs = tmp / "logs"
-    children: list[Child] = []
-    try:
-        etcd = start_etcd(tmp / "etcd", logs)
-        children.append(etcd)
-        redis = start_redis(logs)
-        children.append(redis)
-        env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": etcd.address,
-               "KVMESH_REDIS_URL": f"redis://{redis.address}", "KVMESH_NAMESPACE": "rovh",
-               "KVMESH_LOG_LEVEL": "WARNING"}
-
-        def py(name: str, *argv: str, **extra: str) -> Child:
-            child = spawn(name, [sys.executable, "-m", *argv], logs, {**env, **extra})
-            children.append(child)
-            return child
-
-        py("indexer", "services.indexer")
-        py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "zero",
-           "--model-path", "tiny", "--model-name", "tiny", "--max-model-len", "512")
+    with BenchMesh("rovh") as mesh:
+        mesh.py("indexer", "services.indexer")
+        mesh.py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "zero",
+                "--model-path", "tiny", "--model-name", "tiny", "--max-model-len", "512")
         router_port = free_port()
-        py("router", "services.router", "--policy", args.policy, "--indexer", args.indexer,
-           "--port", str(router_port))
-        http_port = free_port()
-        front = py("frontend", "services.frontend", "--http-port", str(http_port))
-        url = f"http://127.0.0.1:{http_port}"
-
-        def ready() -> bool:
-            code, body = health(url)
-            return code == 200 and int(str(body.get("workers", 0))) >= args.workers
-        wait_until(ready, front, 120, "the mesh to serve")
+        mesh.py("router", "services.router", "--policy", args.policy, "--indexer", args.indexer,
+                "--port", str(router_port))
+        url = mesh.frontend(args.workers, 120)
 
         async def workers() -> list[str]:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{router_port}") as ch:
@@ -186,9 +162,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "indexer": args.indexer,
                 "engine": "mock (zero timing)", "duration_s": args.duration_s,
                 "cpus": os.cpu_count(), "rows": rows}
-    finally:
-        for c in reversed(children):
-            c.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

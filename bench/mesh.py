@@ -1,0 +1,83 @@
+"""A throwaway mesh of child processes for benchmarks (etcd, Redis, kvmesh services).
+
+Contract of :class:`BenchMesh` (a context manager): on enter it starts etcd and Redis on
+free loopback ports in a fresh temporary folder; ``py(name, module, *args, **env)`` starts
+``python -m module args`` as a child with the mesh's ``KVMESH_*`` environment (plus
+``env``); ``frontend(workers)`` starts the frontend on a free port and returns its URL
+once ``/health`` counts ``workers`` live workers; on exit every child is stopped by PID,
+newest first, and the folder is removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import TracebackType
+
+from services.launcher.procs import (
+    Child,
+    free_port,
+    spawn,
+    start_etcd,
+    start_redis,
+    wait_until,
+)
+from services.launcher.up import CHILD_ENV, health
+
+
+class BenchMesh:
+    """See the module docstring."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
+        self.children: list[Child] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"kvmesh-{namespace}-"))
+        self.logs = self.tmp / "logs"
+        self.env: dict[str, str] = {}
+
+    def __enter__(self) -> BenchMesh:
+        try:
+            etcd = self._add(start_etcd(self.tmp / "etcd", self.logs))
+            redis = self._add(start_redis(self.logs))
+        except BaseException:
+            self.close()
+            raise
+        self.env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": etcd.address,
+                    "KVMESH_REDIS_URL": f"redis://{redis.address}",
+                    "KVMESH_NAMESPACE": self.namespace, "KVMESH_LOG_LEVEL": "WARNING"}
+        return self
+
+    def _add(self, child: Child) -> Child:
+        self.children.append(child)
+        return child
+
+    def py(self, name: str, module: str, *args: str, **env: str) -> Child:
+        """Starts ``python -m module args`` in the mesh."""
+        return self._add(spawn(name, [sys.executable, "-m", module, *args], self.logs,
+                               {**self.env, **env}))
+
+    def frontend(self, workers: int, timeout_s: float = 180.0) -> str:
+        """Starts the frontend; its base URL once ``workers`` workers serve."""
+        port = free_port()
+        front = self.py("frontend", "services.frontend", "--http-port", str(port))
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            code, body = health(url)
+            return code == 200 and int(str(body.get("workers", 0))) >= workers
+        wait_until(ready, front, timeout_s, "the mesh to serve")
+        return url
+
+    def close(self) -> None:
+        """Stops every child (newest first) and removes the folder. Idempotent."""
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
