@@ -6,8 +6,13 @@ D holds 1024 blocks of 16 tokens (16k tokens); the ITL SLO (20 ms / speed-up) is
 
 - ``--admission early`` (decode correction 1.1: a 10 % margin for the stack's overhead):
   some requests get HTTP 503 with ``Retry-After`` and an
-  ``overloaded_error`` body; the admitted ones meet the ITL SLO (client-side TPOT);
+  ``overloaded_error`` body; the admitted ones meet the ITL SLO;
 - ``--admission none``: every request is admitted (and the batch blows the SLO).
+
+The ITL asserted is D's *modelled* TPOT (the timing model's step times of each request's
+decode steps, :meth:`MockEngine.modelled_tpot`), not the client's wall clock: on a loaded
+CI host the wall clock measures the host, not the admission decision. The client-side TPOT
+of the same experiment is what ``bench/admission`` reports.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from services.frontend.main import FrontendConfig, start_frontend
 from services.launcher.procs import Child
 from services.router.main import RouterConfig, start_router
 from tests.integration.conftest import base_args
-from workers.fleet import FleetConfig, start_fleet
+from workers.engines.mock.engine import MockEngine
+from workers.fleet import Fleet, FleetConfig, start_fleet
 
 SPEEDUP = 2.0
 ITL_SLO_MS = 20.0 / SPEEDUP
@@ -36,7 +42,7 @@ PROMPT, OUTPUT = 512, 64
 
 
 @pytest.fixture(scope="module")
-async def fleet(etcd: Child, tiny_model: str) -> AsyncIterator[str]:
+async def fleet(etcd: Child, tiny_model: str) -> AsyncIterator[tuple[str, Fleet]]:
     ns = "admission"
     cfg = load_config(FleetConfig, [
         *base_args(etcd.address, ns), "--workers", "0", "--prefill-workers", "1",
@@ -46,7 +52,7 @@ async def fleet(etcd: Child, tiny_model: str) -> AsyncIterator[str]:
         "--model-path", tiny_model, "--model-name", "mock"], {})
     f = await start_fleet(cfg)
     try:
-        yield ns
+        yield ns, f
     finally:
         await f.stop()
 
@@ -69,16 +75,25 @@ async def run_burst(etcd: str, ns: str, admission: str) -> tuple[list[Result],
             await asyncio.sleep(0.05)
         results = [Result(i, 0.0) for i in range(BURST)]
         async with httpx.AsyncClient(timeout=60) as client:
-            await asyncio.gather(*(
-                send(client, frontend.base_url, "mock",
-                     [3 + (i * 7919 + j) % 600 for j in range(PROMPT)], OUTPUT, results[i])
-                for i in range(BURST)))
-            # one rejected request seen raw, for its headers and body
+            first_rejection = asyncio.Event()
+
+            async def one(i: int) -> None:
+                prompt = [3 + (i * 7919 + j) % 600 for j in range(PROMPT)]
+                if (await send(client, frontend.base_url, "mock", prompt, OUTPUT,
+                               results[i])).status == "rejected":
+                    first_rejection.set()
+
+            burst = asyncio.gather(*(one(i) for i in range(BURST)))
+            # once the burst is being rejected (so D is full and decoding), one more
+            # request is seen raw, for its headers and body
             raw = []
-            if any(r.status == "rejected" for r in results):
+            waiter = asyncio.ensure_future(first_rejection.wait())
+            await asyncio.wait({burst, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not burst.done():
                 raw = [await client.post(f"{frontend.base_url}/v1/completions", json={
-                    "model": "mock", "prompt": [5] * PROMPT, "max_tokens": OUTPUT})
-                    for _ in range(1)]
+                    "model": "mock", "prompt": [5] * PROMPT, "max_tokens": OUTPUT})]
+            await burst
             metrics = (await client.get(f"{frontend.base_url}/metrics")).text
         assert ("kvmesh_admission_rejections_total{" in metrics) == any(
             r.status == "rejected" for r in results)
@@ -96,30 +111,43 @@ async def frontend_ready(url: str) -> bool:
         return False
 
 
-def tpot_ms(r: Result) -> float:
-    assert r.tpot_s is not None
-    return r.tpot_s * 1000
+def decoder(f: Fleet) -> MockEngine:
+    (d,) = f.by_role("decode")
+    return d.engine
+
+
+def new_tpots_ms(engine: MockEngine, before: set[str]) -> list[float]:
+    """Modelled TPOT (ms) of the requests D finished since ``before`` was taken."""
+    return [t * 1000 for rid, t in engine.modelled_tpot() if rid not in before]
 
 
 async def test_early_rejects_part_of_a_burst_and_the_admitted_meet_the_itl_slo(
-        etcd: Child, fleet: str) -> None:
-    results, raw = await run_burst(etcd.address, fleet, "early")
+        etcd: Child, fleet: tuple[str, Fleet]) -> None:
+    ns, f = fleet
+    before = {rid for rid, _ in decoder(f).modelled_tpot()}
+    results, raw = await run_burst(etcd.address, ns, "early")
     ok = [r for r in results if r.status == "ok"]
     rejected = [r for r in results if r.status == "rejected"]
     assert not [r for r in results if r.status == "error"], results
     assert ok and len(rejected) >= BURST // 2, (len(ok), len(rejected))
     assert all(r.completion_tokens == OUTPUT for r in ok)
-    met = [r for r in ok if tpot_ms(r) <= ITL_SLO_MS]
-    assert len(met) >= 0.9 * len(ok), sorted(tpot_ms(r) for r in ok)
-    (resp,) = raw
-    assert resp.status_code == 503
+    tpots = new_tpots_ms(decoder(f), before)
+    assert len(tpots) == len(ok)  # D decoded exactly the admitted requests
+    assert max(tpots) <= ITL_SLO_MS, sorted(tpots)
+    (resp,) = raw  # sent while the admitted part of the burst was decoding
+    assert resp.status_code == 503, resp.text
     assert int(resp.headers["retry-after"]) >= 1
     err = resp.json()["error"]
     assert err["type"] == "overloaded_error" and err["code"] in ("predicted_itl", "kv_full")
 
 
-async def test_without_admission_everything_is_admitted(etcd: Child, fleet: str) -> None:
-    results, _ = await run_burst(etcd.address, fleet, "none")
+async def test_without_admission_everything_is_admitted(
+        etcd: Child, fleet: tuple[str, Fleet]) -> None:
+    ns, f = fleet
+    before = {rid for rid, _ in decoder(f).modelled_tpot()}
+    results, _ = await run_burst(etcd.address, ns, "none")
     assert [r.status for r in results] == ["ok"] * BURST, [r.error for r in results]
     # the whole burst on D at once: most requests miss the ITL SLO
-    assert sum(tpot_ms(r) > ITL_SLO_MS for r in results) > BURST // 2
+    tpots = new_tpots_ms(decoder(f), before)
+    assert len(tpots) == BURST
+    assert sum(t > ITL_SLO_MS for t in tpots) > BURST // 2, sorted(tpots)

@@ -322,7 +322,7 @@ async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
     async with grpc.aio.insecure_channel(pd.d_address) as ch:
         d_out = [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(d_req)]
     assert sum(len(r.token_ids) for r in d_out) == 4
-    await wait_idle(pd.p_address, within_s=10)  # released on D's completion notice
+    await wait_idle(pd.p_address, within_s=20)  # D's completion notice, not the 30 s lease
     d_metrics = await scrape(records[pd.d_id].labels["metrics"])
     assert d_metrics['kvmesh_engine_kv_transfer_bytes_total{role="decode"'] > 0
     assert d_metrics['kvmesh_engine_kv_external_loaded_tokens_total{role="decode"'] >= 160

@@ -34,9 +34,9 @@ async def start_worker(mesh: Mesh, name: str, model_path: str, log_dir: Path,
     return child
 
 
-async def wait_gone(mesh: Mesh, name: str, deadline: float) -> float:
+async def wait_gone(mesh: Mesh, name: str, deadline: float, why: str) -> float:
     while any(r.model == name for r in mesh.router.watcher.instances().values()):
-        assert time.monotonic() < deadline, f"{name} still routable after its lease TTL + 1 s"
+        assert time.monotonic() < deadline, f"{name} still routable {why}"
         await asyncio.sleep(0.05)
     return time.monotonic()
 
@@ -59,7 +59,8 @@ async def test_killed_worker_errors_the_request_and_leaves_routing(
                     if len(events) == 2:
                         child.kill()
                         killed_at = time.monotonic()
-        await wait_gone(mesh, "doomed", killed_at + TTL + 1.0)
+        # only the lease's expiry can remove a killed worker; the slack is for a loaded host
+        await wait_gone(mesh, "doomed", killed_at + TTL + 15.0, "15 s after its lease TTL")
     finally:
         child.stop()
     assert events[-1] != "[DONE]"
@@ -76,9 +77,11 @@ async def test_killed_worker_errors_the_request_and_leaves_routing(
 async def test_sigterm_revokes_the_lease_at_once(
     mesh: Mesh, tiny_model: str, log_dir: Path
 ) -> None:
-    child = await start_worker(mesh, "polite", tiny_model, log_dir, ttl=10)
+    # A TTL far beyond the deadline: only a revoke (not expiry) can meet it, even when the
+    # CI host is slow to deliver the signal or the watch event.
+    child = await start_worker(mesh, "polite", tiny_model, log_dir, ttl=120)
     child.proc.send_signal(15)
     stopped = time.monotonic()
-    await wait_gone(mesh, "polite", stopped + 2.0)  # long before the 10 s TTL expires
+    await wait_gone(mesh, "polite", stopped + 30.0, "30 s after SIGTERM (TTL 120 s)")
     code = await asyncio.to_thread(child.proc.wait, 30)
     assert code == 0, child.log_tail()

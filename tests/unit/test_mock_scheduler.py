@@ -168,6 +168,21 @@ def test_step_time_follows_the_model_and_speedup() -> None:
     assert b.duration_s == pytest.approx(p.decode_ms(b.kv_usage) / 1000 / 2)
 
 
+def test_modelled_tpot_is_the_decode_steps_time_per_later_token() -> None:
+    s = sched(timing=PolynomialTiming(), max_num_batched_tokens=1000)
+    s.add(req("a", list(range(40)), max_tokens=5), 0.0)
+    s.add(req("one", list(range(100, 140)), max_tokens=1), 0.0)  # no later token: no TPOT
+    now, decode_s = 0.0, 0.0
+    while s.has_work():
+        b = s.schedule(now)
+        if b.prefill_tokens == 0:  # a pure decode step of "a"
+            decode_s += b.duration_s
+        now += b.duration_s
+        s.complete(b, now)
+    assert decode_s > 0
+    assert list(s.modelled_tpot) == [("a", pytest.approx(decode_s / 4))]
+
+
 def test_first_token_times_split_queue_and_prefill() -> None:
     s = sched(timing=PolynomialTiming(), max_num_seqs=1)
     s.add(req("a", list(range(50)), max_tokens=1), 0.0)

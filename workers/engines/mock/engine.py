@@ -43,6 +43,8 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 - ``load()``: running, waiting (incl. receiving KV), used fraction of blocks, total blocks.
 - ``counters()``: the core's cumulative counters
   (:data:`workers.engines.mock.scheduler.COUNTERS`).
+- ``modelled_tpot()``: the core's ``modelled_tpot`` history as a list (timing-model TPOT
+  per finished request; no wall clock in it).
 - ``reset_prefix_cache()``: False while any block is in use; else forgets every cached
   block and announces ``AllBlocksCleared``.
 - ``shutdown()``: stops the loop and ends live streams with "abort". Idempotent.
@@ -322,6 +324,10 @@ class MockEngine(Engine):
 
     def counters(self) -> dict[str, int]:
         return dict(self._core.counters) if self._core is not None else {}
+
+    def modelled_tpot(self) -> list[tuple[str, float]]:
+        """(request id, modelled TPOT s) of recently finished requests, oldest first."""
+        return list(self._core.modelled_tpot) if self._core is not None else []
 
     async def reset_prefix_cache(self) -> bool:
         if self._core is None:

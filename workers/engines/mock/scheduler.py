@@ -51,7 +51,12 @@ Contract of :class:`Scheduler`:
 - ``reset_prefix_cache()``: the block manager's ``reset()`` (False while blocks are used).
 - ``drain_events()``: the block manager's KV events since the last call.
 - ``load()``: (running, waiting incl. receiving, KV usage, total blocks);
-  ``counters``: cumulative counts (see :data:`COUNTERS`).
+  ``counters``: cumulative counts (see :data:`COUNTERS`);
+  ``modelled_tpot``: (request id, modelled time per output token after the first) of the
+  last :data:`TPOT_HISTORY` requests that finished normally with two or more tokens: the
+  summed ``duration_s`` of the steps that gave its later tokens over their count. It is
+  what the timing model says, free of the host's scheduling noise (tests assert SLOs on
+  it; clients measure wall time).
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ COUNTERS = (
     "prefix_cache_hits_tokens", "kv_transfers", "kv_transfer_bytes",
     "kv_external_loaded_tokens", "evicted_blocks",
 )
+TPOT_HISTORY = 4096
 _PAIR = struct.Struct("<QQ")
 _U32 = "I" if array("I").itemsize == 4 else "L"  # an array typecode of 4-byte items
 
@@ -142,6 +148,7 @@ class SimRequest:
     token_seed: int = 0
     # Tokens its held blocks are known to cover (a lower bound; 0 = ask the manager).
     held_tokens: int = 0
+    decode_s: float = 0.0  # modelled time of the steps that gave its 2nd..last tokens
 
     @property
     def num_prompt(self) -> int:
@@ -197,6 +204,8 @@ class Scheduler:
         self.running: list[SimRequest] = []
         self.requests: dict[str, SimRequest] = {}
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        # (request id, modelled TPOT in s) of the latest requests finished with 2+ tokens
+        self.modelled_tpot: deque[tuple[str, float]] = deque(maxlen=TPOT_HISTORY)
 
     # -- input ---------------------------------------------------------------------------
 
@@ -397,7 +406,9 @@ class Scheduler:
             self.counters["generated_tokens"] += 1
             so = StepOutput(req.request_id, [tok], num_prompt=req.num_prompt,
                             num_output=req.num_output, cached_tokens=max(req.cached_tokens, 0))
-            if req.first_token is None:
+            if req.first_token is not None:
+                req.decode_s += batch.duration_s
+            else:
                 req.first_token = now
                 start = req.first_scheduled if req.first_scheduled is not None else now
                 so.queue_s = max(0.0, start - req.arrival)
@@ -413,6 +424,9 @@ class Scheduler:
                 so.finished, so.finish_reason = True, reason
                 so.kv_transfer_params = fin.kv_transfer_params
                 self.counters["finished_requests"] += 1
+                if req.num_output > 1:
+                    self.modelled_tpot.append(
+                        (req.request_id, req.decode_s / (req.num_output - 1)))
                 finished = True
             out.append(so)
         if finished:
