@@ -31,6 +31,60 @@ PIN_NONE: Pin
 PIN_SOFT: Pin
 PIN_HARD: Pin
 
+class ItemStatus(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class BatchKeysRequest(_message.Message):
+    __slots__ = ("keys",)
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, keys: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class BatchStatusResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ItemStatus]
+    def __init__(self, results: _Optional[_Iterable[_Union[ItemStatus, _Mapping]]] = ...) -> None: ...
+
+class BatchPutStartRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[PutStartRequest]
+    def __init__(self, items: _Optional[_Iterable[_Union[PutStartRequest, _Mapping]]] = ...) -> None: ...
+
+class PutStartResult(_message.Message):
+    __slots__ = ("status", "replicas")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    status: ItemStatus
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, status: _Optional[_Union[ItemStatus, _Mapping]] = ..., replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
+class BatchPutStartResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[PutStartResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[PutStartResult, _Mapping]]] = ...) -> None: ...
+
+class GetReplicaListResult(_message.Message):
+    __slots__ = ("status", "list")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LIST_FIELD_NUMBER: _ClassVar[int]
+    status: ItemStatus
+    list: GetReplicaListResponse
+    def __init__(self, status: _Optional[_Union[ItemStatus, _Mapping]] = ..., list: _Optional[_Union[GetReplicaListResponse, _Mapping]] = ...) -> None: ...
+
+class BatchGetReplicaListResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[GetReplicaListResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[GetReplicaListResult, _Mapping]]] = ...) -> None: ...
+
 class KeyRequest(_message.Message):
     __slots__ = ("key",)
     KEY_FIELD_NUMBER: _ClassVar[int]

@@ -99,6 +99,26 @@ class StoreMasterStub:
                 request_serializer=protos_dot_store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=protos_dot_store__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.BatchPutStart = channel.unary_unary(
+                '/kvmesh.store.StoreMaster/BatchPutStart',
+                request_serializer=protos_dot_store__pb2.BatchPutStartRequest.SerializeToString,
+                response_deserializer=protos_dot_store__pb2.BatchPutStartResponse.FromString,
+                _registered_method=True)
+        self.BatchPutEnd = channel.unary_unary(
+                '/kvmesh.store.StoreMaster/BatchPutEnd',
+                request_serializer=protos_dot_store__pb2.BatchKeysRequest.SerializeToString,
+                response_deserializer=protos_dot_store__pb2.BatchStatusResponse.FromString,
+                _registered_method=True)
+        self.BatchPutRevoke = channel.unary_unary(
+                '/kvmesh.store.StoreMaster/BatchPutRevoke',
+                request_serializer=protos_dot_store__pb2.BatchKeysRequest.SerializeToString,
+                response_deserializer=protos_dot_store__pb2.BatchStatusResponse.FromString,
+                _registered_method=True)
+        self.BatchGetReplicaList = channel.unary_unary(
+                '/kvmesh.store.StoreMaster/BatchGetReplicaList',
+                request_serializer=protos_dot_store__pb2.BatchKeysRequest.SerializeToString,
+                response_deserializer=protos_dot_store__pb2.BatchGetReplicaListResponse.FromString,
+                _registered_method=True)
 
 
 class StoreMasterServicer:
@@ -200,6 +220,32 @@ class StoreMasterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchPutStart(self, request, context):
+        """One round trip for many keys (Mooncake's BatchPutStart / BatchPutEnd /
+        BatchPutRevoke / BatchGetReplicaList): each item as its single-key RPC, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutEnd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchPutRevoke(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BatchGetReplicaList(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StoreMasterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -267,6 +313,26 @@ def add_StoreMasterServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=protos_dot_store__pb2.StatsRequest.FromString,
                     response_serializer=protos_dot_store__pb2.StatsResponse.SerializeToString,
+            ),
+            'BatchPutStart': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutStart,
+                    request_deserializer=protos_dot_store__pb2.BatchPutStartRequest.FromString,
+                    response_serializer=protos_dot_store__pb2.BatchPutStartResponse.SerializeToString,
+            ),
+            'BatchPutEnd': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutEnd,
+                    request_deserializer=protos_dot_store__pb2.BatchKeysRequest.FromString,
+                    response_serializer=protos_dot_store__pb2.BatchStatusResponse.SerializeToString,
+            ),
+            'BatchPutRevoke': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchPutRevoke,
+                    request_deserializer=protos_dot_store__pb2.BatchKeysRequest.FromString,
+                    response_serializer=protos_dot_store__pb2.BatchStatusResponse.SerializeToString,
+            ),
+            'BatchGetReplicaList': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchGetReplicaList,
+                    request_deserializer=protos_dot_store__pb2.BatchKeysRequest.FromString,
+                    response_serializer=protos_dot_store__pb2.BatchGetReplicaListResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -620,6 +686,114 @@ class StoreMaster:
             '/kvmesh.store.StoreMaster/Stats',
             protos_dot_store__pb2.StatsRequest.SerializeToString,
             protos_dot_store__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutStart(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.store.StoreMaster/BatchPutStart',
+            protos_dot_store__pb2.BatchPutStartRequest.SerializeToString,
+            protos_dot_store__pb2.BatchPutStartResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutEnd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.store.StoreMaster/BatchPutEnd',
+            protos_dot_store__pb2.BatchKeysRequest.SerializeToString,
+            protos_dot_store__pb2.BatchStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchPutRevoke(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.store.StoreMaster/BatchPutRevoke',
+            protos_dot_store__pb2.BatchKeysRequest.SerializeToString,
+            protos_dot_store__pb2.BatchStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchGetReplicaList(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.store.StoreMaster/BatchGetReplicaList',
+            protos_dot_store__pb2.BatchKeysRequest.SerializeToString,
+            protos_dot_store__pb2.BatchGetReplicaListResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,11 +9,16 @@ Contract (``protos/store.proto`` documents each RPC):
 - Every RPC that can change durable metadata flushes the persister before it answers
   (write-through); a failed flush is logged and retried later, the answer is unaffected.
   Reads (GetReplicaList, ExistKey, BatchExistKey, Ping, Stats) write nothing.
+- The ``Batch*`` RPCs run each item as its single-key RPC would, in order, and answer
+  OK with one ``ItemStatus`` per item (the code that RPC would have answered with); a
+  batch over :data:`MAX_BATCH` items, or with an unknown pin, is INVALID_ARGUMENT as a
+  whole. A mutating batch flushes the persister once, after its last item.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import NoReturn, TypeVar
 
 import grpc
@@ -29,6 +34,8 @@ from services.store_master.core import (
 from services.store_master.persist import Persister
 
 T = TypeVar("T")
+MAX_BATCH = 4096
+_OK = store_pb2.ItemStatus()
 
 _PINS = {store_pb2.PIN_NONE: Pin.NONE, store_pb2.PIN_SOFT: Pin.SOFT,
          store_pb2.PIN_HARD: Pin.HARD}
@@ -44,6 +51,15 @@ def replica_pb(d: ReplicaDescriptor) -> store_pb2.Replica:
 async def _abort(context: grpc.aio.ServicerContext, exc: StoreError) -> NoReturn:
     await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
+
+
+def _item(fn: Callable[[], T]) -> tuple[store_pb2.ItemStatus, T | None]:
+    """Runs one batch item: (OK, value) or (its StoreError's status, None)."""
+    try:
+        return _OK, fn()
+    except StoreError as exc:
+        code = getattr(grpc.StatusCode, exc.status).value[0]
+        return store_pb2.ItemStatus(code=code, message=str(exc)), None
 
 
 class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
@@ -158,6 +174,63 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
         known = await self._call(context, lambda: self._m.ping(request.client_id),
                                  mutates=False)
         return store_pb2.PingResponse(known=known, client_ttl_s=self._m.params.client_ttl_s)
+
+    async def _batch_size(self, context: grpc.aio.ServicerContext, n: int) -> None:
+        if n > MAX_BATCH:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"a batch holds at most {MAX_BATCH} items, got {n}")
+
+    async def BatchPutStart(  # noqa: N802
+        self, request: store_pb2.BatchPutStartRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.BatchPutStartResponse:
+        await self._batch_size(context, len(request.items))
+        pins = [await self._pin(context, it.pin) for it in request.items]
+        out = store_pb2.BatchPutStartResponse()
+        try:
+            for it, pin in zip(request.items, pins, strict=True):
+                status, descs = _item(partial(
+                    self._m.put_start, it.key, it.size, replicas=it.replicas or 1, pin=pin,
+                    preferred_segment=it.preferred_segment))
+                out.results.add(status=status, replicas=[replica_pb(d) for d in descs or ()])
+        finally:
+            await self._p.flush()
+        return out
+
+    async def _batch_keys(self, context: grpc.aio.ServicerContext,
+                          request: store_pb2.BatchKeysRequest,
+                          fn: Callable[[str], object]) -> store_pb2.BatchStatusResponse:
+        await self._batch_size(context, len(request.keys))
+        out = store_pb2.BatchStatusResponse()
+        try:
+            for key in request.keys:
+                out.results.append(_item(partial(fn, key))[0])
+        finally:
+            await self._p.flush()
+        return out
+
+    async def BatchPutEnd(  # noqa: N802
+        self, request: store_pb2.BatchKeysRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.BatchStatusResponse:
+        return await self._batch_keys(context, request, self._m.put_end)
+
+    async def BatchPutRevoke(  # noqa: N802
+        self, request: store_pb2.BatchKeysRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.BatchStatusResponse:
+        return await self._batch_keys(context, request, self._m.put_revoke)
+
+    async def BatchGetReplicaList(  # noqa: N802
+        self, request: store_pb2.BatchKeysRequest, context: grpc.aio.ServicerContext
+    ) -> store_pb2.BatchGetReplicaListResponse:
+        await self._batch_size(context, len(request.keys))
+        out = store_pb2.BatchGetReplicaListResponse()
+        for key in request.keys:
+            status, descs = _item(partial(self._m.get_replica_list, key))
+            res = out.results.add(status=status)
+            if descs:
+                res.list.replicas.extend(replica_pb(d) for d in descs)
+                res.list.size = descs[0].size
+                res.list.lease_until = self._m.lease_until(key)
+        return out
 
     async def Stats(  # noqa: N802
         self, request: store_pb2.StatsRequest, context: grpc.aio.ServicerContext

@@ -154,6 +154,50 @@ async def test_put_get_remove_flow_and_error_codes(start: Starter) -> None:
     assert stats.records_persisted > 0 and stats.persist_failures == 0
 
 
+async def test_batch_rpcs_report_each_item_like_its_single_rpc(start: Starter) -> None:
+    app, stub = await start(ns())
+    await mount(stub, "c0", "s0")
+    C = grpc.StatusCode
+
+    def codes(results: Any) -> list[grpc.StatusCode]:
+        by_value = {c.value[0]: c for c in grpc.StatusCode}
+        return [by_value[r.code] for r in results]
+
+    await stub.PutStart(store_pb2.PutStartRequest(key="old", size=10))
+    started = await stub.BatchPutStart(store_pb2.BatchPutStartRequest(items=[
+        store_pb2.PutStartRequest(key="a", size=100),
+        store_pb2.PutStartRequest(key="old", size=10),  # being written already
+        store_pb2.PutStartRequest(key="huge", size=5000),  # no segment has room
+        store_pb2.PutStartRequest(key="", size=1),
+        store_pb2.PutStartRequest(key="b", size=200)]))
+    assert codes(r.status for r in started.results) == [
+        C.OK, C.ALREADY_EXISTS, C.RESOURCE_EXHAUSTED, C.INVALID_ARGUMENT, C.OK]
+    assert started.results[2].status.message  # says why
+    assert [len(r.replicas) for r in started.results] == [1, 0, 0, 0, 1]
+    assert started.results[4].replicas[0].size == 200
+
+    got = await stub.BatchGetReplicaList(store_pb2.BatchKeysRequest(keys=["a", "zzz"]))
+    assert codes(r.status for r in got.results) == [C.FAILED_PRECONDITION, C.NOT_FOUND]
+    ended = await stub.BatchPutEnd(store_pb2.BatchKeysRequest(keys=["a", "b", "zzz"]))
+    assert codes(ended.results) == [C.OK, C.OK, C.NOT_FOUND]
+    revoked = await stub.BatchPutRevoke(store_pb2.BatchKeysRequest(keys=["old", "a"]))
+    assert codes(revoked.results) == [C.OK, C.FAILED_PRECONDITION]  # "a" is complete
+
+    got = await stub.BatchGetReplicaList(store_pb2.BatchKeysRequest(keys=["b", "a", "old"]))
+    assert codes(r.status for r in got.results) == [C.OK, C.OK, C.NOT_FOUND]
+    assert [r.list.size for r in got.results] == [200, 100, 0]
+    assert all(r.list.lease_until > 0 for r in got.results[:2])  # leases granted
+    assert await code_of(stub.Remove(key("a"))) == C.FAILED_PRECONDITION  # leased
+    stats = await stub.Stats(store_pb2.StatsRequest())
+    assert stats.puts_completed == 2 and stats.puts_revoked == 1 and stats.complete_objects == 2
+
+    too_many = store_pb2.BatchKeysRequest(keys=[f"k{i}" for i in range(4097)])
+    assert await code_of(stub.BatchPutEnd(too_many)) == C.INVALID_ARGUMENT
+    assert await code_of(stub.BatchPutStart(store_pb2.BatchPutStartRequest(items=[
+        store_pb2.PutStartRequest(key="p", size=1, pin=7)]))) == C.INVALID_ARGUMENT  # type: ignore[arg-type]
+    assert app.master.get_object("p") is None  # a refused batch starts nothing
+
+
 async def test_registers_in_etcd(start: Starter, etcd: Child) -> None:
     namespace = ns()
     app, _ = await start(namespace)

@@ -107,12 +107,44 @@ class FakeMaster:
         return store_pb2.BatchExistKeyResponse(
             exists=[k in self.objects and self.objects[k]["complete"] for k in req.keys])
 
+    # Batch RPCs: each item as its single-key RPC, outcome as an ItemStatus (as the master)
+
+    @staticmethod
+    def _each(fn: Any, req: Any) -> tuple[store_pb2.ItemStatus, Any]:
+        try:
+            return store_pb2.ItemStatus(), fn(req)
+        except FakeRpcError as exc:
+            return store_pb2.ItemStatus(code=exc.code().value[0], message="fake"), None
+
+    def BatchPutStart(self, req: Any) -> Any:  # noqa: N802
+        out = store_pb2.BatchPutStartResponse()
+        for it in req.items:
+            st, resp = self._each(self.PutStart, it)
+            out.results.add(status=st, replicas=resp.replicas if resp else [])
+        return out
+
+    def BatchPutEnd(self, req: Any) -> Any:  # noqa: N802
+        return store_pb2.BatchStatusResponse(results=[
+            self._each(self.PutEnd, store_pb2.KeyRequest(key=k))[0] for k in req.keys])
+
+    def BatchPutRevoke(self, req: Any) -> Any:  # noqa: N802
+        return store_pb2.BatchStatusResponse(results=[
+            self._each(self.PutRevoke, store_pb2.KeyRequest(key=k))[0] for k in req.keys])
+
+    def BatchGetReplicaList(self, req: Any) -> Any:  # noqa: N802
+        out = store_pb2.BatchGetReplicaListResponse()
+        for k in req.keys:
+            st, resp = self._each(self.GetReplicaList, store_pb2.KeyRequest(key=k))
+            out.results.add(status=st, list=resp)
+        return out
+
     def stub(self) -> Any:
         class Stub:
             pass
 
         s = Stub()
-        for name in ("PutStart", "PutEnd", "PutRevoke", "GetReplicaList", "BatchExistKey"):
+        for name in ("BatchPutStart", "BatchPutEnd", "BatchPutRevoke", "BatchGetReplicaList",
+                     "BatchExistKey"):
             setattr(s, name, Rpc(getattr(self, name)))
         return s
 

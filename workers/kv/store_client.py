@@ -21,13 +21,15 @@ serialised by one lock):
   NIXL; every local region passed to ``put``/``get`` must lie in registered memory.
 - ``put_many([(key, regions)], replicas, pin)`` → per key ``"ok"``, ``"exists"`` (already
   stored or being written by someone else: nothing written) or ``"failed"``. Each object's
-  bytes are the concatenation of its local ``regions`` (a gather). Protocol: PutStart
-  (all keys pipelined) → one NIXL WRITE per remote agent covering every replica of every
-  key → PutEnd; any key whose WRITE failed gets PutRevoke. A put that fails to start for
+  bytes are the concatenation of its local ``regions`` (a gather). Protocol, per
+  :data:`MAX_BATCH` keys: one BatchPutStart → one NIXL WRITE per remote agent covering
+  every replica of every key → one BatchPutEnd; keys whose WRITE failed get one
+  BatchPutRevoke. Three master round trips whatever the batch size. A put that fails to start for
   lack of space (RESOURCE_EXHAUSTED) is ``"failed"`` with nothing left behind.
 - ``get_many([(key, regions)])`` → per key ``"ok"``, ``"missing"`` (unknown / not yet
   complete: a miss) or ``"failed"`` (the master had it but the bytes could not be read:
-  wrong size, replica's agent unreachable, transfer error). The object is scattered into
+  wrong size, replica's agent unreachable, transfer error). One BatchGetReplicaList per
+  :data:`MAX_BATCH` keys, then one READ per agent and round. The object is scattered into
   ``regions`` in order (sizes must add up to the object's size). Reads a COMPLETE replica
   (its own segment first, copied with memmove; then the master's order), falling back to
   the next replica when a read fails; the master's read lease covers the read.
@@ -64,6 +66,13 @@ ENDPOINT_PREFIX = "nixl:"
 Region = tuple[int, int]  # (address, nbytes)
 PutResult = Literal["ok", "exists", "failed"]
 GetResult = Literal["ok", "missing", "failed"]
+
+
+MAX_BATCH = 4096  # items per Batch* RPC (the master's limit)
+_OK = grpc.StatusCode.OK.value[0]
+_NOT_FOUND = grpc.StatusCode.NOT_FOUND.value[0]
+_ALREADY_EXISTS = grpc.StatusCode.ALREADY_EXISTS.value[0]
+_FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION.value[0]
 
 
 class TransferError(RuntimeError):
@@ -277,52 +286,68 @@ class StoreClient:
                  pin: store_pb2.Pin = store_pb2.PIN_NONE) -> list[PutResult]:
         """Write each key's gathered regions as one object (see the module docstring)."""
         results: list[PutResult] = ["failed"] * len(items)
-        futures = [self.stub.PutStart.future(store_pb2.PutStartRequest(
-            key=key, size=sum(n for _, n in regions), replicas=replicas, pin=pin,
-            preferred_segment=self.segment_id), timeout=self.rpc_timeout_s)
-            for key, regions in items]
+        for lo in range(0, len(items), MAX_BATCH):
+            self._put_batch(items[lo:lo + MAX_BATCH], replicas, pin, results, lo)
+        return results
+
+    def _put_batch(self, items: Sequence[tuple[str, Sequence[Region]]], replicas: int,
+                   pin: store_pb2.Pin, results: list[PutResult], base: int) -> None:
+        """BatchPutStart, one WRITE per remote agent, BatchPutEnd (or BatchPutRevoke)."""
+        req = store_pb2.BatchPutStartRequest()
+        for key, regions in items:
+            req.items.add(key=key, size=sum(n for _, n in regions), replicas=replicas,
+                          pin=pin, preferred_segment=self.segment_id)
+        try:
+            resp = self.stub.BatchPutStart(req, timeout=self.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("BatchPutStart: %s", exc.code())
+            self.counters.put_failures += len(items)
+            return
         groups: dict[str, list[_Op]] = {}
         started: list[tuple[int, list[_Op]]] = []
-        for i, ((key, regions), fut) in enumerate(zip(items, futures, strict=True)):
-            try:
-                resp = fut.result()
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.ALREADY_EXISTS:
-                    results[i] = "exists"
-                else:
-                    log.debug("PutStart %s: %s", key, exc.code())
-                    self.counters.put_failures += 1
+        for i, ((key, regions), res) in enumerate(zip(items, resp.results, strict=True)):
+            if res.status.code == _ALREADY_EXISTS:
+                results[base + i] = "exists"
                 continue
-            ops = [_Op(key, list(regions), r.address) for r in resp.replicas]
-            for o, r in zip(ops, resp.replicas, strict=True):
+            if res.status.code != _OK:
+                log.debug("PutStart %s: %s", key, res.status.message)
+                self.counters.put_failures += 1
+                continue
+            ops = [_Op(key, list(regions), r.address) for r in res.replicas]
+            for o, r in zip(ops, res.replicas, strict=True):
                 groups.setdefault(r.endpoint, []).append(o)
             started.append((i, ops))
         self._run_grouped("WRITE", groups)
-        ends = []
-        for i, ops in started:
-            key = items[i][0]
-            if ops and all(o.ok for o in ops):
-                ends.append((i, self.stub.PutEnd.future(store_pb2.KeyRequest(key=key),
-                                                        timeout=self.rpc_timeout_s)))
-            else:
-                self._revoke(key)
-        for i, fut in ends:
-            try:
-                fut.result()
-                results[i] = "ok"
+        done = [i for i, ops in started if ops and all(o.ok for o in ops)]
+        lost = [items[i][0] for i, ops in started if not (ops and all(o.ok for o in ops))]
+        if lost:
+            self._revoke(lost)
+        if not done:
+            return
+        try:
+            ends = self.stub.BatchPutEnd(
+                store_pb2.BatchKeysRequest(keys=[items[i][0] for i in done]),
+                timeout=self.rpc_timeout_s).results
+        except grpc.RpcError as exc:
+            log.warning("BatchPutEnd: %s", exc.code())
+            self.counters.put_failures += len(done)
+            return
+        for i, st in zip(done, ends, strict=True):
+            if st.code == _OK:
+                results[base + i] = "ok"
                 self.counters.puts += 1
                 self.counters.put_bytes += sum(n for _, n in items[i][1])
-            except grpc.RpcError as exc:  # reclaimed meanwhile (zombie timeout)
-                log.warning("PutEnd %s: %s", items[i][0], exc.code())
+            else:  # reclaimed meanwhile (zombie timeout)
+                log.warning("PutEnd %s: %s", items[i][0], st.message)
                 self.counters.put_failures += 1
-        return results
 
-    def _revoke(self, key: str) -> None:
-        self.counters.put_failures += 1
+    def _revoke(self, keys: list[str]) -> None:
+        self.counters.put_failures += len(keys)
         try:
-            self.stub.PutRevoke(store_pb2.KeyRequest(key=key), timeout=self.rpc_timeout_s)
+            self.stub.BatchPutRevoke(store_pb2.BatchKeysRequest(keys=keys),
+                                     timeout=self.rpc_timeout_s)
         except grpc.RpcError as exc:
-            log.warning("PutRevoke %s: %s", key, exc.code())
+            log.warning("BatchPutRevoke of %d keys: %s", len(keys), exc.code())
 
     def put(self, key: str, regions: Sequence[Region], replicas: int = 1) -> PutResult:
         return self.put_many([(key, regions)], replicas)[0]
@@ -330,28 +355,38 @@ class StoreClient:
     def get_many(self, items: Sequence[tuple[str, Sequence[Region]]]) -> list[GetResult]:
         """Read each key into its regions (scatter); see the module docstring."""
         results: list[GetResult] = ["failed"] * len(items)
-        futures = [self.stub.GetReplicaList.future(store_pb2.KeyRequest(key=key),
-                                                   timeout=self.rpc_timeout_s)
-                   for key, _ in items]
+        for lo in range(0, len(items), MAX_BATCH):
+            self._get_batch(items[lo:lo + MAX_BATCH], results, lo)
+        return results
+
+    def _get_batch(self, items: Sequence[tuple[str, Sequence[Region]]],
+                   results: list[GetResult], base: int) -> None:
+        """BatchGetReplicaList, then READ rounds with replica fallback."""
+        try:
+            resp = self.stub.BatchGetReplicaList(
+                store_pb2.BatchKeysRequest(keys=[k for k, _ in items]),
+                timeout=self.rpc_timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("BatchGetReplicaList: %s", exc.code())
+            self.counters.get_failures += len(items)
+            return
         pending: list[tuple[int, _Op, list[Any]]] = []
-        for i, ((key, regions), fut) in enumerate(zip(items, futures, strict=True)):
-            try:
-                resp = fut.result()
-            except grpc.RpcError as exc:
-                if exc.code() in (grpc.StatusCode.NOT_FOUND,
-                                  grpc.StatusCode.FAILED_PRECONDITION):
-                    results[i] = "missing"
-                    self.counters.get_misses += 1
-                else:
-                    self.counters.get_failures += 1
+        for i, ((key, regions), res) in enumerate(zip(items, resp.results, strict=True)):
+            if res.status.code in (_NOT_FOUND, _FAILED_PRECONDITION):
+                results[base + i] = "missing"
+                self.counters.get_misses += 1
                 continue
-            want = sum(n for _, n in regions)
-            reps = sorted(resp.replicas, key=lambda r: not self._is_local(r.endpoint))
-            if not reps or resp.size != want:
-                log.warning("store object %s: size %d, expected %d", key, resp.size, want)
+            if res.status.code != _OK:
                 self.counters.get_failures += 1
                 continue
-            pending.append((i, _Op(key, list(regions), 0), list(reps)))
+            want = sum(n for _, n in regions)
+            reps = sorted(res.list.replicas, key=lambda r: not self._is_local(r.endpoint))
+            if not reps or res.list.size != want:
+                log.warning("store object %s: size %d, expected %d", key, res.list.size,
+                            want)
+                self.counters.get_failures += 1
+                continue
+            pending.append((base + i, _Op(key, list(regions), 0), list(reps)))
         # Round k reads each unfinished object from its k-th replica (fallback on failure).
         while pending:
             groups: dict[str, list[_Op]] = {}
@@ -371,7 +406,6 @@ class StoreClient:
                 else:
                     self.counters.get_failures += 1
             pending = retry
-        return results
 
     def get(self, key: str, regions: Sequence[Region]) -> GetResult:
         return self.get_many([(key, regions)])[0]
