@@ -5,6 +5,16 @@ Run by :mod:`bench.store.run` with the Python of a separate environment holding
 requirement), and with no kvmesh import: ``python bench/store/mooncake_peer.py ROLE ...`` (not named
 mooncake.py: its folder comes first on sys.path and would shadow the package).
 
+- ``bench SIZES BATCH BUDGET NODE_MIB``: the whole comparison: starts ``mooncake_master``
+  (found next to this Python, HTTP metadata server, read lease 0.5 s), one ``node`` child
+  and two ``client`` runs (``preferred_node``: objects in the node's segment, as kvmesh's
+  store node holds them; ``default``: the master's choice), stops its children by PID and
+  prints one JSON object ``{"preferred_node": rows | {"error"}, "default": ...}``.
+  :mod:`bench.store.run` runs it inside a network namespace of its own that has only
+  loopback (``unshare -rn``): Mooncake 0.3.13's transfer-engine RPC and TCP data listeners
+  and the master's HTTP metadata server bind the wildcard address whatever they are told,
+  so the namespace is what keeps them off the host's interfaces. With
+  ``MC_LEGACY_RPC_PORT_BINDING=1`` every advertised address is 127.0.0.1.
 - ``node MASTER META SEG_MIB HOST:PORT``: a MooncakeDistributedStore contributing a
   SEG_MIB global segment under that name (the counterpart of ``kvmesh store-node``);
   prints ``ready`` and waits on stdin.
@@ -13,14 +23,18 @@ mooncake.py: its folder comes first on sys.path and would shadow the package).
   with a registered buffer; per size, ``put_from`` /
   ``get_into`` (batch 1) or ``batch_put_from`` / ``batch_get_into`` (batch > 1), checks
   the bytes, removes the keys; prints one JSON line of rows like ``bench_ops``.
-Everything binds 127.0.0.1; protocol "tcp" (Mooncake's transfer engine; no RDMA here).
+Protocol "tcp" (Mooncake's transfer engine; no RDMA here).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -39,20 +53,26 @@ def make_store(master: str, meta: str, seg_bytes: int, local_bytes: int,
 
 
 def node(master: str, meta: str, seg_mib: int, hostname: str) -> None:
-    make_store(master, meta, seg_mib << 20, 16 << 20, hostname)
+    # Keep the reference: a collected store tears itself down and unmounts its segment
+    # (the master then allocates from the client's own small segment only).
+    store = make_store(master, meta, seg_mib << 20, 16 << 20, hostname)
     print("ready", flush=True)
     sys.stdin.read()  # until the parent closes our stdin
+    del store
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def client(master: str, meta: str, sizes: list[int], batch: int, budget: int,
            node_segment: str) -> None:
-    import socket
-
     from mooncake.store import ReplicateConfig
 
-    with socket.socket() as sock:  # a name of its own: "127.0.0.1" alone collides with the
-        sock.bind(("127.0.0.1", 0))  # node's default transfer-engine name on one host
-        own = f"127.0.0.1:{sock.getsockname()[1]}"
+    # a name of its own: "127.0.0.1" alone collides with the node's on one host
+    own = f"127.0.0.1:{free_port()}"
     store = make_store(master, meta, 16 << 20, max(sizes) * batch + (16 << 20), own)
     cfg = ReplicateConfig()
     if node_segment != "-":
@@ -113,9 +133,76 @@ def _measure(store: object, cfg: object, s: int, d: int, src: object, dst: objec
             "get_gbps": n * size / get_s / 1e9, "put_ops": n / put_s, "get_ops": n / get_s}
 
 
+def _stop(proc: subprocess.Popen[str] | None) -> None:
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench(sizes: str, batch: int, budget: int, node_mib: int) -> dict[str, object]:
+    """Master + node + two client runs; see the module docstring."""
+    import mooncake
+
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    if not binary.exists():
+        return {"error": f"{binary} not found"}
+    rpc, meta_port, metrics, node_port = (free_port() for _ in range(4))
+    master_addr, meta = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta_port}/metadata"
+    master = subprocess.Popen(
+        [str(binary), "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
+         "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
+         "-http_metadata_server_port", str(meta_port), "-metrics_host", "127.0.0.1",
+         "-metrics_port", str(metrics), "-default_kv_lease_ttl", "500"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    node_proc = None
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # the master is up once its RPC port accepts
+            try:
+                socket.create_connection(("127.0.0.1", rpc), 0.5).close()
+                break
+            except OSError:
+                if master.poll() is not None or time.monotonic() > deadline:
+                    return {"error": f"mooncake_master did not start (exit {master.poll()})"}
+                time.sleep(0.1)
+        node_name = f"127.0.0.1:{node_port}"
+        node_proc = subprocess.Popen(
+            [sys.executable, __file__, "node", master_addr, meta, str(node_mib), node_name],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            text=True)
+        assert node_proc.stdout is not None
+        if "ready" not in node_proc.stdout.readline():
+            return {"error": "mooncake node did not start"}
+        out: dict[str, object] = {}
+        for label, target in (("preferred_node", node_name), ("default", "-")):
+            proc = subprocess.run(
+                [sys.executable, __file__, "client", master_addr, meta, sizes, str(batch),
+                 str(budget), target], capture_output=True, text=True, timeout=300)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
+            if proc.returncode == 0 and lines:
+                out[label] = json.loads(lines[-1])
+            else:
+                done = [ln for ln in proc.stderr.splitlines() if ln.startswith("mooncake size")]
+                tail = [ln for ln in proc.stderr.splitlines()
+                        if "Error" in ln or "failed" in ln][-3:]
+                out[label] = {"error": f"exit {proc.returncode}: " + " | ".join(tail),
+                              "completed": done}
+        return out
+    finally:
+        _stop(node_proc)
+        _stop(master)
+
+
 if __name__ == "__main__":
     role = sys.argv[1]
-    if role == "node":
+    os.environ.setdefault("MC_LEGACY_RPC_PORT_BINDING", "1")
+    if role == "bench":
+        print(json.dumps(bench(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]),
+                               int(sys.argv[5]))), flush=True)
+    elif role == "node":
         node(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
     else:
         client(sys.argv[2], sys.argv[3], [int(x) for x in sys.argv[4].split(",")],

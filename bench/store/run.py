@@ -24,10 +24,11 @@ Contracts:
   saves written behind, reloads from L1). Medians over ``--reps``. Written to
   ``<out>/store_ttft.json``/``.png``.
 - ``--mooncake-python PY`` (a Python with ``mooncake-transfer-engine-non-cuda``, kept out
-  of kvmesh's requirements): the real Mooncake Store the same way (``mooncake_master``
-  with its HTTP metadata server, a node and a client of ``mooncake_peer.py``; all on
-  127.0.0.1; TCP transport), under ``"mooncake"`` in ``store.json``: its rows, or the
-  error it ended with.
+  of kvmesh's requirements): the real Mooncake Store the same way, in the same run
+  (``mooncake_master`` with its HTTP metadata server, a node and a client of
+  ``mooncake_peer.py``; 127.0.0.1 inside a loopback-only network namespace; TCP
+  transport), under ``"mooncake"`` in ``store.json``: its rows, or the error it ended
+  with; ``"ratio"`` holds kvmesh / Mooncake per (size, batch) for the rows both have.
 """
 
 from __future__ import annotations
@@ -101,60 +102,53 @@ def bench_ops(master_addr: str, sizes: list[int], batch: int, budget_bytes: int,
 
 def bench_mooncake(python: str, sizes: list[int], batch: int, node_mib: int,
                    budget: int) -> dict[str, Any]:
-    """Mooncake master + node + client children; their rows or the error (stderr tail)."""
+    """``mooncake_peer.py bench`` in a loopback-only network namespace; its JSON or the error.
+
+    The namespace (``unshare -rn``, loopback brought up inside) keeps Mooncake's wildcard
+    listeners off the host's interfaces; without it the comparison is not run.
+    """
     import shutil
     import subprocess
 
-    from services.launcher.procs import free_port
-
-    master_bin = Path(python).parent.parent / "lib"  # the venv (no resolve: a symlink)
-    found = sorted(master_bin.glob("python3*/site-packages/mooncake/mooncake_master"))
-    if not found and not shutil.which("mooncake_master"):
-        return {"error": f"mooncake_master not found next to {python}"}
-    binary = str(found[0]) if found else str(shutil.which("mooncake_master"))
-    rpc, meta, metrics, node_port = (free_port() for _ in range(4))
-    meta_url = f"http://127.0.0.1:{meta}/metadata"
-    master = subprocess.Popen(
-        [binary, "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
-         "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
-         "-http_metadata_server_port", str(meta), "-metrics_host", "127.0.0.1",
-         "-metrics_port", str(metrics), "-default_kv_lease_ttl", "500"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    node = None
+    if not shutil.which("unshare"):
+        return {"error": "unshare(1) missing: Mooncake is only run in a loopback-only netns"}
+    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", python,
+           str(PEER), "bench", ",".join(map(str, sizes)), str(batch), str(budget),
+           str(node_mib)]
     try:
-        time.sleep(2)
-        node = subprocess.Popen(
-            [python, str(PEER), "node", f"127.0.0.1:{rpc}", meta_url, str(node_mib),
-             f"127.0.0.1:{node_port}"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True)
-        assert node.stdout is not None
-        if "ready" not in node.stdout.readline():
-            return {"error": "mooncake node did not start"}
-        out: dict[str, Any] = {"version": "mooncake-transfer-engine-non-cuda",
-                               "protocol": "tcp"}
-        for label, target in (("preferred_node", f"127.0.0.1:{node_port}"), ("default", "-")):
-            proc = subprocess.run(
-                [python, str(PEER), "client", f"127.0.0.1:{rpc}", meta_url,
-                 ",".join(map(str, sizes)), str(batch), str(budget), target],
-                capture_output=True, text=True, timeout=300)
-            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-            if proc.returncode == 0 and lines:
-                out[label] = json.loads(lines[-1])
-            else:
-                done = [ln for ln in proc.stderr.splitlines() if ln.startswith("mooncake size")]
-                tail = [ln for ln in proc.stderr.splitlines()
-                        if "Error" in ln or "failed" in ln][-3:]
-                out[label] = {"error": f"exit {proc.returncode}: " + " | ".join(tail),
-                              "completed": done}
-        return out
-    finally:
-        for p in (node, master):
-            if p is not None and p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"error": "mooncake bench timed out after 900 s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+    out: dict[str, Any] = {"version": _mooncake_version(python), "protocol": "tcp",
+                           "netns": "unshare -rn (loopback only)", **json.loads(lines[-1])}
+    return out
+
+
+def _mooncake_version(python: str) -> str:
+    import subprocess
+
+    code = ("import importlib.metadata as m; "
+            "print(m.version('mooncake-transfer-engine-non-cuda'))")
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    return "mooncake-transfer-engine-non-cuda==" + (proc.stdout.strip() or "?")
+
+
+def ratios(ours: list[dict[str, Any]], theirs: Any) -> list[dict[str, Any]]:
+    """kvmesh / Mooncake for each (size, batch) both measured without error."""
+    if not isinstance(theirs, list):
+        return []
+    by_shape = {(r["size"], r["batch"]): r for r in theirs if "error" not in r}
+    out = []
+    for r in ours:
+        m = by_shape.get((r["size"], r["batch"]))
+        if m is not None:
+            out.append({"size": r["size"], "batch": r["batch"],
+                        **{k: r[k] / m[k] for k in ("put_gbps", "get_gbps", "put_ops",
+                                                     "get_ops")}})
+    return out
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
@@ -257,7 +251,8 @@ def resolve_model(model: str) -> Path:
     return Path(model)
 
 
-def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | None) -> None:
+def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | None,
+         mooncake: Any = None) -> None:
     try:
         import matplotlib
 
@@ -272,10 +267,17 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
         xs = [r["size"] for r in rows]
         ax.plot(xs, [r["put_gbps"] for r in rows], "o-", label="put (PutStart+WRITE+PutEnd)")
         ax.plot(xs, [r["get_gbps"] for r in rows], "s-", label="get (GetReplicaList+READ)")
+        theirs = mooncake.get("preferred_node") if isinstance(mooncake, dict) else None
+        if isinstance(theirs, list):
+            mrows = [r for r in theirs if r["batch"] > 1 and "error" not in r]
+            mx = [r["size"] for r in mrows]
+            ax.plot(mx, [r["put_gbps"] for r in mrows], "o--", label="Mooncake Store put (tcp)")
+            ax.plot(mx, [r["get_gbps"] for r in mrows], "s--", label="Mooncake Store get (tcp)")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("object size (bytes)")
         ax.set_ylabel("GB/s")
-        ax.set_title("kvmesh store over NIXL (127.0.0.1, one store node)")
+        ax.set_title("store put/get, one store node, 127.0.0.1 (batch "
+                     f"{rows[0]['batch'] if rows else '?'})")
         ax.legend()
         fig.tight_layout()
         fig.savefig(out / "store.png", dpi=120)
@@ -323,16 +325,21 @@ async def amain(args: argparse.Namespace) -> int:
                 ops = await asyncio.to_thread(bench_ops, addr, parse_sizes(args.sizes),
                                               args.batch, args.node_mib << 19, StoreClient)
                 if args.mooncake_python:
-                    meta["mooncake"] = await asyncio.to_thread(
+                    mc = await asyncio.to_thread(
                         bench_mooncake, args.mooncake_python, parse_sizes(args.sizes),
                         args.batch, args.node_mib, args.node_mib << 19)
+                    mc["ratio"] = ratios(ops, mc.get("preferred_node"))
+                    meta["mooncake"] = mc
+                    for r in mc["ratio"]:
+                        print(f"kvmesh/mooncake size {r['size']:>9} batch {r['batch']:>2}: "
+                              f"put {r['put_gbps']:.2f}x, get {r['get_gbps']:.2f}x", flush=True)
                 write_json(out / "store.json", {**meta, "rows": ops})
             if "ttft" in parts:
                 prefixes = [int(x) for x in args.prefixes.split(",")]
                 ttft = await bench_ttft(addr, args.model, prefixes, args.reps, args.kv_gib,
                                         args.l1_mib)
                 write_json(out / "store_ttft.json", {**meta, **ttft})
-            await asyncio.to_thread(plot, out, ops, ttft)
+            await asyncio.to_thread(plot, out, ops, ttft, meta["mooncake"])
         finally:
             if node is not None:
                 node.stop()
