@@ -17,7 +17,10 @@ export VLLM_NO_USAGE_STATS := 1
 export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: run test setup system-deps venv model lint typecheck protos clean-venv
+MC_VENV ?= .mcvenv
+MOONCAKE ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
+
+.PHONY: run test setup system-deps venv model lint typecheck protos clean-venv bench-store-mooncake
 
 run: setup model
 	$(VENV)/bin/kvmesh up $(ARGS)
@@ -59,6 +62,16 @@ lint: venv
 
 protos: venv
 	$(PY) -m grpc_tools.protoc -I . --python_out=. --grpc_python_out=. --pyi_out=. protos/*.proto
+
+# The store benchmark with the real Mooncake Store beside ours, in one run. Mooncake lives in
+# a venv of its own ($(MC_VENV)): it is not a kvmesh requirement. It needs libibverbs1.
+bench-store-mooncake: setup model
+	@dpkg -s libibverbs1 >/dev/null 2>&1 || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq libibverbs1; }
+	test -x $(MC_VENV)/bin/python || $(PYTHON) -m venv $(MC_VENV)
+	$(MC_VENV)/bin/python -c "import mooncake.store, numpy" 2>/dev/null || \
+	  $(MC_VENV)/bin/python -m pip install -q "$(MOONCAKE)" numpy
+	$(PY) -m bench.store --part ops --mooncake-python $(MC_VENV)/bin/python $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
