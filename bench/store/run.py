@@ -265,8 +265,10 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
         rows = [r for r in ops if r["batch"] > 1]
         fig, ax = plt.subplots(figsize=(7, 4))
         xs = [r["size"] for r in rows]
-        ax.plot(xs, [r["put_gbps"] for r in rows], "o-", label="kvmesh put (BatchPutStart+NIXL WRITE+BatchPutEnd)")
-        ax.plot(xs, [r["get_gbps"] for r in rows], "s-", label="kvmesh get (BatchGetReplicaList+NIXL READ)")
+        ax.plot(xs, [r["put_gbps"] for r in rows], "o-",
+                label="kvmesh put (BatchPutStart+NIXL WRITE+BatchPutEnd)")
+        ax.plot(xs, [r["get_gbps"] for r in rows], "s-",
+                label="kvmesh get (BatchGetReplicaList+NIXL READ)")
         theirs = mooncake.get("preferred_node") if isinstance(mooncake, dict) else None
         if isinstance(theirs, list):
             mrows = [r for r in theirs if r["batch"] > 1 and "error" not in r]
