@@ -71,7 +71,7 @@ bench-store-mooncake: setup model
 	test -x $(MC_VENV)/bin/python || $(PYTHON) -m venv $(MC_VENV)
 	$(MC_VENV)/bin/python -c "import mooncake.store, numpy" 2>/dev/null || \
 	  $(MC_VENV)/bin/python -m pip install -q "$(MOONCAKE)" numpy
-	$(PY) -m bench.store --part ops --mooncake-python $(MC_VENV)/bin/python $(ARGS)
+	$(PY) -m bench.store --mooncake-python $(MC_VENV)/bin/python $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -21,7 +21,12 @@ Contracts:
   ``store_miss`` (engine with the store connector, a fresh prefix: compute + save) and
   ``store_hit`` (same prefix again after a prefix-cache reset: loaded from the store);
   with ``--l1-mib`` also ``store_l1_miss`` / ``store_l1_hit`` (an engine with an L1 pool:
-  saves written behind, reloads from L1). Medians over ``--reps``. Written to
+  saves written behind, reloads from L1). Medians over ``--reps``; the miss/hit protocol
+  is :class:`bench.store.reuse.ReuseProbe` (``<name>_hit_tokens``: the hit's
+  ``cached_tokens``; ``<name>_same_first``: greedy first token of a full reload equals the
+  computed one). With ``--mooncake-python``, ``"mooncake_connector"`` holds the same
+  measurement of vLLM's own ``MooncakeStoreConnector`` on the real Mooncake Store
+  (:mod:`bench.store.mooncake_vllm`, in a loopback-only netns). Written to
   ``<out>/store_ttft.json``/``.png``.
 - ``--mooncake-python PY`` (a Python with ``mooncake-transfer-engine-non-cuda``, kept out
   of kvmesh's requirements): the real Mooncake Store the same way, in the same run
@@ -162,29 +167,16 @@ def client_cls_pb() -> Any:
 
 
 async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: int,
-                     kv_gib: float, l1_mib: int = 0) -> dict[str, Any]:
+                     kv_gib: float, l1_mib: int = 0,
+                     mooncake_python: str = "") -> dict[str, Any]:
     """TTFT per configuration and prefix length (see the module docstring)."""
-    from workers.engines.base import EngineRequest, Sampling
+    from bench.store.reuse import ReuseProbe, vocab_of
     from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
     from workers.kv.store_connector import store_kv_transfer_config
 
     path = resolve_model(model)
-    rng = random.Random(0)
+    probe = ReuseProbe(random.Random(0), vocab_of(path))
     max_len = max(prefixes) + 64
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(100, 20000) for _ in range(n)]
-
-    async def ttft(eng: VllmEngine, tokens: list[int]) -> float:
-        req = EngineRequest(f"ttft-{rng.random()}", tokens,
-                            Sampling(max_tokens=1, temperature=0.0, ignore_eos=True))
-        t0 = time.perf_counter()
-        first = None
-        async for out in eng.generate(req):
-            if first is None and out.token_ids:
-                first = time.perf_counter() - t0
-        assert first is not None
-        return first
 
     def config(ktc: dict[str, Any] | None) -> VllmEngineConfig:
         return VllmEngineConfig(model_path=str(path), max_model_len=max_len, block_size=32,
@@ -192,16 +184,17 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
                                 env=dict(UCX_ENV))
 
     result: dict[str, Any] = {"model": str(path), "prefixes": prefixes, "reps": reps,
-                              "plain": {}, "store_miss": {}, "store_hit": {}, "hit_tokens": {}}
+                              "plain": {}}
     plain = VllmEngine(config(None))
     await plain.start()
     try:
-        await ttft(plain, toks(64))  # warm-up
+        await probe.first_token(plain, probe.tokens(64))  # warm-up
         for n in prefixes:
             samples = []
             for _ in range(reps):
                 await plain.reset_prefix_cache()
-                samples.append(await ttft(plain, toks(n) + toks(16)))
+                samples.append((await probe.first_token(
+                    plain, probe.tokens(n) + probe.tokens(16))).ttft_s)
             result["plain"][n] = statistics.median(samples)
             print(f"plain {n}: {result['plain'][n] * 1e3:.0f} ms", flush=True)
     finally:
@@ -212,31 +205,42 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
     for name, extra in variants:
         eng = VllmEngine(config(store_kv_transfer_config(master_addr, extra=extra)))
         await eng.start()
-        miss_key, hit_key = f"{name}_miss", f"{name}_hit"
-        result.setdefault(miss_key, {})
-        result.setdefault(hit_key, {})
         try:
-            await ttft(eng, toks(64))
-            for n in prefixes:
-                miss, hit = [], []
-                for _ in range(reps):
-                    prefix = toks(n)
-                    await eng.reset_prefix_cache()
-                    miss.append(await ttft(eng, prefix + toks(16)))
-                    await asyncio.sleep(1.0)  # let L1 write-behind reach the store
-                    await eng.reset_prefix_cache()
-                    before = eng.counters()["kv_connector_hits_tokens"]
-                    hit.append(await ttft(eng, prefix + toks(16)))
-                    result["hit_tokens"][n] = (eng.counters()["kv_connector_hits_tokens"]
-                                               - before)
-                result[miss_key][n] = statistics.median(miss)
-                result[hit_key][n] = statistics.median(hit)
-                print(f"{name} {n}: miss {result[miss_key][n] * 1e3:.0f} ms, hit "
-                      f"{result[hit_key][n] * 1e3:.0f} ms ({result['hit_tokens'][n]} tokens "
-                      "from the store)", flush=True)
+            await probe.first_token(eng, probe.tokens(64))
+            await probe.miss_then_hit(eng, name, prefixes, reps, result)
         finally:
             await eng.shutdown()
+    if mooncake_python:
+        result["mooncake_connector"] = await asyncio.to_thread(
+            mooncake_connector_ttft, mooncake_python, str(path), prefixes, reps, kv_gib)
     return result
+
+
+def mooncake_connector_ttft(python: str, model: str, prefixes: list[int], reps: int,
+                            kv_gib: float) -> dict[str, Any]:
+    """:mod:`bench.store.mooncake_vllm` in a loopback-only netns; its JSON or the error."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("unshare"):
+        return {"error": "unshare(1) missing: Mooncake is only run in a loopback-only netns"}
+    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
+           sys.executable, "-m", "bench.store.mooncake_vllm", "--mooncake-python", python,
+           "--model", model, "--prefixes", ",".join(map(str, prefixes)), "--reps", str(reps),
+           "--kv-gib", str(kv_gib)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                              cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": "timed out after 1800 s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("mooncake "):  # its per-prefix summary lines
+            print(ln, flush=True)
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
+    return {"version": _mooncake_version(python), "connector": "MooncakeStoreConnector",
+            "netns": "unshare -rn (loopback only)", **json.loads(lines[-1])}
 
 
 def resolve_model(model: str) -> Path:
@@ -287,10 +291,17 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
     if ttft:
         fig, ax = plt.subplots(figsize=(7, 4))
         xs = ttft["prefixes"]
+        mc = ttft.get("mooncake_connector") or {}
+        series = {**ttft, **{k: v for k, v in mc.items() if k.startswith("mooncake_")}}
         for name, mark in (("plain", "o-"), ("store_miss", "^-"), ("store_hit", "s-"),
-                           ("store_l1_miss", "v--"), ("store_l1_hit", "D--")):
-            if ttft.get(name):
-                ax.plot(xs, [ttft[name][n] * 1e3 for n in xs], mark, label=name)
+                           ("store_l1_miss", "v--"), ("store_l1_hit", "D--"),
+                           ("mooncake_miss", "^:"), ("mooncake_hit", "s:")):
+            vals = series.get(name)
+            if isinstance(vals, dict) and vals:
+                label = name.replace("mooncake", "vLLM MooncakeStoreConnector")
+                by_len = {int(k): float(v) for k, v in vals.items()}  # JSON keys are str
+                ms = [by_len.get(int(n), float("nan")) * 1e3 for n in xs]
+                ax.plot(xs, ms, mark, label=label)
         ax.set_xlabel("shared prefix (tokens)")
         ax.set_ylabel("TTFT (ms, median)")
         ax.set_title(f"TTFT: store reuse vs recompute ({Path(ttft['model']).name})")
@@ -337,9 +348,11 @@ async def amain(args: argparse.Namespace) -> int:
                               f"put {r['put_gbps']:.2f}x, get {r['get_gbps']:.2f}x", flush=True)
                 write_json(out / "store.json", {**meta, "rows": ops})
             if "ttft" in parts:
+                if args.mooncake_python and "ops" not in parts:
+                    meta["mooncake"] = "ops not run; see mooncake_connector"
                 prefixes = [int(x) for x in args.prefixes.split(",")]
                 ttft = await bench_ttft(addr, args.model, prefixes, args.reps, args.kv_gib,
-                                        args.l1_mib)
+                                        args.l1_mib, args.mooncake_python)
                 write_json(out / "store_ttft.json", {**meta, **ttft})
             await asyncio.to_thread(plot, out, ops, ttft, meta["mooncake"])
         finally:
