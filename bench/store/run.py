@@ -16,12 +16,15 @@ Contracts:
   phase; ops/s is objects per second. A ``batch=1`` row at the smallest size gives the
   per-op latency floor (two RPCs + one transfer). Written to ``<out>/store.json``/``.png``.
 - ``ttft``: for each prefix length L, prompts = a shared L-token prefix + a 16-token unique
-  suffix, ``max_tokens=1``, TTFT = wall time to the first output. Three configurations:
+  suffix, ``max_tokens=1``, TTFT = wall time to the first output. Configurations:
   ``plain`` (engine without connector: pure recompute after a prefix-cache reset),
   ``store_miss`` (engine with the store connector, a fresh prefix: compute + save) and
   ``store_hit`` (same prefix again after a prefix-cache reset: loaded from the store);
   with ``--l1-mib`` also ``store_l1_miss`` / ``store_l1_hit`` (an engine with an L1 pool:
-  saves written behind, reloads from L1). Medians over ``--reps``; the miss/hit protocol
+  saves written behind, reloads from L1), and with ``--embedded-mib`` (default 2048)
+  ``store_embedded_*`` (the engine contributes a segment of its own and its objects land
+  there: the topology of Mooncake's embedded mode, which vLLM's connector uses). Medians
+  over ``--reps``; the miss/hit protocol
   is :class:`bench.store.reuse.ReuseProbe` (``<name>_hit_tokens``: the hit's
   ``cached_tokens``; ``<name>_same_first``: greedy first token of a full reload equals the
   computed one). With ``--mooncake-python``, ``"mooncake_connector"`` holds the same
@@ -168,7 +171,7 @@ def client_cls_pb() -> Any:
 
 async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: int,
                      kv_gib: float, l1_mib: int = 0,
-                     mooncake_python: str = "") -> dict[str, Any]:
+                     mooncake_python: str = "", embedded_mib: int = 0) -> dict[str, Any]:
     """TTFT per configuration and prefix length (see the module docstring)."""
     from bench.store.reuse import ReuseProbe, vocab_of
     from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
@@ -202,6 +205,8 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
     variants: list[tuple[str, dict[str, Any]]] = [("store", {})]
     if l1_mib:
         variants.append(("store_l1", {"l1_mib": l1_mib}))
+    if embedded_mib:
+        variants.append(("store_embedded", {"segment_mib": embedded_mib}))
     for name, extra in variants:
         eng = VllmEngine(config(store_kv_transfer_config(master_addr, extra=extra)))
         await eng.start()
@@ -213,7 +218,19 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
     if mooncake_python:
         result["mooncake_connector"] = await asyncio.to_thread(
             mooncake_connector_ttft, mooncake_python, str(path), prefixes, reps, kv_gib)
+        result["hit_ratio_vs_mooncake"] = ttft_ratios(result)
     return result
+
+
+def ttft_ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """kvmesh hit TTFT / vLLM MooncakeStoreConnector hit TTFT, per variant and prefix."""
+    theirs = {str(k): float(v) for k, v in
+              ((result.get("mooncake_connector") or {}).get("mooncake_hit") or {}).items()}
+    out: dict[str, dict[str, float]] = {}
+    for name in ("store", "store_l1", "store_embedded"):
+        ours = {str(k): float(v) for k, v in (result.get(f"{name}_hit") or {}).items()}
+        out[name] = {k: v / theirs[k] for k, v in ours.items() if theirs.get(k)}
+    return out
 
 
 def mooncake_connector_ttft(python: str, model: str, prefixes: list[int], reps: int,
@@ -295,6 +312,7 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
         series = {**ttft, **{k: v for k, v in mc.items() if k.startswith("mooncake_")}}
         for name, mark in (("plain", "o-"), ("store_miss", "^-"), ("store_hit", "s-"),
                            ("store_l1_miss", "v--"), ("store_l1_hit", "D--"),
+                           ("store_embedded_miss", "<-."), ("store_embedded_hit", ">-."),
                            ("mooncake_miss", "^:"), ("mooncake_hit", "s:")):
             vals = series.get(name)
             if isinstance(vals, dict) and vals:
@@ -302,10 +320,11 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
                 by_len = {int(k): float(v) for k, v in vals.items()}  # JSON keys are str
                 ms = [by_len.get(int(n), float("nan")) * 1e3 for n in xs]
                 ax.plot(xs, ms, mark, label=label)
+        ax.set_yscale("log")  # hits are ~50x below misses
         ax.set_xlabel("shared prefix (tokens)")
-        ax.set_ylabel("TTFT (ms, median)")
+        ax.set_ylabel("TTFT (ms, median, log scale)")
         ax.set_title(f"TTFT: store reuse vs recompute ({Path(ttft['model']).name})")
-        ax.legend()
+        ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
         fig.savefig(out / "store_ttft.png", dpi=120)
         plt.close(fig)
@@ -352,7 +371,8 @@ async def amain(args: argparse.Namespace) -> int:
                     meta["mooncake"] = "ops not run; see mooncake_connector"
                 prefixes = [int(x) for x in args.prefixes.split(",")]
                 ttft = await bench_ttft(addr, args.model, prefixes, args.reps, args.kv_gib,
-                                        args.l1_mib, args.mooncake_python)
+                                        args.l1_mib, args.mooncake_python,
+                                        args.embedded_mib)
                 write_json(out / "store_ttft.json", {**meta, **ttft})
             await asyncio.to_thread(plot, out, ops, ttft, meta["mooncake"])
         finally:
@@ -376,6 +396,9 @@ def main() -> int:
     p.add_argument("--kv-gib", type=float, default=1.0)
     p.add_argument("--l1-mib", type=int, default=512,
                    help="also measure an engine with an L1 pool of this size (0: skip)")
+    p.add_argument("--embedded-mib", type=int, default=2048,
+                   help="also measure an engine contributing a segment of this size, where "
+                        "its own objects land (Mooncake's embedded mode; 0: skip)")
     p.add_argument("--mooncake-python", default="",
                    help="Python of an environment with mooncake-transfer-engine-non-cuda")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))

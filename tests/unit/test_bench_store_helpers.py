@@ -10,7 +10,7 @@ import pytest
 
 from bench.store.mooncake_vllm import expose_mooncake
 from bench.store.reuse import vocab_of
-from bench.store.run import ratios
+from bench.store.run import ratios, ttft_ratios
 
 
 def row(size: int, batch: int, gbps: float, ops: float) -> dict[str, float]:
@@ -51,3 +51,13 @@ def test_only_mooncake_and_its_libs_are_exposed(tmp_path: Path) -> None:
     assert sorted(p.name for p in into.iterdir()) == [
         "mooncake", "mooncake_transfer_engine_non_cuda.libs"]
     assert (into / "mooncake").resolve() == (site / "mooncake").resolve()
+
+
+def test_ttft_ratios_match_prefixes_whatever_their_key_type() -> None:
+    result = {"store_hit": {1024: 0.2, 2048: 0.3}, "store_l1_hit": {1024: 0.1},
+              "mooncake_connector": {"mooncake_hit": {"1024": 0.4, "2048": 0.0}}}
+    assert ttft_ratios(result) == {"store": {"1024": pytest.approx(0.5)},
+                                   "store_l1": {"1024": pytest.approx(0.25)},
+                                   "store_embedded": {}}
+    assert ttft_ratios({"store_hit": {1024: 0.2}}) == {
+        "store": {}, "store_l1": {}, "store_embedded": {}}
