@@ -133,13 +133,38 @@ def _measure(store: object, cfg: object, s: int, d: int, src: object, dst: objec
             "get_gbps": n * size / get_s / 1e9, "put_ops": n / put_s, "get_ops": n / get_s}
 
 
-def _stop(proc: subprocess.Popen[str] | None) -> None:
+def stop(proc: subprocess.Popen[str] | None) -> None:
+    """Terminate (then kill) a child we started, by its PID."""
     if proc is not None and proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def start_master(binary: Path, *flags: str) -> tuple[subprocess.Popen[str], str, str]:
+    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server, once its RPC port
+    accepts: (process, master address, metadata URL). Raises RuntimeError (child stopped)
+    when it does not start within 30 s."""
+    rpc, meta_port, metrics = free_port(), free_port(), free_port()
+    master = subprocess.Popen(
+        [str(binary), "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
+         "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
+         "-http_metadata_server_port", str(meta_port), "-metrics_host", "127.0.0.1",
+         "-metrics_port", str(metrics), *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", rpc), 0.5).close()
+            return master, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta_port}/metadata"
+        except OSError:
+            if master.poll() is not None or time.monotonic() > deadline:
+                stop(master)
+                raise RuntimeError(
+                    f"mooncake_master did not start (exit {master.poll()})") from None
+            time.sleep(0.1)
 
 
 def bench(sizes: str, batch: int, budget: int, node_mib: int) -> dict[str, object]:
@@ -149,25 +174,13 @@ def bench(sizes: str, batch: int, budget: int, node_mib: int) -> dict[str, objec
     binary = Path(mooncake.__file__).parent / "mooncake_master"
     if not binary.exists():
         return {"error": f"{binary} not found"}
-    rpc, meta_port, metrics, node_port = (free_port() for _ in range(4))
-    master_addr, meta = f"127.0.0.1:{rpc}", f"http://127.0.0.1:{meta_port}/metadata"
-    master = subprocess.Popen(
-        [str(binary), "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
-         "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
-         "-http_metadata_server_port", str(meta_port), "-metrics_host", "127.0.0.1",
-         "-metrics_port", str(metrics), "-default_kv_lease_ttl", "500"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
+    try:
+        master, master_addr, meta = start_master(binary, "-default_kv_lease_ttl", "500")
+    except RuntimeError as exc:
+        return {"error": str(exc)}
     node_proc = None
     try:
-        deadline = time.monotonic() + 30
-        while True:  # the master is up once its RPC port accepts
-            try:
-                socket.create_connection(("127.0.0.1", rpc), 0.5).close()
-                break
-            except OSError:
-                if master.poll() is not None or time.monotonic() > deadline:
-                    return {"error": f"mooncake_master did not start (exit {master.poll()})"}
-                time.sleep(0.1)
+        node_port = free_port()
         node_name = f"127.0.0.1:{node_port}"
         node_proc = subprocess.Popen(
             [sys.executable, __file__, "node", master_addr, meta, str(node_mib), node_name],
@@ -192,8 +205,8 @@ def bench(sizes: str, batch: int, budget: int, node_mib: int) -> dict[str, objec
                               "completed": done}
         return out
     finally:
-        _stop(node_proc)
-        _stop(master)
+        stop(node_proc)
+        stop(master)
 
 
 if __name__ == "__main__":

@@ -29,22 +29,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from bench.store.mooncake_peer import free_port, start_master, stop
+from bench.store.run import exit_after
 
 
 def mooncake_site(python: str) -> Path:
@@ -75,7 +68,7 @@ async def measure(args: argparse.Namespace, master: str, meta: str, tmp: Path
     prefixes = [int(x) for x in args.prefixes.split(",")]
     env = {"MOONCAKE_CONFIG_PATH": str(tmp / "mooncake.json"),
            "MC_LEGACY_RPC_PORT_BINDING": "1",
-           "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": f"127.0.0.1:{_free_port()}",
+           "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": f"127.0.0.1:{free_port()}",
            "VLLM_HOST_IP": "127.0.0.1"}
     sys.path.append(str(tmp / "site"))  # spawn hands this sys.path to the EngineCore child
     eng = VllmEngine(VllmEngineConfig(
@@ -97,35 +90,18 @@ async def measure(args: argparse.Namespace, master: str, meta: str, tmp: Path
 def run(args: argparse.Namespace) -> dict[str, Any]:
     site = mooncake_site(args.mooncake_python)
     binary = site / "mooncake" / "mooncake_master"
-    rpc, meta_port, metrics = _free_port(), _free_port(), _free_port()
     with tempfile.TemporaryDirectory(prefix="bench-mc-vllm-") as name:
         tmp = Path(name)
         (tmp / "site").mkdir()
         expose_mooncake(site, tmp / "site")
-        proc = subprocess.Popen(
-            [str(binary), "-rpc_port", str(rpc), "-rpc_address", "127.0.0.1",
-             "-enable_http_metadata_server=true", "-http_metadata_server_host", "127.0.0.1",
-             "-http_metadata_server_port", str(meta_port), "-metrics_host", "127.0.0.1",
-             "-metrics_port", str(metrics)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", rpc), 0.5).close()
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        return {"error": f"mooncake_master did not start ({proc.poll()})"}
-                    time.sleep(0.1)
-            out = asyncio.run(measure(args, f"127.0.0.1:{rpc}",
-                                      f"http://127.0.0.1:{meta_port}/metadata", tmp))
+            master, master_addr, meta = start_master(binary)
+        except RuntimeError as exc:
+            return {"error": str(exc)}
+        try:
+            out = asyncio.run(measure(args, master_addr, meta, tmp))
         finally:
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(master)
     return out
 
 
@@ -143,12 +119,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = 1
-    try:
-        code = main()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    exit_after(main)

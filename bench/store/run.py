@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -407,14 +408,19 @@ def main() -> int:
     return asyncio.run(amain(args))
 
 
-def entry() -> None:
-    """Process entry: :func:`main`, then ``os._exit`` (NIXL may crash at exit)."""
+def exit_after(main_fn: Callable[[], int]) -> None:
+    """Runs ``main_fn`` then ends the process with ``os._exit`` (NIXL may crash at exit)."""
     code = 1
     try:
-        code = main()
+        code = main_fn()
     except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def entry() -> None:
+    """Process entry: :func:`main` under :func:`exit_after`."""
+    exit_after(main)
