@@ -24,8 +24,9 @@ serialised by one lock):
   bytes are the concatenation of its local ``regions`` (a gather). Protocol, per
   :data:`MAX_BATCH` keys: one BatchPutStart → one NIXL WRITE per remote agent covering
   every replica of every key → one BatchPutEnd; keys whose WRITE failed get one
-  BatchPutRevoke. Two master round trips whatever the batch size (three on a failure). A put that fails to start for
-  lack of space (RESOURCE_EXHAUSTED) is ``"failed"`` with nothing left behind.
+  BatchPutRevoke. Two master round trips whatever the batch size (three on a failure).
+  A put that fails to start for lack of space (RESOURCE_EXHAUSTED) is ``"failed"`` with
+  nothing left behind.
 - ``get_many([(key, regions)])`` → per key ``"ok"``, ``"missing"`` (unknown / not yet
   complete: a miss) or ``"failed"`` (the master had it but the bytes could not be read:
   wrong size, replica's agent unreachable, transfer error). One BatchGetReplicaList per
