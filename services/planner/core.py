@@ -79,7 +79,7 @@ class TrafficCounters:
     itl_sum_s: float = 0.0
     itl_count: float = 0.0
     # Requests that finished (their tokens are in the totals); ``requests`` also counts
-    # rejected and failed ones, i.e. demand. 0 when unknown: then ``requests`` is used.
+    # rejected and failed ones, i.e. demand. ISL/OSL are observed per finished request.
     finished: float = 0.0
 
     def minus(self, base: TrafficCounters) -> TrafficCounters:
@@ -321,9 +321,8 @@ class PlannerCore:
             return
         d = obs.traffic.minus(base)
         self._rate.add(d.requests / (now - base_at))
-        served = d.finished or d.requests
-        if served > 0:
-            isl_obs, osl_obs = d.input_tokens / served, d.output_tokens / served
+        if d.finished > 0:  # an interval of rejections only tells nothing about lengths
+            isl_obs, osl_obs = d.input_tokens / d.finished, d.output_tokens / d.finished
             self._isl.add(isl_obs)
             self._osl.add(osl_obs)
             self._update_corrections(obs, d, isl_obs, osl_obs)

@@ -23,6 +23,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,9 +74,8 @@ def traffic_from_metrics(text: str) -> TrafficCounters:
 
 def add_traffic(items: Sequence[TrafficCounters]) -> TrafficCounters:
     """Field-wise sum."""
-    return TrafficCounters(*(sum(getattr(t, f) for t in items) for f in (
-        "requests", "input_tokens", "output_tokens", "ttft_sum_s", "ttft_count", "itl_sum_s",
-        "itl_count", "finished")))
+    return TrafficCounters(*(sum(getattr(t, f.name) for t in items)
+                             for f in dataclasses.fields(TrafficCounters)))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -35,7 +36,8 @@ class Traffic:
         self.c = TrafficCounters(
             c.requests + requests, c.input_tokens + requests * isl,
             c.output_tokens + requests * osl, c.ttft_sum_s + ttft_n * (ttft_s or 0),
-            c.ttft_count + ttft_n, c.itl_sum_s + itl_n * (itl_s or 0), c.itl_count + itl_n)
+            c.ttft_count + ttft_n, c.itl_sum_s + itl_n * (itl_s or 0), c.itl_count + itl_n,
+            c.finished + requests)
         return self.c
 
 
@@ -231,7 +233,8 @@ def test_prefill_correction_never_raises_the_prefill_count() -> None:
 def test_counter_reset_and_missing_metrics() -> None:
     core = PlannerCore(settings(), MODEL)
     core.tick(0.0, Observations(pool(1, 1), TrafficCounters(requests=10_000, input_tokens=1e7,
-                                                            output_tokens=1e6)))
+                                                            output_tokens=1e6,
+                                                            finished=10_000)))
     dec = core.tick(60.0, Observations(pool(1, 1), None))
     assert any("no traffic metrics" in n for n in dec.notes)
     # a frontend restarted: counters went down → the new values are the interval's delta
@@ -257,3 +260,15 @@ def test_settings_are_validated() -> None:
         PlannerCore(PlannerSettings(throughput_interval_s=0, load_interval_s=0), MODEL)
     with pytest.raises(ValueError, match="min_replicas"):
         PlannerCore(settings(limits={"decode": PoolLimits(3, 2)}), MODEL)
+
+
+def test_an_interval_of_rejections_only_leaves_the_length_predictions_alone() -> None:
+    core = PlannerCore(settings(), MODEL)
+    t = Traffic()
+    core.tick(0.0, Observations(pool(1, 1), t.c))
+    core.tick(60.0, Observations(pool(1, 1), t.add(300, isl=1000, osl=200)))
+    isl, osl = core._isl.predict(), core._osl.predict()
+    assert isl == pytest.approx(1000) and osl == pytest.approx(200)
+    rejected = dataclasses.replace(t.c, requests=t.c.requests + 500)  # no tokens, none done
+    core.tick(120.0, Observations(pool(1, 1), rejected))
+    assert (core._isl.predict(), core._osl.predict()) == (isl, osl)
