@@ -48,8 +48,12 @@ def replica_pb(d: ReplicaDescriptor) -> store_pb2.Replica:
                              size=d.size, state=_STATES[d.state])
 
 
+def _code(exc: StoreError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, exc.status)  # type: ignore[no-any-return]
+
+
 async def _abort(context: grpc.aio.ServicerContext, exc: StoreError) -> NoReturn:
-    await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+    await context.abort(_code(exc), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
 
 
@@ -58,8 +62,7 @@ def _item(fn: Callable[[], T]) -> tuple[store_pb2.ItemStatus, T | None]:
     try:
         return _OK, fn()
     except StoreError as exc:
-        code = getattr(grpc.StatusCode, exc.status).value[0]
-        return store_pb2.ItemStatus(code=code, message=str(exc)), None
+        return store_pb2.ItemStatus(code=_code(exc).value[0], message=str(exc)), None
 
 
 class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
@@ -110,13 +113,15 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     async def GetReplicaList(  # noqa: N802
         self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.GetReplicaListResponse:
-        def read() -> tuple[list[ReplicaDescriptor], int, float]:
-            descs = self._m.get_replica_list(request.key)
-            return descs, descs[0].size if descs else 0, self._m.lease_until(request.key)
+        return await self._call(context, partial(self._replica_list, request.key),
+                                mutates=False)
 
-        descs, size, until = await self._call(context, read, mutates=False)
+    def _replica_list(self, key: str) -> store_pb2.GetReplicaListResponse:
+        """The COMPLETE replicas of ``key`` with its size and lease (grants the lease)."""
+        descs = self._m.get_replica_list(key)
         return store_pb2.GetReplicaListResponse(
-            replicas=[replica_pb(d) for d in descs], size=size, lease_until=until)
+            replicas=[replica_pb(d) for d in descs], size=descs[0].size if descs else 0,
+            lease_until=self._m.lease_until(key))
 
     async def ExistKey(  # noqa: N802
         self, request: store_pb2.KeyRequest, context: grpc.aio.ServicerContext
@@ -224,12 +229,8 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
         await self._batch_size(context, len(request.keys))
         out = store_pb2.BatchGetReplicaListResponse()
         for key in request.keys:
-            status, descs = _item(partial(self._m.get_replica_list, key))
-            res = out.results.add(status=status)
-            if descs:
-                res.list.replicas.extend(replica_pb(d) for d in descs)
-                res.list.size = descs[0].size
-                res.list.lease_until = self._m.lease_until(key)
+            status, found = _item(partial(self._replica_list, key))
+            out.results.add(status=status, list=found)
         return out
 
     async def Stats(  # noqa: N802
