@@ -203,8 +203,8 @@ class KvEventRelay:
             await self._on_frames(frames)
             while await self._sub.poll(0):
                 await self._on_frames(await self._sub.recv_multipart())
-                if len(self._pending) >= self._max_batch:
-                    await self._flush()
+                if len(self._pending) >= self._max_batch and not await self._flush():
+                    break  # Redis is down: back off below instead of retrying per frame
             if not await self._flush():
                 await self._backoff()
 
