@@ -176,14 +176,12 @@ def test_a_load_report_older_than_the_latest_release_does_not_count() -> None:
     newer report arrives, only the router's own count is its decode load."""
     c = kv_core()
     prompt = tuple(range(40))  # 10 blocks of 4
-    held = {"w1": WorkerOverlap("w1", 8, {"device": 8})}
     first = c.route(RouteContext("a", "m", prompt, overlaps={}))
     holder = first.worker.instance_id
     other = "w2" if holder == "w1" else "w1"
     c.update_load(holder, 1, 0, 0.5, 100)  # taken while "a" ran: 50 blocks in use
     c.release("a")
-    overlaps = {holder: WorkerOverlap(holder, 8, {"device": 8})} if holder == "w1" else {
-        holder: WorkerOverlap(holder, held["w1"].blocks, held["w1"].by_tier)}
+    overlaps = {holder: WorkerOverlap(holder, 8, {"device": 8})}
     again = c.route(RouteContext("b", "m", prompt, overlaps=overlaps))
     assert again.worker.instance_id == holder  # 2 uncached blocks, not 2 + 50
     c.release("b")
