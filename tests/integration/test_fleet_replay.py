@@ -1,6 +1,7 @@
 """Issue 5's fleet check: 32 mock workers behind the real indexer, router and frontend
 replay a multi-turn conversation trace; KV routing serves more prompt tokens from cache
-and meets the SLO at least as often as round robin.
+(live) and, on the virtual clock, has lower TTFT and meets the SLO at least as often as
+round robin.
 
 Issue 7's consistency check on the same runs: the offline virtual-clock replay of the same
 trace, topology and policies (the same pure cores, no sockets) agrees with the live mesh
@@ -54,8 +55,8 @@ def test_kv_routing_beats_round_robin_on_a_conversation_trace(tmp_path: Path) ->
     # lands a turn where its history lives.
     assert kv["hit_ratio"] > 0.5, kv
     assert kv["hit_ratio"] > rr["hit_ratio"] + 0.3, (kv["hit_ratio"], rr["hit_ratio"])
-    assert kv["slo_attainment"] >= rr["slo_attainment"]
-    assert kv["ttft_s"]["p50"] < rr["ttft_s"]["p50"]
+    # (Latency and SLO orderings are asserted on the virtual clock below: live wall-clock
+    # numbers measure the CI host as much as the routing.)
 
     # Offline, same trace (outputs capped like the live replay), same engines and policies.
     reqs = [TraceRequest(r.timestamp_ms, r.input_length, min(r.output_length, 8), r.hash_ids)
@@ -66,6 +67,9 @@ def test_kv_routing_beats_round_robin_on_a_conversation_trace(tmp_path: Path) ->
                         policy=policy, seed=1)
         run = simulate(reqs, cfg)
         offline[policy] = point_metrics(run.results, run.duration_s, 1.0, 2.0, 0.05)
+    okv, orr = offline["kv"], offline["round_robin"]
+    assert okv["ttft_s"]["p50"] < orr["ttft_s"]["p50"], (okv["ttft_s"], orr["ttft_s"])
+    assert okv["slo_share"] >= orr["slo_share"]
     live_hits = {"kv": kv["hit_ratio"], "round_robin": rr["hit_ratio"]}
     offline_hits = {p: m["hit_ratio"] for p, m in offline.items()}
     for p in live_hits:
