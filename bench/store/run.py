@@ -109,31 +109,40 @@ def bench_ops(master_addr: str, sizes: list[int], batch: int, budget_bytes: int,
     return rows
 
 
-def bench_mooncake(python: str, sizes: list[int], batch: int, node_mib: int,
-                   budget: int) -> dict[str, Any]:
-    """``mooncake_peer.py bench`` in a loopback-only network namespace; its JSON or the error.
-
-    The namespace (``unshare -rn``, loopback brought up inside) keeps Mooncake's wildcard
-    listeners off the host's interfaces; without it the comparison is not run.
-    """
+def run_in_loopback_netns(python: str, argv: list[str], timeout_s: int) -> dict[str, Any]:
+    """``python *argv`` in a network namespace of its own with only loopback up
+    (``unshare -rn``): the last JSON object line it prints, plus the Mooncake version and
+    the namespace, or ``{"error": ...}``. Mooncake binds wildcard listeners whatever it is
+    told; the namespace keeps them off the host's interfaces (no namespace: not run).
+    Lines starting with ``mooncake `` (progress) are echoed."""
     import shutil
     import subprocess
 
     if not shutil.which("unshare"):
         return {"error": "unshare(1) missing: Mooncake is only run in a loopback-only netns"}
-    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", python,
-           str(PEER), "bench", ",".join(map(str, sizes)), str(batch), str(budget),
-           str(node_mib)]
+    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *argv]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              cwd=REPO_ROOT)
     except subprocess.TimeoutExpired:
-        return {"error": "mooncake bench timed out after 900 s"}
+        return {"error": f"timed out after {timeout_s} s"}
+    for ln in proc.stdout.splitlines():
+        if ln.startswith("mooncake "):
+            print(ln, flush=True)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-    out: dict[str, Any] = {"version": _mooncake_version(python), "protocol": "tcp",
-                           "netns": "unshare -rn (loopback only)", **json.loads(lines[-1])}
-    return out
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
+    return {"version": _mooncake_version(python), "netns": "unshare -rn (loopback only)",
+            **json.loads(lines[-1])}
+
+
+def bench_mooncake(python: str, sizes: list[int], batch: int, node_mib: int,
+                   budget: int) -> dict[str, Any]:
+    """``mooncake_peer.py bench`` (master, node, clients) in a loopback-only netns."""
+    out = run_in_loopback_netns(python, [
+        python, str(PEER), "bench", ",".join(map(str, sizes)), str(batch), str(budget),
+        str(node_mib)], 900)
+    return out if "error" in out else {"protocol": "tcp", **out}
 
 
 def _mooncake_version(python: str) -> str:
@@ -236,29 +245,13 @@ def ttft_ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 def mooncake_connector_ttft(python: str, model: str, prefixes: list[int], reps: int,
                             kv_gib: float) -> dict[str, Any]:
-    """:mod:`bench.store.mooncake_vllm` in a loopback-only netns; its JSON or the error."""
-    import shutil
-    import subprocess
-
-    if not shutil.which("unshare"):
-        return {"error": "unshare(1) missing: Mooncake is only run in a loopback-only netns"}
-    cmd = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$@"', "sh",
-           sys.executable, "-m", "bench.store.mooncake_vllm", "--mooncake-python", python,
-           "--model", model, "--prefixes", ",".join(map(str, prefixes)), "--reps", str(reps),
-           "--kv-gib", str(kv_gib)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
-                              cwd=REPO_ROOT)
-    except subprocess.TimeoutExpired:
-        return {"error": "timed out after 1800 s"}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    for ln in proc.stdout.splitlines():
-        if ln.startswith("mooncake "):  # its per-prefix summary lines
-            print(ln, flush=True)
-    if proc.returncode != 0 or not lines:
-        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-600:]}"}
-    return {"version": _mooncake_version(python), "connector": "MooncakeStoreConnector",
-            "netns": "unshare -rn (loopback only)", **json.loads(lines[-1])}
+    """:mod:`bench.store.mooncake_vllm` (vLLM's MooncakeStoreConnector) in a loopback-only
+    netns."""
+    out = run_in_loopback_netns(python, [
+        sys.executable, "-m", "bench.store.mooncake_vllm", "--mooncake-python", python,
+        "--model", model, "--prefixes", ",".join(map(str, prefixes)), "--reps", str(reps),
+        "--kv-gib", str(kv_gib)], 1800)
+    return out if "error" in out else {"connector": "MooncakeStoreConnector", **out}
 
 
 def resolve_model(model: str) -> Path:
