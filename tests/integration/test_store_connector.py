@@ -138,8 +138,9 @@ async def test_store_reload_matches_compute_and_counts_hits(
 
 async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
                                                  engine: VllmEngine) -> None:
-    """An engine with an L1 pool saves in the background; its blocks serve reloads from
-    L1 and, once written behind, another engine (no L1) loads them from the store."""
+    """An engine with an L1 pool saves in the background; once written behind, another
+    engine (no L1) loads the blocks from the store, and with the store node gone the L1
+    engine still reloads them all from L1."""
     sn = await node(master)
     l1 = await start_engine(master.server.address, "recompute", l1_mib=4)
     try:
@@ -148,17 +149,22 @@ async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
         computed = token_ids(await run(l1, rid("l1a"), tokens))
         await wait_for(lambda: master.master.stats().complete_objects >= objects + 5,
                        "write-behind saves in the store")
-        assert await l1.reset_prefix_cache()
-        before = l1.counters()
-        assert token_ids(await run(l1, rid("l1b"), tokens)) == computed  # from L1
-        assert delta(l1.counters(), before).get("kv_connector_hits_tokens") == 5 * BLOCK
         assert await engine.reset_prefix_cache()
         before = engine.counters()
         assert token_ids(await run(engine, rid("l1c"), tokens)) == computed  # from store
         assert delta(engine.counters(), before).get("kv_external_loaded_tokens") == 5 * BLOCK
+        # With the store node gone (the master still lists it), only L1 can serve them.
+        sn.kill()
+        assert await l1.reset_prefix_cache()
+        before = l1.counters()
+        assert token_ids(await run(l1, rid("l1b"), tokens)) == computed
+        moved = delta(l1.counters(), before)
+        assert moved.get("kv_connector_hits_tokens") == 5 * BLOCK
+        assert moved.get("kv_external_loaded_tokens") == 5 * BLOCK
     finally:
         await l1.shutdown()
-        await asyncio.to_thread(sn.stop)
+        sn.kill()
+    await wait_for(lambda: master.master.stats().clients == 0, "dead node dropped")
 
 
 async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -> None:
@@ -177,7 +183,11 @@ async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -
         assert moved.get("kv_external_loaded_tokens") == 4 * BLOCK
         assert await eng.reset_prefix_cache()
         sn.kill()  # the master still lists the node: the async load fails
+        before = eng.counters()
         assert token_ids(await run(eng, rid("as3"), tokens)) == computed
+        moved = delta(eng.counters(), before)
+        assert moved.get("kv_connector_hits_tokens") == 4 * BLOCK  # offered, then failed
+        assert moved.get("kv_external_loaded_tokens", 0) < 4 * BLOCK
     finally:
         await eng.shutdown()
         sn.kill()

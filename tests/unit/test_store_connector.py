@@ -228,7 +228,7 @@ def test_a_failed_load_is_not_offered_again() -> None:
     assert conn.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
     conn.update_state_after_alloc(req, None, 4 * BS)  # type: ignore[arg-type]
     meta = conn.build_connector_meta(sched_out())
-    assert isinstance(meta, StoreMeta) and meta.load_async and len(meta.loads) == 1
+    assert isinstance(meta, StoreMeta) and len(meta.loads) == 1
     conn.update_state_after_alloc(req, None, 4 * BS)  # type: ignore[arg-type]
     assert not conn._pending_loads  # the call after an async load plans nothing
     # The worker loaded only the first block, then failed.

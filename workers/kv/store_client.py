@@ -319,8 +319,9 @@ class StoreClient:
                 groups.setdefault(r.endpoint, []).append(o)
             started.append((i, ops))
         self._run_grouped("WRITE", groups)
-        done = [i for i, ops in started if ops and all(o.ok for o in ops)]
-        lost = [items[i][0] for i, ops in started if not (ops and all(o.ok for o in ops))]
+        written = {i for i, ops in started if ops and all(o.ok for o in ops)}
+        done = [i for i, _ in started if i in written]
+        lost = [items[i][0] for i, _ in started if i not in written]
         if lost:
             self._revoke(lost)
         if not done:

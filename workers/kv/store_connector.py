@@ -104,6 +104,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import takewhile
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -216,7 +217,6 @@ class StoreMeta(KVConnectorMetadata):
     loads: list[BlockJob] = field(default_factory=list)
     saves: list[BlockJob] = field(default_factory=list)
     prefetch: list[str] = field(default_factory=list)  # store → L1 (queued requests)
-    load_async: bool = False  # loads run in the background, reported by get_finished
 
 
 @dataclass
@@ -247,6 +247,11 @@ class _ReqState:
     loading: bool = False  # an asynchronous load is in flight
     load_failed: bool = False  # a load of this request failed: do not offer the store again
     prefetched: bool = False
+
+
+def _leading(results: Sequence[str], good: tuple[str, ...]) -> int:
+    """How many leading ``results`` are in ``good``."""
+    return sum(1 for _ in takewhile(lambda r: r in good, results))
 
 
 def _eligible(request: Request) -> bool:
@@ -291,7 +296,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._transfer_timeout_s = float(self._extra.get("transfer_timeout_s", 10.0))
         # Scheduler side
         self._reqs: dict[str, _ReqState] = {}
-        self._pending_loads: list[str] = []
+        self._pending_loads: dict[str, None] = {}  # ordered set
         self._publish = bool(self._extra.get("publish_events", True))
         self._l1_bytes = int(self._extra.get("l1_mib", 0)) << 20
         self._prefetch_wanted: set[str] = set()
@@ -358,10 +363,10 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st.loading = self._async_load
         start = st.lookup_local  # the local hit the matching lookup saw
         st.load_from, st.load_to = start, start + num_external_tokens // self._block_size
-        self._pending_loads.append(request.request_id)
+        self._pending_loads[request.request_id] = None
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = StoreMeta(load_async=self._async_load)
+        meta = StoreMeta()
         mgr = self._kv_cache_manager
         for req_id in self._pending_loads:
             st = self._reqs.get(req_id)
@@ -501,7 +506,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._l1.prefetch(meta.prefetch)
         if not isinstance(meta, StoreMeta) or not meta.loads or self._client is None:
             return
-        if meta.load_async:  # into blocks of requests vLLM keeps waiting for us
+        if self._async_load:  # into blocks of requests vLLM keeps waiting for us
             if self._loader is None:
                 self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvmesh-load")
             for job in meta.loads:
@@ -550,24 +555,15 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
                 good: tuple[str, ...]) -> None:
         i = 0
         for job in jobs:
-            n = 0
-            for r in results[i:i + len(job.keys)]:
-                if r not in good:
-                    break
-                n += 1
+            n = _leading(results[i:i + len(job.keys)], good)
             i += len(job.keys)
             with self._done_lock:
                 self._done.append((job.req_id, job.first, n))
 
     def _l1_saved(self, job_id: tuple[str, int], results: list[str]) -> None:
         """L1 thread: a write-behind job reached the store (or failed)."""
-        n = 0
-        for r in results:
-            if r not in ("ok", "exists"):
-                break
-            n += 1
         with self._done_lock:
-            self._done.append((job_id[0], job_id[1], n))
+            self._done.append((job_id[0], job_id[1], _leading(results, ("ok", "exists"))))
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         with self._done_lock:
@@ -600,9 +596,6 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def counters(self) -> dict[str, int]:
         return dict(vars(self._client.counters)) if self._client is not None else {}
-
-    def l1(self) -> L1Pool | None:
-        return self._l1
 
     def shutdown(self) -> None:
         if self._loader is not None:
