@@ -48,10 +48,9 @@ Contract of :class:`RouterCore`:
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.admission.core import AdmissionDecision, RequestShape
@@ -205,11 +204,9 @@ class RouterCore:
     # request id → (prefilling worker id, uncached tokens); totals per worker id.
     _prefills: dict[str, tuple[str, int]] = field(default_factory=dict)
     _pending: dict[str, int] = field(default_factory=dict)
-    # Event order of load reports and releases per worker: a report taken before the
-    # router's latest release on that worker still counts the released request.
-    _seq: Iterator[int] = field(default_factory=itertools.count)
-    _load_seq: dict[str, int] = field(default_factory=dict)
-    _release_seq: dict[str, int] = field(default_factory=dict)
+    # Workers released on since their latest load report: that report still counts the
+    # released request (until the next report, only the router's own count is used).
+    _stale: set[str] = field(default_factory=set)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -227,6 +224,7 @@ class RouterCore:
             del self._prefills[rid]
         for wid in [w for w in self._pending if w not in self._workers]:
             del self._pending[wid]
+        self._stale &= set(self._workers)
         self.history.keep_only(self._workers)
         for policy in self._policies():
             keep_only = getattr(policy, "keep_only", None)
@@ -246,7 +244,7 @@ class RouterCore:
         if worker_id in self._workers:
             self._loads[worker_id] = _Load(num_running, num_waiting, kv_usage,
                                            kv_total_blocks)
-            self._load_seq[worker_id] = next(self._seq)
+            self._stale.discard(worker_id)
 
     def in_flight(self) -> Mapping[str, int]:
         """Requests routed and not yet released, per worker id."""
@@ -290,8 +288,7 @@ class RouterCore:
                 kv_usage=load.kv_usage, in_flight=flight.get(w.instance_id, 0),
                 active_blocks=active.get(w.instance_id, 0),
                 kv_total_blocks=load.kv_total_blocks,
-                load_fresh=(self._load_seq.get(w.instance_id, -1)
-                            > self._release_seq.get(w.instance_id, -1)),
+                load_fresh=w.instance_id not in self._stale,
                 prompt_blocks=len(prompt.hashes(w.block_size)),
                 overlap_blocks=ov.blocks, overlap_by_tier=ov.by_tier,
                 tree_blocks=(trees.get(w.instance_id, 0) if trees is not None
@@ -474,7 +471,5 @@ class RouterCore:
         entries = self._in_flight.pop(request_id, None)
         if entries is None:
             return False
-        seq = next(self._seq)
-        for wid, _ in entries:  # its last load report still counts this request
-            self._release_seq[wid] = seq
+        self._stale.update(wid for wid, _ in entries)
         return True
