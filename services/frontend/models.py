@@ -15,12 +15,15 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from protos import discovery_pb2
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -98,8 +101,9 @@ class ModelCatalog:
     def _warm(self, info: ModelInfo) -> None:
         try:
             self.tokenizer(info)
-        except Exception:  # noqa: BLE001 - the request path reports it properly
-            self._warming.discard(info.model_path)
+        except Exception:  # noqa: BLE001 - the request path reports it (and retries);
+            # the path stays in _warming so discovery updates do not start it again
+            log.debug("tokenizer warm-up of %s failed", info.model_path)
 
     def on_workers(self, instances: dict[str, discovery_pb2.InstanceRecord]) -> None:
         """Discovery listener."""
