@@ -121,10 +121,6 @@ class ChunkedPerfModel:
     def prefill_ms(self, tokens: float) -> float:
         return chunked_prefill_ms(self.base, tokens, self.budget, 0.0)
 
-    def chunked_prefill_ms(self, tokens: float, kv_usage: float) -> float:
-        """:func:`chunked_prefill_ms` at ``kv_usage``."""
-        return chunked_prefill_ms(self.base, tokens, self.budget, kv_usage)
-
     def decode_step_ms(self, active_kv_tokens: float) -> float:
         return self.base.decode_step_ms(active_kv_tokens)
 
