@@ -80,9 +80,7 @@ def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
         return nixl_cfg
     from workers.kv.store_connector import combined_kv_transfer_config
 
-    return combined_kv_transfer_config(nixl_cfg, cfg.store_master,
-                                       kv_load_failure_policy=cfg.kv_load_failure_policy,
-                                       store_extra=store_extra)
+    return combined_kv_transfer_config(nixl_cfg, cfg.store_master, store_extra=store_extra)
 
 
 def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Engine:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from workers.kv.nixl import handoff_info
+from workers.kv.nixl import NIXL_CONNECTORS, handoff_info
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -51,8 +51,8 @@ def handoff_of(vllm_config: Any, environ: Mapping[str, str]) -> dict[str, Any]:
     connector = ktc.kv_connector
     if connector == "MultiConnector":  # NIXL P→D handoff + the kvmesh store: the NIXL child
         children = (ktc.kv_connector_extra_config or {}).get("connectors", [])
-        connector = next((c.get("kv_connector") for c in children
-                          if "Nixl" in str(c.get("kv_connector", ""))), connector)
+        connector = next((c["kv_connector"] for c in children
+                          if c.get("kv_connector") in NIXL_CONNECTORS), connector)
     return handoff_info(
         connector,
         ktc.engine_id,

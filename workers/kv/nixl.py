@@ -52,6 +52,7 @@ FailurePolicy = Literal["recompute", "fail"]
 CONNECTORS: dict[str, str] = {"pull": "NixlConnector", "push": "NixlPushConnector"}
 QUIET_MODULE = "workers.kv.nixl_quiet"
 _MODE_OF = {"NixlConnector": "pull", "NixlPullConnector": "pull", "NixlPushConnector": "push"}
+NIXL_CONNECTORS = frozenset(_MODE_OF)  # vLLM's NIXL connector class names
 _ROLES = ("kv_both", "kv_producer", "kv_consumer")
 _POLICIES = ("recompute", "fail")
 

@@ -183,7 +183,7 @@ def combined_kv_transfer_config(
     """
     nixl = dict(nixl_config)
     policy = kv_load_failure_policy or nixl.pop("kv_load_failure_policy", None)
-    nixl.pop("kv_load_failure_policy", None)
+    nixl.pop("kv_load_failure_policy", None)  # the top level carries it
     # vLLM 0.32's MultiConnector passes the top-level engine_id to every child and fails
     # ("multiple values for keyword argument 'engine_id'") when a child repeats it.
     engine_id = nixl.pop("engine_id", None)
