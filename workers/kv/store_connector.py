@@ -238,6 +238,7 @@ class _ReqState:
 
     request: Request
     keys: list[str]
+    hashes: list[int]  # keys[i] ends with hashes[i] (chained block hashes of the prompt)
     saved_upto: int = -1  # prompt blocks [0, saved_upto) are in the store or need no save
     load_from: int = 0  # planned load: blocks [load_from, load_to)
     load_to: int = 0
@@ -301,8 +302,8 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._l1_bytes = int(self._extra.get("l1_mib", 0)) << 20
         self._prefetch_wanted: set[str] = set()
         self._load_jobs: dict[tuple[str, int], int] = {}  # (req_id, first) → blocks
-        # (req_id, first) → (token ids, block hashes) of the job's prefix, until reported
-        self._jobs: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+        # (req_id, first) → (prompt token ids, prompt block hashes), until reported
+        self._jobs: dict[tuple[str, int], tuple[Sequence[int], list[int]]] = {}
         self._events: list[BlockStored] = []
         # Worker side
         self._client: StoreClient | None = None
@@ -324,8 +325,10 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         return f"kv/{layout}/{self._key_prefix_base}/"
 
     def _keys(self, token_ids: Sequence[int]) -> list[str]:
-        return [f"{self._key_prefix}{h:016x}"
-                for h in block_hashes(token_ids, self._block_size)]
+        return self._keys_of(block_hashes(token_ids, self._block_size))
+
+    def _keys_of(self, hashes: Sequence[int]) -> list[str]:
+        return [f"{self._key_prefix}{h:016x}" for h in hashes]
 
     # -- scheduler side ---------------------------------------------------------------
 
@@ -333,8 +336,9 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
         st = self._reqs.get(request.request_id)
         if st is None:
             ok = _eligible(request)
-            keys = self._keys(list(request.prompt_token_ids or [])) if ok else []
-            st = self._reqs[request.request_id] = _ReqState(request, keys, eligible=ok)
+            hashes = block_hashes(request.prompt_token_ids or [], self._block_size) if ok else []
+            st = self._reqs[request.request_id] = _ReqState(
+                request, self._keys_of(hashes), hashes, eligible=ok)
         return st
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -414,9 +418,9 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if len(self._jobs) > 10_000:  # reports lost (worker error): forget the oldest
             self._jobs.pop(next(iter(self._jobs)))
-        tokens = list(st.request.prompt_token_ids or [])[:upto * self._block_size]
-        hashes = [int(k.rsplit("/", 1)[1], 16) for k in st.keys[:upto]]
-        self._jobs[(st.request.request_id, first)] = (tokens, hashes)
+        # references, sliced when the job is reported (no per-step copy of the prompt)
+        self._jobs[(st.request.request_id, first)] = (st.request.prompt_token_ids or [],
+                                                      st.hashes)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -440,7 +444,7 @@ class KvmeshStoreConnector(KVConnectorBase_V1, SupportsHMA):
             upto = first + n  # the whole prefix up to here is available from the store
             self._events.append(BlockStored(
                 block_hashes=list[Any](hashes[:upto]), parent_block_hash=None,
-                token_ids=tokens[:upto * self._block_size], block_size=self._block_size,
+                token_ids=list(tokens[:upto * self._block_size]), block_size=self._block_size,
                 lora_id=None, medium=MEDIUM_STORAGE, lora_name=None))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
