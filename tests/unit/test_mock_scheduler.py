@@ -263,37 +263,3 @@ def test_token_seed_packs_the_little_endian_u32_prompt() -> None:
         h.update(struct.pack("<QQ", 5, 9))
         h.update(struct.pack(f"<{len(prompt)}I", *(t & 0xFFFFFFFF for t in prompt)))
         assert s._token_seed(r) == h.intdigest()
-
-
-class _AlwaysAllocate(Scheduler):
-    """The scheduler before the skip: asks the block manager for every running request."""
-
-    def schedule(self, now: float):  # type: ignore[no-untyped-def]
-        for r in self.running:
-            r.held_tokens = 0
-        return super().schedule(now)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_skipping_allocate_within_a_block_changes_nothing(seed: int) -> None:
-    def run(cls: type[Scheduler]) -> list[tuple[object, ...]]:
-        rng = random.Random(seed)
-        s = cls(SchedulerConfig(num_blocks=rng.choice([12, 24]), block_size=BS,
-                                max_num_seqs=4, max_num_batched_tokens=rng.choice([8, 32]),
-                                max_model_len=512, timing=PolynomialTiming()))
-        now, log = 0.0, []
-        for i in range(80):
-            if rng.random() < 0.5:
-                s.add(req(f"r{i}", [rng.randrange(30) for _ in range(rng.randint(1, 14))],
-                          max_tokens=rng.randint(1, 12)), now)
-            b = s.schedule(now)
-            now += b.duration_s
-            log.append((b.prefill_tokens, b.decode_seqs, round(now, 9),
-                        tuple((o.request_id, tuple(o.token_ids), o.finished)
-                              for o in s.complete(b, now)),
-                        tuple(map(str, s.drain_events()))))
-            s.blocks.check()
-        log.append(tuple(sorted(s.counters.items())))
-        return log
-
-    assert run(Scheduler) == run(_AlwaysAllocate)

@@ -113,6 +113,8 @@ class BlockManager:
     def allocate(self, req: str, num_tokens: int, hits: Sequence[int] = ()) -> bool:
         """Hold blocks for ``num_tokens`` tokens (all or nothing); see the module doc."""
         held = self._req_blocks.get(req)
+        if held is not None and num_tokens <= len(held) * self.block_size:
+            return True  # within the blocks it holds (most decode steps): nothing to do
         first = held is None
         hit_ids = [self._cached[h] for h in hits] if first and hits else []
         have = (len(held) if held is not None else 0) + len(hit_ids)

@@ -146,8 +146,6 @@ class SimRequest:
     preemptions: int = 0
     finish_reason: str | None = None
     token_seed: int = 0
-    # Tokens its held blocks are known to cover (a lower bound; 0 = ask the manager).
-    held_tokens: int = 0
     decode_s: float = 0.0  # modelled time of the steps that gave its 2nd..last tokens
 
     @property
@@ -284,17 +282,14 @@ class Scheduler:
             req = self.running[i]
             n = min(len(req.tokens) - req.num_computed, budget)
             victim: SimRequest | None = None
-            need = req.num_computed + n
-            if need > req.held_tokens:  # a block boundary is crossed: allocate
-                while not self.blocks.allocate(req.request_id, need):
-                    victim = self.running.pop()
-                    self._preempt(victim)
-                    preempted = True
-                    if victim is req:
-                        break
+            while not self.blocks.allocate(req.request_id, req.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
                 if victim is req:
                     break
-                req.held_tokens = -(-need // bs) * bs
+            if victim is req:
+                break
             entries.append((req, n))
             budget -= n
             i += 1
@@ -341,7 +336,6 @@ class Scheduler:
 
     def _preempt(self, req: SimRequest) -> None:
         self.blocks.free(req.request_id)
-        req.held_tokens = 0
         req.num_computed = 0
         req.status = WAITING
         req.preemptions += 1
