@@ -70,8 +70,8 @@ from services.router.policies.base import (
     RouteContext,
     WorkerOverlap,
     WorkerState,
+    uncached_tokens,
 )
-from services.router.policies.ttft import uncached_tokens
 
 
 class RoutingError(Exception):
@@ -324,8 +324,8 @@ class RouterCore:
                                 self._workers[wid].block_size)
                 for wid, load in self._loads.items() if wid in self._workers}
 
-    def _admit(self, plan: RoutePlan, n: int, max_tokens: int) -> tuple[RoutePlan,
-                                                                         Flight | None]:
+    def _admit(self, plan: RoutePlan, n: int, uncached: int, max_tokens: int
+               ) -> tuple[RoutePlan, Flight | None]:
         """Asks admission control; raises Rejected. Returns the plan with the decision and
         the flight to record (None with admission off)."""
         adm = self.admission
@@ -334,9 +334,7 @@ class RouterCore:
         now = self.clock()
         d = plan.worker.instance_id
         p = plan.prefill.instance_id if plan.prefill is not None else None
-        cached_blocks = plan.prefill_overlap_blocks if p is not None else plan.overlap_blocks
-        cached = min(cached_blocks * plan.block_size, n)
-        shape = RequestShape(n, adm.output_tokens(max_tokens), cached)
+        shape = RequestShape(n, adm.output_tokens(max_tokens), n - uncached)
         flights = list(self._flights.values())
         loads = self._worker_loads()
         decision = adm.decide(shape, d, p, flights, now, loads)
@@ -375,7 +373,10 @@ class RouterCore:
                              prompt_blocks=len(prompt.hashes(worker.block_size)),
                              score=d.score, cost=d.cost)
         n = len(ctx.token_ids)
-        plan, flight = self._admit(plan, n, max_tokens)
+        doer, overlap = ((plan.prefill, plan.prefill_overlap_blocks) if plan.prefill is not None
+                         else (plan.worker, plan.overlap_blocks))  # predicted before recording
+        tokens = uncached_tokens(n, overlap, doer.block_size)
+        plan, flight = self._admit(plan, n, tokens, max_tokens)
         if flight is not None:
             self._flights[ctx.request_id] = dataclasses.replace(flight,
                                                                 request_id=ctx.request_id)
@@ -385,9 +386,6 @@ class RouterCore:
         self._in_flight[ctx.request_id] = tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
             for w in chosen)
-        doer, overlap = ((plan.prefill, plan.prefill_overlap_blocks) if plan.prefill is not None
-                         else (plan.worker, plan.overlap_blocks))  # predicted before recording
-        tokens = uncached_tokens(n, overlap, doer.block_size)
         if tokens > 0:
             self._prefills[ctx.request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens

@@ -16,10 +16,10 @@ from services.planner.perf_model import (
 )
 from services.router.core import RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
-from services.router.policies.base import RouteContext, WorkerOverlap, WorkerState
+from services.router.policies.base import RouteContext, WorkerOverlap, WorkerState, uncached_tokens
 from services.router.policies.profile import ProfileError
 from services.router.policies.registry import default_registry
-from services.router.policies.ttft import TtftPolicy, uncached_tokens
+from services.router.policies.ttft import TtftPolicy
 
 BS = 16
 POLY = PolynomialPerfModel()

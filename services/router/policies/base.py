@@ -151,3 +151,11 @@ def queue_of(w: WorkerState) -> int:
     """Queued plus running requests: the larger of the engine report and the router's own
     in-flight count (which is fresher)."""
     return max(w.num_running + w.num_waiting, w.in_flight)
+
+
+def uncached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
+    """Prompt tokens a worker computes after its cached overlap: at least 1 of a non-empty
+    prompt (vLLM always computes the last token), 0 of an empty one."""
+    if prompt_tokens <= 0:
+        return 0
+    return max(prompt_tokens - overlap_blocks * block_size, 1)

@@ -7,10 +7,10 @@ depends on the worker's KV usage.
 
 Contract:
 
-- :func:`uncached_tokens(prompt_tokens, overlap_blocks, block_size)` is the prompt
-  tokens a worker must compute: ``prompt − overlap · block_size``, at least 1 (an engine
-  always computes the last token), 0 for an empty prompt. The router's pending-prefill
-  accounting (``RouterCore``) and the policies use the same number.
+- :func:`~services.router.policies.base.uncached_tokens` is the prompt tokens a worker
+  must compute: ``prompt − overlap · block_size``, at least 1 (an engine always computes
+  the last token), 0 for an empty prompt. The router's pending-prefill accounting and
+  admission (``RouterCore``) and the policies use the same number.
 - :class:`TtftPolicy` (registered as ``ttft``; the default profiles ``ttft_kv`` and
   ``ttft_hit`` in ``profiles.yaml`` are the same class with other weights) picks the
   candidate with the lowest cost, in ms::
@@ -45,15 +45,13 @@ import random
 from collections.abc import Sequence
 
 from services.planner.perf_model import PerfModel, chunked_prefill_ms, load_perf_model
-from services.router.policies.base import Decision, RouteContext, WorkerState
+from services.router.policies.base import (
+    Decision,
+    RouteContext,
+    WorkerState,
+    uncached_tokens,
+)
 from services.router.policies.plugins import decode_blocks
-
-
-def uncached_tokens(prompt_tokens: int, overlap_blocks: int, block_size: int) -> int:
-    """Prompt tokens left to compute after the cached overlap (see the module docstring)."""
-    if prompt_tokens <= 0:
-        return 0
-    return max(prompt_tokens - overlap_blocks * block_size, 1)
 
 
 class TtftPolicy:
