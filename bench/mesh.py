@@ -5,7 +5,7 @@ free loopback ports in a fresh temporary folder; ``py(name, module, *args, **env
 ``python -m module args`` as a child with the mesh's ``KVMESH_*`` environment (plus
 ``env``); ``frontend(workers)`` starts the frontend on a free port and returns its URL
 once ``/health`` counts ``workers`` live workers; on exit every child is stopped by PID,
-newest first, and the folder is removed.
+newest first, and the folder is removed. :func:`warm_up` sends one small completion.
 """
 
 from __future__ import annotations
@@ -81,3 +81,13 @@ class BenchMesh:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
+
+
+def warm_up(url: str, model: str) -> None:
+    """One small request, so the frontend's tokenizer and connections are ready before a
+    measured replay."""
+    import httpx
+
+    resp = httpx.post(f"{url}/v1/completions", json={
+        "model": model, "prompt": [5, 6, 7], "max_tokens": 1}, timeout=120)
+    resp.raise_for_status()

@@ -3,10 +3,10 @@ current load, and by Mooncake early rejection, on a live mesh of mock workers.
 
 What it does:
 
-- Starts, as child processes on free loopback ports (stopped by PID at the end): etcd, one
-  mock fleet (``python -m workers.fleet``: ``--prefill-workers`` P + ``--decode-workers``
-  D, Dynamo mocker timing divided by ``--engine-speedup``, ``--num-blocks`` ×
-  ``--block-size`` KV tokens each), then per admission policy a router
+- Per admission policy, a fresh :class:`bench.mesh.BenchMesh` (etcd, Redis, children on
+  free loopback ports, stopped by PID): one mock fleet (``python -m workers.fleet``:
+  ``--prefill-workers`` P + ``--decode-workers`` D, Dynamo mocker timing divided by
+  ``--engine-speedup``, ``--num-blocks`` × ``--block-size`` KV tokens each), a router
   (``--admission POLICY`` with the same SLOs, the mocker perf model at the same speed-up,
   conditional disaggregation off) and a frontend.
 - Replays the first ``--limit`` requests of a Mooncake trace (default: the shared
@@ -25,20 +25,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import sys
-import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.mesh import BenchMesh, warm_up
 from bench.replay.run import replay_once
 from bench.replay.stats import goodput
 from bench.replay.trace import PromptMaker, TraceRequest, load_trace
-from services.launcher.procs import Child, free_port, spawn, start_etcd, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
@@ -67,95 +63,33 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-correction", type=float, default=1.1,
                    help="admission: actual / model ITL (margin for the stack's overhead)")
     p.add_argument("--out", default=str(RESULTS / "admission"))
-    p.add_argument("--log-dir", default=".kvmesh/logs/bench_admission")
     return p.parse_args(argv)
 
 
-def _health_workers(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-            return int(json.loads(resp.read()).get("workers", 0))
-    except (urllib.error.URLError, OSError, ValueError):
-        return 0
+def start_policy(mesh: BenchMesh, args: argparse.Namespace, policy: str) -> str:
+    """The mock fleet, a router with ``--admission policy`` and a frontend in ``mesh``; the
+    frontend's URL once it serves and is warmed up."""
+    from workers.model.tiny import ensure_tiny_model
 
-
-class Bench:
-    """The child processes of one benchmark run."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.log_dir = Path(args.log_dir)
-        self.children: list[Child] = []
-        self.etcd: Child | None = None
-        self._state = Path(tempfile.mkdtemp(prefix="admbench-"))
-
-    def _common(self) -> list[str]:
-        assert self.etcd is not None
-        return ["--etcd-endpoint", self.etcd.address, "--namespace", NS, "--lease-ttl", "5"]
-
-    def _spawn(self, name: str, module: str, *argv: str) -> Child:
-        child = spawn(name, [sys.executable, "-m", module, *argv], self.log_dir,
-                      {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-                       "TRANSFORMERS_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
-        self.children.append(child)
-        return child
-
-    def start_fleet(self) -> None:
-        from workers.model.tiny import ensure_tiny_model
-
-        a = self.args
-        self.etcd = start_etcd(self._state, self.log_dir)
-        self.children.append(self.etcd)
-        self._spawn("fleet", "workers.fleet", *self._common(), "--workers", "0",
-                    "--prefill-workers", str(a.prefill_workers),
-                    "--decode-workers", str(a.decode_workers),
-                    "--block-size", str(a.block_size), "--num-blocks", str(a.num_blocks),
-                    "--max-num-seqs", "512", "--max-model-len", "8192", "--timing", "poly",
-                    "--speedup-ratio", str(a.engine_speedup), "--worker-id", "ab-",
-                    "--model-path", str(ensure_tiny_model()), "--model-name", "mock")
-
-    def start_policy(self, policy: str) -> tuple[str, list[Child]]:
-        a = self.args
-        rport, hport = free_port(), free_port()
-        router = self._spawn(f"router-{policy}", "services.router", *self._common(),
-                             "--port", str(rport), "--policy", "least_loaded",
-                             "--load-poll-s", "0.2", "--conditional-disagg", "false",
-                             "--admission", policy,
-                             "--admission-ttft-slo-ms", str(a.slo_ttft_ms),
-                             "--admission-itl-slo-ms", str(a.slo_tpot_ms),
-                             "--admission-perf-speedup", str(a.engine_speedup),
-                             "--admission-decode-correction", str(a.decode_correction))
-        front = self._spawn(f"frontend-{policy}", "services.frontend", *self._common(),
-                            "--http-port", str(hport), "--router-address",
-                            f"127.0.0.1:{rport}")
-        url = f"http://127.0.0.1:{hport}"
-        need = a.prefill_workers + a.decode_workers
-        wait_until(lambda: _health_workers(url) >= need and router.alive(), front, 120,
-                   "the mesh to serve")
-        time.sleep(1.0)  # the router's watch and first load reports
-        self.warm_up(url)
-        return url, [front, router]
-
-    @staticmethod
-    def warm_up(url: str) -> None:
-        """One small request, so the frontend's tokenizer import is not in the replay."""
-        body = json.dumps({"model": "mock", "prompt": [5, 6, 7], "max_tokens": 2}).encode()
-        req = urllib.request.Request(url + "/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as resp:
-            resp.read()
-
-    def stop(self) -> None:
-        for child in reversed(self.children):
-            child.stop()
-        self.children.clear()
-        shutil.rmtree(self._state, ignore_errors=True)
-
-
-def _served_rate(summary: dict[str, Any], results: list[Any], slo_ttft_s: float,
-                 slo_tpot_s: float) -> float:
-    met = sum(1 for r in results if r.meets(slo_ttft_s, slo_tpot_s))
-    return met / summary["duration_s"] if summary["duration_s"] > 0 else 0.0
+    a = args
+    mesh.py("fleet", "workers.fleet", "--workers", "0",
+            "--prefill-workers", str(a.prefill_workers),
+            "--decode-workers", str(a.decode_workers),
+            "--block-size", str(a.block_size), "--num-blocks", str(a.num_blocks),
+            "--max-num-seqs", "512", "--max-model-len", "8192", "--timing", "poly",
+            "--speedup-ratio", str(a.engine_speedup), "--worker-id", "ab-",
+            "--model-path", str(ensure_tiny_model()), "--model-name", "mock")
+    mesh.py("router", "services.router", "--policy", "least_loaded",
+            "--load-poll-s", "0.2", "--conditional-disagg", "false",
+            "--admission", policy,
+            "--admission-ttft-slo-ms", str(a.slo_ttft_ms),
+            "--admission-itl-slo-ms", str(a.slo_tpot_ms),
+            "--admission-perf-speedup", str(a.engine_speedup),
+            "--admission-decode-correction", str(a.decode_correction))
+    url = mesh.frontend(a.prefill_workers + a.decode_workers)
+    time.sleep(1.0)  # the router's watch and first load reports
+    warm_up(url, "mock")
+    return url
 
 
 async def amain(args: argparse.Namespace) -> dict[str, Any]:
@@ -166,17 +100,17 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
     maker = PromptMaker(512, args.token_scale, 700, 0, args.max_input, args.max_output)
     speedups = [float(x) for x in args.speedups.split(",")]
     slo_ttft, slo_tpot = args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000
-    bench = Bench(args)
     policies: dict[str, Any] = {}
-    try:
-        bench.start_fleet()
-        for policy in [x for x in args.policies.split(",") if x]:
-            url, kids = await asyncio.to_thread(bench.start_policy, policy)
+    for policy in [x for x in args.policies.split(",") if x]:
+        with BenchMesh(NS) as mesh:  # a fresh fleet per policy: no cache carried over
+            url = await asyncio.to_thread(start_policy, mesh, args, policy)
             runs = []
             for s in speedups:
-                results, summary = await replay_once(url, "mock", trace, maker, s, slo_ttft,
-                                                     slo_tpot, progress=False)
-                summary["slo_met_rps"] = _served_rate(summary, results, slo_ttft, slo_tpot)
+                _, summary = await replay_once(url, "mock", trace, maker, s, slo_ttft,
+                                               slo_tpot, progress=False)
+                met = summary["slo_attainment"] * summary["requests"]
+                summary["slo_met_rps"] = (met / summary["duration_s"]
+                                          if summary["duration_s"] > 0 else 0.0)
                 summary["rejected_share"] = summary["rejected"] / max(summary["requests"], 1)
                 runs.append(summary)
                 print(f"{policy:>12} x{s:g}: {summary['rate_rps']:.2f} req/s  "
@@ -185,14 +119,9 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
                       f"met {summary['slo_met_rps']:.2f} req/s", flush=True)
                 await asyncio.sleep(2.0)  # drain
             policies[policy] = {"runs": runs, "goodput_rps": goodput(runs)}
-            for child in kids:
-                child.stop()
-                bench.children.remove(child)
-    finally:
-        bench.stop()
     report = {
         "trace": str(args.trace), "requests": len(trace),
-        "config": {k: v for k, v in vars(args).items() if k not in ("out", "log_dir")},
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
         "prompt": {"block_tokens": maker.block_tokens,
                    "mean_input": sum(maker.input_len(r) for r in trace) / len(trace),
                    "mean_output": sum(maker.output_len(r) for r in trace) / len(trace)},

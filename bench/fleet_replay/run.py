@@ -33,22 +33,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.mesh import BenchMesh
+from bench.mesh import BenchMesh, warm_up
 from bench.replay.stats import goodput
 from bench.replay.trace import PromptMaker, load_trace
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
     "mooncake_conversation_trace.jsonl"
-
-
-def warm_up(url: str) -> None:
-    """One small request, so the frontend's tokenizer and connections are ready."""
-    import httpx
-
-    resp = httpx.post(f"{url}/v1/completions", json={
-        "model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}, timeout=120)
-    resp.raise_for_status()
 
 
 def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -68,7 +59,7 @@ def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
         mesh.py("router", "services.router", "--policy", policy, "--indexer", indexer,
                 "--seed", "1")
         url = mesh.frontend(args.workers)
-        warm_up(url)
+        warm_up(url, "tiny")
         trace = load_trace(args.trace, args.limit)
         maker = PromptMaker(args.trace_block, 1.0, 700, 0, args.max_input, args.max_output)
         runs = []
