@@ -38,7 +38,7 @@ async def test_planner_scales_from_live_metrics(etcd: Child) -> None:
     async def metrics(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         n = int((time.monotonic() - started) * 100)  # 100 req/s, ISL 1000, OSL 200
-        body = (f"kvmesh_requests_total{{path=\"agg\",outcome=\"ok\"}} {n}\n"
+        body = (f"kvmesh_requests_total{{path=\"agg\",outcome=\"stop\"}} {n}\n"
                 f"kvmesh_prompt_tokens_total {n * 1000}\n"
                 f"kvmesh_completion_tokens_total {n * 200}\n").encode()
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
