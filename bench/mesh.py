@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from types import TracebackType
 
-from services.launcher.procs import (
+from services.common.procs import (
     Child,
     free_port,
     spawn,

@@ -15,7 +15,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-from services.launcher.procs import Child, start_etcd, start_redis  # noqa: E402
+from services.common.procs import Child, start_etcd, start_redis  # noqa: E402
 
 
 @pytest.fixture(scope="session")

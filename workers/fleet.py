@@ -34,20 +34,17 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
-import signal
 import sys
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 from protos import discovery_pb2
-from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.config import BaseConfig
 from services.common.event_bus import stream_name
-from services.common.server import MeshServer, setup_logging
-from services.common.telemetry import setup_tracing
+from services.common.server import MeshServer, serve_main
 from workers.config import WorkerConfig
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.mock.timing import make_timing
@@ -249,30 +246,8 @@ async def start_fleet(cfg: FleetConfig) -> Fleet:
     return fleet
 
 
-async def amain(cfg: FleetConfig) -> None:
-    fleet = await start_fleet(cfg)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        log.info("fleet shutting down")
-        with contextlib.suppress(Exception):
-            await fleet.stop()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(FleetConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-fleet")
-    asyncio.run(amain(cfg))
-    return 0
+    return serve_main(FleetConfig, argv, "fleet", start_fleet)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
-from services.common.config import ConfigError, load_config
 from services.common.event_bus import stream_name
-from services.common.server import MeshServer, ServiceSpec, run, setup_logging
-from services.common.telemetry import setup_tracing
+from services.common.server import MeshServer, ServiceSpec, serve_main
 from workers.config import WorkerConfig
 from workers.engines import create_engine
 from workers.engines.base import Engine
@@ -54,7 +50,7 @@ def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
     mode = cfg.resolved_handoff()
     if mode == "none" and not cfg.store_master:
         return None
-    from services.launcher.procs import free_port
+    from services.common.procs import free_port
     from workers.kv.nixl import new_engine_id, nixl_env, nixl_kv_transfer_config
 
     os.environ.update(nixl_env(cfg.nixl_port or free_port()))
@@ -219,22 +215,5 @@ async def start_worker(cfg: WorkerConfig) -> WorkerApp:
     return WorkerApp(server, engine, relay, events)
 
 
-async def amain(cfg: WorkerConfig) -> None:
-    app = await start_worker(cfg)
-    try:
-        await run(app.server)
-    finally:
-        if app.events is not None:
-            app.events.remove()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(WorkerConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-worker")
-    asyncio.run(amain(cfg))
-    return 0
+    return serve_main(WorkerConfig, argv, "worker", start_worker)

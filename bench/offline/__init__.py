@@ -4,7 +4,7 @@
 - :mod:`.sim`: the discrete-event simulation (mock engine core, router core, indexer
   core, event translator, admission core) on a virtual clock.
 - :mod:`.policies`: policy construction for the simulation, plus the TTFT-aware policy.
-- :mod:`.admission`: the adapter from simulation state to :mod:`services.admission.core`.
+- :mod:`.admission`: the adapter from simulation state to :mod:`services.router.admission.core`.
 - :mod:`.sweep`: arrival speed-up sweeps, SLO share and capacity by bisection.
 - :mod:`.dynamo`: Dynamo's ``run_trace_replay`` on the same trace, in a subprocess.
 - :mod:`.report`: JSON and PNG output; :mod:`.compare`: live vs offline metrics.

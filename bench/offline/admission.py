@@ -2,7 +2,7 @@
 
 Contract of :class:`SimAdmission` (built by :meth:`SimConfig.make_admission`):
 
-- ``admit(track, plan, tokens) -> bool`` asks :func:`services.admission.core.make_policy`
+- ``admit(track, plan, tokens) -> bool`` asks :func:`services.router.admission.core.make_policy`
   (``early`` = Mooncake early rejection, ``current_load``) whether the request the router
   just placed may run, with the cluster state of the *routed* workers: the decode (or
   aggregated) worker's running requests (context tokens, tokens still to generate) and,
@@ -10,7 +10,7 @@ Contract of :class:`SimAdmission` (built by :meth:`SimConfig.make_admission`):
   prefill it (P when disaggregated, else the same worker). The request's cached tokens
   are the router's predicted overlap. Decisions are counted by reason in ``reasons``.
 - The admission core's ``PerfModel`` for the mock engine is
-  :class:`services.planner.perf_model.ChunkedPerfModel` over
+  :class:`services.common.perf_model.ChunkedPerfModel` over
   :class:`bench.offline.policies.TimingPerfModel` (the engines' timing model, KV
   capacity and speedup): prefill time of ``n`` tokens is the chunked estimate (at most
   ``max_num_batched_tokens`` per step, as the engine runs it, each step with its decode
@@ -24,7 +24,8 @@ from collections import Counter
 from typing import Any
 
 from bench.offline.policies import TimingPerfModel
-from services.admission.core import (
+from services.common.perf_model import ChunkedPerfModel
+from services.router.admission.core import (
     AdmissionSettings,
     ClusterState,
     DecodeState,
@@ -33,7 +34,6 @@ from services.admission.core import (
     RunningRequest,
     make_policy,
 )
-from services.planner.perf_model import ChunkedPerfModel
 from services.router.core import RoutePlan
 
 

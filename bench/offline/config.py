@@ -8,7 +8,7 @@ Topology: ``prefill_workers == decode_workers == 0`` means ``workers`` aggregate
 otherwise P prefill + D decode workers (``disagg_order`` ``prefill_first`` or
 ``decode_first``, ``conditional_disagg`` on/off; transfer time = KV bytes /
 ``transfer_bandwidth``, KV bytes = blocks · ``kv_bytes_per_token`` · block size).
-``admission``: ``none`` (admit all), or a policy of :mod:`services.admission.core`
+``admission``: ``none`` (admit all), or a policy of :mod:`services.router.admission.core`
 (``early``: Mooncake early rejection; ``current_load``).
 """
 

@@ -11,7 +11,7 @@ Contract:
   :class:`TimingPerfModel` of the engines' timing model, KV capacity and speedup) and
   ``chunk_budget`` (``max_num_batched_tokens``) for the TTFT policies.
 - :class:`TimingPerfModel` is the mock engine's :class:`TimingModel` as a
-  :class:`services.planner.perf_model.PerfModel`: ``prefill_ms(t)`` = a prefill-only
+  :class:`services.common.perf_model.PerfModel`: ``prefill_ms(t)`` = a prefill-only
   step of ``t`` tokens, ``decode_step_ms(k)`` = a decode-only step at KV usage
   ``k / capacity``, both divided by ``speedup``.
 """

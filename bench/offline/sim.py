@@ -14,7 +14,7 @@ It drives the same pure cores the live services run:
 - :class:`services.indexer.core.KvIndex`, fed with the engines' KV events translated by
   :class:`workers.kv.event_translate.EventTranslator` exactly as the live relay does,
   delivered ``event_delay_s`` after the step that produced them;
-- optionally an admission policy of :mod:`services.admission.core` (early rejection);
+- optionally an admission policy of :mod:`services.router.admission.core` (early rejection);
   a rejected request is a miss.
 
 Contract of :func:`simulate(trace, cfg)`: replays ``trace`` (Mooncake requests; arrival

@@ -40,7 +40,7 @@ import numpy as np
 
 from bench.mesh import BenchMesh
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.launcher.procs import free_port
+from services.common.procs import free_port
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 

@@ -325,7 +325,7 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
 
 
 async def amain(args: argparse.Namespace) -> int:
-    from services.launcher.procs import free_port, port_open, spawn, start_etcd, wait_until
+    from services.common.procs import free_port, port_open, spawn, start_etcd, wait_until
     from workers.kv.store_client import StoreClient
     from workers.store_node import StoreNodeProcess
 

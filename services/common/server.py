@@ -10,8 +10,11 @@ Contract of :class:`MeshServer`:
 - ``stop()``: marks every service NOT_SERVING, revokes the etcd lease (watchers drop the
   instance at once), runs the ``on_stop`` hooks and stops the server with the configured
   grace period. Idempotent.
-- :func:`run` drives a MeshServer from a ``main``: starts it, waits for SIGTERM/SIGINT,
-  then stops it. The process exits with code 0.
+- :func:`serve_main` is every kvmesh process's ``main(argv)``: it loads the config class
+  from flags and ``KVMESH_*`` env (a bad config prints the problems and returns 2),
+  sets up logging and tracing, then runs ``start(cfg)`` (which returns anything with an
+  ``async stop()``: a MeshServer, an app, a fleet) until SIGTERM or SIGINT, stops it and
+  returns 0. A ``start`` that raises propagates (non-zero exit).
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,8 +35,9 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from protos import discovery_pb2
-from services.common.config import BaseConfig
+from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import Registration
+from services.common.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -191,14 +196,39 @@ def setup_logging(level: str) -> None:
     )
 
 
-async def run(server: MeshServer) -> None:
-    """Starts ``server`` (unless already started), waits for SIGTERM or SIGINT, stops it."""
+class Stoppable(Protocol):
+    """What a process's ``start`` returns: something that can be stopped."""
+
+    async def stop(self) -> None: ...
+
+
+C = TypeVar("C", bound=BaseConfig)
+
+
+async def _serve_until_signal(start: Callable[[C], Awaitable[Stoppable]], cfg: C,
+                              component: str) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if not server.address:
-        await server.start()
+    app = await start(cfg)
     await stop.wait()
-    log.info("%s shutting down", server.component)
-    await server.stop()
+    log.info("%s shutting down", component)
+    await app.stop()
+
+
+def serve_main(config_cls: type[C], argv: Sequence[str] | None, component: str,
+               start: Callable[[C], Awaitable[Stoppable]]) -> int:
+    """A process's ``main``: config → logging, tracing → ``start`` until a signal → stop.
+
+    Returns 2 on a bad config, 0 after a clean stop; see the module docstring.
+    """
+    try:
+        cfg = load_config(config_cls, argv)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    setup_tracing(f"kvmesh-{component}")
+    asyncio.run(_serve_until_signal(start, cfg, component))
+    return 0

@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import socket
-import sys
 from collections.abc import Sequence
 
 import uvicorn
 
 from protos import discovery_pb2, frontend_pb2, frontend_pb2_grpc
-from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.config import BaseConfig
 from services.common.discovery import InstanceWatcher
-from services.common.server import MeshServer, ServiceSpec, run, setup_logging
-from services.common.telemetry import setup_tracing
+from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.frontend.http_api import create_app
 from services.frontend.models import ModelCatalog
 from services.frontend.pipeline import Pipeline
@@ -100,19 +98,11 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     return FrontendApp(server, pipeline, http, http_port, http_task)
 
 
-async def amain(cfg: FrontendConfig) -> None:
+async def _serve(cfg: FrontendConfig) -> MeshServer:
     app = await start_frontend(cfg)
     print(f"kvmesh frontend: HTTP {app.base_url}  gRPC {app.server.address}", flush=True)
-    await run(app.server)
+    return app.server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(FrontendConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-frontend")
-    asyncio.run(amain(cfg))
-    return 0
+    return serve_main(FrontendConfig, argv, "frontend", _serve)

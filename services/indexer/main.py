@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import sys
 from collections.abc import Sequence
 
 from protos import discovery_pb2, indexer_pb2, indexer_pb2_grpc
-from services.common.config import BaseConfig, ConfigError, load_config
-from services.common.server import MeshServer, ServiceSpec, run, setup_logging
-from services.common.telemetry import setup_tracing
+from services.common.config import BaseConfig
+from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.indexer.core import KvIndex
 from services.indexer.feed import IndexFeed
 from services.indexer.service import IndexerServicer
@@ -71,18 +68,9 @@ async def start_indexer(cfg: IndexerConfig) -> IndexerApp:
     return IndexerApp(server, feed, index)
 
 
-async def amain(cfg: IndexerConfig) -> None:
-    app = await start_indexer(cfg)
-    await run(app.server)
+async def _serve(cfg: IndexerConfig) -> MeshServer:
+    return (await start_indexer(cfg)).server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(IndexerConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-indexer")
-    asyncio.run(amain(cfg))
-    return 0
+    return serve_main(IndexerConfig, argv, "indexer", _serve)

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.launcher.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
+from services.common.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
 
 CHILD_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",

@@ -12,7 +12,7 @@ Implementations:
 
 - :class:`DryRunActuator`: logs each action and remembers the decisions it was given.
 - :class:`LocalActuator`: spawns ``python -m workers`` children with
-  :func:`services.launcher.procs.spawn` (role through ``KVMESH_ROLE``) and stops them with
+  :func:`services.common.procs.spawn` (role through ``KVMESH_ROLE``) and stops them with
   ``Child.stop`` — only children it started itself, newest first. It owns
   ``desired − external`` workers per pool, where ``external`` counts workers it did not
   start (e.g. those ``kvmesh up`` launched). Dead children are forgotten (and so replaced).
@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.launcher.procs import Child, spawn
+from services.common.procs import Child, spawn
 from services.planner.core import ScalingDecision
 
 log = logging.getLogger(__name__)

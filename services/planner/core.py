@@ -42,7 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.planner.perf_model import (
+from services.common.perf_model import (
     PerfModel,
     decode_throughput,
     expected_itl_ms,

@@ -23,20 +23,18 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from protos import discovery_pb2
-from services.common.config import BaseConfig, ConfigError, load_config
-from services.common.server import MeshServer, run, setup_logging
-from services.common.telemetry import setup_tracing
+from services.common.config import BaseConfig
+from services.common.perf_model import load_perf_model
+from services.common.server import MeshServer, serve_main
 from services.planner.actuators import ACTUATORS, Actuator, LocalActuator, make_actuator
 from services.planner.core import PlannerCore, PlannerSettings, PoolLimits, ScalingDecision
 from services.planner.observe import MeshObserver, Snapshot
-from services.planner.perf_model import load_perf_model
 from services.planner.predictors import PREDICTORS
 
 log = logging.getLogger(__name__)
@@ -291,18 +289,9 @@ async def start_planner(cfg: PlannerConfig) -> PlannerApp:
     return PlannerApp(server, loop, core)
 
 
-async def amain(cfg: PlannerConfig) -> None:
-    app = await start_planner(cfg)
-    await run(app.server)
+async def _serve(cfg: PlannerConfig) -> MeshServer:
+    return (await start_planner(cfg)).server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(PlannerConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-planner")
-    asyncio.run(amain(cfg))
-    return 0
+    return serve_main(PlannerConfig, argv, "planner", _serve)

@@ -34,12 +34,12 @@ Contract of :class:`RouterCore`:
   prompt's hashes per block size; otherwise the core hashes once per block size.
   The plan reports the source, the predicted overlap of D and P (with tiers) and the
   chosen workers' score and cost when the policy has them.
-- Admission (``admission``, a :class:`~services.router.admission.RouterAdmission`, None =
+- Admission (``admission``, a :class:`~services.router.admission.live.RouterAdmission`, None =
   off): ``route(ctx, max_tokens)`` asks it, after the plan is chosen and before anything
   is recorded, whether the request may run on the chosen pair at ``clock()``; a
   rejection raises :class:`Rejected` (carrying the decision) and the request is neither
   in flight nor in the history. Admitted requests are kept as
-  :class:`~services.router.admission.Flight` records (routed-at time, estimated prefill
+  :class:`~services.router.admission.live.Flight` records (routed-at time, estimated prefill
   finish) until released; ``plan.admission`` holds the decision. ``flights()`` lists them.
 - ``evict(now)`` forwards to the policies' ``evict`` hook (e.g. the approx trees);
   returns how many entries they evicted.
@@ -53,9 +53,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.admission.core import AdmissionDecision, RequestShape
 from services.common.block_hash import block_hashes
-from services.router.admission import Flight, RouterAdmission, WorkerLoad
+from services.router.admission.core import AdmissionDecision, RequestShape
+from services.router.admission.live import DecodeLoadReport, Flight, RouterAdmission
 from services.router.disagg import (
     DisaggConfig,
     PairInfo,
@@ -319,8 +319,8 @@ class RouterCore:
         """Admitted requests not yet released (tracked only with admission on)."""
         return list(self._flights.values())
 
-    def _worker_loads(self) -> dict[str, WorkerLoad]:
-        return {wid: WorkerLoad(load.kv_usage, load.kv_total_blocks,
+    def _worker_loads(self) -> dict[str, DecodeLoadReport]:
+        return {wid: DecodeLoadReport(load.kv_usage, load.kv_total_blocks,
                                 self._workers[wid].block_size)
                 for wid, load in self._loads.items() if wid in self._workers}
 

@@ -15,34 +15,31 @@ Contract:
 - Admission control: ``--admission none|early|current_load`` (default none) with
   ``--admission-ttft-slo-ms``, ``--admission-itl-slo-ms`` and ``--admission-perf-model``
   (``mocker`` = Dynamo's mocker polynomials, or a JSON perf table;
-  ``services.planner.perf_model.load_perf_model``), scaled by
+  ``services.common.perf_model.load_perf_model``), scaled by
   ``--admission-perf-speedup`` (the mock engine's ``speedup_ratio``), with
   ``--admission-kv-capacity-tokens`` (0: each decode worker's load report, blocks ×
   block size), ``--admission-decode-correction`` (actual / model ITL) and
   ``--admission-default-output-tokens`` (when a request carries no ``max_tokens``).
   :meth:`RouterConfig.make_admission` builds the
-  :class:`~services.router.admission.RouterAdmission` (None for ``none``).
+  :class:`~services.router.admission.live.RouterAdmission` (None for ``none``).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import os
 import random
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc
-from services.admission.core import POLICIES as ADMISSION_POLICIES
-from services.admission.core import AdmissionSettings
-from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.config import BaseConfig
 from services.common.discovery import InstanceWatcher
-from services.common.server import MeshServer, ServiceSpec, run, setup_logging
-from services.common.telemetry import setup_tracing
-from services.planner.perf_model import PerfModel, load_perf_model
-from services.router.admission import RouterAdmission
+from services.common.perf_model import PerfModel, load_perf_model
+from services.common.server import MeshServer, ServiceSpec, serve_main
+from services.router.admission.core import POLICIES as ADMISSION_POLICIES
+from services.router.admission.core import AdmissionSettings
+from services.router.admission.live import RouterAdmission
 from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.overlaps import (
@@ -265,35 +262,26 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     return RouterApp(server, servicer, watcher, overlaps, indexer_watcher)
 
 
-async def amain(cfg: RouterConfig) -> None:
-    feed = None
-    index = None
-    if cfg.indexer == "embedded":
-        # Same stream, same core as the indexer service, inside the router process.
-        from services.indexer.core import KvIndex
-        from services.indexer.feed import IndexFeed
+async def _serve(cfg: RouterConfig) -> MeshServer:
+    """The router process: with ``--indexer embedded`` the same stream consumer and core as
+    the indexer service run inside it, and stop with the server."""
+    if cfg.indexer != "embedded":
+        return (await start_router(cfg)).server
+    from services.indexer.core import KvIndex
+    from services.indexer.feed import IndexFeed
 
-        index = KvIndex()
-        feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
-                         f"router-{os.getpid()}")
-        await feed.start()
+    index = KvIndex()
+    feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
+                     f"router-{os.getpid()}")
+    await feed.start()
     try:
         app = await start_router(cfg, embedded_index=index)
-        await run(app.server)
-    finally:
-        if feed is not None:
-            await feed.close()
+    except BaseException:
+        await feed.close()
+        raise
+    app.server.on_stop.append(feed.close)
+    return app.server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(RouterConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-router")
-    asyncio.run(amain(cfg))
-    return 0
-
-
+    return serve_main(RouterConfig, argv, "router", _serve)

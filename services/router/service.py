@@ -37,10 +37,10 @@ from typing import Any
 import grpc
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.admission.core import AdmissionDecision
 from services.common.block_hash import block_hashes
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
+from services.router.admission.core import AdmissionDecision
 from services.router.core import (
     NoWorkers,
     Rejected,

@@ -20,14 +20,12 @@ import contextlib
 import dataclasses
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Sequence
 
 from protos import discovery_pb2, store_pb2, store_pb2_grpc
-from services.common.config import BaseConfig, ConfigError, load_config
-from services.common.server import MeshServer, ServiceSpec, run, setup_logging
-from services.common.telemetry import setup_tracing
+from services.common.config import BaseConfig
+from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.store_master.core import (
     POLICIES,
     STRATEGIES,
@@ -178,18 +176,9 @@ async def start_store_master(cfg: StoreMasterConfig,
     return StoreMasterApp(server, master, persister, restored)
 
 
-async def amain(cfg: StoreMasterConfig) -> None:
-    app = await start_store_master(cfg)
-    await run(app.server)
+async def _serve(cfg: StoreMasterConfig) -> MeshServer:
+    return (await start_store_master(cfg)).server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        cfg = load_config(StoreMasterConfig, argv)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    setup_tracing("kvmesh-store-master")
-    asyncio.run(amain(cfg))
-    return 0
+    return serve_main(StoreMasterConfig, argv, "store-master", _serve)

@@ -13,7 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.launcher.procs import free_port, port_open
+from services.common.procs import free_port, port_open
 from services.launcher.up import health
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -26,7 +26,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
     out = log_dir.parent / "launcher.out"
     with open(out, "wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--http-port",
+            [sys.executable, "-m", "services.launcher.cli", "up", "--model", "tiny", "--http-port",
              str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25",
              "--max-model-len", "1024"],
             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
@@ -91,12 +91,14 @@ def test_openai_client_sees_errors(launched: tuple[str, Path]) -> None:
 
 
 def test_kvmesh_chat_prints_the_streamed_answer(launched: tuple[str, Path]) -> None:
-    res = subprocess.run([sys.executable, "-m", "services.cli", "chat", "--url", launched[0],
+    res = subprocess.run([sys.executable, "-m", "services.launcher.cli", "chat",
+                          "--url", launched[0],
                           "--max-tokens", "6", "hello"], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip()
-    bad = subprocess.run([sys.executable, "-m", "services.cli", "chat", "--url", launched[0],
+    bad = subprocess.run([sys.executable, "-m", "services.launcher.cli", "chat",
+                          "--url", launched[0],
                           "--model", "nope", "hello"], capture_output=True, text=True,
                          timeout=60)
     assert bad.returncode == 1 and "nope" in bad.stderr
@@ -106,7 +108,7 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     port = free_port()
     log_dir = tmp_path / "logs"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--model", "tiny", "--http-port",
+        [sys.executable, "-m", "services.launcher.cli", "up", "--model", "tiny", "--http-port",
          str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25", "--mode", "agg"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},

@@ -14,9 +14,9 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.config import load_config
+from services.common.procs import Child
 from services.common.telemetry import setup_in_memory_tracing
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
-from services.launcher.procs import Child
 from services.router.main import RouterApp, RouterConfig, start_router
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server

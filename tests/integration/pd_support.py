@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest_asyncio
 
-from services.launcher.procs import free_port
+from services.common.procs import free_port
 from workers.engines.base import EngineOutput, EngineRequest, Sampling
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.kv import nixl

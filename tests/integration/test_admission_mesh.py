@@ -29,8 +29,8 @@ import pytest
 from bench.replay.client import send
 from bench.replay.stats import Result
 from services.common.config import load_config
+from services.common.procs import Child
 from services.frontend.main import FrontendConfig, start_frontend
-from services.launcher.procs import Child
 from services.router.main import RouterConfig, start_router
 from tests.integration.conftest import base_args
 from workers.engines.mock.engine import MockEngine

@@ -23,8 +23,8 @@ from protos import (
 )
 from services.common.block_hash import block_hashes
 from services.common.config import load_config
+from services.common.procs import Child
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
-from services.launcher.procs import Child
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import prompt
 from workers.config import WorkerConfig

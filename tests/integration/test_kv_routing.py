@@ -19,11 +19,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from protos import indexer_pb2, indexer_pb2_grpc
 from services.common.config import load_config
+from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.indexer.core import KvIndex
 from services.indexer.feed import IndexFeed
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
-from services.launcher.procs import Child
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import prompt

@@ -24,8 +24,8 @@ from protos import (
 )
 from services.common.config import load_config
 from services.common.discovery import etcd_client, instances_prefix
+from services.common.procs import Child
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
-from services.launcher.procs import Child
 from tests.integration.conftest import base_args
 from workers.fleet import Fleet, FleetConfig, start_fleet
 

@@ -15,7 +15,7 @@ import pytest
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
 from services.common.discovery import InstanceWatcher
-from services.launcher.procs import Child, spawn
+from services.common.procs import Child, spawn
 from tests.integration.conftest import Mesh, base_args
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server

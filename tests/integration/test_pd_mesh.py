@@ -27,8 +27,8 @@ from protos import (
 )
 from services.common.config import load_config
 from services.common.discovery import Registration
+from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
-from services.launcher.procs import Child
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.integration.conftest import Mesh, base_args
 from workers.config import WorkerConfig

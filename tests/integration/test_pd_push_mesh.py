@@ -9,8 +9,8 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.config import load_config
+from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
-from services.launcher.procs import Child
 from services.router.main import RouterConfig, start_router
 from tests.integration.conftest import Mesh, base_args
 from tests.integration.test_pd_mesh import generate, ids, last_spans, wait_idle, words

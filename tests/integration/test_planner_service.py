@@ -12,7 +12,7 @@ import pytest
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
 from services.common.discovery import InstanceWatcher, Registration
-from services.launcher.procs import Child
+from services.common.procs import Child
 from services.planner.main import PlannerConfig, start_planner
 
 

@@ -11,8 +11,8 @@ import redis.asyncio as aioredis
 
 from services.common.block_hash import block_hashes
 from services.common.event_bus import decode_entry
+from services.common.procs import start_redis
 from services.indexer.core import KvEvent, KvIndex
-from services.launcher.procs import start_redis
 from workers.kv.event_relay import EventEndpoints, KvEventRelay
 
 BS = 4

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from services.common.config import load_config
-from services.launcher.procs import Child
+from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
 from workers.store_node import StoreNodeProcess

@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from services.common.config import load_config
-from services.launcher.procs import Child, free_port
+from services.common.procs import Child, free_port
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import (

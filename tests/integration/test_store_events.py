@@ -11,7 +11,7 @@ import pytest
 from services.common.block_hash import block_hashes
 from services.common.config import load_config
 from services.common.event_bus import stream_name
-from services.launcher.procs import Child
+from services.common.procs import Child
 from services.store_master.main import StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import BLOCK, KV_GIB, MAX_MODEL_LEN, prompt, run

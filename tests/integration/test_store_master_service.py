@@ -14,7 +14,7 @@ import pytest
 from protos import store_pb2, store_pb2_grpc
 from services.common.config import load_config
 from services.common.discovery import InstanceWatcher
-from services.launcher.procs import Child
+from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from services.store_master.persist import RedisMetadata
 from tests.integration.conftest import base_args

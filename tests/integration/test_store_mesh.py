@@ -16,9 +16,9 @@ import pytest
 
 from protos import indexer_pb2, indexer_pb2_grpc
 from services.common.config import load_config
+from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
-from services.launcher.procs import Child
 from services.router.main import RouterApp, RouterConfig, start_router
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args

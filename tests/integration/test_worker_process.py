@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.launcher.procs import Child, spawn
+from services.common.procs import Child, spawn
 from tests.integration.conftest import Mesh, base_args
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

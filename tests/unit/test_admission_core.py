@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.admission.core import (
+from services.common.perf_model import PolynomialPerfModel
+from services.router.admission.core import (
     AdmissionSettings,
     AlwaysAdmit,
     ClusterState,
@@ -18,7 +19,6 @@ from services.admission.core import (
     forecast_decode,
     make_policy,
 )
-from services.planner.perf_model import PolynomialPerfModel
 
 MODEL = PolynomialPerfModel(capacity=65536)
 SETTINGS = AdmissionSettings(itl_slo_ms=20.0, ttft_slo_ms=2000.0)

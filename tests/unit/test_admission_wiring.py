@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.admission.core import AdmissionSettings
 from services.common.config import ConfigError, load_config
-from services.planner.perf_model import PolynomialPerfModel
-from services.router.admission import Flight, RouterAdmission, WorkerLoad, tokens_for_ms
+from services.common.perf_model import PolynomialPerfModel
+from services.router.admission.core import AdmissionSettings
+from services.router.admission.live import DecodeLoadReport, Flight, RouterAdmission, tokens_for_ms
 from services.router.core import Rejected, RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
 from services.router.main import RouterConfig
@@ -164,7 +164,7 @@ def test_load_report_adds_kv_the_router_does_not_know() -> None:
         c.route(ctx("a"), max_tokens=100)
     adm = c.admission
     assert adm is not None
-    st = adm.decode_state(MODEL, "a1", [], 0.0, WorkerLoad(0.5, CAP // BS, BS))
+    st = adm.decode_state(MODEL, "a1", [], 0.0, DecodeLoadReport(0.5, CAP // BS, BS))
     assert [r.context_tokens for r in st.running] == [5000]
 
 
@@ -210,7 +210,7 @@ def test_flight_prefill_worker() -> None:
 
 
 def test_cli_and_launcher_pass_admission_and_planner(capsys: pytest.CaptureFixture[str]) -> None:
-    from services.cli import main
+    from services.launcher.cli import main
     from services.launcher.up import LocalMesh, MeshSpec
 
     env = LocalMesh(MeshSpec(admission="early", admission_itl_slo_ms=12.0)).admission_env()

@@ -31,7 +31,7 @@ class FakeProc:
 
 
 class FakeChild:
-    """Quacks like services.launcher.procs.Child; records stop()."""
+    """Quacks like services.common.procs.Child; records stop()."""
 
     def __init__(self, name: str, pid: int, env: Mapping[str, str], argv: Sequence[str]) -> None:
         self.name = name

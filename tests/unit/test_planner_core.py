@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from services.common.perf_model import PolynomialPerfModel, decode_throughput, prefill_throughput
 from services.planner.core import (
     Observations,
     PlannerCore,
@@ -17,7 +18,6 @@ from services.planner.core import (
     TrafficCounters,
     WorkerLoad,
 )
-from services.planner.perf_model import PolynomialPerfModel, decode_throughput, prefill_throughput
 
 MODEL = PolynomialPerfModel(capacity=100_000)
 

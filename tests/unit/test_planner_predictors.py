@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from services.planner.perf_model import (
+from services.common.perf_model import (
     PolynomialPerfModel,
     TablePerfModel,
     decode_throughput,

@@ -7,12 +7,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from protos import discovery_pb2
 from services.common.config import ConfigError, load_config
+from services.common.perf_model import PolynomialPerfModel
 from services.frontend.metrics import FrontendMetrics
 from services.planner.actuators import DryRunActuator, LocalActuator
 from services.planner.core import Observations, PlannerCore, TrafficCounters, WorkerLoad
 from services.planner.main import PlannerConfig, PlannerLoop, external_workers
 from services.planner.observe import Snapshot, add_traffic, traffic_from_metrics
-from services.planner.perf_model import PolynomialPerfModel
 
 
 def test_traffic_from_the_frontends_metrics() -> None:

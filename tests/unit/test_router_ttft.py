@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from services.planner.perf_model import (
+from services.common.perf_model import (
     ChunkedPerfModel,
     PolynomialPerfModel,
     chunked_prefill_ms,

@@ -1,7 +1,7 @@
 """TTFT-aware routing: send each request where its first token is predicted soonest.
 
 Pure (no I/O, no asyncio). The prediction uses a chunked-prefill performance model
-(:func:`services.planner.perf_model.chunked_prefill_ms`): an engine prefills at most
+(:func:`services.common.perf_model.chunked_prefill_ms`): an engine prefills at most
 ``chunk_budget`` tokens per step and every step also runs the decodes, whose step time
 depends on the worker's KV usage.
 
@@ -30,8 +30,8 @@ Contract:
   The decision carries ``cost``; ``last_costs`` keeps every candidate's cost of the last
   call, for traces and tests.
 - Arguments (YAML ``args`` of a policy profile, or keywords): ``perf_model`` (a
-  :class:`~services.planner.perf_model.PerfModel` instance, or a spec for
-  :func:`~services.planner.perf_model.load_perf_model`: ``mocker`` = Dynamo's mocker
+  :class:`~services.common.perf_model.PerfModel` instance, or a spec for
+  :func:`~services.common.perf_model.load_perf_model`: ``mocker`` = Dynamo's mocker
   polynomials, else a JSON table path), ``speedup`` (> 0, divides the spec model's
   times; ignored for an instance), ``kv_capacity_tokens`` (the spec model's capacity),
   ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``), ``own_weight``,
@@ -44,7 +44,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from services.planner.perf_model import PerfModel, chunked_prefill_ms, load_perf_model
+from services.common.perf_model import PerfModel, chunked_prefill_ms, load_perf_model
 from services.router.policies.base import (
     Decision,
     RouteContext,

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.planner.perf_model import PerfModel
+from services.common.perf_model import PerfModel
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 No grpc, etcd or asyncio; every time is a number from the clock the router core injects.
 Contract of :class:`RouterAdmission`:
 
-- It wraps one :mod:`services.admission.core` policy (``early``, ``current_load``; ``none``
-  never gets here) with its :class:`~services.admission.core.AdmissionSettings` and a
+- It wraps one :mod:`services.router.admission.core` policy (``early``, ``current_load``; ``none``
+  never gets here) with its :class:`~services.router.admission.core.AdmissionSettings` and a
   performance model factory: ``model_for(capacity_tokens)`` (the capacity of the chosen
   decode worker: ``kv_capacity_tokens`` when > 0, else the worker's load report
   ``kv_total_blocks × block_size``, else the model's default).
@@ -30,7 +30,7 @@ Contract of :class:`RouterAdmission`:
   D's own (aggregated / prefill on D), expressed as the uncached tokens whose prefill
   takes that long under the model.
 - ``decide(...)`` calls the policy on that state and returns its
-  :class:`~services.admission.core.AdmissionDecision`.
+  :class:`~services.router.admission.core.AdmissionDecision`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from services.admission.core import (
+from services.common.perf_model import PerfModel
+from services.router.admission.core import (
     AdmissionDecision,
     AdmissionPolicy,
     AdmissionSettings,
@@ -50,7 +51,6 @@ from services.admission.core import (
     RunningRequest,
     make_policy,
 )
-from services.planner.perf_model import PerfModel
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class Flight:
 
 
 @dataclass(frozen=True)
-class WorkerLoad:
+class DecodeLoadReport:
     """The parts of a worker's load report admission uses."""
 
     kv_usage: float = 0.0
@@ -156,7 +156,7 @@ class RouterAdmission:
         return wait_s + (model.prefill_ms(uncached_tokens) + transfer) / 1000.0
 
     def decode_state(self, model: PerfModel, worker: str, flights: Iterable[Flight],
-                     now: float, load: WorkerLoad | None = None) -> DecodeState:
+                     now: float, load: DecodeLoadReport | None = None) -> DecodeState:
         """The core's view of decode worker ``worker`` at ``now`` (see the docstring)."""
         mine = [f for f in flights if f.decode == worker]
         pending = tuple(PendingJoin(f.prefill_done_at - now, f.prompt_tokens, f.output_tokens)
@@ -182,7 +182,7 @@ class RouterAdmission:
 
     def cluster(self, model: PerfModel, decode: str, prefill: str | None,
                 flights: Iterable[Flight], now: float,
-                loads: Mapping[str, WorkerLoad]) -> ClusterState:
+                loads: Mapping[str, DecodeLoadReport]) -> ClusterState:
         """The routed pair as the core's ClusterState (see the module docstring)."""
         flights = list(flights)
         wait_ms = self.prefill_wait_s(flights, prefill or decode, now) * 1000.0
@@ -193,7 +193,7 @@ class RouterAdmission:
 
     def decide(self, request: RequestShape, decode: str, prefill: str | None,
                flights: Iterable[Flight], now: float,
-               loads: Mapping[str, WorkerLoad]) -> AdmissionDecision:
+               loads: Mapping[str, DecodeLoadReport]) -> AdmissionDecision:
         """The policy's decision for ``request`` routed to ``decode`` (and ``prefill``)."""
         load = loads.get(decode)
         capacity = load.kv_capacity_tokens if load is not None else 0

@@ -1,0 +1,93 @@
+"""Background tasks: one periodic loop and one way to stop a task.
+
+Contract:
+
+- :class:`Periodic` calls an async ``fn()`` in its own task, every ``interval_s``.
+  ``start()`` (idempotent) creates the task; the first call runs at once unless
+  ``delay_first`` is set, in which case it waits one interval first. The interval is
+  measured from the end of one call to the start of the next.
+  - When ``fn`` raises, the error is logged with the task's name (never swallowed
+    silently) and the next call waits ``min(interval_s · 2^k, max_backoff_s)`` after the
+    k-th failure in a row (k ≥ 1); a success resets the interval. ``failures`` counts
+    failures in a row, ``calls`` every finished call.
+  - ``CancelledError`` from ``fn`` ends the loop.
+  - ``stop()`` cancels the task and waits for it to finish. Idempotent; after it,
+    ``start()`` may start a new task.
+- :func:`cancel_and_wait` cancels one task and waits for it, suppressing only its
+  ``CancelledError``: an exception the task had already ended with is logged. A ``None``
+  task is a no-op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Cancels ``task`` (if any) and waits for it to end; see the module docstring."""
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        try:
+            await task
+        except Exception:
+            log.exception("task %s had failed", task.get_name())
+
+
+class Periodic:
+    """``fn()`` every ``interval_s`` with backoff on error; see the module docstring."""
+
+    def __init__(self, name: str, fn: Callable[[], Awaitable[Any]], interval_s: float, *,
+                 delay_first: bool = False, max_backoff_s: float | None = None) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"{name}: interval_s must be > 0, got {interval_s}")
+        self.name = name
+        self.interval_s = interval_s
+        self.max_backoff_s = max(interval_s, max_backoff_s or interval_s * 8)
+        self.failures = 0
+        self.calls = 0
+        self._fn = fn
+        self._delay_first = delay_first
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def next_delay(self) -> float:
+        """The wait before the next call given the failures in a row so far."""
+        if self.failures == 0:
+            return self.interval_s
+        return min(self.interval_s * 2 ** self.failures, self.max_backoff_s)
+
+    def start(self) -> None:
+        """Starts the loop task (no-op while one runs)."""
+        if not self.running:
+            self._task = asyncio.create_task(self._run(), name=self.name)
+
+    async def _run(self) -> None:
+        if self._delay_first:
+            await asyncio.sleep(self.interval_s)
+        while True:
+            try:
+                await self._fn()
+            except Exception:
+                self.failures += 1
+                log.exception("%s failed (%d in a row); next try in %.2fs", self.name,
+                              self.failures, self.next_delay())
+            else:
+                self.failures = 0
+            self.calls += 1
+            await asyncio.sleep(self.next_delay())
+
+    async def stop(self) -> None:
+        """Cancels the loop and waits for it. Idempotent."""
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
