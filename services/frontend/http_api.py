@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.frontend.openai_schema import (
     ApiError,
     ParsedRequest,
+    check_json,
     error_body,
     parse_chat,
     parse_completion,
@@ -120,9 +121,13 @@ async def _sse_stream(job: Job, chunks: AsyncIterator[Chunk]) -> AsyncIterator[b
 async def _json_body(request: Request) -> Any:
     raw = await request.body()
     try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"Invalid JSON body: {exc}") from exc
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, "Invalid JSON body: nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    check_json(body)
+    return body
 
 
 def create_app(pipeline: Pipeline) -> FastAPI:

@@ -9,6 +9,12 @@ Pure: no I/O. Contract:
   context length (the same rule and wording style vLLM uses), and fills a missing
   max_tokens with what is left of the context (chat).
 - :func:`error_body` renders an ApiError as ``{"error": {message, type, param, code}}``.
+- :func:`check_json` refuses (400, naming the JSON path) what would otherwise fail further
+  down: nesting deeper than ``MAX_JSON_DEPTH``, and strings that are not valid Unicode
+  (lone surrogates, which cannot be encoded as UTF-8 for protobuf).
+- Every integer is range-checked against the protobuf field that carries it (``seed``
+  int64, ``top_k``/``max_tokens``/token ids int32), so nothing out of range reaches the
+  serialiser.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 MAX_STOP = 4
+MAX_JSON_DEPTH = 64
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass
@@ -87,15 +96,50 @@ def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float) -> float 
     return float(v)
 
 
-def _opt_int(body: dict[str, Any], name: str, lo: int | None = None) -> int | None:
+def _opt_int(body: dict[str, Any], name: str, lo: int = -INT32_MAX - 1,
+             hi: int = INT32_MAX) -> int | None:
+    """An optional integer in ``[lo, hi]`` (by default the int32 range of its field)."""
     v = body.get(name)
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(f"'{name}' must be an integer, got {type(v).__name__}", name)
-    if lo is not None and v < lo:
-        raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
+    if not lo <= v <= hi:
+        raise _bad(f"'{name}' must be between {lo} and {hi}, got {v}", name)
     return v
+
+
+def _path(path: tuple[str | int, ...]) -> str:
+    out = ""
+    for part in path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out or "body"
+
+
+def check_json(body: Any) -> None:
+    """Raises ApiError 400 for too deep nesting or invalid Unicode; see the module doc."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
+    while stack:
+        value, path = stack.pop()
+        if len(path) > MAX_JSON_DEPTH:
+            raise _bad(f"JSON nested deeper than {MAX_JSON_DEPTH} levels at {_path(path)}",
+                       _path(path[:1]) if path else None)
+        if isinstance(value, str):
+            _check_text(value, path)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                _check_text(k, path)
+                stack.append((v, (*path, k)))
+        elif isinstance(value, list):
+            stack.extend((v, (*path, i)) for i, v in enumerate(value))
+
+
+def _check_text(text: str, path: tuple[str | int, ...]) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(f"{_path(path)} is not valid Unicode ({exc.reason} at position "
+                   f"{exc.start})", _path(path) if path else None) from None
 
 
 def _opt_bool(body: dict[str, Any], name: str) -> bool:
@@ -145,7 +189,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
         temperature=_opt_number(body, "temperature", 0.0, 2.0),
         top_p=_opt_number(body, "top_p", 0.0, 1.0),
         top_k=_opt_int(body, "top_k", -1),
-        seed=_opt_int(body, "seed"),
+        seed=_opt_int(body, "seed", INT64_MIN, INT64_MAX),
         stop=_stop(body),
         ignore_eos=_opt_bool(body, "ignore_eos"),
         presence_penalty=_opt_number(body, "presence_penalty", -2.0, 2.0),
@@ -189,8 +233,12 @@ def parse_completion(body: Any) -> ParsedRequest:
             raise _bad("'prompt' must not be empty", "prompt")
         text = prompt
     elif isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
     ):
+        bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
+        if bad is not None:
+            raise _bad(f"'prompt' token ids must be between 0 and {INT32_MAX}, got {bad}",
+                       "prompt")
         ids = tuple(prompt)
     elif prompt is None:
         raise _bad("'prompt' is required", "prompt")
