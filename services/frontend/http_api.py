@@ -15,14 +15,21 @@ Contract:
   with a ``Retry-After`` header (whole seconds, rounded up). An error after streaming
   began is sent as a final ``data: {"error": ...}`` event. A client that disconnects
   cancels the request on the worker.
+- Limits (:class:`HttpLimits`): a body over ``max_body_bytes`` is refused with 413 as
+  soon as that is known (a larger ``Content-Length`` is refused before reading; a
+  chunked body once the limit is passed), and a body not received within
+  ``body_timeout_s`` is answered 408 (a ``Content-Length`` larger than what arrives no
+  longer waits forever).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -118,8 +125,40 @@ async def _sse_stream(job: Job, chunks: AsyncIterator[Chunk]) -> AsyncIterator[b
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+@dataclass(frozen=True)
+class HttpLimits:
+    """Per-request limits of the HTTP API; see the module docstring."""
+
+    max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0
+
+
+def _too_large(limits: HttpLimits) -> ApiError:
+    return ApiError(413, f"request body exceeds {limits.max_body_bytes} bytes",
+                    code="request_too_large")
+
+
+async def _read_body(request: Request, limits: HttpLimits) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise _too_large(limits)
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for part in request.stream():
+                size += len(part)
+                if size > limits.max_body_bytes:
+                    raise _too_large(limits)
+                parts.append(part)
+    except TimeoutError:
+        raise ApiError(408, f"request body not received within {limits.body_timeout_s} s",
+                       code="request_timeout") from None
+    return b"".join(parts)
+
+
+async def _json_body(request: Request, limits: HttpLimits) -> Any:
+    raw = await _read_body(request, limits)
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -130,8 +169,9 @@ async def _json_body(request: Request) -> Any:
     return body
 
 
-def create_app(pipeline: Pipeline) -> FastAPI:
-    """The FastAPI application serving ``pipeline``."""
+def create_app(pipeline: Pipeline, limits: HttpLimits | None = None) -> FastAPI:
+    """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None)."""
+    lim = limits or HttpLimits()
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -203,11 +243,11 @@ def create_app(pipeline: Pipeline) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(parse_completion(await _json_body(request)))
+        return await _serve(parse_completion(await _json_body(request, lim)))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _serve(parse_chat(await _json_body(request)))
+        return await _serve(parse_chat(await _json_body(request, lim)))
 
     app.state.started = time.time()
     return app

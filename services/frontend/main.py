@@ -13,7 +13,7 @@ from protos import discovery_pb2, frontend_pb2, frontend_pb2_grpc
 from services.common.config import BaseConfig
 from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, serve_main
-from services.frontend.http_api import create_app
+from services.frontend.http_api import HttpLimits, create_app
 from services.frontend.models import ModelCatalog
 from services.frontend.pipeline import Pipeline
 from services.frontend.service import FrontendServicer
@@ -28,11 +28,33 @@ class FrontendConfig(BaseConfig):
     router_address: str = dataclasses.field(
         default="", metadata={"help": "router host:port (default: discover in etcd)"}
     )
+    max_body_mib: float = dataclasses.field(
+        default=4.0, metadata={"help": "largest HTTP request body in MiB (larger: 413)"}
+    )
+    body_timeout_s: float = dataclasses.field(
+        default=30.0, metadata={"help": "an HTTP body not received within this: 408"}
+    )
+    max_connections: int = dataclasses.field(
+        default=2048, metadata={"help": "concurrent HTTP connections + requests beyond "
+                                        "which new ones get 503"}
+    )
+    keep_alive_s: int = dataclasses.field(
+        default=5, metadata={"help": "an idle keep-alive HTTP connection is closed after "
+                                     "this many seconds"}
+    )
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(max_body_bytes=int(self.max_body_mib * (1 << 20)),
+                          body_timeout_s=self.body_timeout_s)
 
     def problems(self) -> list[str]:
         out = super().problems()
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
+        if not (self.max_body_mib > 0 and self.body_timeout_s > 0 and self.keep_alive_s > 0):
+            out.append("max_body_mib, body_timeout_s and keep_alive_s must be > 0")
+        if self.max_connections < 1:
+            out.append("max_connections must be >= 1")
         return out
 
 
@@ -74,8 +96,11 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     sock.bind((cfg.http_host, cfg.http_port))
     sock.listen(1024)
     http_port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(create_app(pipeline), log_level="warning",
-                                         lifespan="off", timeout_graceful_shutdown=1))
+    http = uvicorn.Server(uvicorn.Config(create_app(pipeline, cfg.http_limits()),
+                                         log_level="warning", lifespan="off",
+                                         timeout_graceful_shutdown=1,
+                                         limit_concurrency=cfg.max_connections,
+                                         timeout_keep_alive=cfg.keep_alive_s))
     http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
 
     async def stop_http() -> None:

@@ -1,0 +1,81 @@
+"""HTTP limits on a real frontend socket: oversized bodies get 413, a body that never
+arrives gets 408, and the frontend keeps serving new connections afterwards.
+
+Raw sockets, because these are the cases an HTTP client library will not produce (a
+Content-Length larger than the body, a body that keeps coming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from services.common.config import load_config
+from services.common.procs import Child
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from tests.integration.conftest import base_args
+
+# Upper bound on any one answer; reaching it fails the test (it is not a latency check).
+ANSWER_TIMEOUT_S = 30
+
+
+@pytest.fixture(scope="module")
+async def frontend(etcd: Child) -> AsyncIterator[FrontendApp]:
+    cfg = load_config(FrontendConfig, [*base_args(etcd.address, "limits"), "--http-port", "0",
+                                       "--max-body-mib", "1", "--body-timeout-s", "1"], {})
+    app = await start_frontend(cfg)
+    try:
+        yield app
+    finally:
+        await app.server.stop()
+
+
+async def _exchange(app: FrontendApp, head: bytes, body: bytes = b"") -> bytes:
+    """Sends ``head`` + ``body`` on a fresh connection; returns the status line."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", app.http_port)
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        line = await asyncio.wait_for(reader.readline(), ANSWER_TIMEOUT_S)
+    finally:
+        writer.close()
+    return line
+
+
+def _post(length: int | None, chunked: bool = False) -> bytes:
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    if chunked:
+        head += b"Transfer-Encoding: chunked\r\n"
+    elif length is not None:
+        head += b"Content-Length: %d\r\n" % length
+    return head + b"\r\n"
+
+
+async def test_declared_oversized_body_is_refused_before_it_is_read(
+        frontend: FrontendApp) -> None:
+    line = await _exchange(frontend, _post(50 << 20))  # 50 MiB declared, none sent
+    assert line.startswith(b"HTTP/1.1 413"), line
+
+
+async def test_chunked_body_over_the_limit_is_refused(frontend: FrontendApp) -> None:
+    chunk = b"a" * (256 << 10)
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(8))  # 2 MiB
+    line = await _exchange(frontend, _post(None, chunked=True), body)
+    assert line.startswith(b"HTTP/1.1 413"), line
+
+
+async def test_body_shorter_than_its_content_length_times_out_with_408(
+        frontend: FrontendApp) -> None:
+    line = await _exchange(frontend, _post(100), b'{"model": ')
+    assert line.startswith(b"HTTP/1.1 408"), line
+
+
+async def test_frontend_serves_after_the_refusals(frontend: FrontendApp) -> None:
+    await _exchange(frontend, _post(50 << 20))
+    line = await _exchange(frontend, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert line.startswith(b"HTTP/1.1 200"), line
+    small = b'{"model": "m", "prompt": "x"}'
+    line = await _exchange(frontend, _post(len(small)), small)
+    assert line.startswith(b"HTTP/1.1 404"), line  # validated, then: no such model
