@@ -14,6 +14,7 @@ from services.common.config import BaseConfig
 from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.frontend.http_api import HttpLimits, create_app
+from services.frontend.http_server import http_config
 from services.frontend.models import ModelCatalog
 from services.frontend.pipeline import Pipeline
 from services.frontend.service import FrontendServicer
@@ -38,6 +39,10 @@ class FrontendConfig(BaseConfig):
         default=2048, metadata={"help": "concurrent HTTP connections + requests beyond "
                                         "which new ones get 503"}
     )
+    header_timeout_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "a connection whose first request headers are not "
+                                        "complete after this many seconds is closed"}
+    )
     keep_alive_s: int = dataclasses.field(
         default=5, metadata={"help": "an idle keep-alive HTTP connection is closed after "
                                      "this many seconds"}
@@ -51,8 +56,10 @@ class FrontendConfig(BaseConfig):
         out = super().problems()
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
-        if not (self.max_body_mib > 0 and self.body_timeout_s > 0 and self.keep_alive_s > 0):
-            out.append("max_body_mib, body_timeout_s and keep_alive_s must be > 0")
+        if not (self.max_body_mib > 0 and self.body_timeout_s > 0 and self.keep_alive_s > 0
+                and self.header_timeout_s > 0):
+            out.append("max_body_mib, body_timeout_s, header_timeout_s and keep_alive_s "
+                       "must be > 0")
         if self.max_connections < 1:
             out.append("max_connections must be >= 1")
         return out
@@ -96,11 +103,10 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     sock.bind((cfg.http_host, cfg.http_port))
     sock.listen(1024)
     http_port = sock.getsockname()[1]
-    http = uvicorn.Server(uvicorn.Config(create_app(pipeline, cfg.http_limits()),
-                                         log_level="warning", lifespan="off",
-                                         timeout_graceful_shutdown=1,
-                                         limit_concurrency=cfg.max_connections,
-                                         timeout_keep_alive=cfg.keep_alive_s))
+    http = uvicorn.Server(http_config(create_app(pipeline, cfg.http_limits()),
+                                      max_connections=cfg.max_connections,
+                                      keep_alive_s=cfg.keep_alive_s,
+                                      header_timeout_s=cfg.header_timeout_s))
     http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
 
     async def stop_http() -> None:

@@ -1,5 +1,6 @@
 """HTTP limits on a real frontend socket: oversized bodies get 413, a body that never
-arrives gets 408, and the frontend keeps serving new connections afterwards.
+arrives gets 408, connections that never finish their headers are closed (slowloris),
+and the frontend keeps serving new connections afterwards.
 
 Raw sockets, because these are the cases an HTTP client library will not produce (a
 Content-Length larger than the body, a body that keeps coming).
@@ -24,7 +25,8 @@ ANSWER_TIMEOUT_S = 30
 @pytest.fixture(scope="module")
 async def frontend(etcd: Child) -> AsyncIterator[FrontendApp]:
     cfg = load_config(FrontendConfig, [*base_args(etcd.address, "limits"), "--http-port", "0",
-                                       "--max-body-mib", "1", "--body-timeout-s", "1"], {})
+                                       "--max-body-mib", "1", "--body-timeout-s", "1",
+                                       "--header-timeout-s", "1"], {})
     app = await start_frontend(cfg)
     try:
         yield app
@@ -79,3 +81,19 @@ async def test_frontend_serves_after_the_refusals(frontend: FrontendApp) -> None
     small = b'{"model": "m", "prompt": "x"}'
     line = await _exchange(frontend, _post(len(small)), small)
     assert line.startswith(b"HTTP/1.1 404"), line  # validated, then: no such model
+
+
+async def test_connections_that_never_finish_their_headers_are_closed(
+        frontend: FrontendApp) -> None:
+    conns = [await asyncio.open_connection("127.0.0.1", frontend.http_port) for _ in range(50)]
+    try:
+        for _, writer in conns:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            await writer.drain()
+        for reader, _ in conns:  # EOF: the server closed the connection
+            assert await asyncio.wait_for(reader.read(), ANSWER_TIMEOUT_S) == b""
+    finally:
+        for _, writer in conns:
+            writer.close()
+    line = await _exchange(frontend, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert line.startswith(b"HTTP/1.1 200"), line
