@@ -1,3 +1,4 @@
+from google.protobuf import struct_pb2 as _struct_pb2
 from protos import common_pb2 as _common_pb2
 from protos import kv_events_pb2 as _kv_events_pb2
 from google.protobuf.internal import containers as _containers
@@ -23,14 +24,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ...) -> None: ...
 
 class KvTransferParams(_message.Message):
-    __slots__ = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port", "tp_size", "transfer_mode", "extra")
+    __slots__ = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port", "tp_size", "transfer_mode", "remote_block_id_groups", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "remote_block_size", "remote_prefill_cached_tokens", "remote_blocks_processed", "p_side_truncated", "extra")
     class ExtraEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+        value: _struct_pb2.Value
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[_struct_pb2.Value, _Mapping]] = ...) -> None: ...
     DO_REMOTE_PREFILL_FIELD_NUMBER: _ClassVar[int]
     DO_REMOTE_DECODE_FIELD_NUMBER: _ClassVar[int]
     REMOTE_ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +41,15 @@ class KvTransferParams(_message.Message):
     REMOTE_PORT_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MODE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_ID_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DCP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_EXPIRY_TIME_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_PREFILL_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_BLOCKS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
+    P_SIDE_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     EXTRA_FIELD_NUMBER: _ClassVar[int]
     do_remote_prefill: bool
     do_remote_decode: bool
@@ -50,8 +60,23 @@ class KvTransferParams(_message.Message):
     remote_port: int
     tp_size: int
     transfer_mode: str
-    extra: _containers.ScalarMap[str, str]
-    def __init__(self, do_remote_prefill: _Optional[bool] = ..., do_remote_decode: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., transfer_mode: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    remote_block_id_groups: _containers.RepeatedCompositeFieldContainer[BlockIdGroup]
+    dcp_size: int
+    pp_size: int
+    remote_num_tokens: int
+    remote_blocks_expiry_time: float
+    remote_block_size: int
+    remote_prefill_cached_tokens: int
+    remote_blocks_processed: bool
+    p_side_truncated: bool
+    extra: _containers.MessageMap[str, _struct_pb2.Value]
+    def __init__(self, do_remote_prefill: _Optional[bool] = ..., do_remote_decode: _Optional[bool] = ..., remote_engine_id: _Optional[str] = ..., remote_request_id: _Optional[str] = ..., remote_block_ids: _Optional[_Iterable[int]] = ..., remote_host: _Optional[str] = ..., remote_port: _Optional[int] = ..., tp_size: _Optional[int] = ..., transfer_mode: _Optional[str] = ..., remote_block_id_groups: _Optional[_Iterable[_Union[BlockIdGroup, _Mapping]]] = ..., dcp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., remote_num_tokens: _Optional[int] = ..., remote_blocks_expiry_time: _Optional[float] = ..., remote_block_size: _Optional[int] = ..., remote_prefill_cached_tokens: _Optional[int] = ..., remote_blocks_processed: _Optional[bool] = ..., p_side_truncated: _Optional[bool] = ..., extra: _Optional[_Mapping[str, _struct_pb2.Value]] = ...) -> None: ...
+
+class BlockIdGroup(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "finish_reason", "usage", "worker_id", "kv_transfer", "queue_s", "prefill_s")

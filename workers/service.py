@@ -3,8 +3,10 @@
 Contract:
 
 - ``Generate`` validates the request (INVALID_ARGUMENT for empty prompts, max_tokens <= 0,
-  or anything the engine refuses with EngineError), streams one GenerateResponse per
-  engine delta, and fills ``finish_reason`` and ``usage`` on the last one. When the client
+  malformed ``kv_transfer`` params (naming the key), or anything the engine refuses with
+  EngineError), streams one GenerateResponse per
+  engine delta, and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL when
+  the engine's ``kv_transfer_params`` cannot be carried). When the client
   cancels, the engine generator is closed, which aborts the request in the engine.
   Records the spans ``worker.queue`` (arrival → first engine output of any kind),
   ``prefill`` (→ first token) and ``decode`` (first token → finish) under the gRPC
@@ -70,12 +72,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids must not be empty")
         if request.sampling.max_tokens <= 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be > 0")
+        try:
+            kv_transfer = (kv_params.to_dict(request.kv_transfer)
+                           if request.HasField("kv_transfer") else None)
+        except kv_params.KvParamsError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         ereq = EngineRequest(
             request_id=request.request_id or f"req-{time.monotonic_ns()}",
             prompt_token_ids=list(request.token_ids),
             sampling=sampling_from_proto(request.sampling),
-            kv_transfer_params=(kv_params.to_dict(request.kv_transfer)
-                                if request.HasField("kv_transfer") else None),
+            kv_transfer_params=kv_transfer,
         )
         attrs: dict[str, str | int] = {
             "kvmesh.worker_id": self._worker_id,
@@ -116,6 +122,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield resp
             except EngineError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except kv_params.KvParamsError as exc:  # the engine's answer cannot travel
+                await context.abort(grpc.StatusCode.INTERNAL, f"engine output: {exc}")
         finally:
             self._active -= 1
             self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)

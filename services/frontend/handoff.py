@@ -125,7 +125,7 @@ def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
     d_req.kv_transfer.do_remote_prefill = True
     d_req.kv_transfer.do_remote_decode = False
     # P's own prefix hit would otherwise be reported as D's cached tokens.
-    d_req.kv_transfer.extra.pop("remote_prefill_cached_tokens", None)
+    d_req.kv_transfer.ClearField("remote_prefill_cached_tokens")
     return d_req
 
 
