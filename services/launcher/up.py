@@ -9,6 +9,9 @@ answers 200 (a worker registered). With ``planner=True`` it then starts
 ``python -m services.planner`` with the dry-run actuator (it publishes desired counts,
 scrapes the frontend's ``/metrics``, changes nothing). ``stop()`` stops everything it
 started, in reverse order, by PID. Logs go to ``log_dir/<name>.log``.
+
+:meth:`MeshSpec.problems` checks the ``kvmesh up`` flags' values at once, each problem
+naming the flag and its ``KVMESH_*`` variable; ``LocalMesh`` does not re-check them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.config import _env_name
 from services.common.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
 
 CHILD_ENV = {
@@ -36,6 +40,15 @@ CHILD_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "PYTHONUNBUFFERED": "1",
 }
+
+MODES = ("disagg", "agg")
+HANDOFFS = ("pull", "push")
+INDEXERS = ("remote", "embedded", "none")
+ADMISSIONS = ("none", "early", "current_load")
+
+
+def _flag(name: str) -> str:
+    return f"--{name.replace('_', '-')} ({_env_name(name)})"
 
 
 @dataclass
@@ -60,6 +73,27 @@ class MeshSpec:
     lease_ttl: int = 5
     log_dir: Path = field(default_factory=lambda: Path(".kvmesh/logs"))
     start_timeout_s: float = 600.0
+
+    def problems(self) -> list[str]:
+        """What is wrong with the ``kvmesh up`` flags' values (empty when valid)."""
+        out = []
+        for name, allowed in (("mode", MODES), ("handoff", HANDOFFS), ("indexer", INDEXERS),
+                              ("admission", ADMISSIONS)):
+            if getattr(self, name) not in allowed:
+                out.append(f"{_flag(name)} must be one of {', '.join(allowed)}, "
+                           f"got {getattr(self, name)!r}")
+        for name in ("model", "policy"):
+            if not getattr(self, name):
+                out.append(f"{_flag(name)} must not be empty")
+        if not 0 <= self.http_port <= 65535:
+            out.append(f"{_flag('http_port')} out of range: {self.http_port}")
+        for name in ("workers", "max_model_len"):
+            if getattr(self, name) < 1:
+                out.append(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("kv_cache_gib", "admission_ttft_slo_ms", "admission_itl_slo_ms"):
+            if not getattr(self, name) > 0:
+                out.append(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+        return out
 
 
 def health(url: str) -> tuple[int, dict[str, object]]:
