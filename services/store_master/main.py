@@ -3,32 +3,37 @@
 Contract:
 
 - :class:`StoreMasterConfig`: every tunable of the core as a flag / ``KVMESH_*`` env var,
-  plus the allocation strategy, eviction policy, tick interval and persistence
-  (``--persist auto|redis|none``; auto = redis when ``--redis-url`` is set).
-- :func:`start_store_master` loads the namespace's persisted metadata (when persistence is
-  on), serves the API, registers in etcd as component ``store_master``, and runs a
-  background task calling ``tick`` every ``tick_interval_s`` (then flushing the changes).
-  Stopping the server stops the task and flushes once more.
+  plus the allocation strategy, eviction policy, tick interval, persistence
+  (``--persist auto|redis|none``; auto = redis when ``--redis-url`` is set) and ``--seed``
+  (the random placement and eviction sampling; -1: unseeded).
+- :func:`start_store_master(cfg, clock=time.time)` builds the core with ``clock`` and a
+  ``random.Random`` seeded from ``--seed``, loads the namespace's persisted metadata (when
+  persistence is on), serves the API, registers in etcd as component ``store_master``, and
+  runs :attr:`StoreMasterApp.ticker`, a :class:`~services.common.periodic.Periodic` calling
+  :func:`tick_once` (the core's ``tick``, then a flush) every ``tick_interval_s``, first
+  after one interval; an error is logged and the next tick backs off.
+  Stopping the server stops the ticker and flushes once more.
 - The clock is wall time (``time.time``) so deadlines persisted in Redis stay meaningful
-  across a restart; tests may inject another.
+  across a restart; tests inject a fake clock they advance.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import partial
 
 from protos import discovery_pb2, store_pb2, store_pb2_grpc
 from services.common.config import BaseConfig
+from services.common.periodic import Periodic
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.store_master.core import (
     POLICIES,
     STRATEGIES,
+    Clock,
     MasterParams,
     RestoreReport,
     StoreMaster,
@@ -72,6 +77,8 @@ class StoreMasterConfig(BaseConfig):
     persist: str = dataclasses.field(
         default="auto", metadata={"help": "metadata persistence: auto (redis when "
                                           "--redis-url is set), redis, none"})
+    seed: int = dataclasses.field(
+        default=-1, metadata={"help": "seed of placement and eviction sampling (-1: random)"})
 
     def params(self) -> MasterParams:
         return MasterParams(
@@ -105,35 +112,33 @@ class StoreMasterConfig(BaseConfig):
 
 @dataclasses.dataclass
 class StoreMasterApp:
-    """A started store master: server (stops the ticker too), core, persister."""
+    """A started store master: server (stops the ticker too), core, persister, ticker."""
 
     server: MeshServer
     master: StoreMaster
     persister: Persister
     restored: RestoreReport | None
+    ticker: Periodic
 
 
-async def _tick_loop(master: StoreMaster, persister: Persister, interval: float) -> None:
-    while True:
-        await asyncio.sleep(interval)
-        try:
-            report = master.tick()
-            if report.zombies_reclaimed or report.clients_lost or report.objects_evicted:
-                log.info("store tick: %s", report)
-        except Exception:
-            log.exception("store tick failed")
+async def tick_once(master: StoreMaster, persister: Persister) -> None:
+    """One round of the core's periodic work, then a flush (even when ``tick`` raised; the
+    ticker logs the error and backs off)."""
+    try:
+        report = master.tick()
+        if report.zombies_reclaimed or report.clients_lost or report.objects_evicted:
+            log.info("store tick: %s", report)
+    finally:
         await persister.flush()
 
 
-async def start_store_master(cfg: StoreMasterConfig,
-                             clock: Callable[[], float] = time.time) -> StoreMasterApp:
+async def start_store_master(cfg: StoreMasterConfig, clock: Clock = time.time) -> StoreMasterApp:
     """Restores persisted metadata, then serves; stop with ``app.server.stop()``."""
-    rng = random.Random()
-    master = StoreMaster(clock, cfg.params(),
+    rng = random.Random(None if cfg.seed < 0 else cfg.seed)
+    master = StoreMaster(clock, rng, cfg.params(),
                          strategy=make_strategy(cfg.allocation_strategy, rng),
                          eviction=make_eviction_policy(cfg.eviction_policy, rng,
-                                                       cfg.eviction_sample),
-                         rng=rng)
+                                                       cfg.eviction_sample))
     store = RedisMetadata(cfg.redis_url, cfg.namespace) if cfg.persist_to_redis() else None
     restored = None
     if store is not None:
@@ -146,13 +151,12 @@ async def start_store_master(cfg: StoreMasterConfig,
         log.info("store metadata restored: %s", restored)
     persister = Persister(master, store)
     await persister.flush()  # drops what restore could not keep
-    ticker = asyncio.create_task(_tick_loop(master, persister, cfg.tick_interval_s),
-                                 name="store-master-tick")
+    ticker = Periodic("store-master-tick", partial(tick_once, master, persister),
+                      cfg.tick_interval_s, delay_first=True)
+    ticker.start()
 
     async def stop_ticker() -> None:
-        ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await ticker
+        await ticker.stop()
         await persister.flush()
         if store is not None:
             await store.close()
@@ -173,7 +177,7 @@ async def start_store_master(cfg: StoreMasterConfig,
     except BaseException:
         await stop_ticker()
         raise
-    return StoreMasterApp(server, master, persister, restored)
+    return StoreMasterApp(server, master, persister, restored, ticker)
 
 
 async def _serve(cfg: StoreMasterConfig) -> MeshServer:

@@ -3,9 +3,10 @@
 Contract (``protos/store.proto`` documents each RPC):
 
 - Every RPC validates what protobuf cannot (unknown enum values → INVALID_ARGUMENT), calls
-  the core, and maps a :class:`StoreError` to its status (``StoreError.status``): NOT_FOUND,
-  ALREADY_EXISTS, FAILED_PRECONDITION (leased, incomplete, wrong state),
-  RESOURCE_EXHAUSTED (no space), INVALID_ARGUMENT.
+  the core, and maps a :class:`StoreError` to a status by its ``kind`` (:data:`STATUS`,
+  the only place the core's error kinds meet gRPC): NOT_FOUND, ALREADY_EXISTS,
+  FAILED_PRECONDITION (leased, incomplete, wrong state), RESOURCE_EXHAUSTED (no space),
+  INVALID_ARGUMENT; INTERNAL for a kindless StoreError.
 - Every RPC that can change durable metadata flushes the persister before it answers
   (write-through); a failed flush is logged and retried later, the answer is unaffected.
   Reads (GetReplicaList, ExistKey, BatchExistKey, Ping, Stats) write nothing.
@@ -25,6 +26,7 @@ import grpc
 
 from protos import store_pb2, store_pb2_grpc
 from services.store_master.core import (
+    ErrorKind,
     Pin,
     ReplicaDescriptor,
     ReplicaState,
@@ -40,6 +42,17 @@ _OK = store_pb2.ItemStatus()
 _PINS = {store_pb2.PIN_NONE: Pin.NONE, store_pb2.PIN_SOFT: Pin.SOFT,
          store_pb2.PIN_HARD: Pin.HARD}
 _STATES = {s: getattr(store_pb2, f"REPLICA_STATE_{s.name}") for s in ReplicaState}
+# The status each kind of refusal answers with (single RPCs and batch items alike).
+STATUS: dict[ErrorKind, grpc.StatusCode] = {
+    ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
+    ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorKind.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    ErrorKind.EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.LEASED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NOT_READY: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.WRONG_STATE: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorKind.NO_SPACE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 def replica_pb(d: ReplicaDescriptor) -> store_pb2.Replica:
@@ -48,12 +61,13 @@ def replica_pb(d: ReplicaDescriptor) -> store_pb2.Replica:
                              size=d.size, state=_STATES[d.state])
 
 
-def _code(exc: StoreError) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, exc.status)  # type: ignore[no-any-return]
+def status_of(exc: StoreError) -> grpc.StatusCode:
+    """The gRPC status a refusal answers with (:data:`STATUS`)."""
+    return STATUS[exc.kind]
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: StoreError) -> NoReturn:
-    await context.abort(_code(exc), str(exc))
+    await context.abort(status_of(exc), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
 
 
@@ -62,7 +76,7 @@ def _item(fn: Callable[[], T]) -> tuple[store_pb2.ItemStatus, T | None]:
     try:
         return _OK, fn()
     except StoreError as exc:
-        return store_pb2.ItemStatus(code=_code(exc).value[0], message=str(exc)), None
+        return store_pb2.ItemStatus(code=status_of(exc).value[0], message=str(exc)), None
 
 
 class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):

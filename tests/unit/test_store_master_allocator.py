@@ -116,14 +116,15 @@ def test_random_strategy_is_seeded_and_covers_all_orders() -> None:
 
 
 def test_registries_know_their_names() -> None:
-    assert make_strategy("random").name == "random"
-    assert make_strategy("free_ratio_first").name == "free_ratio_first"
-    assert make_eviction_policy("lru").name == "lru"
-    assert make_eviction_policy("sampled_lru").name == "sampled_lru"
+    rng = random.Random(0)
+    assert make_strategy("random", rng).name == "random"
+    assert make_strategy("free_ratio_first", rng).name == "free_ratio_first"
+    assert make_eviction_policy("lru", rng).name == "lru"
+    assert make_eviction_policy("sampled_lru", rng).name == "sampled_lru"
     with pytest.raises(ValueError, match="known"):
-        make_strategy("nope")
+        make_strategy("nope", rng)
     with pytest.raises(ValueError, match="known"):
-        make_eviction_policy("nope")
+        make_eviction_policy("nope", rng)
 
 
 CANDS = [Candidate(f"k{i}", 10, float(t)) for i, t in enumerate([5, 1, 9, 3, 7, 2, 8])]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
@@ -67,7 +68,7 @@ class FlakyStore:
 
 async def test_failed_flush_keeps_changes_and_retries() -> None:
     t = [0.0]
-    m = StoreMaster(lambda: t[0])
+    m = StoreMaster(lambda: t[0], random.Random(0))
     store: Any = FlakyStore()
     p = Persister(m, store)
     m.mount_segment("c", "s", 0, 100)
@@ -86,7 +87,7 @@ async def test_failed_flush_keeps_changes_and_retries() -> None:
 
 
 async def test_persister_without_store_only_drains() -> None:
-    m = StoreMaster(lambda: 0.0)
+    m = StoreMaster(lambda: 0.0, random.Random(0))
     p = Persister(m, None)
     m.mount_segment("c", "s", 0, 100)
     assert await p.flush() and not p.enabled and not m.drain_changes()

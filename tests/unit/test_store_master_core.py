@@ -3,13 +3,17 @@ client liveness, placement and persistence. No sleeps, no network."""
 
 from __future__ import annotations
 
+import ast
 import random
+from pathlib import Path
 
 import pytest
 
+import services.store_master.core
 from services.store_master.core import (
     AlreadyExists,
     Changes,
+    ErrorKind,
     IllegalTransition,
     InvalidInput,
     Leased,
@@ -21,6 +25,7 @@ from services.store_master.core import (
     Pin,
     Replica,
     ReplicaState,
+    StoreError,
     StoreMaster,
     WrongState,
     decode,
@@ -46,9 +51,8 @@ def make(clock: Clock, segments: int = 1, size: int = 1000, strategy: str = "ran
     """A master with ``segments`` segments of ``size`` bytes; clients never time out unless
     ``client_ttl_s`` is given (tests that advance the clock do not want to ping)."""
     params.setdefault("client_ttl_s", 1e9)
-    m = StoreMaster(clock, MasterParams(**params),  # type: ignore[arg-type]
-                    strategy=make_strategy(strategy, random.Random(0)),
-                    eviction=LruPolicy(), rng=random.Random(0))
+    m = StoreMaster(clock, random.Random(0), MasterParams(**params),  # type: ignore[arg-type]
+                    strategy=make_strategy(strategy, random.Random(0)), eviction=LruPolicy())
     for i in range(segments):
         m.mount_segment(f"c{i}", f"s{i}", base=1 << 20 * (i + 1), size=size,
                         endpoint=f"agent-{i}")
@@ -353,7 +357,7 @@ def test_put_start_evicts_when_nothing_fits() -> None:
 
 def test_sampled_lru_master_evicts_about_the_oldest() -> None:
     clock = Clock()
-    m = StoreMaster(clock, MasterParams(client_ttl_s=1e9), rng=random.Random(5))  # defaults
+    m = StoreMaster(clock, random.Random(5), MasterParams(client_ttl_s=1e9))  # defaults
     m.mount_segment("c", "s", 0, 10_000)
     fill(m, clock, 900, size=10)
     rep = m.tick()
@@ -576,6 +580,41 @@ def test_restore_drops_what_no_longer_fits() -> None:
 
 def test_params_are_validated() -> None:
     with pytest.raises(ValueError, match="high_watermark"):
-        StoreMaster(Clock(), MasterParams(high_watermark=1.5))
+        StoreMaster(Clock(), random.Random(0), MasterParams(high_watermark=1.5))
     with pytest.raises(ValueError, match="lease_ttl_s"):
-        StoreMaster(Clock(), MasterParams(lease_ttl_s=0))
+        StoreMaster(Clock(), random.Random(0), MasterParams(lease_ttl_s=0))
+
+
+# -- purity and the service's error mapping ----------------------------------------------
+
+
+def test_core_modules_import_no_clock_rng_or_io_library() -> None:
+    core = Path(services.store_master.core.__file__).parent
+    banned = {"time", "random", "asyncio", "grpc", "redis"}
+    found = {}
+    for path in sorted(core.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            hits = {n.split(".")[0] for n in names} & banned
+            if hits:
+                found[path.name] = sorted(hits)
+    assert found == {}
+
+
+def test_each_error_kind_answers_the_status_it_always_had() -> None:
+    import grpc
+
+    from services.store_master.service import STATUS, status_of
+
+    assert set(STATUS) == set(ErrorKind)
+    want = {StoreError: grpc.StatusCode.INTERNAL,
+            InvalidInput: grpc.StatusCode.INVALID_ARGUMENT,
+            NotFound: grpc.StatusCode.NOT_FOUND,
+            AlreadyExists: grpc.StatusCode.ALREADY_EXISTS,
+            Leased: grpc.StatusCode.FAILED_PRECONDITION,
+            NotReady: grpc.StatusCode.FAILED_PRECONDITION,
+            WrongState: grpc.StatusCode.FAILED_PRECONDITION,
+            NoSpace: grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert {cls: status_of(cls("why")) for cls in want} == want
+    assert len({cls.kind for cls in want}) == len(want)  # one kind per refusal class

@@ -1,6 +1,7 @@
-"""The store master's pure core (no grpc, redis or asyncio; the clock is injected).
+"""The store master's pure core (no grpc, redis or asyncio; the clock and rng are injected).
 
-- ``states``: replica states and transitions, pins, object metadata, errors;
+- ``deps``: the clock and random-source types the core is given;
+- ``states``: replica states and transitions, pins, object metadata, errors and their kinds;
 - ``allocator``: per-segment first-fit allocator and allocation strategies;
 - ``eviction``: eviction policies (exact and sampled LRU);
 - ``records``: durable records for persistence;
@@ -16,6 +17,7 @@ from services.store_master.core.allocator import (
     Segment,
     make_strategy,
 )
+from services.store_master.core.deps import Clock, Rng
 from services.store_master.core.eviction import (
     POLICIES,
     Candidate,
@@ -36,6 +38,7 @@ from services.store_master.core.master import (
 from services.store_master.core.records import Changes, decode, encode
 from services.store_master.core.states import (
     AlreadyExists,
+    ErrorKind,
     IllegalTransition,
     InvalidInput,
     Leased,
@@ -53,10 +56,10 @@ from services.store_master.core.states import (
 
 __all__ = [
     "POLICIES", "STRATEGIES", "AllocationStrategy", "AlreadyExists", "Candidate", "Changes",
-    "Counters", "EvictionPolicy", "FreeRatioFirstStrategy", "IllegalTransition",
-    "InvalidInput", "Leased", "LossReport", "LruPolicy", "MasterParams", "NoSpace",
-    "NotFound", "NotReady", "ObjectMeta", "Pin", "RandomStrategy", "RangeAllocator",
-    "Replica", "ReplicaDescriptor", "ReplicaState", "RestoreReport", "SampledLruPolicy",
-    "Segment", "Stats", "StoreError", "StoreMaster", "TickReport", "WrongState", "decode",
-    "encode", "make_eviction_policy", "make_strategy",
+    "Clock", "Counters", "ErrorKind", "EvictionPolicy", "FreeRatioFirstStrategy",
+    "IllegalTransition", "InvalidInput", "Leased", "LossReport", "LruPolicy", "MasterParams",
+    "NoSpace", "NotFound", "NotReady", "ObjectMeta", "Pin", "RandomStrategy",
+    "RangeAllocator", "Replica", "ReplicaDescriptor", "ReplicaState", "RestoreReport", "Rng",
+    "SampledLruPolicy", "Segment", "Stats", "StoreError", "StoreMaster", "TickReport",
+    "WrongState", "decode", "encode", "make_eviction_policy", "make_strategy",
 ]

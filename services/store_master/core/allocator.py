@@ -16,7 +16,8 @@ Contract of an :class:`AllocationStrategy`: ``order(segments, size)`` returns th
 that could hold ``size`` bytes (``largest_free >= size``), best candidate first. The master
 walks that order and puts each replica of an object on a different segment. Strategies:
 
-- ``random``: a uniformly random order (rng injected, so tests are deterministic);
+- ``random``: a uniformly random order (the rng is a required argument, so a seeded one
+  makes placement reproducible);
 - ``free_ratio_first``: highest free ratio first (ties: more free bytes, then segment id),
   which spreads load evenly across segments of different sizes.
 
@@ -26,10 +27,11 @@ walks that order and puts each replica of an object on a different segment. Stra
 from __future__ import annotations
 
 import bisect
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
+
+from services.store_master.core.deps import Rng
 
 
 class RangeAllocator:
@@ -145,7 +147,7 @@ class AllocationStrategy(Protocol):
 class RandomStrategy:
     name = "random"
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: Rng) -> None:
         self._rng = rng
 
     def order(self, segments: Sequence[Segment], size: int) -> list[Segment]:
@@ -164,17 +166,17 @@ class FreeRatioFirstStrategy:
         return fit
 
 
-STRATEGIES: dict[str, Callable[[random.Random], AllocationStrategy]] = {
+STRATEGIES: dict[str, Callable[[Rng], AllocationStrategy]] = {
     RandomStrategy.name: RandomStrategy,
     FreeRatioFirstStrategy.name: lambda _rng: FreeRatioFirstStrategy(),
 }
 
 
-def make_strategy(name: str, rng: random.Random | None = None) -> AllocationStrategy:
-    """The strategy called ``name``; ValueError for an unknown name."""
+def make_strategy(name: str, rng: Rng) -> AllocationStrategy:
+    """The strategy called ``name`` drawing from ``rng``; ValueError for an unknown name."""
     try:
         factory = STRATEGIES[name]
     except KeyError:
         raise ValueError(f"unknown allocation strategy {name!r}; "
                          f"known: {', '.join(sorted(STRATEGIES))}") from None
-    return factory(rng or random.Random())
+    return factory(rng)

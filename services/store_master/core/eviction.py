@@ -20,10 +20,11 @@ all candidates when they hold less). It never returns anything not among the can
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from services.store_master.core.deps import Rng
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ class LruPolicy:
 class SampledLruPolicy:
     name = "sampled_lru"
 
-    def __init__(self, rng: random.Random, sample: int = 8) -> None:
+    def __init__(self, rng: Rng, sample: int = 8) -> None:
         if sample < 1:
             raise ValueError("sample must be >= 1")
         self._rng = rng
@@ -80,18 +81,17 @@ class SampledLruPolicy:
         return out
 
 
-POLICIES: dict[str, Callable[[random.Random, int], EvictionPolicy]] = {
+POLICIES: dict[str, Callable[[Rng, int], EvictionPolicy]] = {
     LruPolicy.name: lambda _rng, _sample: LruPolicy(),
     SampledLruPolicy.name: SampledLruPolicy,
 }
 
 
-def make_eviction_policy(name: str, rng: random.Random | None = None,
-                         sample: int = 8) -> EvictionPolicy:
-    """The policy called ``name``; ValueError for an unknown name."""
+def make_eviction_policy(name: str, rng: Rng, sample: int = 8) -> EvictionPolicy:
+    """The policy called ``name`` drawing from ``rng``; ValueError for an unknown name."""
     try:
         factory = POLICIES[name]
     except KeyError:
         raise ValueError(f"unknown eviction policy {name!r}; "
                          f"known: {', '.join(sorted(POLICIES))}") from None
-    return factory(rng or random.Random(), sample)
+    return factory(rng, sample)

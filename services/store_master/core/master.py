@@ -1,11 +1,16 @@
 """The store master's pure core: object metadata, replicas, leases, pins, eviction, clients.
 
 No grpc, redis or asyncio; time comes from the injected ``clock`` (seconds, a callable), so
-every lease, TTL, timeout and eviction rule is tested without sleeping. The master never
+every lease, TTL, timeout and eviction rule is tested without sleeping, and random choices
+from the injected ``rng`` (``deps.py``). The master never
 touches object bytes: it hands out ranges in segments that store clients mounted, and the
 clients move the bytes (over NIXL).
 
 Contract of :class:`StoreMaster` (states and errors are in ``states.py``):
+
+- ``StoreMaster(clock, rng, params=None, strategy=None, eviction=None)``: ``clock`` and
+  ``rng`` are required; the allocation strategy and eviction policy default to ``random``
+  and ``sampled_lru`` drawing from ``rng``. Invalid ``params`` raise ValueError.
 
 Store clients and segments
 
@@ -87,11 +92,11 @@ from __future__ import annotations
 
 import copy
 import math
-import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from services.store_master.core.allocator import AllocationStrategy, Segment, make_strategy
+from services.store_master.core.deps import Clock, Rng
 from services.store_master.core.eviction import (
     Candidate,
     EvictionPolicy,
@@ -119,8 +124,6 @@ from services.store_master.core.states import (
     StoreError,
     WrongState,
 )
-
-Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -215,16 +218,14 @@ class _Client:
 class StoreMaster:
     """See the module docstring."""
 
-    def __init__(self, clock: Clock, params: MasterParams | None = None,
+    def __init__(self, clock: Clock, rng: Rng, params: MasterParams | None = None,
                  strategy: AllocationStrategy | None = None,
-                 eviction: EvictionPolicy | None = None,
-                 rng: random.Random | None = None) -> None:
+                 eviction: EvictionPolicy | None = None) -> None:
         self.params = params or MasterParams()
         found = self.params.problems()
         if found:
             raise ValueError("; ".join(found))
         self._clock = clock
-        rng = rng or random.Random()
         self.strategy = strategy or make_strategy("random", rng)
         self.eviction = eviction or make_eviction_policy("sampled_lru", rng)
         self._objects: dict[str, ObjectMeta] = {}

@@ -25,9 +25,9 @@ Allowed transitions (:data:`TRANSITIONS`; anything else is a bug and raises
 A replica in a terminal state is dropped from its object at once; an object with no replica
 left is deleted.
 
-Errors: every refusal the master gives is a :class:`StoreError` subclass, which carries the
-gRPC status the service maps it to (NOT_FOUND, ALREADY_EXISTS, FAILED_PRECONDITION,
-RESOURCE_EXHAUSTED, INVALID_ARGUMENT).
+Errors: every refusal the master gives is a :class:`StoreError` subclass whose ``kind`` is
+an :class:`ErrorKind` (what went wrong in the store's terms); the core knows no transport.
+The gRPC service maps each kind to a status code in one table (``service.py``).
 """
 
 from __future__ import annotations
@@ -69,46 +69,59 @@ class Pin(enum.Enum):
     HARD = "hard"
 
 
-class StoreError(Exception):
-    """A refusal; ``status`` names the gRPC status code the service answers with."""
+class ErrorKind(enum.Enum):
+    """Why the master refused; one per :class:`StoreError` subclass."""
 
-    status = "INTERNAL"
+    INTERNAL = "internal"  # a StoreError without a more specific kind
+    INVALID = "invalid"  # malformed input (empty key, bad size, replica count, geometry)
+    NOT_FOUND = "not_found"  # unknown key, or a segment not mounted by that client
+    EXISTS = "exists"  # the key or segment exists already
+    LEASED = "leased"  # a read lease blocks the removal
+    NOT_READY = "not_ready"  # the object is not complete yet
+    WRONG_STATE = "wrong_state"  # the operation does not apply to the object's state
+    NO_SPACE = "no_space"  # no segment can hold the object
+
+
+class StoreError(Exception):
+    """A refusal; ``kind`` says which (the service maps it to a status code)."""
+
+    kind = ErrorKind.INTERNAL
 
 
 class InvalidInput(StoreError):
-    status = "INVALID_ARGUMENT"
+    kind = ErrorKind.INVALID
 
 
 class NotFound(StoreError):
-    status = "NOT_FOUND"
+    kind = ErrorKind.NOT_FOUND
 
 
 class AlreadyExists(StoreError):
-    status = "ALREADY_EXISTS"
+    kind = ErrorKind.EXISTS
 
 
 class Leased(StoreError):
     """The object holds a read lease: it cannot be removed until the lease expires."""
 
-    status = "FAILED_PRECONDITION"
+    kind = ErrorKind.LEASED
 
 
 class NotReady(StoreError):
     """The object is not COMPLETE (a put is in progress)."""
 
-    status = "FAILED_PRECONDITION"
+    kind = ErrorKind.NOT_READY
 
 
 class WrongState(StoreError):
     """The operation does not apply to the object's state (e.g. revoking a complete put)."""
 
-    status = "FAILED_PRECONDITION"
+    kind = ErrorKind.WRONG_STATE
 
 
 class NoSpace(StoreError):
     """No mounted segment can hold even one replica (after trying eviction)."""
 
-    status = "RESOURCE_EXHAUSTED"
+    kind = ErrorKind.NO_SPACE
 
 
 class IllegalTransition(AssertionError):
