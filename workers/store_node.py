@@ -68,21 +68,22 @@ class StoreNodeConfig(BaseConfig):
 
 
 async def discover_master(cfg: StoreNodeConfig, timeout_s: float = 30.0) -> str:
-    """The address of a live ``store_master`` in etcd (waits up to ``timeout_s``)."""
+    """The address of a live ``store_master`` in etcd (the lowest address when several):
+    waits for the watcher to report one, up to ``timeout_s``; then ConfigError."""
     from services.common.discovery import InstanceWatcher
 
     watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "store_master")
+    changed = asyncio.Event()
+    watcher.on_change(lambda _: changed.set())
     await watcher.start()
     try:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            found = sorted(r.address for r in watcher.instances().values())
-            if found:
-                return found[0]
-            if loop.time() > deadline:
-                raise ConfigError("no store_master registered in etcd")
-            await asyncio.sleep(0.2)
+        async with asyncio.timeout(timeout_s):
+            while not (found := sorted(r.address for r in watcher.instances().values())):
+                changed.clear()
+                await changed.wait()
+        return found[0]
+    except TimeoutError:
+        raise ConfigError("no store_master registered in etcd") from None
     finally:
         await watcher.close()
 

@@ -4,7 +4,6 @@ indexer sees as a gap and repairs from the relay's state."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -13,6 +12,7 @@ from services.common.block_hash import block_hashes
 from services.common.event_bus import decode_entry
 from services.common.procs import start_redis
 from services.indexer.core import KvEvent, KvIndex
+from tests.waiting import wait_for
 from workers.kv.event_relay import EventEndpoints, KvEventRelay
 
 BS = 4
@@ -38,14 +38,6 @@ async def read_all(url: str) -> list[KvEvent]:
     return out
 
 
-async def until(check, within: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(int(within / 0.05)):
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("condition not met")
-
-
 async def test_events_survive_a_redis_restart(tmp_path: Path) -> None:
     red = start_redis(tmp_path)
     port = int(red.address.rsplit(":", 1)[1])
@@ -58,10 +50,11 @@ async def test_events_survive_a_redis_restart(tmp_path: Path) -> None:
 
         async def published(n: int) -> bool:
             return len(await read_all(url)) == n
-        await until(lambda: published(3))
+        await wait_for(lambda: published(3), 10, "the first 3 events in the stream")
         red.stop()
         relay.submit([stored(i) for i in range(10, 18)])  # 8 events, backlog holds 5
-        await until(lambda: asyncio.sleep(0, relay.stats.publish_failures > 0))
+        await wait_for(lambda: relay.stats.publish_failures > 0, 10,
+                       "a publish failure while Redis is down")
         assert relay.stats.dropped_backlog == 3
         red = start_redis(tmp_path, port)  # empty: no persistence
         events: list[KvEvent] = []
@@ -70,7 +63,7 @@ async def test_events_survive_a_redis_restart(tmp_path: Path) -> None:
             nonlocal events
             events = await read_all(url)
             return len(events) == 5
-        await until(caught_up)
+        await wait_for(caught_up, 10, lambda: f"5 events after the restart, got {events}")
         # Ids 3..5 were dropped from the backlog; 6..10 were published after the restart.
         assert [e.event_id for e in events] == [6, 7, 8, 9, 10]
         index = KvIndex()

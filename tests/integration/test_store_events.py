@@ -15,9 +15,10 @@ from services.common.procs import Child
 from services.store_master.main import StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import BLOCK, KV_GIB, MAX_MODEL_LEN, prompt, run
+from tests.waiting import wait_for
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
+from workers.kv.configs import store_kv_transfer_config
 from workers.kv.event_relay import EventEndpoints, KvEventRelay, vllm_kv_events_config
-from workers.kv.store_connector import store_kv_transfer_config
 from workers.model.tiny import ensure_tiny_model
 from workers.store_node import StoreNodeProcess
 
@@ -49,10 +50,9 @@ async def test_saved_blocks_are_published_with_tier_store(etcd: Child,
         def tiers() -> dict[str, set[int]]:
             return {t.tier: set(t.block_hashes) for t in relay.state().tiers}
 
-        deadline = asyncio.get_running_loop().time() + 15
-        while not (want <= tiers().get("store", set()) and want <= tiers().get("device", set())):
-            assert asyncio.get_running_loop().time() < deadline, tiers()
-            await asyncio.sleep(0.1)
+        await wait_for(lambda: (want <= tiers().get("store", set())
+                                and want <= tiers().get("device", set())), 15,
+                       lambda: f"the prompt's 5 blocks in tiers store and device: {tiers()}")
         assert app.master.stats().complete_objects == 5
     finally:
         if engine is not None:

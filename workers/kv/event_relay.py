@@ -32,7 +32,13 @@ Contract of :class:`KvEventRelay`:
 - ``stats`` counts events, entries, replays, unrecoverable gaps, orphans and drops.
 - Redis being down never stops the worker or the relay: ``start()`` only warns, a failed
   XADD keeps its events (up to ``max_pending``; beyond that the oldest are dropped, which
-  an indexer sees as a gap and repairs from ``state()``) and is retried with backoff.
+  an indexer sees as a gap and repairs from ``state()``) and is retried with backoff. The
+  relaying loop runs in a :class:`~services.common.periodic.Periodic`: a failed publish
+  raises :class:`PublishFailed` out of it, and the Periodic waits 0.2 s, doubling up to
+  :data:`RETRY_MAX_S`, before relaying again (in ZMQ mode from the next engine batch, in
+  submit mode with an immediate retry). The first publish that succeeds after a failure
+  ends that run, which resets the backoff (one :data:`RETRY_BASE_S` pause, then relaying
+  resumes).
 - ``close()`` stops relaying, flushes what is pending, closes sockets and Redis.
 """
 
@@ -56,6 +62,7 @@ from redis.exceptions import RedisError
 
 from protos import kv_events_pb2
 from services.common.event_bus import encode_batch, encode_state
+from services.common.periodic import Periodic
 from workers.kv.event_translate import EventTranslator, TranslatedEvent, UnknownEvent
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,12 @@ KINDS = {
     "cleared": kv_events_pb2.KV_EVENT_KIND_CLEARED,
 }
 END_SEQ = -1
+RETRY_BASE_S = 0.1  # the Periodic's interval; its first backoff after a failure is 2x
+RETRY_MAX_S = 5.0
+
+
+class PublishFailed(RuntimeError):
+    """Publishing to Redis failed; the events stay pending (ends a relaying run)."""
 
 
 @dataclass
@@ -137,11 +150,11 @@ class KvEventRelay:
         self._ctx = zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
         self._redis: aioredis.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._pump: Periodic | None = None
+        self._failing = False  # the last publish failed
         self._decoder = msgspec.msgpack.Decoder()
         self._wake = asyncio.Event()
         self._max_pending = max_pending
-        self._retry_s = 0.2
 
     @property
     def orphans(self) -> int:
@@ -157,15 +170,15 @@ class KvEventRelay:
         except (RedisError, OSError) as exc:
             log.warning("%s: KV event bus %s unreachable (%s); events are kept and retried",
                         self.worker_id, self._redis_url, exc)
-        if not zmq_input:
-            self._task = asyncio.create_task(self._run_submitted(),
-                                             name=f"kv-relay-{self.worker_id}")
-            return
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sub.setsockopt(zmq.RCVHWM, 100_000)
-        self._sub.connect(self.endpoints.events)
-        self._task = asyncio.create_task(self._run(), name=f"kv-relay-{self.worker_id}")
+        if zmq_input:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+            self._sub.setsockopt(zmq.RCVHWM, 100_000)
+            self._sub.connect(self.endpoints.events)
+        self._pump = Periodic(f"kv-relay-{self.worker_id}",
+                              self._relay_frames if zmq_input else self._relay_submitted,
+                              RETRY_BASE_S, max_backoff_s=RETRY_MAX_S)
+        self._pump.start()
 
     def submit(self, events: list[dict[str, Any]]) -> None:
         """Translates and numbers engine events now; they are published shortly."""
@@ -173,17 +186,26 @@ class KvEventRelay:
         self._translate_all(events)
         self._wake.set()
 
-    async def _run_submitted(self) -> None:
+    async def _relay_submitted(self) -> None:
+        """Publishes submitted events whenever woken (at once when retrying); ends as
+        :meth:`_publish` says."""
+        if self._failing:
+            self._wake.set()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if not await self._flush():
-                await self._backoff()
+            if await self._publish():
+                return
 
-    async def _backoff(self) -> None:
-        await asyncio.sleep(self._retry_s)
-        self._retry_s = min(self._retry_s * 2, 5.0)
-        self._wake.set()
+    async def _publish(self) -> bool:
+        """Flushes; raises PublishFailed when Redis failed. True when this publish is the
+        first success after a failure: the run returns so the Periodic's backoff resets."""
+        if not await self._flush():
+            self._failing = True
+            raise PublishFailed(f"{self.worker_id}: {len(self._pending)} KV events wait "
+                                "for the event bus")
+        recovered, self._failing = self._failing, False
+        return recovered
 
     def drop_next(self, n: int) -> None:
         """Fault injection: number but do not publish the next ``n`` events."""
@@ -196,7 +218,8 @@ class KvEventRelay:
         return kv_events_pb2.KvState(worker_id=self.worker_id, event_id=self._last_event_id,
                                      tiers=tiers, block_size=self.block_size)
 
-    async def _run(self) -> None:
+    async def _relay_frames(self) -> None:
+        """Relays engine batches as they arrive; ends as :meth:`_publish` says."""
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
@@ -205,8 +228,8 @@ class KvEventRelay:
                 await self._on_frames(await self._sub.recv_multipart())
                 if len(self._pending) >= self._max_batch and not await self._flush():
                     break  # Redis is down: back off below instead of retrying per frame
-            if not await self._flush():
-                await self._backoff()
+            if await self._publish():
+                return
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -338,16 +361,13 @@ class KvEventRelay:
             return False
         self.stats.entries += entries
         self.stats.events += len(pending)
-        self._retry_s = 0.2
         return True
 
     async def close(self) -> None:
         """Stops relaying; flushes, closes sockets and Redis. Idempotent."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        if self._pump is not None:
+            await self._pump.stop()
+            self._pump = None
             with contextlib.suppress(Exception):
                 await self._flush()
         if self._sub is not None:
