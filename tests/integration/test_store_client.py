@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
-import time
 from collections.abc import AsyncIterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -28,6 +27,8 @@ from services.common.config import load_config
 from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
+from tests.integration.test_store_master_service import ticks
+from tests.unit.test_store_master_core import Clock
 from workers.store_node import StoreNodeProcess
 
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
@@ -40,6 +41,7 @@ def _scenario(master: str, conn: Connection) -> None:
         os.environ.update(UCX_ENV)
         import numpy as np
 
+        from tests.waiting import wait_for_sync
         from workers.kv.store_client import StoreClient
 
         out: dict[str, Any] = {}
@@ -82,10 +84,11 @@ def _scenario(master: str, conn: Connection) -> None:
         out["segment_id"] = e.segment_id
         conn.send(out)
         conn.recv()  # the test restarts the master without persistence
-        deadline = time.monotonic() + 10
-        while e.counters.remounts == 0 and time.monotonic() < deadline:
-            e.progress()
-            time.sleep(0.05)
+        def remounted() -> int:
+            e.progress()  # a NIXL target must progress while it waits
+            return e.counters.remounts
+
+        wait_for_sync(remounted, 10, "the embedded client's remount")
         conn.send({"remounts": e.counters.remounts})
         e.close()
         c.close()
@@ -97,12 +100,14 @@ def _scenario(master: str, conn: Connection) -> None:
 
 
 @pytest.fixture
-async def master(etcd: Child) -> AsyncIterator[tuple[StoreMasterApp, StoreMasterConfig]]:
+async def master(etcd: Child) -> AsyncIterator[tuple[StoreMasterApp, Clock]]:
+    """A master on a fake clock: client TTLs run out only when the test advances it."""
     cfg = load_config(StoreMasterConfig, [*base_args(etcd.address, "storeclient"),
                                           "--tick-interval-s", "0.1", "--client-ttl-s", "1.5",
                                           "--read-lease-ttl-s", "1", "--persist", "none"], {})
-    app = await start_store_master(cfg)
-    yield app, cfg
+    clock = Clock()
+    app = await start_store_master(cfg, clock=clock)
+    yield app, clock
     await app.server.stop()
 
 
@@ -114,9 +119,9 @@ async def recv(conn: Connection, within: float = 60.0) -> dict[str, Any]:
     return msg
 
 
-async def test_store_client_over_nixl(master: tuple[StoreMasterApp, StoreMasterConfig],
+async def test_store_client_over_nixl(master: tuple[StoreMasterApp, Clock],
                                       etcd: Child) -> None:
-    app, cfg = master
+    app, clock = master
     addr = app.server.address
     nodes = [await asyncio.to_thread(StoreNodeProcess, addr, 4, env=UCX_ENV)
              for _ in range(2)]
@@ -140,10 +145,10 @@ async def test_store_client_over_nixl(master: tuple[StoreMasterApp, StoreMasterC
         assert second["after_kill"] == ["ok", "ok"] and second["a_ok"]
 
         nodes[1].kill()
-        deadline = time.monotonic() + 10
-        while app.master.stats().clients > 0:
-            assert time.monotonic() < deadline, "dead nodes not dropped"
-            await asyncio.sleep(0.1)
+        assert app.master.stats().clients == 2  # nothing told the master yet
+        clock.advance(2.0)  # past the 1.5 s client TTL: the next tick drops both nodes
+        await ticks(app)
+        assert app.master.stats().clients == 0
         ours.send("go")
         third = await recv(ours)
         assert third["after_ttl"] == ["missing"]

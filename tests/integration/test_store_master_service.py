@@ -1,9 +1,12 @@
 """The store master over gRPC, in process, on real etcd and Redis: the main flows, the error
-codes, leases, liveness, zombies, eviction, and a restart that keeps the metadata."""
+codes, leases, liveness, zombies, eviction, and a restart that keeps the metadata.
+
+The master runs on a fake clock the tests advance (``start_store_master(clock=...)``), so
+no test sleeps out a lease or TTL; its real ticker still does the periodic work, and
+:func:`ticks` waits for it to have run after a clock change."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
@@ -12,12 +15,15 @@ import grpc
 import pytest
 
 from protos import store_pb2, store_pb2_grpc
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
 from services.common.discovery import InstanceWatcher
 from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from services.store_master.persist import RedisMetadata
 from tests.integration.conftest import base_args
+from tests.unit.test_store_master_core import Clock
+from tests.waiting import wait_for
+from workers.store_node import StoreNodeConfig, discover_master
 
 _ns = itertools.count()
 
@@ -42,10 +48,10 @@ async def start(etcd: Child, redis_server: Child) -> AsyncIterator[Starter]:
     apps: list[StoreMasterApp] = []
     channels: list[grpc.aio.Channel] = []
 
-    async def go(namespace: str, *extra: str, redis: bool = True
+    async def go(namespace: str, *extra: str, redis: bool = True, clock: Clock | None = None
                  ) -> tuple[StoreMasterApp, store_pb2_grpc.StoreMasterStub]:
         app = await start_store_master(config(etcd, redis_server if redis else None,
-                                              namespace, *extra))
+                                              namespace, *extra), clock=clock or Clock())
         apps.append(app)
         ch = grpc.aio.insecure_channel(app.server.address)
         channels.append(ch)
@@ -56,6 +62,16 @@ async def start(etcd: Child, redis_server: Child) -> AsyncIterator[Starter]:
         await ch.close()
     for app in apps:
         await app.server.stop()
+
+
+async def ticks(app: StoreMasterApp, n: int = 2) -> None:
+    """Waits until the ticker finished ``n`` more ticks without error (with n=2, one whole
+    tick ran after the caller's last change to the clock)."""
+    want = app.ticker.calls + n
+    await wait_for(lambda: app.ticker.calls >= want, 10,
+                   lambda: f"{n} store master ticks (the ticker is at {app.ticker.calls})",
+                   interval_s=0.01)
+    assert app.ticker.failures == 0
 
 
 async def code_of(call: Any) -> grpc.StatusCode:
@@ -75,7 +91,8 @@ async def mount(stub: store_pb2_grpc.StoreMasterStub, client: str, seg: str,
 
 
 async def test_put_get_remove_flow_and_error_codes(start: Starter) -> None:
-    app, stub = await start(ns(), "--read-lease-ttl-s", "1.0")
+    clock = Clock()
+    app, stub = await start(ns(), "--read-lease-ttl-s", "1.0", clock=clock)
     await mount(stub, "c0", "s0")
     await mount(stub, "c1", "s1")
     started = await stub.PutStart(store_pb2.PutStartRequest(key="k", size=100, replicas=2))
@@ -100,7 +117,9 @@ async def test_put_get_remove_flow_and_error_codes(start: Starter) -> None:
 
     # Leased: Remove refused until the lease runs out.
     assert await code_of(stub.Remove(key("k"))) == grpc.StatusCode.FAILED_PRECONDITION
-    await asyncio.sleep(1.1)
+    clock.advance(0.9)
+    assert await code_of(stub.Remove(key("k"))) == grpc.StatusCode.FAILED_PRECONDITION
+    clock.advance(0.2)
     await stub.Remove(key("k"))
     assert await code_of(stub.GetReplicaList(key("k"))) == grpc.StatusCode.NOT_FOUND
 
@@ -209,14 +228,21 @@ async def test_registers_in_etcd(start: Starter, etcd: Child) -> None:
         assert found[0].labels["persist"] == "redis"
     finally:
         await watcher.close()
+    # What a store node started without --store-master connects to.
+    node_cfg = StoreNodeConfig(etcd_endpoint=etcd.address, namespace=namespace)
+    assert await discover_master(node_cfg, timeout_s=10) == app.server.address
+    with pytest.raises(ConfigError, match="no store_master"):
+        await discover_master(StoreNodeConfig(etcd_endpoint=etcd.address,
+                                              namespace=ns()), timeout_s=0.3)
 
 
 async def test_client_liveness_zombies_and_eviction(start: Starter) -> None:
     # Exact LRU: the default sampled LRU draws 8 of the 9 objects at random, so it would
     # miss "both" one time in nine.
+    clock = Clock()
     app, stub = await start(ns(), "--client-ttl-s", "1.0", "--put-timeout-s", "0.4",
                             "--read-lease-ttl-s", "0.2", "--persist", "none",
-                            "--eviction-policy", "lru")
+                            "--eviction-policy", "lru", clock=clock)
     await mount(stub, "alive", "sa", size=100)
     await mount(stub, "dead", "sd", size=100)
     await stub.PutStart(store_pb2.PutStartRequest(key="both", size=10, replicas=2))
@@ -224,8 +250,9 @@ async def test_client_liveness_zombies_and_eviction(start: Starter) -> None:
     await stub.PutStart(store_pb2.PutStartRequest(key="zombie", size=10,
                                                   preferred_segment="sa"))
     for _ in range(15):  # "alive" pings, "dead" does not
-        await asyncio.sleep(0.1)
+        clock.advance(0.1)
         assert (await stub.Ping(store_pb2.PingRequest(client_id="alive"))).known
+    await ticks(app)
     assert not (await stub.Ping(store_pb2.PingRequest(client_id="dead"))).known
     got = await stub.GetReplicaList(key("both"))
     assert [r.segment_id for r in got.replicas] == ["sa"]
@@ -235,11 +262,11 @@ async def test_client_liveness_zombies_and_eviction(start: Starter) -> None:
 
     # Fill "sa" to the watermark once "both"'s lease is over: the next tick evicts the least
     # recently used object, "both".
-    await asyncio.sleep(0.3)
+    clock.advance(0.3)
     for i in range(8):
         await stub.PutStart(store_pb2.PutStartRequest(key=f"f{i}", size=10))
         await stub.PutEnd(key(f"f{i}"))
-    await asyncio.sleep(0.3)  # ticks run every 50 ms
+    await ticks(app)
     await stub.Ping(store_pb2.PingRequest(client_id="alive"))
     stats = await stub.Stats(store_pb2.StatsRequest())
     assert stats.objects_evicted == 1 and stats.used == 80
@@ -248,7 +275,8 @@ async def test_client_liveness_zombies_and_eviction(start: Starter) -> None:
 
 async def test_restart_keeps_metadata(start: Starter, redis_server: Child) -> None:
     namespace = ns()
-    app, stub = await start(namespace, "--client-ttl-s", "30")
+    clock = Clock()
+    app, stub = await start(namespace, "--client-ttl-s", "30", clock=clock)
     await mount(stub, "c0", "s0")
     await mount(stub, "c1", "s1")
     await stub.PutStart(store_pb2.PutStartRequest(key="a", size=100, replicas=2,
@@ -263,7 +291,7 @@ async def test_restart_keeps_metadata(start: Starter, redis_server: Child) -> No
     stats = await stub.Stats(store_pb2.StatsRequest())
     await app.server.stop()
 
-    app2, stub2 = await start(namespace, "--client-ttl-s", "30")
+    app2, stub2 = await start(namespace, "--client-ttl-s", "30", clock=clock)
     assert app2.restored is not None
     assert (app2.restored.segments, app2.restored.objects) == (2, 3)
     assert app2.master.keys() == ["a", "b", "pending"]

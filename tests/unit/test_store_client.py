@@ -1,152 +1,108 @@
-"""StoreClient's protocol with a fake master stub and a fake NIXL agent (no network).
+"""StoreClient's protocol against the real store master (core and gRPC servicer, in
+process, fake clock) behind the client's ``stub`` seam, with a fake NIXL agent (no network).
 
-The fake master keeps objects in a dict and hands out ranges in "remote" numpy buffers;
-the fake agent copies bytes with memmove and fails transfers to agents marked dead.
+"Remote" segments are numpy buffers mounted in the master as other store clients would
+mount them; the fake agent copies bytes with memmove and fails transfers to agents marked
+dead. Only the transport is skipped: each stub call runs the servicer's RPC method, which
+calls the core, so codes, placement and batching are the master's own.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass, field
+import random
+import threading
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 
-from protos import store_pb2
+from services.store_master.core import FreeRatioFirstStrategy, MasterParams, StoreMaster
+from services.store_master.persist import Persister
+from services.store_master.service import StoreMasterServicer
+from tests.unit.test_store_master_core import Clock
 from workers.kv.store_client import StoreClient, decode_endpoint, encode_endpoint
 
 
-class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
+class AbortError(grpc.RpcError):
+    """What ``context.abort`` raises: the status a real channel would report."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
 
     def code(self) -> grpc.StatusCode:
         return self._code
 
-
-class Done:
-    def __init__(self, value: Any = None, error: grpc.StatusCode | None = None) -> None:
-        self.value, self.error = value, error
-
-    def result(self) -> Any:
-        if self.error is not None:
-            raise FakeRpcError(self.error)
-        return self.value
+    def details(self) -> str:
+        return self._details
 
 
-class Rpc:
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
+class AbortingContext:
+    """The part of ``grpc.aio.ServicerContext`` the servicer uses."""
 
-    def __call__(self, req: Any, timeout: float | None = None) -> Any:
-        return self.future(req, timeout).result()
-
-    def future(self, req: Any, timeout: float | None = None) -> Done:
-        try:
-            return Done(self.fn(req))
-        except FakeRpcError as exc:
-            return Done(error=exc.code())
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise AbortError(code, details)
 
 
-@dataclass
-class FakeMaster:
-    """Objects → replicas on segments (numpy buffers), a bump allocator per segment."""
+def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Runs a coroutine that never suspends (the servicer with persistence off) to its end."""
+    try:
+        coro.send(None)
+    except StopIteration as done:
+        return done.value
+    coro.close()
+    raise AssertionError("the servicer suspended; run it on an event loop instead")
 
-    segments: dict[str, tuple[np.ndarray, str]] = field(default_factory=dict)  # id → buf, ep
-    objects: dict[str, dict[str, Any]] = field(default_factory=dict)
-    used: dict[str, int] = field(default_factory=dict)
-    calls: list[str] = field(default_factory=list)
+
+def keys_of(req: Any) -> list[str]:
+    if hasattr(req, "items"):
+        return [it.key for it in req.items]
+    if hasattr(req, "keys"):
+        return list(req.keys)
+    return [req.key] if hasattr(req, "key") else []
+
+
+class CoreMaster:
+    """A real :class:`StoreMaster` (free-ratio-first placement, so replica order is known)
+    served by the real :class:`StoreMasterServicer`; ``calls`` logs (rpc, keys)."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.core = StoreMaster(self.clock, random.Random(0), MasterParams(client_ttl_s=1e9),
+                                strategy=FreeRatioFirstStrategy())
+        self.servicer = StoreMasterServicer(self.core, Persister(self.core, None))
+        self.calls: list[tuple[str, list[str]]] = []
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()  # the client may call from several threads
 
     def add_segment(self, seg: str, nbytes: int, agent: str) -> np.ndarray:
+        """Mounts a ``nbytes`` buffer as segment ``seg`` of the NIXL agent named ``agent``."""
         buf = np.zeros(nbytes, dtype=np.uint8)
-        self.segments[seg] = (buf, encode_endpoint(agent.encode()))
-        self.used[seg] = 0
+        self._buffers.append(buf)
+        self.core.mount_segment(f"owner-{agent}", seg, int(buf.ctypes.data), nbytes,
+                                encode_endpoint(agent.encode()))
         return buf
 
-    def _fail(self, code: grpc.StatusCode) -> Any:
-        raise FakeRpcError(code)
+    def complete(self, key: str) -> bool:
+        obj = self.core.get_object(key)
+        return obj is not None and obj.complete
 
-    def PutStart(self, req: Any) -> Any:  # noqa: N802
-        self.calls.append(f"start {req.key}")
-        if req.key in self.objects:
-            self._fail(grpc.StatusCode.ALREADY_EXISTS)
-        reps = []
-        for seg, (buf, ep) in list(self.segments.items())[:max(1, req.replicas)]:
-            if self.used[seg] + req.size > buf.nbytes:
-                continue
-            off = self.used[seg]
-            self.used[seg] += req.size
-            reps.append(store_pb2.Replica(segment_id=seg, endpoint=ep, offset=off,
-                                          address=int(buf.ctypes.data) + off, size=req.size))
-        if not reps:
-            self._fail(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        self.objects[req.key] = {"size": req.size, "replicas": reps, "complete": False}
-        return store_pb2.PutStartResponse(replicas=reps)
+    def rpc(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.servicer, name)
 
-    def PutEnd(self, req: Any) -> Any:  # noqa: N802
-        self.calls.append(f"end {req.key}")
-        self.objects[req.key]["complete"] = True
-        return store_pb2.PutEndResponse()
-
-    def PutRevoke(self, req: Any) -> Any:  # noqa: N802
-        self.calls.append(f"revoke {req.key}")
-        del self.objects[req.key]
-        return store_pb2.PutRevokeResponse()
-
-    def GetReplicaList(self, req: Any) -> Any:  # noqa: N802
-        obj = self.objects.get(req.key)
-        if obj is None:
-            raise FakeRpcError(grpc.StatusCode.NOT_FOUND)
-        if not obj["complete"]:
-            self._fail(grpc.StatusCode.FAILED_PRECONDITION)
-        return store_pb2.GetReplicaListResponse(replicas=obj["replicas"], size=obj["size"])
-
-    def BatchExistKey(self, req: Any) -> Any:  # noqa: N802
-        return store_pb2.BatchExistKeyResponse(
-            exists=[k in self.objects and self.objects[k]["complete"] for k in req.keys])
-
-    # Batch RPCs: each item as its single-key RPC, outcome as an ItemStatus (as the master)
-
-    @staticmethod
-    def _each(fn: Any, req: Any) -> tuple[store_pb2.ItemStatus, Any]:
-        try:
-            return store_pb2.ItemStatus(), fn(req)
-        except FakeRpcError as exc:
-            return store_pb2.ItemStatus(code=exc.code().value[0], message="fake"), None
-
-    def BatchPutStart(self, req: Any) -> Any:  # noqa: N802
-        out = store_pb2.BatchPutStartResponse()
-        for it in req.items:
-            st, resp = self._each(self.PutStart, it)
-            out.results.add(status=st, replicas=resp.replicas if resp else [])
-        return out
-
-    def BatchPutEnd(self, req: Any) -> Any:  # noqa: N802
-        return store_pb2.BatchStatusResponse(results=[
-            self._each(self.PutEnd, store_pb2.KeyRequest(key=k))[0] for k in req.keys])
-
-    def BatchPutRevoke(self, req: Any) -> Any:  # noqa: N802
-        return store_pb2.BatchStatusResponse(results=[
-            self._each(self.PutRevoke, store_pb2.KeyRequest(key=k))[0] for k in req.keys])
-
-    def BatchGetReplicaList(self, req: Any) -> Any:  # noqa: N802
-        out = store_pb2.BatchGetReplicaListResponse()
-        for k in req.keys:
-            st, resp = self._each(self.GetReplicaList, store_pb2.KeyRequest(key=k))
-            out.results.add(status=st, list=resp)
-        return out
+        def call(req: Any, timeout: float | None = None) -> Any:
+            with self._lock:
+                self.calls.append((name, keys_of(req)))
+                return run_now(method(req, AbortingContext()))
+        return call
 
     def stub(self) -> Any:
         class Stub:
-            pass
-
-        s = Stub()
-        for name in ("BatchPutStart", "BatchPutEnd", "BatchPutRevoke", "BatchGetReplicaList",
-                     "BatchExistKey"):
-            setattr(s, name, Rpc(getattr(self, name)))
-        return s
+            def __getattr__(_, name: str) -> Callable[..., Any]:  # noqa: N805
+                return self.rpc(name)
+        return Stub()
 
 
 class FakeAgent:
@@ -195,8 +151,8 @@ class FakeAgent:
 
 
 @pytest.fixture
-def world() -> tuple[FakeMaster, FakeAgent, StoreClient]:
-    master, agent = FakeMaster(), FakeAgent()
+def world() -> tuple[CoreMaster, FakeAgent, StoreClient]:
+    master, agent = CoreMaster(), FakeAgent()
     master.add_segment("s0", 1 << 16, "node0")
     master.add_segment("s1", 1 << 16, "node1")
     client = StoreClient("127.0.0.1:1", stub=master.stub(), agent=agent)
@@ -211,7 +167,7 @@ def test_endpoint_roundtrip() -> None:
 
 
 def test_gather_put_scatter_get_with_replicas(
-        world: tuple[FakeMaster, FakeAgent, StoreClient]) -> None:
+        world: tuple[CoreMaster, FakeAgent, StoreClient]) -> None:
     master, agent, client = world
     src = np.arange(4096, dtype=np.uint8)
     dst = np.zeros(4096, dtype=np.uint8)
@@ -219,10 +175,12 @@ def test_gather_put_scatter_get_with_replicas(
     res = client.put_many([("a", [(s, 100), (s + 1000, 50)]), ("b", [(s + 2000, 30)])],
                           replicas=2)
     assert res == ["ok", "ok"]
-    # One WRITE per remote agent for all keys, then PutEnd for both.
+    # One WRITE per remote agent for all keys, between one BatchPutStart and one BatchPutEnd.
     assert sorted(x[1] for x in agent.xfers) == ["node0", "node1"]
     assert all(x[2] == 3 for x in agent.xfers)
-    assert master.calls[-2:] == ["end a", "end b"]
+    assert master.calls == [("BatchPutStart", ["a", "b"]), ("BatchPutEnd", ["a", "b"])]
+    assert master.complete("a") and master.complete("b")
+    assert sorted(r.segment_id for r in master.core.get_object("a").replicas) == ["s0", "s1"]  # type: ignore[union-attr]
     assert client.put("a", [(s, 150)]) == "exists"
     got = client.get_many([("a", [(d, 120), (d + 500, 30)]), ("zz", [(d, 1)]),
                            ("b", [(d + 900, 30)])])
@@ -235,29 +193,34 @@ def test_gather_put_scatter_get_with_replicas(
 
 
 def test_failed_write_is_revoked_and_read_falls_back(
-        world: tuple[FakeMaster, FakeAgent, StoreClient]) -> None:
+        world: tuple[CoreMaster, FakeAgent, StoreClient]) -> None:
     master, agent, client = world
     src = np.arange(256, dtype=np.uint8)
     dst = np.zeros(256, dtype=np.uint8)
     s, d = int(src.ctypes.data), int(dst.ctypes.data)
     agent.dead.add("node1")
     assert client.put("x", [(s, 64)], replicas=2) == "failed"
-    assert "revoke x" in master.calls and "x" not in master.objects
+    assert master.calls == [("BatchPutStart", ["x"]), ("BatchPutRevoke", ["x"])]
+    assert master.core.get_object("x") is None and master.core.used() == 0
     agent.dead.clear()
     assert client.put("x", [(s, 64)], replicas=2) == "ok"
     agent.dead.add("node0")  # the first replica's owner is gone: read the second
+    agent.xfers.clear()
     assert client.get("x", [(d, 64)]) == "ok" and (dst[:64] == src[:64]).all()
+    assert agent.xfers == [("READ", "node0", 1), ("READ", "node1", 1)]
     agent.dead.add("node1")
     assert client.get("x", [(d, 64)]) == "failed"
     # A put that finds no room fails cleanly (nothing to revoke).
+    del master.calls[:]
     assert client.put("big", [(s, 1)] * 1 + [(s, (1 << 16) + 1)]) == "failed"
-    assert "big" not in master.objects
+    assert master.calls == [("BatchPutStart", ["big"])]
+    assert master.core.get_object("big") is None
 
 
 def test_incomplete_object_is_a_miss(
-        world: tuple[FakeMaster, FakeAgent, StoreClient]) -> None:
+        world: tuple[CoreMaster, FakeAgent, StoreClient]) -> None:
     master, _, client = world
-    master.PutStart(store_pb2.PutStartRequest(key="w", size=8))
+    master.core.put_start("w", 8)
     dst = np.zeros(8, dtype=np.uint8)
     assert client.get("w", [(int(dst.ctypes.data), 8)]) == "missing"
     assert client.exists_prefix(["w"]) == 0

@@ -1,19 +1,19 @@
-"""L1Pool in front of a StoreClient, with the fake master and NIXL agent of
+"""L1Pool in front of a StoreClient, with the in-process master and fake NIXL agent of
 test_store_client (no network): write-behind saves, L1-first loads, prefetch, eviction."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tests.unit.test_store_client import FakeAgent, FakeMaster
+from tests.unit.test_store_client import CoreMaster, FakeAgent
 from workers.kv.store.l1 import CLEAN, L1Pool
 from workers.kv.store_client import StoreClient
 
 SLOT = 256
 
 
-def setup(slots: int = 4) -> tuple[FakeMaster, FakeAgent, L1Pool, list[tuple[object, list[str]]]]:
-    master, agent = FakeMaster(), FakeAgent()
+def setup(slots: int = 4) -> tuple[CoreMaster, FakeAgent, L1Pool, list[tuple[object, list[str]]]]:
+    master, agent = CoreMaster(), FakeAgent()
     master.add_segment("s0", 1 << 16, "node0")
     client = StoreClient("127.0.0.1:1", stub=master.stub(), agent=agent)
     saved: list[tuple[object, list[str]]] = []
@@ -32,7 +32,7 @@ def test_write_behind_save_then_l1_and_store_loads() -> None:
     kv[:] = 0  # vLLM may reuse the blocks right away: L1 holds a copy
     assert pool.drain(5)
     assert saved == [(("r", 0), ["ok", "ok"])]
-    assert all(master.objects[k]["complete"] for k in ("k0", "k1"))
+    assert all(master.complete(k) for k in ("k0", "k1"))
     assert pool.contains("k0") == CLEAN
     out = np.zeros(8 * SLOT, dtype=np.uint8)
     o = int(out.ctypes.data)
@@ -60,7 +60,7 @@ def test_full_pool_falls_back_and_clean_slots_are_evicted() -> None:
     assert pool.save("j2", [("z", [(a, SLOT)])])  # evicts the LRU clean slot
     assert pool.drain(5) and pool.stats.evictions == 1
     assert pool.contains("x") is None and pool.contains("z") == CLEAN
-    assert master.objects["z"]["complete"]
+    assert master.complete("z")
     pool.close()
 
 
