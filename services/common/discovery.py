@@ -27,6 +27,7 @@ import aetcd
 import grpc
 
 from protos import discovery_pb2
+from services.common.periodic import Periodic, cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,10 @@ class Registration:
         self._record = record
         self._ttl = ttl
         self._lease: aetcd.leases.Lease | None = None
-        self._task: asyncio.Task[None] | None = None
+        period = max(ttl / 3.0, 0.2)
+        # Fixed period, no backoff: a lease must be refreshed well within its TTL.
+        self._keepalive = Periodic("etcd-keepalive", self._refresh, period,
+                                   delay_first=True, max_backoff_s=period)
 
     @property
     def key(self) -> str:
@@ -73,7 +77,7 @@ class Registration:
         """Grants the lease, writes the record and starts the keepalive task."""
         await self._client.connect()
         await self._grant_and_put()
-        self._task = asyncio.create_task(self._keepalive(), name="etcd-keepalive")
+        self._keepalive.start()
 
     async def update(self, record: discovery_pb2.InstanceRecord) -> None:
         """Replaces the published record (same key, same lease)."""
@@ -85,31 +89,24 @@ class Registration:
         self._lease = await self._client.lease(self._ttl)
         await self._client.put(self._key, self._record.SerializeToString(), lease=self._lease)
 
-    async def _keepalive(self) -> None:
-        period = max(self._ttl / 3.0, 0.2)
-        while True:
-            await asyncio.sleep(period)
-            try:
-                assert self._lease is not None
-                resp = await self._lease.refresh()
-                ttl = resp.TTL if resp is not None else 0
-                if ttl <= 0:  # lease gone on the server: re-register
-                    log.warning("etcd lease %s expired; re-registering", self._lease.id)
-                    await self._grant_and_put()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # etcd unreachable: keep trying
-                log.warning("etcd keepalive failed: %s", exc)
-                with contextlib.suppress(Exception):
-                    await self._grant_and_put()
+    async def _refresh(self) -> None:
+        """One keepalive: refresh the lease; re-register when it is gone or the refresh
+        failed. A failed re-registration raises (the Periodic logs it; next try in one
+        period)."""
+        assert self._lease is not None
+        try:
+            resp = await self._lease.refresh()
+        except Exception as exc:  # etcd unreachable: try a fresh lease
+            log.warning("etcd keepalive failed: %s", exc)
+            await self._grant_and_put()
+            return
+        if (resp.TTL if resp is not None else 0) <= 0:  # lease gone on the server
+            log.warning("etcd lease %s expired; re-registering", self._lease.id)
+            await self._grant_and_put()
 
     async def close(self) -> None:
         """Stops the keepalive and revokes the lease (deleting the record). Idempotent."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        await self._keepalive.stop()
         if self._lease is not None:
             with contextlib.suppress(Exception):
                 await self._lease.revoke()
@@ -203,8 +200,5 @@ class InstanceWatcher:
 
     async def close(self) -> None:
         """Stops watching. Idempotent."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)

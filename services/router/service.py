@@ -22,15 +22,16 @@ Contract:
 - ``ListWorkers``: the live worker records from etcd.
 - :class:`LoadPoller` asks every live worker for ``GetLoad`` every ``period_s`` and feeds
   the core; a worker that does not answer keeps its last report until discovery drops it.
-- :class:`Evictor` calls ``core.evict(clock())`` every ``period_s`` (the approx trees).
+  A round that raises is logged and retried with the Periodic's backoff.
+- :class:`Evictor` calls ``core.evict(clock())`` every ``period_s`` (the approx trees),
+  with the injected (required) ``clock``. Both loops are
+  :class:`~services.common.periodic.Periodic` tasks, stopped by ``close()``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +40,7 @@ import grpc
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.block_hash import block_hashes
 from services.common.grpc_client import ChannelPool
+from services.common.periodic import Periodic
 from services.common.telemetry import tracer
 from services.router.admission.core import AdmissionDecision
 from services.router.core import (
@@ -231,11 +233,11 @@ class LoadPoller:
         self._core = core
         self._period = period_s
         self._pool = ChannelPool()
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("load-poller", self._poll_all, period_s)
 
     def start(self) -> None:
-        """Starts the polling task."""
-        self._task = asyncio.create_task(self._run(), name="load-poller")
+        """Starts the polling task (first poll at once)."""
+        self._loop.start()
 
     async def _poll_one(self, worker: WorkerRecord) -> None:
         stub = worker_pb2_grpc.WorkerStub(self._pool.get(worker.address))
@@ -246,50 +248,37 @@ class LoadPoller:
         self._core.update_load(worker.instance_id, rep.num_running, rep.num_waiting,
                                rep.kv_usage, rep.kv_total_blocks)
 
-    async def _run(self) -> None:
-        while True:
-            workers = self._core.workers()
-            await asyncio.gather(*(self._poll_one(w) for w in workers))
-            await self._pool.keep_only({w.address for w in workers})
-            await asyncio.sleep(self._period)
+    async def _poll_all(self) -> None:
+        workers = self._core.workers()
+        await asyncio.gather(*(self._poll_one(w) for w in workers))
+        await self._pool.keep_only({w.address for w in workers})
 
     async def close(self) -> None:
         """Stops polling and closes channels."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loop.stop()
         await self._pool.close()
 
 
 class Evictor:
-    """Calls ``core.evict(clock())`` every ``period_s`` (SGLang evicts every 60 s)."""
+    """Calls ``core.evict(clock())`` every ``period_s`` (SGLang evicts every 60 s); the
+    first call one period after ``start()``. A failed eviction is logged; the next one
+    still comes one period later."""
 
-    def __init__(self, core: RouterCore, period_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, core: RouterCore, period_s: float, clock: Callable[[], float]) -> None:
         self._core = core
-        self._period = period_s
         self._clock = clock
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("router-evictor", self._evict, period_s, delay_first=True,
+                              max_backoff_s=period_s)
 
     def start(self) -> None:
         """Starts the eviction task."""
-        self._task = asyncio.create_task(self._run(), name="router-evictor")
+        self._loop.start()
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._period)
-            try:
-                n = self._core.evict(self._clock())
-            except Exception:
-                log.exception("router eviction failed")
-                continue
-            if n:
-                log.debug("router evicted %d entries", n)
+    async def _evict(self) -> None:
+        n = self._core.evict(self._clock())
+        if n:
+            log.debug("router evicted %d entries", n)
 
     async def close(self) -> None:
         """Stops the task."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._loop.stop()
