@@ -2,8 +2,8 @@
 
 Contract:
 
-- :func:`make_policy(name, sim, rng)` returns ``default_registry(cfg.profiles_file)
-  .create(name, rng, context)`` (built-in policies and YAML profiles such as ``kv``,
+- :func:`make_policy(name, sim, rng)` returns ``default_registry(cfg.profiles_file,
+  context).create(name, rng)`` (built-in policies and YAML profiles such as ``kv``,
   ``kv_sampled``, ``prefix_load``, ``ttft``, ``ttft_kv``, ``ttft_hit``), with the
   simulated engines' facts as the registry's context, which policies take when they
   accept them: ``clock`` (the virtual clock), ``page_size`` (the engine block size) and
@@ -18,11 +18,10 @@ Contract:
 
 from __future__ import annotations
 
-import random
 from typing import Any
 
-from services.router.policies.base import Policy
-from services.router.policies.registry import default_registry
+from services.router.policies.base import Policy, Rng
+from services.router.policy_setup import default_registry
 from workers.engines.mock.timing import TimingModel
 
 
@@ -49,7 +48,7 @@ class TimingPerfModel:
         return self.timing.step_ms(0, 1, u) / self.speedup
 
 
-def make_policy(name: str, sim: Any, rng: random.Random) -> Policy:
+def make_policy(name: str, sim: Any, rng: Rng) -> Policy:
     """A policy instance for ``sim`` (see the module docstring)."""
     cfg = sim.cfg
     context = {
@@ -60,4 +59,4 @@ def make_policy(name: str, sim: Any, rng: random.Random) -> Policy:
                                       cfg.engine_speedup),
         "chunk_budget": cfg.max_num_batched_tokens,
     }
-    return default_registry(cfg.profiles_file).create(name, rng, context)
+    return default_registry(cfg.profiles_file, context).create(name, rng)

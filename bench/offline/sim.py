@@ -181,7 +181,8 @@ class Simulation:
         prefill_policy = (make_policy(cfg.prefill_policy, self, self.rng)
                           if cfg.prefill_policy else None)
         self.router = RouterCore(policy, prefill_policy, DisaggConfig(
-            order=cfg.disagg_order, conditional=cfg.conditional_disagg))
+            order=cfg.disagg_order, conditional=cfg.conditional_disagg),
+            clock=lambda: self.now)
         self.router.set_workers(w.record for w in self.workers.values())
         self.use_index = cfg.uses_index()
         self.admission = cfg.make_admission(self)

@@ -11,22 +11,22 @@ core). Contract of :class:`IndexFeed`:
   skipped) makes the feed ask the worker for its full state (``Worker.GetKvState``, the
   address comes from etcd) and resync that worker; the events of the batch that follow
   are then applied or ignored as already covered. Until a resync succeeds, a worker's
-  later events keep reporting the gap (retried at most every ``retry_s``).
+  later events keep reporting the gap (retried at most every ``retry_s`` of the injected
+  ``clock``, monotonic seconds).
 - A full-state entry a worker published itself replaces that worker's state unless the
   index is already past it.
 - Workers whose etcd lease goes are removed from the index (also those found only in the
   replayed stream once the first etcd snapshot shows them gone).
-- Malformed entries are counted and skipped; the feed never stops on bad input.
+- Malformed entries are counted and skipped; the feed never stops on bad input. A failed
+  stream read (Redis hiccup) is logged and the reads restart ``retry_s`` later.
 - ``stats`` (see :class:`FeedStats`), ``close()`` stops everything. Idempotent.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from protos import discovery_pb2, kv_events_pb2, worker_pb2_grpc
 from services.common.discovery import InstanceWatcher
 from services.common.event_bus import BadEntry, decode_entry, stream_name
 from services.common.grpc_client import ChannelPool
+from services.common.periodic import Periodic
 from services.indexer.core import Gap, KvEvent, KvIndex
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ class IndexFeed:
     """See the module docstring."""
 
     def __init__(self, index: KvIndex, redis_url: str, etcd_endpoint: str, namespace: str,
-                 group: str, consumer: str = "c0", *, batch: int = 512,
-                 block_ms: int = 500, retry_s: float = 1.0) -> None:
+                 group: str, consumer: str = "c0", *, clock: Callable[[], float],
+                 batch: int = 512, block_ms: int = 500, retry_s: float = 1.0) -> None:
         self.index = index
         self.stream = stream_name(namespace)
         self.group = group
@@ -89,7 +90,11 @@ class IndexFeed:
         self._pool = ChannelPool()
         self._last_try: dict[str, float] = {}
         self._redis: aioredis.Redis | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._clock = clock
+        # _follow reads until an error; the Periodic logs it and restarts after retry_s
+        # (max_backoff_s = retry_s: a fixed retry delay, as before).
+        self._follower = Periodic(f"index-feed-{group}", self._follow, retry_s,
+                                  max_backoff_s=retry_s)
 
     async def start(self) -> None:
         """Replays the stream into the index, then follows it (see the contract)."""
@@ -106,7 +111,7 @@ class IndexFeed:
             pass
         self._drop_dead_after_replay()
         self.ready.set()
-        self._task = asyncio.create_task(self._run(), name=f"index-feed-{self.group}")
+        self._follower.start()
 
     def _on_workers(self, records: Mapping[str, discovery_pb2.InstanceRecord]) -> None:
         """An etcd snapshot: workers seen alive before and now gone lose their blocks."""
@@ -125,15 +130,11 @@ class IndexFeed:
         self.index.remove_worker(worker)
         self.stats.workers_removed += 1
 
-    async def _run(self) -> None:
+    async def _follow(self) -> None:
+        """Reads and applies new entries back to back; returns only by raising (a Redis
+        hiccup), after which the Periodic retries in ``retry_s``."""
         while True:
-            try:
-                await self._read_once(block_ms=self._block_ms)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # Redis hiccup: keep going
-                log.exception("KV event feed read failed; retrying")
-                await asyncio.sleep(self._retry_s)
+            await self._read_once(block_ms=self._block_ms)
 
     async def _read_once(self, block_ms: int | None) -> int:
         """Reads and applies one chunk; returns the number of entries."""
@@ -187,7 +188,7 @@ class IndexFeed:
 
     async def _resync(self, gap: Gap) -> bool:
         """Replaces the worker's state by its own full dump; False when unavailable."""
-        now = time.monotonic()
+        now = self._clock()
         if now - self._last_try.get(gap.worker_id, -1e9) < self._retry_s:
             return False
         self._last_try[gap.worker_id] = now
@@ -211,11 +212,7 @@ class IndexFeed:
 
     async def close(self) -> None:
         """Stops following the stream and closes connections."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._follower.stop()
         await self._watcher.close()
         await self._pool.close()
         if self._redis is not None:

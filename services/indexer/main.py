@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 from protos import discovery_pb2, indexer_pb2, indexer_pb2_grpc
@@ -48,7 +49,7 @@ async def start_indexer(cfg: IndexerConfig) -> IndexerApp:
     """Rebuilds the index from the stream, then serves it; stop with ``app.server.stop()``."""
     index = KvIndex()
     feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace, cfg.group,
-                     batch=cfg.read_batch)
+                     clock=time.monotonic, batch=cfg.read_batch)
     await feed.start()
     servicer = IndexerServicer(index, feed.stats)
     spec = ServiceSpec(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer,

@@ -43,13 +43,13 @@ Contract of :class:`RouterCore`:
   finish) until released; ``plan.admission`` holds the decision. ``flights()`` lists them.
 - ``evict(now)`` forwards to the policies' ``evict`` hook (e.g. the approx trees);
   returns how many entries they evicted.
+- The clock (``clock=``, keyword-only, required) is injected: no wall clock is read here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -199,7 +199,8 @@ class RouterCore:
     _in_flight: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
     _known_models: set[str] = field(default_factory=set)
     admission: RouterAdmission | None = None
-    clock: Callable[[], float] = time.monotonic
+    # Required, keyword-only: monotonic seconds (the live router's, or a virtual clock).
+    clock: Callable[[], float] = field(kw_only=True)
     _flights: dict[str, Flight] = field(default_factory=dict)
     # request id → (prefilling worker id, uncached tokens); totals per worker id.
     _prefills: dict[str, tuple[str, int]] = field(default_factory=dict)

@@ -7,7 +7,11 @@ Contract:
   ``profiles.yaml`` plus ``--profiles FILE``); ``--indexer`` picks the overlap source:
   ``none`` (the router's own history), ``remote`` (the indexer service from discovery,
   ``--indexer-timeout-s``) or ``embedded`` (an in-process index passed to
-  :func:`start_router`). ``--seed`` makes the policies' random choices reproducible.
+  :func:`start_router`). ``--seed`` makes the policies' random choices reproducible:
+  each policy gets its own ``random.Random`` drawn from one seeded here.
+- The clock (``time.monotonic``) and the RNGs are created here and passed to the core,
+  the policies (through the registry's context) and the evictor; the profiles and
+  perf-model files are read here too (``policy_setup.default_registry``).
 - :func:`start_router(cfg, embedded_index=None)` builds and starts the router. With
   ``--indexer embedded`` pass the index (an object with ``find_matches(hashes)``, like
   ``services.indexer.core.KvIndex``; the caller keeps it fresh, e.g. with the indexer's
@@ -29,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -49,8 +54,10 @@ from services.router.overlaps import (
     OverlapSource,
     RemoteSource,
 )
+from services.router.policies.base import Clock
 from services.router.policies.profile import ProfileError
-from services.router.policies.registry import PolicyRegistry, default_registry
+from services.router.policies.registry import PolicyRegistry
+from services.router.policy_setup import default_registry
 from services.router.service import Evictor, LoadPoller, RouterServicer
 
 
@@ -160,14 +167,15 @@ class RouterConfig(BaseConfig):
                             prefill_max_queue=self.prefill_max_queue,
                             decode_first_threshold=self.decode_first_threshold)
 
-    def registry(self) -> PolicyRegistry:
-        """Built-in policies and packaged profiles, plus ``--profiles``."""
-        return default_registry(self.profiles or None)
+    def registry(self, clock: Clock) -> PolicyRegistry:
+        """Built-in policies and packaged profiles, plus ``--profiles`` (files read here,
+        in ``policy_setup``); policies that take a clock get ``clock``."""
+        return default_registry(self.profiles or None, context={"clock": clock})
 
     def problems(self) -> list[str]:
         out = super().problems()
         try:
-            names = self.registry().names()
+            names = self.registry(time.monotonic).names()
         except ProfileError as exc:
             out.append(str(exc))
         else:
@@ -219,12 +227,14 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     if (cfg.indexer == "embedded") != (embedded_index is not None):
         raise ValueError("an embedded index is required with --indexer embedded and only "
                          f"then (indexer={cfg.indexer!r})")
-    registry = cfg.registry()
+    clock: Clock = time.monotonic  # the router's one clock: core, policies, evictor
+    registry = cfg.registry(clock)
     rng = random.Random(None if cfg.seed < 0 else cfg.seed)
     core = RouterCore(policy=registry.create(cfg.policy, random.Random(rng.random())),
                       prefill_policy=registry.create(cfg.prefill_policy,
                                                      random.Random(rng.random())),
-                      disagg=cfg.disagg_config(), admission=cfg.make_admission())
+                      disagg=cfg.disagg_config(), admission=cfg.make_admission(),
+                      clock=clock)
     indexer_watcher: InstanceWatcher | None = None
     overlaps: OverlapSource
     if cfg.indexer == "embedded":
@@ -241,7 +251,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     await watcher.start()
     poller = LoadPoller(core, cfg.load_poll_s)
     poller.start()
-    evictor = Evictor(core, cfg.evict_interval_s)
+    evictor = Evictor(core, cfg.evict_interval_s, clock)
     evictor.start()
     spec = ServiceSpec(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
@@ -272,7 +282,7 @@ async def _serve(cfg: RouterConfig) -> MeshServer:
 
     index = KvIndex()
     feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
-                     f"router-{os.getpid()}")
+                     f"router-{os.getpid()}", clock=time.monotonic)
     await feed.start()
     try:
         app = await start_router(cfg, embedded_index=index)

@@ -7,6 +7,8 @@ Numbers: Dynamo's mocker model with a 10k-token KV (step ≈ 5.7 ms empty, ≈ 1
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.common.config import ConfigError, load_config
@@ -17,7 +19,7 @@ from services.router.core import Rejected, RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
 from services.router.main import RouterConfig
 from services.router.policies.base import RouteContext
-from services.router.policies.registry import default_registry
+from services.router.policy_setup import default_registry
 
 BS = 16
 CAP = 10_000
@@ -47,7 +49,9 @@ def core(policy: str, roles: tuple[str, ...] = ("agg",), **kw: object) -> tuple[
                                                                                  Clock]:
     reg = default_registry()
     clock = Clock()
-    c = RouterCore(policy=reg.create("least_loaded"), prefill_policy=reg.create("least_loaded"),
+    rng = random.Random(0)
+    c = RouterCore(policy=reg.create("least_loaded", rng),
+                   prefill_policy=reg.create("least_loaded", rng),
                    disagg=DisaggConfig(conditional=False),
                    admission=admission(policy, **kw) if policy != "none" else None,  # type: ignore[arg-type]
                    clock=clock)

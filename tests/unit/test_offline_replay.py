@@ -139,8 +139,11 @@ def test_sim_uses_the_live_routers_policies_with_the_engines_facts() -> None:
     timing = cfg.timing()
     assert policy.prefill_ms(100, 0.0) == pytest.approx(
         (timing.step_ms(100, 0, 0.0) + timing.step_ms(0, 1, 0.0)) / 2.0)
-    approx = Simulation([], SMALL.replace(policy="approx")).router.policy
+    asim = Simulation([], SMALL.replace(policy="approx"))
+    approx = asim.router.policy
     assert isinstance(approx, ApproxPolicy) and approx.page_size == SMALL.block_size
+    asim.now = 12.5  # the core and approx read the virtual clock, not the wall clock
+    assert asim.router.clock() == 12.5 and approx._clock() == 12.5
 
 
 @pytest.mark.parametrize("topology", [{}, {"prefill_workers": 2, "decode_workers": 2}])

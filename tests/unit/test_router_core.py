@@ -1,8 +1,15 @@
+import random
+
 import pytest
 
 from services.router.core import NoWorkers, RouterCore, RoutingError, UnknownModel, WorkerRecord
 from services.router.policies.base import RouteContext
-from services.router.policies.registry import PolicyRegistry, default_registry, register_all
+from services.router.policies.registry import PolicyRegistry, register_all
+from services.router.policy_setup import default_registry
+
+
+def clock() -> float:
+    return 0.0
 
 
 def rec(i: str, model: str = "m", role: str = "agg") -> WorkerRecord:
@@ -10,7 +17,7 @@ def rec(i: str, model: str = "m", role: str = "agg") -> WorkerRecord:
 
 
 def core(policy: str) -> RouterCore:
-    c = RouterCore(policy=default_registry().create(policy))
+    c = RouterCore(policy=default_registry().create(policy, random.Random(0)), clock=clock)
     c.set_workers([rec("w1"), rec("w2"), rec("w3")])
     return c
 
@@ -54,7 +61,8 @@ def test_vanished_worker_leaves_candidates_and_loads() -> None:
 
 
 def test_only_generating_roles_are_candidates() -> None:
-    c = RouterCore(policy=default_registry().create("round_robin"))
+    c = RouterCore(policy=default_registry().create("round_robin", random.Random(0)),
+                   clock=clock)
     c.set_workers([rec("w1", role="prefill")])
     with pytest.raises(NoWorkers, match="generate"):
         c.route(RouteContext("a", "m"))
@@ -72,5 +80,16 @@ def test_registry_rejects_duplicates_and_unknown_names() -> None:
     with pytest.raises(ValueError, match="already registered"):
         register_all(reg)
     with pytest.raises(KeyError, match="known"):
-        reg.create("nope")
+        reg.create("nope", random.Random(0))
     assert {"round_robin", "least_loaded"} <= set(reg.names())
+
+
+def test_clock_and_rng_are_required() -> None:
+    reg = default_registry()
+    with pytest.raises(TypeError, match="clock"):
+        RouterCore(policy=reg.create("round_robin", random.Random(0)))  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="rng"):
+        reg.create("random")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="clock"):
+        reg.create("approx", random.Random(0))  # no clock in the registry's context
+    assert reg.create("approx", random.Random(0), {"clock": clock}).name == "approx"

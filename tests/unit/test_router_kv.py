@@ -16,7 +16,7 @@ from services.router.policies.plugins import (
     credited_overlap,
     kv_cost,
 )
-from services.router.policies.registry import default_registry
+from services.router.policy_setup import default_registry
 
 BS = 4
 
@@ -48,7 +48,8 @@ def test_tier_credit_and_cost_numbers() -> None:
 
 
 def kv_core(profile: str = "kv", seed: int = 0) -> RouterCore:
-    c = RouterCore(policy=default_registry().create(profile, random.Random(seed)))
+    c = RouterCore(policy=default_registry().create(profile, random.Random(seed)),
+                   clock=lambda: 0.0)
     c.set_workers([agg("w1"), agg("w2")])
     return c
 
@@ -127,8 +128,8 @@ def test_temperature_sampling_distribution() -> None:
     expected = [x / sum(weights) for x in weights]
     for wid, p in zip("abc", expected, strict=True):
         assert counts[wid] / n == pytest.approx(p, abs=0.012)
-    probs = SoftmaxPicker(temperature=0.5).probabilities(cands, {"a": 1.0, "b": 0.5,
-                                                                   "c": 0.0})
+    picker = SoftmaxPicker(temperature=0.5, rng=random.Random(0))
+    probs = picker.probabilities(cands, {"a": 1.0, "b": 0.5, "c": 0.0})
     assert probs["a"] == pytest.approx(expected[0])
 
 
@@ -139,8 +140,9 @@ def pd(i: str, role: str) -> WorkerRecord:
 def test_decode_first_decider_uses_indexer_overlap_of_chosen_d() -> None:
     reg = default_registry()
     c = RouterCore(policy=reg.create("kv", random.Random(0)),
-                   prefill_policy=reg.create("least_loaded"),
-                   disagg=DisaggConfig(order="decode_first", decode_first_threshold=16))
+                   prefill_policy=reg.create("least_loaded", random.Random(0)),
+                   disagg=DisaggConfig(order="decode_first", decode_first_threshold=16),
+                   clock=lambda: 0.0)
     c.set_workers([pd("p1", "prefill"), pd("d1", "decode"), pd("d2", "decode")])
     prompt = tuple(range(110))  # 3 full blocks of 32
     # Empty history; the indexer says d2 holds 3 blocks (96 tokens): 14 uncached < 16.
@@ -159,7 +161,8 @@ def test_decode_first_decider_uses_indexer_overlap_of_chosen_d() -> None:
 
 def test_prefill_first_bypass_uses_indexer_overlap() -> None:
     reg = default_registry()
-    c = RouterCore(policy=reg.create("least_loaded"), prefill_policy=reg.create("round_robin"))
+    c = RouterCore(policy=reg.create("least_loaded", random.Random(0)),
+                   prefill_policy=reg.create("round_robin", random.Random(0)), clock=lambda: 0.0)
     c.set_workers([pd("p1", "prefill"), pd("d1", "decode")])
     prompt = tuple(range(330))
     plan = c.route(RouteContext("a", "m", prompt,

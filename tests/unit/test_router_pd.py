@@ -1,11 +1,13 @@
 """P/D selection in the router core: both orders, conditional disaggregation, pairing."""
 
+import random
+
 import pytest
 
 from services.router.core import Incompatible, RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig, bypass_prefill, decode_first_needs_prefill
 from services.router.policies.base import RouteContext
-from services.router.policies.registry import default_registry
+from services.router.policy_setup import default_registry
 
 BS = 32
 
@@ -16,8 +18,11 @@ def w(i: str, role: str, mode: str = "pull", bs: int = BS, layout: str = "L") ->
 
 def core(order: str = "prefill_first", **kw: object) -> RouterCore:
     reg = default_registry()
-    return RouterCore(policy=reg.create("least_loaded"), prefill_policy=reg.create("round_robin"),
-                      disagg=DisaggConfig(order=order, **kw))  # type: ignore[arg-type]
+    rng = random.Random(0)
+    return RouterCore(policy=reg.create("least_loaded", rng),
+                      prefill_policy=reg.create("round_robin", rng),
+                      disagg=DisaggConfig(order=order, **kw),  # type: ignore[arg-type]
+                      clock=lambda: 0.0)
 
 
 def ctx(rid: str, n: int, start: int = 0) -> RouteContext:

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from services.router.core import RouterCore, WorkerRecord
+from services.router.main import RouterConfig
 from services.router.policies.approx import ApproxPolicy
 from services.router.policies.base import RouteContext, WorkerState
 from services.router.policies.profile import Profile, ProfileError
-from services.router.policies.registry import PolicyRegistry, default_registry, register_all
+from services.router.policies.registry import PolicyRegistry, register_all
+from services.router.policy_setup import default_registry
 
 
 def state(i: str, **kw: object) -> WorkerState:
@@ -35,7 +37,7 @@ profiles:
       - {name: kv_utilization, weight: 1}
     picker: max_score
 """)
-    policy = reg.create("mix")
+    policy = reg.create("mix", random.Random(0))
     assert isinstance(policy, Profile)
     a = state("a", prompt_blocks=10, overlap_blocks=10, kv_usage=0.9)  # 3·1 + 0.1 = 3.1
     b = state("b", prompt_blocks=10, overlap_blocks=5, kv_usage=0.0)  # 3·0.5 + 1 = 2.5
@@ -50,7 +52,7 @@ profiles:
       - {name: prefix_cache, weight: 1}
       - {name: kv_utilization, weight: 3}
 """, replace=True)
-    assert reg.create("mix").select(ctx, [a, b]).worker_id == "b"
+    assert reg.create("mix", random.Random(0)).select(ctx, [a, b]).worker_id == "b"
 
 
 def test_unknown_plugin_names_are_rejected_clearly() -> None:
@@ -106,7 +108,8 @@ profiles:
     spec = reg.profile("kv")
     assert spec is not None and [s.name for s in spec.scorers] == ["queue"]
     # Profiles are usable as the prefill policy too.
-    c = RouterCore(policy=reg.create("least_loaded"), prefill_policy=reg.create("mine"))
+    c = RouterCore(policy=reg.create("least_loaded", random.Random(0)),
+                   prefill_policy=reg.create("mine", random.Random(0)), clock=lambda: 0.0)
     c.set_workers([WorkerRecord("p1", "a", "m", "prefill", 16, 4096, "pull", "L"),
                    WorkerRecord("d1", "b", "m", "decode", 16, 4096, "pull", "L")])
     plan = c.route(RouteContext("r", "m", tuple(range(4000))))
@@ -123,7 +126,7 @@ profiles:
     filters: [{name: kv_usage_below, args: {max: 0.5}}]
     scorers: [queue]
 """)
-    p = reg.create("f")
+    p = reg.create("f", random.Random(0))
     ok = [state("a", kv_usage=0.9, num_running=0), state("b", kv_usage=0.4, num_running=5)]
     assert p.select(RouteContext("r", "m"), ok).worker_id == "b"  # a filtered out
     full = [state("a", kv_usage=0.9), state("b", kv_usage=0.95, num_running=3)]
@@ -136,11 +139,11 @@ def test_llmd_scorers() -> None:
     reg.load_profiles("profiles:\n  q: {scorers: [queue]}\n  pc: {scorers: [prefix_cache]}\n")
     cands = [state("a", num_running=4), state("b", num_running=2, in_flight=3),
              state("c", num_waiting=1)]
-    q = reg.create("q")
+    q = reg.create("q", random.Random(0))
     assert isinstance(q, Profile)
     assert q.combined_scores(RouteContext("r", "m"), cands) == pytest.approx(
         {"a": 0.0, "b": 1 / 3, "c": 1.0})
-    pc = reg.create("pc")
+    pc = reg.create("pc", random.Random(0))
     assert isinstance(pc, Profile)
     got = pc.combined_scores(RouteContext("r", "m"), [
         state("a", prompt_blocks=4, overlap_blocks=1), state("b", prompt_blocks=0)])
@@ -175,7 +178,7 @@ def toks(start: int, n: int) -> tuple[int, ...]:
 
 
 def test_approx_cache_threshold_and_smallest_tree() -> None:
-    p = ApproxPolicy(cache_threshold=0.3)
+    p = ApproxPolicy(cache_threshold=0.3, clock=Clock())
     cands = [state("w1"), state("w2")]
     a = toks(0, 64)  # 4 pages
     assert p.select(RouteContext("1", "m", a), cands).worker_id == "w1"  # trees 0/0 → id
@@ -193,7 +196,7 @@ def test_approx_cache_threshold_and_smallest_tree() -> None:
 
 
 def test_approx_imbalance_switches_to_shortest_queue() -> None:
-    p = ApproxPolicy()  # 0.3 / 64 / 1.5
+    p = ApproxPolicy(clock=Clock())  # 0.3 / 64 / 1.5
     a = toks(0, 64)
     p.select(RouteContext("1", "m", a), [state("w1"), state("w2")])  # a → w1
     # diff 90 > 64 and 100 > 10 · 1.5 → imbalanced: shortest queue despite the cache.
@@ -230,8 +233,9 @@ def test_approx_eviction_lru_size_cap_and_age() -> None:
 
 
 def test_approx_drops_trees_of_vanished_workers_via_core() -> None:
-    p = ApproxPolicy()
-    c = RouterCore(policy=p)
+    clock = Clock()
+    p = ApproxPolicy(clock=clock)
+    c = RouterCore(policy=p, clock=clock)
     c.set_workers([WorkerRecord("w1", "a", "m", "agg", 16, 4096),
                    WorkerRecord("w2", "b", "m", "agg", 16, 4096)])
     c.route(RouteContext("r", "m", toks(0, 64)))
@@ -239,6 +243,19 @@ def test_approx_drops_trees_of_vanished_workers_via_core() -> None:
     c.set_workers([WorkerRecord("w2", "b", "m", "agg", 16, 4096)])
     assert p.tree_size("w1") == 0
     assert c.evict(0.0) == 0
+
+
+def test_the_live_router_passes_its_clock_to_approx() -> None:
+    clock = Clock()
+    reg = RouterConfig().registry(clock)
+    p = reg.create("approx", random.Random(0))
+    assert isinstance(p, ApproxPolicy)
+    p.select(RouteContext("1", "m", toks(0, 32)), [state("w1")])  # stamped at t = 0
+    clock.t = 50.0
+    p.max_age_s = 10.0
+    assert p.evict(None) == 2  # evict() without a time reads the injected clock
+    with pytest.raises(TypeError, match="clock"):
+        ApproxPolicy()  # type: ignore[call-arg]
 
 
 def test_bad_plugin_values_are_profile_errors() -> None:

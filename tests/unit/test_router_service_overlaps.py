@@ -1,6 +1,7 @@
 """The router servicer's overlap sources (embedded index, remote with fallback) and what it
 returns and traces; no network (the remote stub is a fake)."""
 
+import random
 from typing import Any
 
 import grpc
@@ -11,7 +12,7 @@ from services.common.block_hash import block_hashes
 from services.indexer.core import KvEvent, KvIndex
 from services.router.core import RouterCore
 from services.router.overlaps import EmbeddedSource, HistorySource, RemoteSource
-from services.router.policies.registry import default_registry
+from services.router.policy_setup import default_registry
 from services.router.service import RouterServicer, _set_plan_attributes
 
 
@@ -33,8 +34,13 @@ class FakeContext:
 PROMPT = list(range(64))
 
 
+def kv_core() -> RouterCore:
+    return RouterCore(policy=default_registry().create("kv", random.Random(0)),
+                      clock=lambda: 0.0)
+
+
 def servicer(source: Any) -> RouterServicer:
-    core = RouterCore(policy=default_registry().create("kv"))
+    core = kv_core()
     s = RouterServicer(core, {}, source)
     s.set_records({"w1": worker("w1", 16), "w2": worker("w2", 32)})
     return s
@@ -109,7 +115,7 @@ async def test_history_source_and_unknown_model() -> None:
 
 
 def test_span_attributes_of_a_plan() -> None:
-    core = RouterCore(policy=default_registry().create("kv"))
+    core = kv_core()
     s = RouterServicer(core, {})
     s.set_records({"w1": worker("w1", 16)})
     from services.router.policies.base import RouteContext, WorkerOverlap
@@ -142,7 +148,7 @@ async def test_config_flags_and_embedded_hook(tmp_path: Any) -> None:
     cfg = load_config(RouterConfig, ["--policy", "mine", "--prefill-policy", "kv",
                                      "--profiles", str(f), "--indexer", "embedded",
                                      "--redis-url", "redis://127.0.0.1:1"], {})
-    assert cfg.indexer == "embedded" and "mine" in cfg.registry().names()
+    assert cfg.indexer == "embedded" and "mine" in cfg.registry(lambda: 0.0).names()
     with pytest.raises(ConfigError, match="embedded needs --redis-url"):
         load_config(RouterConfig, ["--indexer", "embedded"], {})
     with pytest.raises(ConfigError, match="indexer must be one of"):

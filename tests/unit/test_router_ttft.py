@@ -18,8 +18,8 @@ from services.router.core import RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
 from services.router.policies.base import RouteContext, WorkerOverlap, WorkerState, uncached_tokens
 from services.router.policies.profile import ProfileError
-from services.router.policies.registry import default_registry
 from services.router.policies.ttft import TtftPolicy
+from services.router.policy_setup import default_registry, ttft_args
 
 BS = 16
 POLY = PolynomialPerfModel()
@@ -58,7 +58,7 @@ def test_uncached_tokens() -> None:
 # --- the policies -----------------------------------------------------------------------
 
 def test_prefers_the_worker_with_less_pending_prefill() -> None:
-    p = TtftPolicy(rng=random.Random(0))
+    p = TtftPolicy(POLY, rng=random.Random(0))
     a = state("a", pending_prefill_tokens=20000)
     b = state("b", pending_prefill_tokens=3000)
     d = p.select(ctx(1000), [a, b])
@@ -68,7 +68,7 @@ def test_prefers_the_worker_with_less_pending_prefill() -> None:
 
 
 def test_overlap_reduces_own_cost() -> None:
-    p = TtftPolicy(rng=random.Random(0))
+    p = TtftPolicy(POLY, rng=random.Random(0))
     cold = state("a", prompt_blocks=62, overlap_blocks=0)
     warm = state("b", prompt_blocks=62, overlap_blocks=60)
     assert p.select(ctx(1000), [cold, warm]).worker_id == "b"
@@ -84,8 +84,8 @@ def test_ttft_hit_counts_own_uncached_prefill_again() -> None:
     # ttft_hit charges a's own 8000 uncached tokens twice and goes to the cache hit.
     a = state("a", prompt_blocks=500, overlap_blocks=0)
     b = state("b", prompt_blocks=500, overlap_blocks=400, pending_prefill_tokens=6500)
-    plain = TtftPolicy(rng=random.Random(0))
-    hit = TtftPolicy(own_weight=1.0, rng=random.Random(0))
+    plain = TtftPolicy(POLY, rng=random.Random(0))
+    hit = TtftPolicy(POLY, own_weight=1.0, rng=random.Random(0))
     assert plain.select(ctx(8000), [a, b]).worker_id == "a"
     assert hit.select(ctx(8000), [a, b]).worker_id == "b"
     own_b = 8000 - 400 * BS
@@ -94,7 +94,7 @@ def test_ttft_hit_counts_own_uncached_prefill_again() -> None:
 
 
 def test_ttft_kv_adds_decode_blocks_and_ties_break_by_overlap_then_usage() -> None:
-    p = TtftPolicy(decode_weight=0.05, rng=random.Random(0))
+    p = TtftPolicy(POLY, decode_weight=0.05, rng=random.Random(0))
     a = state("a", active_blocks=1000)
     b = state("b", active_blocks=0)
     assert p.select(ctx(100), [a, b]).worker_id == "b"
@@ -102,20 +102,38 @@ def test_ttft_kv_adds_decode_blocks_and_ties_break_by_overlap_then_usage() -> No
     # equal costs (x's cached 160 tokens equal its queue): the larger overlap wins
     x = state("x", prompt_blocks=62, overlap_blocks=10, pending_prefill_tokens=10 * BS)
     y = state("y", prompt_blocks=62)
-    assert {TtftPolicy(rng=random.Random(s)).select(ctx(1000), [x, y]).worker_id
+    assert {TtftPolicy(POLY, rng=random.Random(s)).select(ctx(1000), [x, y]).worker_id
             for s in range(20)} == {"x"}
     x = state("x", prompt_blocks=4, overlap_blocks=4)
     y = state("y", prompt_blocks=4, overlap_blocks=4)
     z = state("z", prompt_blocks=4, overlap_blocks=4)
-    picks = {TtftPolicy(rng=random.Random(s)).select(ctx(64), [x, y, z]).worker_id
+    picks = {TtftPolicy(POLY, rng=random.Random(s)).select(ctx(64), [x, y, z]).worker_id
              for s in range(20)}
     assert picks == {"x", "y", "z"}  # all tie: seeded random choice
 
 
 def test_bad_arguments_are_rejected() -> None:
-    for kw in ({"chunk_budget": 0}, {"own_weight": -1.0}, {"speedup": 0.0}):
+    for kw in ({"chunk_budget": 0}, {"own_weight": -1.0}):
         with pytest.raises(ValueError):
-            TtftPolicy(**kw)  # type: ignore[arg-type]
+            TtftPolicy(POLY, rng=random.Random(0), **kw)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loaded PerfModel"):
+        TtftPolicy("mocker", rng=random.Random(0))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speedup"):
+        ttft_args({"speedup": 0.0})
+    with pytest.raises(TypeError):
+        TtftPolicy(POLY)  # type: ignore[call-arg]  # the RNG is required
+
+
+def test_ttft_args_load_the_named_perf_model() -> None:
+    got = ttft_args({"perf_model": "mocker", "speedup": 2.0, "kv_capacity_tokens": 1000,
+                     "chunk_budget": 64})
+    assert set(got) == {"perf_model", "chunk_budget"} and got["chunk_budget"] == 64
+    model = got["perf_model"]
+    assert isinstance(model, PolynomialPerfModel) and model.kv_capacity_tokens == 1000
+    assert model.prefill_ms(100) == pytest.approx(PolynomialPerfModel(1000).prefill_ms(100) / 2)
+    assert ttft_args({"perf_model": POLY, "speedup": 3.0}) == {"perf_model": POLY}
+    with pytest.raises(OSError):
+        ttft_args({"perf_model": "/nonexistent/table.json"})
 
 
 def test_registered_policies_and_yaml_policy_profiles() -> None:
@@ -123,19 +141,29 @@ def test_registered_policies_and_yaml_policy_profiles() -> None:
     assert {"ttft", "ttft_kv", "ttft_hit"} <= set(reg.names())
     hit = reg.create("ttft_hit", random.Random(0))
     assert isinstance(hit, TtftPolicy) and hit.name == "ttft_hit" and hit.own_weight == 1.0
-    kv = reg.create("ttft_kv")
+    kv = reg.create("ttft_kv", random.Random(0))
     assert isinstance(kv, TtftPolicy) and kv.decode_weight == 0.05
     # context (the simulator's engine facts) overrides the YAML args; unknown keys ignored
-    fast = reg.create("ttft_hit", context={"chunk_budget": 2048, "page_size": 3})
+    fast = reg.create("ttft_hit", random.Random(0),
+                      context={"chunk_budget": 2048, "page_size": 3})
     assert isinstance(fast, TtftPolicy) and fast.budget == 2048
     reg.load_profiles("""
 profiles:
   ttft_fast:
     policy: {name: ttft, args: {speedup: 2.0, chunk_budget: 4096}}
 """)
-    f = reg.create("ttft_fast")
+    f = reg.create("ttft_fast", random.Random(0))
     assert isinstance(f, TtftPolicy) and f.name == "ttft_fast" and f.budget == 4096
-    assert f.prefill_ms(100, 0.0) == pytest.approx(TtftPolicy().prefill_ms(100, 0.0) / 2)
+    assert f.prefill_ms(100, 0.0) == pytest.approx(
+        TtftPolicy(POLY, rng=random.Random(0)).prefill_ms(100, 0.0) / 2)
+    plain = reg.create("ttft", random.Random(0))  # the bare policy: mocker, speedup 1
+    assert isinstance(plain, TtftPolicy) and isinstance(plain.model, PolynomialPerfModel)
+    assert plain.prefill_ms(100, 0.0) == pytest.approx(f.prefill_ms(100, 0.0) * 2)
+    with pytest.raises(ProfileError, match="bad args.*speedup"):
+        reg.load_profiles("profiles:\n  bad:\n    policy: {name: ttft, args: {speedup: 0}}\n")
+    with pytest.raises(ProfileError, match="bad args"):
+        reg.load_profiles("profiles:\n  bad:\n    policy: {name: ttft, args: "
+                          "{perf_model: /nonexistent/table.json}}\n")
     with pytest.raises(ProfileError, match="bad args"):
         reg.load_profiles("profiles:\n  bad:\n    policy: {name: ttft, args: {chunk_budget: 0}}\n")
     with pytest.raises(ProfileError, match="unknown policy"):
@@ -151,12 +179,16 @@ def rec(i: str, role: str = "agg") -> WorkerRecord:
                         kv_layout="x")
 
 
+def clock() -> float:
+    return 0.0
+
+
 def overlaps(**blocks: int) -> dict[str, WorkerOverlap]:
     return {w: WorkerOverlap(w, n, {"device": n}) for w, n in blocks.items()}
 
 
 def test_core_adds_on_route_and_removes_on_prefill_done_and_release() -> None:
-    c = RouterCore(policy=default_registry().create("ttft", random.Random(0)))
+    c = RouterCore(policy=default_registry().create("ttft", random.Random(0)), clock=clock)
     c.set_workers([rec("a"), rec("b")])
     p1 = c.route(RouteContext("r1", "m", tuple(range(1000)), overlaps=overlaps(a=10)))
     assert p1.worker.instance_id == "a"  # the hit: 840 uncached tokens vs 1000
@@ -175,8 +207,8 @@ def test_core_adds_on_route_and_removes_on_prefill_done_and_release() -> None:
 
 
 def test_core_pending_goes_to_the_prefill_worker_and_never_negative() -> None:
-    c = RouterCore(policy=default_registry().create("least_loaded"),
-                   disagg=DisaggConfig(conditional=False))
+    c = RouterCore(policy=default_registry().create("least_loaded", random.Random(0)),
+                   disagg=DisaggConfig(conditional=False), clock=clock)
     c.set_workers([rec("p1", "prefill"), rec("d1", "decode")])
     plan = c.route(RouteContext("r1", "m", tuple(range(3000)), overlaps=overlaps(p1=2)))
     assert plan.prefill is not None and plan.prefill.instance_id == "p1"
@@ -203,7 +235,7 @@ def test_states_carry_pending_prefill_to_policies() -> None:
             seen.append({w.instance_id: w.pending_prefill_tokens for w in cands})
             return Decision(cands[0].instance_id, "first")
 
-    c = RouterCore(policy=Spy())  # type: ignore[arg-type]
+    c = RouterCore(policy=Spy(), clock=clock)  # type: ignore[arg-type]
     c.set_workers([rec("a"), rec("b")])
     c.route(RouteContext("r1", "m", tuple(range(40))))
     c.route(RouteContext("r2", "m", tuple(range(100, 140))))
@@ -219,7 +251,7 @@ async def test_servicer_prefill_done_releases_pending() -> None:
     from protos import router_pb2
     from services.router.service import RouterServicer
 
-    c = RouterCore(policy=default_registry().create("ttft", random.Random(0)))
+    c = RouterCore(policy=default_registry().create("ttft", random.Random(0)), clock=clock)
     c.set_workers([rec("a")])
     c.route(RouteContext("r1", "m", tuple(range(100))))
     svc = RouterServicer(c, {})

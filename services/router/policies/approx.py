@@ -20,17 +20,18 @@ Contract of :class:`ApproxPolicy` (``name = "approx"``):
   past twice the cap. Returns the number of pages evicted.
 - ``keep_only(worker_ids)`` drops the trees of vanished workers.
 - ``match(worker, token_ids)`` / ``tree_size(worker)`` expose the tree for tests and traces.
-The clock used to stamp page accesses is injected (``clock``); tests pass a fake one.
+The clock used to stamp page accesses is injected (``clock``, keyword-only and required:
+the live router passes its monotonic clock, the offline replay its virtual one, tests a
+fake one).
 """
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from services.common.block_hash import block_hashes
-from services.router.policies.base import Decision, RouteContext, WorkerState, queue_of
+from services.router.policies.base import Clock, Decision, RouteContext, WorkerState, queue_of
 
 
 class ApproxPolicy:
@@ -40,8 +41,8 @@ class ApproxPolicy:
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
                  balance_rel_threshold: float = 1.5, page_size: int = 16,
-                 max_pages_per_worker: int = 65536, max_age_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 max_pages_per_worker: int = 65536, max_age_s: float | None = None, *,
+                 clock: Clock) -> None:
         if not 0.0 <= cache_threshold <= 1.0:
             raise ValueError("cache_threshold must be in [0, 1]")
         if page_size < 1 or max_pages_per_worker < 1:

@@ -20,15 +20,41 @@ Contract:
   prompt's full blocks at the candidates' block size, and each :class:`WorkerState` the
   same numbers for that worker plus its load and its pending prefill tokens.
 - Policies are created by name through :class:`PolicyRegistry` (see ``registry.py``).
+- Injected effects: :data:`Clock` (monotonic seconds) and :class:`Rng` (the subset of
+  ``random.Random`` the policies draw from) are constructor arguments; no policy reads
+  the wall clock or creates an RNG itself (``services/router/main.py`` does, seeded from
+  ``--seed``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 TIERS = ("device", "host", "store")
+
+T = TypeVar("T")
+
+Clock = Callable[[], float]
+"""Monotonic seconds (``time.monotonic`` live, a virtual clock offline and in tests)."""
+
+
+class Rng(Protocol):
+    """What the policies draw from (``random.Random`` satisfies it)."""
+
+    def random(self) -> float:
+        """A float in [0, 1)."""
+        ...
+
+    def choice(self, seq: Sequence[T]) -> T:
+        """One element of the non-empty ``seq``, uniformly."""
+        ...
+
+    def choices(self, population: Sequence[T], weights: Sequence[float] | None = None, *,
+                k: int = 1) -> list[T]:
+        """``k`` elements drawn with replacement, with relative ``weights``."""
+        ...
 
 
 @dataclass(frozen=True)

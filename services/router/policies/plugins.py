@@ -17,22 +17,23 @@ Contract (see ``base.py`` for the protocols):
   ``queue`` (min-max normalised queue: shortest → 1), ``kv_utilization`` (``1 − usage``).
   ``KvCostScorer.last_costs`` keeps the raw costs of its last call, for traces.
 - Filters: ``queue_below`` (queue < ``max``), ``kv_usage_below`` (usage < ``max``).
-- Pickers: ``max_score`` (ties within 1e-9 → smaller cached tree when known → seeded
-  random), ``random`` (seeded), ``softmax`` (min-max normalise the scores to u ∈ [0, 1]
-  with the best at 0 and sample ``p ∝ exp(−u/T)``; ``T ≤ 0`` behaves as ``max_score``).
+- Pickers (each takes the injected ``rng``, required): ``max_score`` (ties within 1e-9 →
+  smaller cached tree when known → seeded random), ``random`` (seeded), ``softmax``
+  (min-max normalise the scores to u ∈ [0, 1] with the best at 0 and sample
+  ``p ∝ exp(−u/T)``; ``T ≤ 0`` behaves as ``max_score``).
   With the ``kv_cost`` scorer alone this is exactly Dynamo's temperature sampling.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from services.router.policies.base import (
     TIERS,
     Decision,
+    Rng,
     RouteContext,
     WorkerState,
     queue_of,
@@ -166,7 +167,7 @@ class KvUsageBelow:
 
 
 def _best(candidates: Sequence[WorkerState], scores: Mapping[str, float],
-          rng: random.Random) -> tuple[WorkerState, str]:
+          rng: Rng) -> tuple[WorkerState, str]:
     top = max(scores[w.instance_id] for w in candidates)
     tied = [w for w in candidates if scores[w.instance_id] >= top - TIE_EPS]
     if len(tied) == 1:
@@ -186,8 +187,8 @@ class MaxScorePicker:
 
     name = "max_score"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
+    def __init__(self, rng: Rng) -> None:
+        self._rng = rng
 
     def pick(self, ctx: RouteContext, candidates: Sequence[WorkerState],
              scores: Mapping[str, float]) -> Decision:
@@ -201,8 +202,8 @@ class RandomPicker:
 
     name = "random"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
+    def __init__(self, rng: Rng) -> None:
+        self._rng = rng
 
     def pick(self, ctx: RouteContext, candidates: Sequence[WorkerState],
              scores: Mapping[str, float]) -> Decision:
@@ -216,11 +217,11 @@ class SoftmaxPicker:
 
     name = "softmax"
 
-    def __init__(self, temperature: float = 0.0, rng: random.Random | None = None) -> None:
+    def __init__(self, temperature: float = 0.0, *, rng: Rng) -> None:
         if temperature < 0:
             raise ValueError("temperature must be >= 0")
         self.temperature = float(temperature)
-        self._rng = rng or random.Random()
+        self._rng = rng
 
     def probabilities(self, candidates: Sequence[WorkerState],
                       scores: Mapping[str, float]) -> dict[str, float]:
@@ -249,7 +250,7 @@ class SoftmaxPicker:
 PluginFactory = Callable[..., Any]
 
 # Built-in plugins by name. Factories get the YAML ``args`` as keywords (and ``rng=`` when
-# they accept it).
+# they accept it: the pickers require it).
 FILTERS: dict[str, PluginFactory] = {"queue_below": QueueBelow, "kv_usage_below": KvUsageBelow}
 SCORERS: dict[str, PluginFactory] = {
     "kv_cost": KvCostScorer, "prefix_cache": PrefixCacheScorer, "queue": QueueScorer,

@@ -1,39 +1,50 @@
 """The router policy registry: names → factories, filled by one explicit ``register_all``.
 
+Pure: no file reads, no clock, no RNG of its own (``services/router/policy_setup.py``
+reads the profiles and perf-model files and builds the registry; ``main.py`` creates the
+clock and the seeded RNGs).
+
 Contract:
 
+- ``PolicyRegistry(context=None, arg_loaders=None)``: ``context`` (keyword → value, e.g.
+  the live router's ``clock``, or the offline simulator's engine facts ``perf_model``,
+  ``chunk_budget``, ``page_size``, ``clock``) is given to every built-in policy factory,
+  and every policy profile's, for the keywords it accepts (others are ignored),
+  overriding the profile's YAML args. ``arg_loaders`` maps a built-in policy name to a
+  function turning YAML args (``{}`` for the bare policy) into its constructor keywords,
+  e.g. loading the perf model a ``ttft`` profile names; it may do I/O and runs once per
+  profile (when it is added) and once per ``create`` of the bare policy.
 - ``register(name, factory)`` adds a policy factory (called with ``rng=`` when it takes
   one); ``register_filter`` / ``register_scorer`` / ``register_picker`` add plugin
   factories (called with the profile's YAML ``args`` as keywords, plus ``rng=`` when they
   take one). Every kind rejects duplicate names with ValueError.
 - ``add_profiles(specs, replace)`` makes each profile a policy name (a policy profile,
-  ``policy: {name, args}``, builds that built-in policy with the YAML ``args`` as
-  keywords and names the instance after the profile). A profile may not
-  take the name of a built-in policy; it replaces an existing profile only with
-  ``replace=True`` (how ``--profiles FILE`` overrides the packaged defaults).
-  ``load_profiles(text, source, replace)`` / ``load_profiles_file(path, replace)`` parse
-  (see ``profile.py``) and add; the plugin names a profile uses must be registered.
-- ``create(name, rng=None, context=None)`` builds a new instance of a policy or profile
-  (each instance has its own plugins and state) or raises KeyError listing the known
-  names; ``rng`` (a ``random.Random``) makes random choices reproducible. ``context``
-  (keyword → value, e.g. the offline simulator's engine facts: ``perf_model``,
-  ``chunk_budget``, ``page_size``, ``clock``) is passed to a built-in policy's factory,
-  or a policy profile's, for the keywords it accepts (others are ignored), overriding
-  the profile's YAML args; plugin profiles ignore it. ``names()`` lists policies.
-- :func:`register_all` registers every built-in policy, filter, scorer and picker, and
-  the packaged default profiles (``profiles.yaml``). Call it once per registry.
+  ``policy: {name, args}``, builds that built-in policy with the YAML ``args`` (through
+  its arg loader, if any) as keywords and names the instance after the profile). A
+  profile may not take the name of a built-in policy; it replaces an existing profile
+  only with ``replace=True`` (how ``--profiles FILE`` overrides the packaged defaults).
+  Each profile is built once (with the registry's ``context`` and an RNG that refuses to
+  draw) to check its arguments: bad ones raise :class:`ProfileError` ("bad args").
+  ``load_profiles(text, source, replace)`` parses YAML text (see ``profile.py``) and adds;
+  the plugin names a profile uses must be registered.
+- ``create(name, rng, context=None)`` builds a new instance of a policy or profile (each
+  instance has its own plugins and state) or raises KeyError listing the known names;
+  ``rng`` (an :class:`~services.router.policies.base.Rng`, required, e.g. a seeded
+  ``random.Random``) is what its random choices draw from; ``context`` is merged over
+  the registry's. A policy whose required arguments (``clock``, ``perf_model``) are
+  given neither way raises TypeError. Plugin profiles ignore the context. ``names()``
+  lists policies.
+- :func:`register_all` registers every built-in policy, filter, scorer and picker. Call
+  it once per registry.
 """
 
 from __future__ import annotations
 
 import inspect
-import random
-from collections.abc import Callable, Mapping
-from importlib import resources
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
-from services.router.policies.base import Policy
+from services.router.policies.base import Policy, Rng, T
 from services.router.policies.profile import (
     KnownPlugins,
     PluginSpec,
@@ -45,7 +56,7 @@ from services.router.policies.profile import (
 
 Factory = Callable[..., Policy]
 PluginFactory = Callable[..., Any]
-DEFAULT_PROFILES = "profiles.yaml"
+ArgLoader = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 def _takes_rng(factory: Callable[..., Any]) -> bool:
@@ -69,16 +80,36 @@ def _accepted(factory: Callable[..., Any], context: Mapping[str, Any] | None
     return {k: v for k, v in context.items() if k in params and k != "rng"}
 
 
-def _call(factory: Callable[..., Any], rng: random.Random, **kwargs: Any) -> Any:
+def _call(factory: Callable[..., Any], rng: Rng, **kwargs: Any) -> Any:
     if _takes_rng(factory):
         kwargs["rng"] = rng
     return factory(**kwargs)
 
 
+class _NoDraws:
+    """The RNG of the check-builds: building a policy must not draw."""
+
+    def _refuse(self) -> NoReturn:
+        raise RuntimeError("a policy drew from the RNG while being built")
+
+    def random(self) -> float:
+        self._refuse()
+
+    def choice(self, seq: Sequence[T]) -> T:
+        self._refuse()
+
+    def choices(self, population: Sequence[T], weights: Sequence[float] | None = None, *,
+                k: int = 1) -> list[T]:
+        self._refuse()
+
+
 class PolicyRegistry:
     """Policy, plugin and profile factories by name."""
 
-    def __init__(self) -> None:
+    def __init__(self, context: Mapping[str, Any] | None = None,
+                 arg_loaders: Mapping[str, ArgLoader] | None = None) -> None:
+        self._context: dict[str, Any] = dict(context or {})
+        self._arg_loaders: dict[str, ArgLoader] = dict(arg_loaders or {})
         self._factories: dict[str, Factory] = {}
         self._profiles: dict[str, ProfileSpec] = {}
         self._plugins: dict[str, dict[str, PluginFactory]] = {
@@ -116,21 +147,25 @@ class PolicyRegistry:
                             frozenset(n for n in self._factories if n not in self._profiles))
 
     def add_profiles(self, specs: Mapping[str, ProfileSpec], replace: bool = False) -> None:
-        """Registers each profile as a policy name (see the module docstring)."""
+        """Registers each profile as a policy name, after building it once (see the
+        module docstring)."""
         for name in specs:
             if name in self._factories and name not in self._profiles:
                 raise ProfileError(f"profile {name!r} clashes with the built-in policy {name!r}")
             if name in self._profiles and not replace:
                 raise ProfileError(f"profile {name!r} is already registered")
+        factories = {name: self._profile_factory(spec) for name, spec in specs.items()}
+        for factory in factories.values():
+            factory(_NoDraws(), **self._context)
         for name, spec in specs.items():
             self._profiles[name] = spec
-            self._factories[name] = self._profile_factory(spec)
+            self._factories[name] = factories[name]
 
     def _profile_factory(self, spec: ProfileSpec) -> Factory:
         if spec.policy is not None:
             return self._policy_profile_factory(spec, spec.policy)
 
-        def build(rng: random.Random) -> Policy:
+        def build(rng: Rng, **_context: Any) -> Policy:
             def make(kind: str, name: str, args: Mapping[str, Any]) -> Any:
                 try:
                     return _call(self._plugins[kind][name], rng, **args)
@@ -148,48 +183,50 @@ class PolicyRegistry:
     def _policy_profile_factory(self, spec: ProfileSpec, target: PluginSpec) -> Factory:
         base = self._factories[target.name]
 
-        def build(rng: random.Random, **context: Any) -> Policy:
-            kwargs = {**target.args, **_accepted(base, context)}
+        def bad(exc: Exception) -> ProfileError:
+            return ProfileError(f"profile {spec.name!r}: bad args for policy "
+                                f"{target.name!r}: {exc}")
+        try:
+            args = self._load_args(target.name, target.args)
+        except (OSError, TypeError, ValueError) as exc:
+            raise bad(exc) from None
+
+        def build(rng: Rng, **context: Any) -> Policy:
+            kwargs = {**args, **_accepted(base, context)}
             try:
                 policy: Policy = _call(base, rng, **kwargs)
             except (TypeError, ValueError) as exc:
-                raise ProfileError(f"profile {spec.name!r}: bad args for policy "
-                                   f"{target.name!r}: {exc}") from None
+                raise bad(exc) from None
             policy.name = spec.name
             return policy
         return build
 
+    def _load_args(self, policy: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """YAML args → constructor keywords (through the policy's arg loader, if any)."""
+        loader = self._arg_loaders.get(policy)
+        return dict(loader(args) if loader is not None else args)
+
     def load_profiles(self, text: str, source: str = "<profiles>",
                       replace: bool = False) -> list[str]:
-        """Parses and adds profiles; returns their names. Each is built once to check its
-        plugin arguments."""
+        """Parses YAML text and adds its profiles; returns their names."""
         specs = parse_profiles(text, source, self.known_plugins())
-        for spec in specs.values():
-            self._profile_factory(spec)(random.Random(0))
         self.add_profiles(specs, replace=replace)
         return sorted(specs)
-
-    def load_profiles_file(self, path: str | Path, replace: bool = True) -> list[str]:
-        """``load_profiles`` on a file (replacing same-named profiles by default)."""
-        p = Path(path)
-        try:
-            text = p.read_text()
-        except OSError as exc:
-            raise ProfileError(f"cannot read profiles file {p}: {exc}") from None
-        return self.load_profiles(text, str(p), replace=replace)
 
     def profile(self, name: str) -> ProfileSpec | None:
         """The spec of profile ``name`` (None for built-in policies and unknown names)."""
         return self._profiles.get(name)
 
-    def create(self, name: str, rng: random.Random | None = None,
+    def create(self, name: str, rng: Rng,
                context: Mapping[str, Any] | None = None) -> Policy:
         """A new instance of policy ``name`` (see the module docstring)."""
         try:
             factory = self._factories[name]
         except KeyError:
             raise KeyError(f"unknown policy {name!r}; known: {sorted(self._factories)}") from None
-        policy: Policy = _call(factory, rng or random.Random(), **_accepted(factory, context))
+        merged = {**self._context, **(context or {})}
+        kwargs = {} if name in self._profiles else self._load_args(name, {})
+        policy: Policy = _call(factory, rng, **{**kwargs, **_accepted(factory, merged)})
         return policy
 
     def names(self) -> list[str]:
@@ -197,14 +234,9 @@ class PolicyRegistry:
         return sorted(self._factories)
 
 
-def default_profiles_text() -> str:
-    """The packaged default profiles (``services/router/profiles.yaml``)."""
-    return resources.files("services.router").joinpath(DEFAULT_PROFILES).read_text()
-
-
 def register_all(registry: PolicyRegistry) -> PolicyRegistry:
-    """Registers every built-in policy, plugin and default profile. Call once per
-    registry."""
+    """Registers every built-in policy and plugin. Call once per registry. (The packaged
+    default profiles are a file: ``services/router/policy_setup.py`` adds them.)"""
     from services.router.policies.approx import ApproxPolicy
     from services.router.policies.plugins import FILTERS, PICKERS, SCORERS
     from services.router.policies.simple import LeastLoaded, RandomPolicy, RoundRobin
@@ -221,13 +253,4 @@ def register_all(registry: PolicyRegistry) -> PolicyRegistry:
         registry.register_scorer(name, s)
     for name, p in PICKERS.items():
         registry.register_picker(name, p)
-    registry.load_profiles(default_profiles_text(), f"services/router/{DEFAULT_PROFILES}")
     return registry
-
-
-def default_registry(profiles_file: str | Path | None = None) -> PolicyRegistry:
-    """A registry with every built-in policy, plus the profiles of ``profiles_file``."""
-    reg = register_all(PolicyRegistry())
-    if profiles_file:
-        reg.load_profiles_file(profiles_file, replace=True)
-    return reg

@@ -5,10 +5,9 @@ Contract: each ``select`` returns one of the non-empty candidates; see each clas
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 
-from services.router.policies.base import Decision, RouteContext, WorkerState, queue_of
+from services.router.policies.base import Decision, Rng, RouteContext, WorkerState, queue_of
 
 
 class RoundRobin:
@@ -44,12 +43,12 @@ class LeastLoaded:
 
 
 class RandomPolicy:
-    """Uniformly random candidate from an injectable (seedable) RNG."""
+    """Uniformly random candidate from the injected (seeded) RNG."""
 
     name = "random"
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._rng = rng or random.Random()
+    def __init__(self, rng: Rng) -> None:
+        self._rng = rng
 
     def select(self, ctx: RouteContext, candidates: Sequence[WorkerState]) -> Decision:
         """A uniformly drawn candidate."""

@@ -1,9 +1,9 @@
 """TTFT-aware routing: send each request where its first token is predicted soonest.
 
-Pure (no I/O, no asyncio). The prediction uses a chunked-prefill performance model
-(:func:`services.common.perf_model.chunked_prefill_ms`): an engine prefills at most
-``chunk_budget`` tokens per step and every step also runs the decodes, whose step time
-depends on the worker's KV usage.
+Pure (no I/O, no asyncio, no clock, no RNG of its own). The prediction uses a
+chunked-prefill performance model (:func:`services.common.perf_model.chunked_prefill_ms`):
+an engine prefills at most ``chunk_budget`` tokens per step and every step also runs the
+decodes, whose step time depends on the worker's KV usage.
 
 Contract:
 
@@ -29,24 +29,24 @@ Contract:
   lower KV usage, then at random from the injected ``rng`` (reproducible when seeded).
   The decision carries ``cost``; ``last_costs`` keeps every candidate's cost of the last
   call, for traces and tests.
-- Arguments (YAML ``args`` of a policy profile, or keywords): ``perf_model`` (a
-  :class:`~services.common.perf_model.PerfModel` instance, or a spec for
-  :func:`~services.common.perf_model.load_perf_model`: ``mocker`` = Dynamo's mocker
-  polynomials, else a JSON table path), ``speedup`` (> 0, divides the spec model's
-  times; ignored for an instance), ``kv_capacity_tokens`` (the spec model's capacity),
-  ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``), ``own_weight``,
-  ``decode_weight`` and ``tie_ms`` (>= 0). Invalid values raise ValueError.
+- Arguments: ``perf_model`` (a loaded :class:`~services.common.perf_model.PerfModel`,
+  required), ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``),
+  ``own_weight``, ``decode_weight`` and ``tie_ms`` (>= 0), and the keyword-only ``rng``
+  (required). Invalid values raise ValueError. The YAML form of a policy profile names
+  the model instead (``perf_model: mocker | JSON path``, ``speedup``,
+  ``kv_capacity_tokens``); ``services/router/policy_setup.py`` loads it and passes the
+  object in.
 """
 
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 
-from services.common.perf_model import PerfModel, chunked_prefill_ms, load_perf_model
+from services.common.perf_model import PerfModel, chunked_prefill_ms
 from services.router.policies.base import (
     Decision,
+    Rng,
     RouteContext,
     WorkerState,
     uncached_tokens,
@@ -59,24 +59,21 @@ class TtftPolicy:
 
     name = "ttft"
 
-    def __init__(self, perf_model: PerfModel | str = "mocker", speedup: float = 1.0,
-                 kv_capacity_tokens: int = 16384 * 16, chunk_budget: int = 8192,
+    def __init__(self, perf_model: PerfModel, chunk_budget: int = 8192,
                  own_weight: float = 0.0, decode_weight: float = 0.0, tie_ms: float = 1e-6,
-                 rng: random.Random | None = None) -> None:
+                 *, rng: Rng) -> None:
         if int(chunk_budget) < 1:
             raise ValueError("chunk_budget must be >= 1")
         if own_weight < 0 or decode_weight < 0 or tie_ms < 0:
             raise ValueError("own_weight, decode_weight and tie_ms must be >= 0")
-        if isinstance(perf_model, str):
-            if not speedup > 0:
-                raise ValueError("speedup must be > 0")
-            perf_model = load_perf_model(perf_model, float(speedup), int(kv_capacity_tokens))
+        if isinstance(perf_model, str) or not callable(getattr(perf_model, "prefill_ms", None)):
+            raise ValueError(f"perf_model must be a loaded PerfModel, got {perf_model!r}")
         self.model: PerfModel = perf_model
         self.budget = int(chunk_budget)
         self.own_weight = float(own_weight)
         self.decode_weight = float(decode_weight)
         self.tie_ms = float(tie_ms)
-        self.rng = rng or random.Random()
+        self.rng = rng
         self.last_costs: dict[str, float] = {}
 
     def prefill_ms(self, tokens: int, kv_usage: float) -> float:
