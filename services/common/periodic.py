@@ -10,6 +10,9 @@ Contract:
     silently) and the next call waits ``min(interval_s · 2^k, max_backoff_s)`` after the
     k-th failure in a row (k ≥ 1); a success resets the interval. ``failures`` counts
     failures in a row, ``calls`` every finished call.
+  - A long-running ``fn`` (one that loops and returns only by raising, like a stream
+    follower) calls ``note_progress()`` whenever it has done useful work, so the failures
+    in a row, and with them the backoff, start again from zero.
   - ``CancelledError`` from ``fn`` ends the loop.
   - ``stop()`` cancels the task and waits for it to finish. Idempotent; after it,
     ``start()`` may start a new task.
@@ -66,6 +69,10 @@ class Periodic:
         if self.failures == 0:
             return self.interval_s
         return min(self.interval_s * 2 ** self.failures, self.max_backoff_s)
+
+    def note_progress(self) -> None:
+        """Resets the failures in a row (see the module docstring)."""
+        self.failures = 0
 
     def start(self) -> None:
         """Starts the loop task (no-op while one runs)."""

@@ -135,6 +135,7 @@ class IndexFeed:
         hiccup), after which the Periodic retries in ``retry_s``."""
         while True:
             await self._read_once(block_ms=self._block_ms)
+            self._follower.note_progress()
 
     async def _read_once(self, block_ms: int | None) -> int:
         """Reads and applies one chunk; returns the number of entries."""
