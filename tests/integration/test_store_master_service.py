@@ -21,7 +21,7 @@ from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from services.store_master.persist import RedisMetadata
 from tests.integration.conftest import base_args
-from tests.unit.test_store_master_core import Clock
+from tests.manual_clock import Clock
 from tests.waiting import wait_for
 from workers.store_node import StoreNodeConfig, discover_master
 

@@ -22,7 +22,7 @@ import pytest
 from services.store_master.core import FreeRatioFirstStrategy, MasterParams, StoreMaster
 from services.store_master.persist import Persister
 from services.store_master.service import StoreMasterServicer
-from tests.unit.test_store_master_core import Clock
+from tests.manual_clock import Clock
 from workers.kv.store_client import StoreClient, decode_endpoint, encode_endpoint
 
 

@@ -32,18 +32,7 @@ from services.store_master.core import (
     encode,
     make_strategy,
 )
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> float:
-        self.t += dt
-        return self.t
+from tests.manual_clock import Clock
 
 
 def make(clock: Clock, segments: int = 1, size: int = 1000, strategy: str = "random",
