@@ -36,49 +36,6 @@ def resolve_model_path(path: str) -> str:
     return path
 
 
-KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "agg": "kv_both"}
-
-
-def kv_transfer_setup(cfg: WorkerConfig) -> dict[str, object] | None:
-    """The engine's kv_transfer_config: the NIXL P→D handoff for the worker's mode, the
-    kvmesh store connector when ``--store-master`` is set, both through vLLM's
-    MultiConnector when both are on (None without either).
-
-    Sets the NIXL side-channel environment in this process, which the engine process
-    inherits at spawn; every launch gets a fresh NIXL engine id.
-    """
-    mode = cfg.resolved_handoff()
-    if mode == "none" and not cfg.store_master:
-        return None
-    from services.common.procs import free_port
-    from workers.kv.nixl import new_engine_id, nixl_env, nixl_kv_transfer_config
-
-    os.environ.update(nixl_env(cfg.nixl_port or free_port()))
-    store_extra = {"l1_mib": cfg.store_l1_mib, "replicas": cfg.store_replicas,
-                   "async_load": cfg.store_async_load}
-    if mode == "none":
-        from workers.kv.store_connector import store_kv_transfer_config
-
-        return store_kv_transfer_config(cfg.store_master,
-                                        kv_load_failure_policy=cfg.kv_load_failure_policy,
-                                        extra=store_extra)
-    # A decode worker also prefills locally (conditional disaggregation): kv_both for all.
-    nixl_cfg = nixl_kv_transfer_config(
-        mode,  # type: ignore[arg-type]
-        new_engine_id(cfg.resolved_worker_id()), "kv_both",
-        cfg.kv_load_failure_policy,  # type: ignore[arg-type]
-        kv_lease_duration=30 if mode == "pull" else 60,
-        # vLLM's own connector classes, with NIXL's busy-polling progress thread off: it
-        # keeps a core busy per idle engine on this 2-core machine (workers/kv/nixl_quiet).
-        progress_thread=False,
-    )
-    if not cfg.store_master:
-        return nixl_cfg
-    from workers.kv.store_connector import combined_kv_transfer_config
-
-    return combined_kv_transfer_config(nixl_cfg, cfg.store_master, store_extra=store_extra)
-
-
 def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Engine:
     """Creates (not starts) the configured engine; with ``events`` its KV event
     publisher binds those endpoints."""
@@ -91,7 +48,9 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
                              handoff="" if cfg.role == "agg" else "mock")
     if cfg.engine == "vllm":
         from workers.engines.vllm_engine import VllmEngineConfig
+        from workers.kv.configs import worker_kv_transfer
 
+        kv = worker_kv_transfer(cfg)
         return create_engine(
             "vllm",
             config=VllmEngineConfig(
@@ -103,8 +62,9 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
                 kv_cache_space_gib=cfg.kv_cache_gib,
                 seed=cfg.seed,
                 engine_kwargs={"max_num_seqs": cfg.max_num_seqs},
-                kv_transfer_config=kv_transfer_setup(cfg),
+                kv_transfer_config=kv.config,
                 kv_events_config=vllm_kv_events_config(events) if events else None,
+                env=kv.env,  # for its EngineCore only, not this whole process
             ),
         )
     return create_engine(cfg.engine, model_path=model_path, model_name=name)
@@ -124,13 +84,13 @@ def build_server(cfg: WorkerConfig, engine: Engine,
     With a ``relay`` the worker answers GetKvState and closes the relay on stop."""
     worker_id = cfg.resolved_worker_id()
     servicer = WorkerServicer(engine, worker_id, relay)
-    labels = {"pid": str(os.getpid())}
     rec_caps = ["generate", "abort", "load"]
+    metrics_address = ""
     if cfg.metrics_port >= 0:
         from workers.metrics import serve_metrics
 
         port = serve_metrics(engine, worker_id, cfg.role, cfg.host, cfg.metrics_port)
-        labels["metrics"] = f"{cfg.public_host}:{port}"
+        metrics_address = f"{cfg.public_host}:{port}"
 
     def record(address: str) -> discovery_pb2.InstanceRecord:
         info = engine.info
@@ -145,8 +105,9 @@ def build_server(cfg: WorkerConfig, engine: Engine,
             max_model_len=info.max_model_len,
             capabilities=rec_caps,
             engine=info.engine,
-            labels=labels,
             kv_layout=info.kv_layout,
+            pid=os.getpid(),
+            metrics_address=metrics_address,
         )
         if info.handoff.get("mode"):
             rec.handoff.CopyFrom(discovery_pb2.KvHandoff(

@@ -185,7 +185,7 @@ async def bench_ttft(master_addr: str, model: str, prefixes: list[int], reps: in
     """TTFT per configuration and prefix length (see the module docstring)."""
     from bench.store.reuse import ReuseProbe, vocab_of
     from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
-    from workers.kv.store_connector import store_kv_transfer_config
+    from workers.kv.configs import store_kv_transfer_config
 
     path = resolve_model(model)
     probe = ReuseProbe(random.Random(0), vocab_of(path))

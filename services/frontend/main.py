@@ -117,7 +117,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     def record(address: str) -> discovery_pb2.InstanceRecord:
         return discovery_pb2.InstanceRecord(
             instance_id=f"frontend-{address}", component="frontend", address=address,
-            labels={"http": f"{cfg.public_host}:{http_port}"},
+            http_address=f"{cfg.public_host}:{http_port}",
         )
 
     spec = ServiceSpec(frontend_pb2_grpc.add_FrontendServicer_to_server,

@@ -126,9 +126,8 @@ class MeshObserver:
             return list(self._fixed_urls)
         out = []
         for rec in self._frontends.instances().values():
-            http = rec.labels.get("http")
-            if http:
-                out.append(f"http://{http}/metrics")
+            if rec.http_address:
+                out.append(f"http://{rec.http_address}/metrics")
         return sorted(out)
 
     async def _scrape(self, url: str) -> None:

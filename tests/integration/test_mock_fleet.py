@@ -9,6 +9,7 @@ stopping the fleet removes every record.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
@@ -94,6 +95,11 @@ async def test_all_workers_register_with_their_roles(fleet: tuple[Fleet, Indexer
     assert {r.engine for r in recs.values()} == {"mock"}
     assert recs["fl-p28"].handoff.mode == "mock" and not recs["fl-a0"].handoff.mode
     assert "kv_events" in recs["fl-a0"].capabilities
+    # the pid in its typed field (one process: the fleet's), no metrics endpoint here, and
+    # labels only for people
+    assert {r.pid for r in recs.values()} == {os.getpid()}
+    assert {r.metrics_address for r in recs.values()} == {""}
+    assert {tuple(r.labels) for r in recs.values()} == {("fleet_index",)}
 
 
 async def test_generate_streams_and_blocks_reach_the_indexer(
@@ -145,6 +151,23 @@ async def test_prefill_decode_handoff_over_grpc(fleet: tuple[Fleet, IndexerApp])
     assert sum(len(c.token_ids) for c in chunks) == 4
     assert chunks[-1].usage.cached_tokens == len(prompt) - 1
     assert d.engine.counters()["kv_transfers"] == 1
+
+
+async def test_malformed_kv_transfer_is_refused_naming_the_key(
+        fleet: tuple[Fleet, IndexerApp]) -> None:
+    f, _ = fleet
+    d = f.by_role("decode")[0]
+    req = worker_pb2.GenerateRequest(request_id="fl-bad", token_ids=[1, 2, 3], model="mock",
+                                     sampling=common_pb2.SamplingParams(max_tokens=2))
+    req.kv_transfer.do_remote_prefill = True
+    req.kv_transfer.extra["future_key"].list_value.values.add()  # a Value with no kind
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await generate(d.address, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "kv_transfer_params['future_key'][0]" in (err.value.details() or "")
+    # the worker still serves
+    req.ClearField("kv_transfer")
+    assert (await generate(d.address, req))[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
 async def test_stop_removes_every_record(etcd: Child, redis_server: Child) -> None:

@@ -34,7 +34,7 @@ from tests.integration.pd_support import (
 )
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.kv import nixl
-from workers.kv.store_connector import combined_kv_transfer_config
+from workers.kv.configs import combined_kv_transfer_config
 from workers.model.tiny import ensure_tiny_model
 from workers.store_node import StoreNodeProcess
 

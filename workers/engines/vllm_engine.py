@@ -4,9 +4,13 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 
 - ``VllmEngine(config)``: stores a :class:`VllmEngineConfig`; touches nothing else.
 - ``start()``: validates the config, sets vLLM's environment before vllm is imported
-  (``VLLM_HOST_IP``, usage stats off via ``setdefault``; ``VLLM_ENABLE_V1_MULTIPROCESSING``,
-  ``OMP_NUM_THREADS`` and ``config.env`` -- e.g. :func:`workers.kv.nixl.nixl_env`, which
-  the EngineCore child inherits at spawn; restored once it runs -- from the config) and
+  (``VLLM_HOST_IP``, usage stats off via ``setdefault``; ``VLLM_ENABLE_V1_MULTIPROCESSING``
+  and ``OMP_NUM_THREADS`` from the config) and applies ``config.env`` (e.g.
+  :func:`workers.kv.nixl.nixl_env`, the NIXL side channel and UCX settings) scoped to this
+  start: the EngineCore child inherits it at spawn, and each of its variables is restored
+  to its previous value (or removed) once the engine is built, so the process's own
+  environment, and other engines started in it, never see it. ``info.handoff`` reads the
+  side channel from ``config.env`` over ``os.environ``. Then it
   builds ``AsyncLLM`` from ``AsyncEngineArgs`` in a worker thread, so the event loop keeps
   running while the model loads; ``start_seconds`` records how long it took. Raises on
   failure. Starts in one process are serialized (the environment is process-wide).
@@ -109,7 +113,9 @@ class VllmEngineConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     kv_transfer_config: dict[str, Any] | None = None
     kv_events_config: dict[str, Any] | None = None
-    env: dict[str, str] = field(default_factory=dict)  # set in os.environ before start
+    # For this engine's EngineCore only (e.g. workers.kv.nixl.nixl_env): applied to
+    # os.environ while start() spawns it, then restored; never left in this process.
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
