@@ -12,13 +12,17 @@
 - A store node killed after saving (the master still lists its segment): the lookup says
   hit, the load fails → "recompute" policy gives the computed tokens; "fail" ends the
   request in error (no full answer).
+
+The master runs on a fake clock the tests advance (read leases and client TTLs run out
+when a test says so, not after a sleep); its ticker still runs, and the tests also call
+the core's ``tick`` themselves right after advancing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -29,14 +33,20 @@ from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import BLOCK, KV_GIB, MAX_MODEL_LEN, delta, prompt, run, token_ids
+from tests.manual_clock import Clock
+from tests.waiting import wait_for
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
-from workers.kv.store_connector import store_kv_transfer_config
+from workers.kv.configs import store_kv_transfer_config
 from workers.model.tiny import ensure_tiny_model
 from workers.store_node import StoreNodeProcess
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.asyncio(loop_scope="session")]
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": "127.0.0.1"}
 _ids = itertools.count()
+READ_LEASE_S, CLIENT_TTL_S = 1.0, 3.0
+
+
+CLOCK = Clock()  # the master's: stands still until a test advances it
 
 
 def rid(tag: str) -> str:
@@ -47,9 +57,10 @@ def rid(tag: str) -> str:
 async def master(etcd: Child) -> AsyncIterator[StoreMasterApp]:
     cfg = load_config(StoreMasterConfig, [*base_args(etcd.address, "storeconn"),
                                           "--tick-interval-s", "0.1",
-                                          "--read-lease-ttl-s", "1", "--client-ttl-s", "3"],
+                                          "--read-lease-ttl-s", str(READ_LEASE_S),
+                                          "--client-ttl-s", str(CLIENT_TTL_S)],
                       {})
-    app = await start_store_master(cfg)
+    app = await start_store_master(cfg, clock=CLOCK)
     yield app
     await app.server.stop()
 
@@ -72,11 +83,11 @@ async def engine(master: StoreMasterApp) -> AsyncIterator[VllmEngine]:
     await eng.shutdown()
 
 
-async def wait_for(cond: Callable[[], bool], what: str, within: float = 15.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"not {what} after {within}s"
-        await asyncio.sleep(0.1)
+def drop_dead_nodes(master: StoreMasterApp) -> None:
+    """Every store node is gone (killed): their client TTL runs out, one tick drops them."""
+    CLOCK.advance(CLIENT_TTL_S + 0.1)
+    master.master.tick()
+    assert master.master.stats().clients == 0, "dead nodes still listed"
 
 
 async def node(master: StoreMasterApp, mib: int = 32) -> StoreNodeProcess:
@@ -107,7 +118,7 @@ async def test_store_reload_matches_compute_and_counts_hits(
         # The same prompt computed from scratch: no prefix cache, and its blocks dropped
         # from the store.
         assert await engine.reset_prefix_cache()
-        await asyncio.sleep(1.1)  # read leases granted by the lookups run out
+        CLOCK.advance(READ_LEASE_S + 0.1)  # read leases granted by the lookups run out
         assert master.master.remove_all() > 0
         before = engine.counters()
         assert token_ids(await run(engine, rid("d"), other)) == with_store
@@ -147,7 +158,7 @@ async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
         tokens = prompt(41, 5 * BLOCK + 3)
         objects = master.master.stats().complete_objects
         computed = token_ids(await run(l1, rid("l1a"), tokens))
-        await wait_for(lambda: master.master.stats().complete_objects >= objects + 5,
+        await wait_for(lambda: master.master.stats().complete_objects >= objects + 5, 15.0,
                        "write-behind saves in the store")
         assert await engine.reset_prefix_cache()
         before = engine.counters()
@@ -164,7 +175,7 @@ async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
     finally:
         await l1.shutdown()
         sn.kill()
-    await wait_for(lambda: master.master.stats().clients == 0, "dead node dropped")
+    drop_dead_nodes(master)
 
 
 async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -> None:
@@ -191,7 +202,7 @@ async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -
     finally:
         await eng.shutdown()
         sn.kill()
-    await wait_for(lambda: master.master.stats().clients == 0, "dead node dropped")
+    drop_dead_nodes(master)
 
 
 async def test_load_failure_recompute_and_fail(master: StoreMasterApp,
@@ -209,7 +220,7 @@ async def test_load_failure_recompute_and_fail(master: StoreMasterApp,
     moved = delta(engine.counters(), before)
     assert moved.get("kv_connector_hits_tokens") == 6 * BLOCK  # the lookup said hit
 
-    await wait_for(lambda: master.master.stats().clients == 0, "dead node dropped")
+    drop_dead_nodes(master)
     fail = await start_engine(master.server.address, "fail")
     try:
         sn2 = await node(master)
