@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import openai
 import pytest
 
 from services.common.procs import free_port, port_open
 from services.launcher.up import health
+from tests.waiting import wait_for_sync
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -33,12 +37,14 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         )
     url = f"http://127.0.0.1:{port}"
+
+    def serving() -> bool:
+        assert proc.poll() is None, out.read_text()
+        return b"kvmesh is serving" in out.read_bytes()
+
     try:
-        deadline = time.monotonic() + 300
-        while b"kvmesh is serving" not in out.read_bytes():
-            assert proc.poll() is None, out.read_text()
-            assert time.monotonic() < deadline, out.read_text()
-            time.sleep(0.5)
+        wait_for_sync(serving, 300, lambda: f"'kvmesh is serving'; output: {out.read_text()}",
+                      interval_s=0.5)
         yield url, out
     finally:
         if proc.poll() is None:
@@ -48,6 +54,31 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+def read_until(stream: IO[bytes], marker: bytes, timeout_s: float) -> bytes:
+    """Reads ``stream`` until a line contains ``marker``; returns everything read. Fails
+    when the stream ends first or ``timeout_s`` passes (a reader thread does the blocking
+    reads, so the deadline holds even while no line arrives)."""
+    lines: queue.Queue[bytes] = queue.Queue()
+
+    def pump() -> None:
+        for line in iter(stream.readline, b""):
+            lines.put(line)
+        lines.put(b"")  # end of stream
+
+    threading.Thread(target=pump, daemon=True).start()
+    seen = b""
+    deadline = time.monotonic() + timeout_s
+    while marker not in seen:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"no {marker!r} within {timeout_s}s; output: "
+                                 f"{seen.decode(errors='replace')}") from None
+        assert line, f"output ended before {marker!r}: {seen.decode(errors='replace')}"
+        seen += line
+    return seen
 
 
 def client(url: str) -> openai.OpenAI:
@@ -114,13 +145,12 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
         env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
     assert proc.stdout is not None
-    seen = b""
-    deadline = time.monotonic() + 300
-    while b"Press Ctrl-C" not in seen:
-        line = proc.stdout.readline()
-        assert line or proc.poll() is None, seen.decode()
-        seen += line
-        assert time.monotonic() < deadline
+    try:
+        read_until(proc.stdout, b"Press Ctrl-C", 300)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        raise
     pids = [int(p.read_text()) for p in log_dir.glob("*.pid")]
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(60) == 0

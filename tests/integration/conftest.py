@@ -6,7 +6,6 @@ read whole traces.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ from services.common.procs import Child
 from services.common.telemetry import setup_in_memory_tracing
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterApp, RouterConfig, start_router
+from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server
 from workers.model.tiny import ensure_tiny_model
@@ -47,6 +47,13 @@ class Mesh:
         return self.frontend.base_url
 
 
+async def wait_routable(router: RouterApp, n: int, what: str, timeout_s: float = 30) -> None:
+    """Until ``router``'s etcd watch lists at least ``n`` workers (``what`` names them)."""
+    await wait_for(lambda: len(router.watcher.instances()) >= n, timeout_s,
+                   lambda: f"the router to learn {what} from etcd "
+                           f"(has {sorted(router.watcher.instances())})")
+
+
 def base_args(etcd: str, namespace: str) -> list[str]:
     return ["--etcd-endpoint", etcd, "--namespace", namespace, "--lease-ttl", "2",
             "--grace-s", "0.5"]
@@ -64,12 +71,9 @@ async def mesh(etcd: Child, spans: InMemorySpanExporter, tiny_model: str) -> Asy
     wserver = build_server(wcfg, engine)
     await wserver.start()
     frontend = await start_frontend(load_config(FrontendConfig, [*args, "--http-port", "0"], {}))
-    for _ in range(100):  # the router learns the worker from its etcd watch
-        if router.watcher.instances():
-            break
-        await asyncio.sleep(0.05)
     m = Mesh(etcd.address, router, frontend, wserver.address, wcfg.resolved_worker_id(), "tiny")
     try:
+        await wait_routable(router, 1, "the worker")
         yield m
     finally:
         await frontend.server.stop()

@@ -4,21 +4,21 @@
   into a test module to use it there; started once per session).
 - ``start_pd(mode)``: a P (kv_producer) and a D (kv_consumer) VllmEngine with vLLM's NIXL
   connector, each with a fresh engine id and its own free side-channel port.
-- ``run`` / ``token_ids`` / ``wait_until``: drive an engine and wait on its load.
+- ``run`` / ``token_ids`` / ``idle`` / ``holding``: drive an engine and read its load
+  (wait with :func:`tests.waiting.wait_for`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
-import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest_asyncio
 
 from services.common.procs import free_port
+from tests.waiting import wait_for
 from workers.engines.base import EngineOutput, EngineRequest, Sampling
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.kv import nixl
@@ -115,16 +115,9 @@ def token_ids(outs: list[EngineOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
 
 
-async def wait_until(
-    cond: Callable[[], bool], what: str, within: float = 10.0, step: float = 0.02
-) -> float:
-    """Poll ``cond`` until true; return the seconds waited, or fail naming ``what``."""
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > within:
-            raise AssertionError(f"not {what} after {within}s")
-        await asyncio.sleep(step)
-    return time.monotonic() - t0
+async def wait_until(cond: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Kept for callers not yet moved to :func:`tests.waiting.wait_for` (same contract)."""
+    await wait_for(cond, within, what, interval_s=0.02)
 
 
 def idle(engine: VllmEngine) -> Callable[[], bool]:

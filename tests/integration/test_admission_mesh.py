@@ -33,6 +33,7 @@ from services.common.procs import Child
 from services.frontend.main import FrontendConfig, start_frontend
 from services.router.main import RouterConfig, start_router
 from tests.integration.conftest import base_args
+from tests.waiting import wait_for
 from workers.engines.mock.engine import MockEngine
 from workers.fleet import Fleet, FleetConfig, start_fleet
 
@@ -72,10 +73,11 @@ async def run_burst(etcd: str, ns: str, admission: str) -> tuple[list[Result],
     frontend = await start_frontend(load_config(FrontendConfig, [
         *args, "--http-port", "0", "--router-address", router.server.address], {}))
     try:
-        for _ in range(200):
-            if len(router.watcher.instances()) == 2 and await frontend_ready(frontend.base_url):
-                break
-            await asyncio.sleep(0.05)
+        async def ready() -> bool:
+            return (len(router.watcher.instances()) == 2
+                    and await frontend_ready(frontend.base_url))
+
+        await wait_for(ready, 30, "the router to see P and D and the frontend to be healthy")
         results = [Result(i, 0.0) for i in range(BURST)]
         async with httpx.AsyncClient(timeout=60) as client:
             first_rejection = asyncio.Event()

@@ -6,8 +6,7 @@ eviction happens after a handful of prompts; one indexer service that follows th
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -27,7 +26,9 @@ from services.common.procs import Child
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import prompt
+from tests.waiting import wait_for
 from workers.config import WorkerConfig
+from workers.kv.event_relay import KvEventRelay
 from workers.main import WorkerApp, start_worker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -83,16 +84,17 @@ async def generate(stub: worker_pb2_grpc.WorkerStub, ids: list[int], tag: str) -
     return cached
 
 
-async def eventually(check: Callable[[], object], within: float = 10.0) -> None:
-    """Polls an async ``check`` until it returns truthy."""
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        result = await check()  # type: ignore[misc]
-        if result:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met in {within}s (last: {result!r})")
-        await asyncio.sleep(0.1)
+def relay_flushed(relay: KvEventRelay) -> bool:
+    """Every event the relay has numbered so far left it: published or dropped (ids start
+    at 0, so ``state().event_id + 1`` events were numbered)."""
+    s = relay.stats
+    return s.events + s.dropped_on_purpose + s.dropped_backlog == relay.state().event_id + 1
+
+
+def relay_holds(relay: KvEventRelay, hashes: list[int]) -> bool:
+    """The relay's own state (every numbered event applied) holds all of ``hashes``."""
+    held = {h for t in relay.state().tiers for h in t.block_hashes}
+    return set(hashes) <= held
 
 
 async def overlap(stub: indexer_pb2_grpc.IndexerStub, ids: list[int], worker: str) -> int:
@@ -121,14 +123,14 @@ async def test_stored_blocks_reach_the_index(setup: Setup) -> None:
 
     async def indexed() -> bool:
         return await overlap(ix, ids, setup.worker_id) == 4
-    await eventually(indexed)
+    await wait_for(indexed, 10, "the 4 stored blocks in the index")
     # The index holds exactly the chained hashes the router computes for the prompt.
     dump = await ix.Dump(indexer_pb2.DumpRequest(worker_id=setup.worker_id))
     held = {h for t in dump.workers[0].tiers for h in t.block_hashes}
     assert set(block_hashes(ids, BLOCK)[:4]) <= held
     # A second request with the same prefix is a real prefix-cache hit on the engine.
     assert await generate(setup.worker_stub(), ids[:4 * BLOCK] + [5, 6, 7], "ev-2") == 4 * BLOCK
-    await eventually(lambda: in_sync(setup))
+    await wait_for(lambda: in_sync(setup), 10, "the index in sync with the relay")
 
 
 async def test_evicted_blocks_leave_the_index(setup: Setup) -> None:
@@ -138,16 +140,16 @@ async def test_evicted_blocks_leave_the_index(setup: Setup) -> None:
 
     async def first_indexed() -> bool:
         return await overlap(ix, first, setup.worker_id) == 12
-    await eventually(first_indexed)
+    await wait_for(first_indexed, 10, "the first prompt's 12 blocks in the index")
     for i in range(1, 10):  # ~108 more blocks through an ~80-block cache
         await generate(setup.worker_stub(), prompt(202 + i, 12 * BLOCK), f"evict-{i}")
 
     async def first_gone() -> bool:
         return await overlap(ix, first, setup.worker_id) == 0
-    await eventually(first_gone)
+    await wait_for(first_gone, 10, "the evicted first prompt to leave the index")
     stats = await ix.Stats(indexer_pb2.StatsRequest())
     assert stats.events_applied > 0 and stats.blocks <= 100
-    await eventually(lambda: in_sync(setup))
+    await wait_for(lambda: in_sync(setup), 10, "the index in sync with the relay")
     assert setup.worker.relay is not None and setup.worker.relay.stats.unrecoverable_gaps == 0
 
 
@@ -160,7 +162,10 @@ async def test_lost_events_are_detected_and_resynced(setup: Setup) -> None:
     relay.drop_next(10_000)
     lost = prompt(303, 6 * BLOCK)
     await generate(setup.worker_stub(), lost, "gap-0")
-    await asyncio.sleep(0.5)
+    # The relay numbered the stored events of `lost` and flushed them while dropping:
+    await wait_for(lambda: relay_holds(relay, block_hashes(lost, BLOCK)[:6])
+                   and relay_flushed(relay), 10, "the relay to number and drop `lost`'s events",
+                   interval_s=0.02)
     relay.drop_next(0)
     assert relay.stats.dropped_on_purpose > dropped
     # The stored event for `lost` never reached the stream: the index cannot know it yet.
@@ -171,14 +176,14 @@ async def test_lost_events_are_detected_and_resynced(setup: Setup) -> None:
 
     async def recovered() -> bool:
         return await overlap(ix, lost, setup.worker_id) == 6
-    await eventually(recovered)
-    await eventually(lambda: in_sync(setup))
+    await wait_for(recovered, 10, "the resync to bring `lost`'s 6 blocks into the index")
+    await wait_for(lambda: in_sync(setup), 10, "the index in sync with the relay")
     stats = await ix.Stats(indexer_pb2.StatsRequest())
     assert stats.gaps > before.gaps and stats.resyncs > before.resyncs
 
 
 async def test_restarted_indexer_rebuilds_the_same_state(setup: Setup) -> None:
-    await eventually(lambda: in_sync(setup))
+    await wait_for(lambda: in_sync(setup), 10, "the index in sync with the relay")
     old = await setup.indexer_stub().Dump(indexer_pb2.DumpRequest())
     await setup.indexer.server.stop()
     setup.indexer = await start_indexer(load_config(IndexerConfig,
@@ -207,7 +212,7 @@ async def test_malformed_stream_entries_are_skipped(setup: Setup, redis_server: 
 
     async def indexed() -> bool:
         return await overlap(ix, ids, setup.worker_id) == 2
-    await eventually(indexed)
+    await wait_for(indexed, 10, "the 2 blocks in the index past the malformed entries")
     assert setup.indexer.feed.stats.bad_entries >= 2
 
 
@@ -220,4 +225,4 @@ async def test_worker_lease_loss_drops_its_blocks(setup: Setup) -> None:
     async def dropped() -> bool:
         d = await ix.Dump(indexer_pb2.DumpRequest(worker_id=setup.worker_id))
         return not d.workers
-    await eventually(dropped)
+    await wait_for(dropped, 10, "the index to drop the stopped worker's blocks")

@@ -8,7 +8,7 @@ second is a prefix-cache hit only if it lands on the worker that served the firs
 
 from __future__ import annotations
 
-import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -18,6 +18,7 @@ import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from protos import indexer_pb2, indexer_pb2_grpc
+from services.common.block_hash import block_hashes
 from services.common.config import load_config
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
@@ -25,8 +26,10 @@ from services.indexer.core import KvIndex
 from services.indexer.feed import IndexFeed
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from services.router.main import RouterApp, RouterConfig, start_router
-from tests.integration.conftest import base_args
+from tests.integration.conftest import base_args, wait_routable
 from tests.integration.pd_support import prompt
+from tests.integration.test_kv_events import relay_flushed
+from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.main import WorkerApp, start_worker
 
@@ -62,7 +65,8 @@ async def routing(etcd: Child, redis_server: Child, tiny_model: str,
             "--kv-cache-gib", "0.05", "--max-model-len", "512"], {})))
     indexer = await start_indexer(load_config(IndexerConfig, [*args, "--group", "ix-route"], {}))
     index = KvIndex()
-    feed = IndexFeed(index, f"redis://{redis_server.address}", etcd.address, NS, "router-emb")
+    feed = IndexFeed(index, f"redis://{redis_server.address}", etcd.address, NS, "router-emb",
+                     clock=time.monotonic)
     await feed.start()
     routers, frontends = {}, {}
     for name, extra in ROUTERS.items():
@@ -71,12 +75,9 @@ async def routing(etcd: Child, redis_server: Child, tiny_model: str,
             embedded_index=index if name == "kv_embedded" else None)
         frontends[name] = await start_frontend(load_config(FrontendConfig, [
             *args, "--http-port", "0", "--router-address", routers[name].server.address], {}))
-    for r in routers.values():
-        for _ in range(200):
-            if len(r.watcher.instances()) >= 2:
-                break
-            await asyncio.sleep(0.05)
     try:
+        for name, r in routers.items():
+            await wait_routable(r, 2, f"both workers ({name})")
         yield Routing(workers, indexer, routers, frontends, feed)
     finally:
         for f in frontends.values():
@@ -105,19 +106,19 @@ def cached(body: dict[str, object]) -> int:
 
 async def wait_indexed(r: Routing, ids: list[int]) -> None:
     """Until the indexer (both copies) holds the prompt's full prefix somewhere."""
+    head = ids[:PREFIX_BLOCKS * BLOCK]
     async with grpc.aio.insecure_channel(r.indexer.server.address) as ch:
         stub = indexer_pb2_grpc.IndexerStub(ch)
-        for _ in range(100):
-            resp = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
-                token_ids=ids[:PREFIX_BLOCKS * BLOCK], block_size=BLOCK))
-            from services.common.block_hash import block_hashes
 
-            emb = r.feed.index.find_matches(block_hashes(ids[:PREFIX_BLOCKS * BLOCK], BLOCK))
-            if (any(o.blocks == PREFIX_BLOCKS for o in resp.overlaps)
-                    and any(o.blocks == PREFIX_BLOCKS for o in emb.values())):
-                return
-            await asyncio.sleep(0.05)
-    raise AssertionError("the indexer never saw the first request's blocks")
+        async def both_hold_it() -> bool:
+            resp = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
+                token_ids=head, block_size=BLOCK))
+            emb = r.feed.index.find_matches(block_hashes(head, BLOCK))
+            return (any(o.blocks == PREFIX_BLOCKS for o in resp.overlaps)
+                    and any(o.blocks == PREFIX_BLOCKS for o in emb.values()))
+
+        await wait_for(both_hold_it, 10, "the indexer (remote and embedded) to hold the "
+                                         "first request's blocks")
 
 
 async def pairs(r: Routing, policy: str, seed: int, n: int) -> list[int]:
@@ -172,7 +173,10 @@ async def test_stale_index_is_visible_as_prediction_error(
         assert w.relay is not None
         w.relay.drop_next(1_000_000)
         assert await w.engine.reset_prefix_cache()
-    await asyncio.sleep(0.3)
+    relays = [w.relay for w in routing.workers if w.relay is not None]
+    # Each relay applied its engine's reset (its own state is empty) and dropped the event.
+    await wait_for(lambda: all(not r.state().tiers and relay_flushed(r) for r in relays), 10,
+                   "both relays to apply and drop their engines' cache resets", interval_s=0.02)
     spans.clear()
     body = await complete(url, [*head, 4, 5, 6])
     for w in routing.workers:

@@ -8,9 +8,8 @@ stopping the fleet removes every record.
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -28,6 +27,7 @@ from services.common.discovery import etcd_client, instances_prefix
 from services.common.procs import Child
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from tests.integration.conftest import base_args
+from tests.waiting import wait_for
 from workers.fleet import Fleet, FleetConfig, start_fleet
 
 NS = "mockfleet"
@@ -46,17 +46,6 @@ async def records(etcd: str) -> dict[str, discovery_pb2.InstanceRecord]:
         return out
     finally:
         await client.close()
-
-
-async def eventually(check: Callable[[], Awaitable[object]], within: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while True:
-        result = await check()
-        if result:
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"condition not met in {within}s (last: {result!r})")
-        await asyncio.sleep(0.1)
 
 
 async def generate(address: str, req: worker_pb2.GenerateRequest) -> list[
@@ -123,7 +112,7 @@ async def test_generate_streams_and_blocks_reach_the_indexer(
                 token_ids=prompt, block_size=BLOCK))
             return next((o.blocks for o in resp.overlaps if o.worker_id == worker.worker_id), 0)
 
-        await eventually(overlap)
+        await wait_for(overlap, 10, "the indexer to see the worker's blocks")
         assert await overlap() == 4
     again = await generate(worker.address, worker_pb2.GenerateRequest(
         request_id="fl-2", token_ids=prompt, model="mock",

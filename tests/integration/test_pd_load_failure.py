@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from services.common.config import load_config
 from services.common.discovery import InstanceWatcher
 from services.common.procs import Child, spawn
 from tests.integration.conftest import Mesh, base_args
+from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server
 
@@ -46,14 +46,21 @@ async def prefill_process(etcd: Child, tiny_model: str,
         "--max-model-len", "512"], log_dir, {**os.environ})
     watcher = InstanceWatcher(etcd.address, NS, "worker")
     await watcher.start()
-    deadline = time.monotonic() + 180
-    while not any(r.model == "tiny-p" for r in watcher.instances().values()):
-        assert child.alive() and time.monotonic() < deadline, child.log_tail()
-        await asyncio.sleep(0.2)
-    address = next(r.address for r in watcher.instances().values() if r.model == "tiny-p")
-    await watcher.close()
-    yield child, address
-    child.stop()
+
+    def registered() -> str:
+        assert child.alive(), child.log_tail()
+        return next((r.address for r in watcher.instances().values() if r.model == "tiny-p"),
+                    "")
+
+    try:
+        try:
+            address = await wait_for(registered, 180, lambda: "the prefill process in etcd; "
+                                     f"log: {child.log_tail()}", interval_s=0.2)
+        finally:
+            await watcher.close()
+        yield child, address
+    finally:
+        child.stop()
 
 
 async def prefill_then_kill(child: Child, address: str) -> worker_pb2.KvTransferParams:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -30,7 +29,8 @@ from services.common.discovery import Registration
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterApp, RouterConfig, start_router
-from tests.integration.conftest import Mesh, base_args
+from tests.integration.conftest import Mesh, base_args, wait_routable
+from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server
 
@@ -75,19 +75,18 @@ async def pd(etcd: Child, spans: InMemorySpanExporter, tiny_model: str) -> Async
         frontends[name] = await start_frontend(load_config(FrontendConfig, [
             *base_args(etcd.address, NS), "--http-port", "0",
             "--router-address", routers[name].server.address], {}))
-    for r in routers.values():
-        for _ in range(200):  # the routers learn both workers from their etcd watch
-            if len(r.watcher.instances()) >= 2:
-                break
-            await asyncio.sleep(0.05)
-    yield PdMesh(pserver.address, dserver.address, pcfg.worker_id, dcfg.worker_id, routers,
-                 frontends)
-    for f in frontends.values():
-        await f.server.stop()
-    for r in routers.values():
-        await r.server.stop()
-    await dserver.stop()
-    await pserver.stop()
+    try:
+        for name, r in routers.items():
+            await wait_routable(r, 2, f"P and D ({name})")
+        yield PdMesh(pserver.address, dserver.address, pcfg.worker_id, dcfg.worker_id,
+                     routers, frontends)
+    finally:
+        for f in frontends.values():
+            await f.server.stop()
+        for r in routers.values():
+            await r.server.stop()
+        await dserver.stop()
+        await pserver.stop()
 
 
 def words(seed: int, n: int) -> str:
@@ -113,13 +112,16 @@ async def load(address: str) -> worker_pb2.LoadReport:
 
 
 async def wait_idle(address: str, within_s: float = 20.0) -> worker_pb2.LoadReport:
-    deadline = time.monotonic() + within_s
-    while True:
-        rep = await load(address)
-        if rep.num_running == 0 and rep.num_waiting == 0 and rep.kv_usage == 0.0:
-            return rep
-        assert time.monotonic() < deadline, f"worker not idle: {rep}"
-        await asyncio.sleep(0.1)
+    """Until the worker at ``address`` runs nothing and holds no KV blocks."""
+    last = [worker_pb2.LoadReport()]
+
+    async def idle() -> bool:
+        rep = last[0] = await load(address)
+        return (rep.num_running, rep.num_waiting, rep.kv_usage) == (0, 0, 0.0)
+
+    await wait_for(idle, within_s, lambda: f"worker {address} idle (last: {last[0]})",
+                   interval_s=0.1)
+    return last[0]
 
 
 async def scrape(address: str) -> dict[str, float]:
@@ -279,11 +281,11 @@ async def test_incompatible_layouts_are_refused_at_routing_time(
         regs.append(reg)
     try:
         front = pd.frontends["always"]
-        for _ in range(100):
-            if front.pipeline.catalog.get("tiny-mixed") is not None:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # the router's watch
+        await wait_for(lambda: front.pipeline.catalog.get("tiny-mixed") is not None, 10,
+                       "the frontend's catalog to list tiny-mixed")
+        watcher = pd.routers["always"].watcher
+        await wait_for(lambda: {"fake-64", "fake-32"} <= set(watcher.instances()), 10,
+                       "the router's watch to list both fake workers")
         async with httpx.AsyncClient(base_url=front.base_url, timeout=30) as client:
             resp = await client.post("/v1/completions", json={
                 "model": "tiny-mixed", "prompt": words(51, 25), "max_tokens": 2})
@@ -310,7 +312,7 @@ async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
     held = await load(pd.p_address)
     assert held.num_running == 0 and held.kv_usage > 0.0  # finished, blocks still held
     records = pd.routers["always"].watcher.instances()
-    p_metrics = await scrape(records[pd.p_id].labels["metrics"])
+    p_metrics = await scrape(records[pd.p_id].metrics_address)
     assert p_metrics['kvmesh_worker_requests_running{role="prefill"'] == 0
     assert p_metrics['kvmesh_worker_kv_usage{role="prefill"'] > 0
     d_req = worker_pb2.GenerateRequest(
@@ -323,7 +325,7 @@ async def test_p_holds_blocks_until_d_has_read_them(pd: PdMesh) -> None:
         d_out = [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(d_req)]
     assert sum(len(r.token_ids) for r in d_out) == 4
     await wait_idle(pd.p_address, within_s=20)  # D's completion notice, not the 30 s lease
-    d_metrics = await scrape(records[pd.d_id].labels["metrics"])
+    d_metrics = await scrape(records[pd.d_id].metrics_address)
     assert d_metrics['kvmesh_engine_kv_transfer_bytes_total{role="decode"'] > 0
     assert d_metrics['kvmesh_engine_kv_external_loaded_tokens_total{role="decode"'] >= 160
 
@@ -346,7 +348,7 @@ async def test_cancel_at_any_stage_leaves_both_sides_idle(
                     pass
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(delay_s)
+    await asyncio.sleep(delay_s)  # the moment of the cancel is the parameter under test
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task

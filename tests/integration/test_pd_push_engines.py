@@ -30,8 +30,8 @@ from tests.integration.pd_support import (
     run,
     start_pd,
     token_ids,
-    wait_until,
 )
+from tests.waiting import wait_for
 from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.vllm_engine import VllmEngine
 from workers.kv import nixl
@@ -63,12 +63,12 @@ async def _concurrent(
     d_params = nixl.push_decode_params(p.info.handoff, request_id)
     d_task = asyncio.create_task(run(d, request_id, tokens, params=d_params))
     if order == "d_first":  # D has registered its blocks and waits for P's WRITE
-        await wait_until(holding(d), "D holding blocks for the push")
+        await wait_for(holding(d), 10, "D holding blocks for the push", interval_s=0.02)
         assert d.load().num_running == 0
     p_outs = await run(p, request_id, tokens, 1, nixl.prefill_params())
     d_outs = await asyncio.wait_for(d_task, 30)
-    await wait_until(idle(p), "P idle (blocks freed after its WRITE)")
-    await wait_until(idle(d), "D idle")
+    await wait_for(idle(p), 10, "P idle (blocks freed after its WRITE)", interval_s=0.02)
+    await wait_for(idle(d), 10, "D idle", interval_s=0.02)
     return p_outs, d_outs
 
 
@@ -95,7 +95,7 @@ async def test_sequential_push_matches_aggregated(
     assert holding(p)()
     d_outs = await run(d, request_id, tokens, params=nixl.decode_params_from_prefill(p_params))
     assert token_ids(d_outs) == ref
-    await wait_until(idle(p), "P idle")
+    await wait_for(idle(p), 10, "P idle", interval_s=0.02)
     p_delta, d_delta = delta(p.counters(), p0), delta(d.counters(), d0)
     assert (p_delta["kv_transfers"], p_delta["kv_transfer_bytes"]) == (1, 4 * BLOCK_BYTES)
     assert d_delta["kv_external_loaded_tokens"] == 120
@@ -164,17 +164,25 @@ async def test_abort_d_waiting_for_a_push_keeps_its_blocks_until_p_pushes(
             outs.append(out)
 
     task = asyncio.create_task(consume())
-    await wait_until(holding(d), "D holding blocks for the push")
+    await wait_for(holding(d), 10, "D holding blocks for the push", interval_s=0.02)
     assert await d.abort(request_id)
     await asyncio.wait_for(task, 10)
     assert outs[-1].finish_reason == "abort" and not any(o.token_ids for o in outs)
-    await wait_until(lambda: d.load().num_waiting == 0, "D's request gone")
-    await asyncio.sleep(1.0)
-    assert d.load().kv_usage > 0.0  # still held, see the docstring
+    await wait_for(lambda: d.load().num_waiting == 0, 10, "D's request gone", interval_s=0.02)
+    held = d.load().kv_usage
+    assert held > 0.0
+    # D keeps stepping (a local request, no handoff, runs to the end on it) and every step
+    # polls the connector for finished receives: the aborted request's blocks are still held
+    # afterwards (see the docstring), not merely not yet freed.
+    assert token_ids(await run(d, rid("local"), prompt(17, 40))) == token_ids(
+        await run(aggregated, rid("agg"), prompt(17, 40)))
+    await wait_for(lambda: d.load().num_running == 0, 10, "D's local request done",
+                   interval_s=0.02)
+    assert d.load().kv_usage == held
     p_outs = await run(p, request_id, tokens, 1, nixl.prefill_params())
     assert p_outs[-1].kv_transfer_params is not None
-    await wait_until(idle(d), "D idle once P pushed")
-    await wait_until(idle(p), "P idle")
+    await wait_for(idle(d), 10, "D idle once P pushed", interval_s=0.02)
+    await wait_for(idle(p), 10, "P idle", interval_s=0.02)
     # Both still serve handoffs afterwards.
     tokens = prompt(16, 80)
     ref = token_ids(await run(aggregated, rid("agg"), tokens))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -12,7 +11,7 @@ from services.common.config import load_config
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterConfig, start_router
-from tests.integration.conftest import Mesh, base_args
+from tests.integration.conftest import Mesh, base_args, wait_routable
 from tests.integration.test_pd_mesh import generate, ids, last_spans, wait_idle, words
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server
@@ -40,15 +39,14 @@ async def push_front(etcd: Child, spans: InMemorySpanExporter,
     front = await start_frontend(load_config(FrontendConfig, [
         *base_args(etcd.address, NS), "--http-port", "0", "--router-address",
         router.server.address], {}))
-    for _ in range(200):
-        if len(router.watcher.instances()) >= 2:
-            break
-        await asyncio.sleep(0.05)
-    yield front, [s.address for s in servers]
-    await front.server.stop()
-    await router.server.stop()
-    for s in reversed(servers):
-        await s.stop()
+    try:
+        await wait_routable(router, 2, "P and D")
+        yield front, [s.address for s in servers]
+    finally:
+        await front.server.stop()
+        await router.server.stop()
+        for s in reversed(servers):
+            await s.stop()
 
 
 async def test_push_handoff_matches_aggregated_tokens(

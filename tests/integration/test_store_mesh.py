@@ -21,8 +21,9 @@ from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from services.router.main import RouterApp, RouterConfig, start_router
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
-from tests.integration.conftest import base_args
+from tests.integration.conftest import base_args, wait_routable
 from tests.integration.pd_support import prompt
+from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.main import WorkerApp, start_worker
 from workers.store_node import StoreNodeProcess
@@ -56,11 +57,8 @@ async def smesh(etcd: Child, redis_server: Child, tiny_model: str) -> AsyncItera
         *args, "--policy", "kv", "--indexer", "remote"], {}))
     frontend = await start_frontend(load_config(FrontendConfig, [
         *args, "--http-port", "0", "--router-address", router.server.address], {}))
-    for _ in range(200):
-        if router.watcher.instances():
-            break
-        await asyncio.sleep(0.05)
     try:
+        await wait_routable(router, 1, "the worker")
         yield StoreMesh(master, node, worker, indexer, router, frontend)
     finally:
         await frontend.server.stop()
@@ -86,14 +84,15 @@ async def test_evicted_prefix_comes_back_from_the_store(smesh: StoreMesh) -> Non
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     async with grpc.aio.insecure_channel(smesh.indexer.server.address) as ch:
         stub = indexer_pb2_grpc.IndexerStub(ch)
-        for _ in range(100):  # saved blocks are announced with tier "store"
+
+        async def in_store_tier() -> indexer_pb2.FindMatchesResponse | None:
             resp = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
                 token_ids=head, block_size=BLOCK))
-            if any(o.by_tier.get("store", 0) == 5 for o in resp.overlaps):
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise AssertionError(f"no store-tier blocks in the index: {resp}")
+            return resp if any(o.by_tier.get("store", 0) == 5 for o in resp.overlaps) else None
+
+        # saved blocks are announced with tier "store"
+        await wait_for(in_store_tier, 10, "the 5 saved blocks in the index with tier 'store'",
+                       interval_s=0.1)
     assert await smesh.worker.engine.reset_prefix_cache()  # the engine forgets the prefix
     again = await complete(smesh.frontend.base_url, [*head, 9, 8, 7])
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 5 * BLOCK

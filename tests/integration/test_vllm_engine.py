@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
 
+from tests.waiting import wait_for
 from workers.engines import create_engine, engine_kinds, register_engine
 from workers.engines.base import EngineError, EngineOutput, EngineRequest, Sampling
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
@@ -43,13 +43,12 @@ async def _run(engine: VllmEngine, prompt: list[int], sampling: Sampling) -> lis
 
 
 async def _wait_idle(engine: VllmEngine, idle_usage: float, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
+    def idle() -> bool:
         load = engine.load()
-        if load.num_running == 0 and load.num_waiting == 0 and load.kv_usage == idle_usage:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle after {within}s: {engine.load()}")
+        return (load.num_running, load.num_waiting, load.kv_usage) == (0, 0, idle_usage)
+
+    await wait_for(idle, within, lambda: f"engine idle (load: {engine.load()})",
+                   interval_s=0.02)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -14,6 +14,7 @@ import pytest
 
 from services.common.procs import Child, spawn
 from tests.integration.conftest import Mesh, base_args
+from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 TTL = 2
@@ -26,19 +27,24 @@ async def start_worker(mesh: Mesh, name: str, model_path: str, log_dir: Path,
                          "--lease-ttl", str(ttl), "--model-path", model_path,
                          "--model-name", name, "--kv-cache-gib", "0.25",
                          "--max-model-len", "1024"], log_dir, env)
-    deadline = time.monotonic() + 180
-    while not any(r.model == name for r in mesh.router.watcher.instances().values()):
+
+    def routable() -> bool:
         assert child.alive(), child.log_tail()
-        assert time.monotonic() < deadline, child.log_tail()
-        await asyncio.sleep(0.1)
+        return routable_model(mesh, name)
+
+    await wait_for(routable, 180, lambda: f"worker {name} routable; log: {child.log_tail()}",
+                   interval_s=0.1)
     return child
 
 
-async def wait_gone(mesh: Mesh, name: str, deadline: float, why: str) -> float:
-    while any(r.model == name for r in mesh.router.watcher.instances().values()):
-        assert time.monotonic() < deadline, f"{name} still routable {why}"
-        await asyncio.sleep(0.05)
-    return time.monotonic()
+def routable_model(mesh: Mesh, name: str) -> bool:
+    return any(r.model == name for r in mesh.router.watcher.instances().values())
+
+
+async def wait_gone(mesh: Mesh, name: str, deadline: float, why: str) -> None:
+    """Until the router no longer lists ``name``; fails at ``deadline`` (monotonic)."""
+    await wait_for(lambda: not routable_model(mesh, name), deadline - time.monotonic(),
+                   f"{name} to leave routing {why}")
 
 
 async def test_killed_worker_errors_the_request_and_leaves_routing(
