@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from tests.virtual_time import VirtualTimeLoop, run_virtual
 from workers.engines import create_engine, engine_kinds
 from workers.engines.base import EngineError, EngineOutput, EngineRequest, Sampling
 from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.engines.mock.timing import PolynomialTiming
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 4,
@@ -18,11 +21,11 @@ def request(rid: str, prompt: list[int], max_tokens: int = 4,
     return EngineRequest(rid, prompt, Sampling(max_tokens=max_tokens, **kw), params)
 
 
-async def engine(**kw: Any) -> MockEngine:
+async def engine(clock: Callable[[], float] | None = None, **kw: Any) -> MockEngine:
     base: dict[str, Any] = {"timing": "zero", "num_blocks": 128, "block_size": 4,
                             "max_model_len": 256}
     base.update(kw)
-    e = MockEngine(MockEngineConfig(**base))
+    e = MockEngine(MockEngineConfig(**base), clock=clock or asyncio.get_running_loop().time)
     await e.start()
     return e
 
@@ -111,41 +114,54 @@ async def test_events_reach_the_sink_and_reset_clears() -> None:
         await e.shutdown()
 
 
-async def test_prefill_then_decode_handoff_between_two_engines() -> None:
-    link = {"kv_bytes_per_block": 1_000_000, "transfer_bandwidth": 1e8}
-    p = await engine(handoff="mock", engine_id="p-1", **link)
-    d = await engine(handoff="mock", **link)
-    try:
-        assert p.info.handoff["mode"] == "mock" and p.info.kv_layout == d.info.kv_layout
-        prompt = list(range(20))  # 5 blocks -> 50 ms simulated transfer
-        pouts = await collect(p, request("x", prompt, max_tokens=1, ignore_eos=True,
-                                         params={"do_remote_decode": True}))
-        params = pouts[-1].kv_transfer_params
-        assert params is not None and params["remote_engine_id"] == "p-1"
-        assert p.load().kv_usage == 0.0  # P does not hold blocks for D (simulation)
-        t0 = time.monotonic()
-        douts = await collect(d, request("x", prompt, max_tokens=3,
-                                         params={**params, "do_remote_decode": False}))
-        assert time.monotonic() - t0 >= 0.045
-        assert douts[0].token_ids == pouts[0].token_ids
-        assert douts[-1].cached_tokens == 19 and douts[-1].completion_tokens == 3
-        assert d.counters()["kv_transfer_bytes"] == 5_000_000
-    finally:
-        await p.shutdown()
-        await d.shutdown()
+def test_prefill_then_decode_handoff_between_two_engines() -> None:
+    async def scenario(loop: VirtualTimeLoop) -> None:
+        link = {"kv_bytes_per_block": 1_000_000, "transfer_bandwidth": 1e8}
+        p = await engine(loop.time, handoff="mock", engine_id="p-1", **link)
+        d = await engine(loop.time, handoff="mock", **link)
+        try:
+            assert p.info.handoff["mode"] == "mock" and p.info.kv_layout == d.info.kv_layout
+            prompt = list(range(20))  # 5 blocks -> 50 ms simulated transfer
+            pouts = await collect(p, request("x", prompt, max_tokens=1, ignore_eos=True,
+                                             params={"do_remote_decode": True}))
+            params = pouts[-1].kv_transfer_params
+            assert params is not None and params["remote_engine_id"] == "p-1"
+            assert p.load().kv_usage == 0.0  # P does not hold blocks for D (simulation)
+            t0 = loop.time()
+            douts = await collect(d, request("x", prompt, max_tokens=3,
+                                             params={**params, "do_remote_decode": False}))
+            # timing "zero": the modelled 50 ms transfer is all the time D's request takes
+            assert loop.time() - t0 == pytest.approx(0.05)
+            assert douts[0].token_ids == pouts[0].token_ids
+            assert douts[-1].cached_tokens == 19 and douts[-1].completion_tokens == 3
+            assert d.counters()["kv_transfer_bytes"] == 5_000_000
+        finally:
+            await p.shutdown()
+            await d.shutdown()
+
+    run_virtual(scenario)
 
 
-async def test_poly_timing_paces_the_stream() -> None:
-    e = await engine(timing="poly", speedup_ratio=1.0)
-    try:
-        t0 = time.monotonic()
-        outs = await collect(e, request("a", list(range(100)), max_tokens=5))
-        took = time.monotonic() - t0
-        # prefill(100) ≈ 18.0 ms + 4 decode steps ≈ 5.8 ms each at low usage
-        assert 0.035 <= took < 0.5, took
-        assert outs[0].prefill_s == pytest.approx(0.018, abs=0.015)
-    finally:
-        await e.shutdown()
+def test_poly_timing_paces_the_stream() -> None:
+    """Each token arrives when the timing model says its step ends (on virtual time)."""
+    async def scenario(loop: VirtualTimeLoop) -> None:
+        e = await engine(loop.time, timing="poly", speedup_ratio=1.0)
+        try:
+            t0 = loop.time()
+            at = []
+            async for _ in e.generate(request("a", list(range(100)), max_tokens=5)):
+                at.append(loop.time() - t0)
+            timing = PolynomialTiming()
+            prefill = timing.prefill_ms(100) / 1000  # ≈ 18.0 ms
+            assert at[0] == pytest.approx(prefill)
+            # 4 decode steps with 26 of 128 blocks in use (101 tokens of 4): ≈ 15.6 ms each
+            step = timing.decode_ms(26 / 128) / 1000
+            assert [b - a for a, b in itertools.pairwise(at)] == pytest.approx([step] * 4)
+            assert e.modelled_tpot() == [("a", pytest.approx(step))]
+        finally:
+            await e.shutdown()
+
+    run_virtual(scenario)
 
 
 async def test_concurrent_requests_batch_together_and_shutdown_aborts() -> None:
