@@ -6,9 +6,10 @@ Contract:
   :class:`PlannerSettings`, a performance model and an actuator.
 - :class:`PlannerLoop.step` runs one tick: collect observations, ``core.tick(clock(), obs)``,
   apply the decision when it has actions or the mesh differs from it (an actuator error
-  is logged; the next tick applies again), publish the desired counts as ``desired_<pool>``
-  labels on the planner's etcd record, and return the decision. ``start()`` runs ``step``
-  every ``tick_s`` in a task; ``close()`` stops it.
+  is logged; the next tick applies again), publish the desired counts in ``desired_replicas``
+  of the planner's etcd record, and return the decision. ``start()`` runs ``step``
+  every ``tick_s`` through :class:`~services.common.periodic.Periodic` (an error is logged
+  and the next tick backs off); ``close()`` stops it. ``clock`` is required.
 - :func:`start_planner` builds and starts everything and registers the planner as
   component ``planner`` through :class:`MeshServer` (health + reflection only; no gRPC API).
   Stopping the server stops the loop, the observer and the actuator (the local actuator
@@ -17,8 +18,6 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import json
 import logging
@@ -31,6 +30,7 @@ from typing import Protocol
 from protos import discovery_pb2
 from services.common.config import BaseConfig
 from services.common.perf_model import load_perf_model
+from services.common.periodic import Periodic
 from services.common.server import MeshServer, serve_main
 from services.planner.actuators import ACTUATORS, Actuator, LocalActuator, make_actuator
 from services.planner.core import PlannerCore, PlannerSettings, PoolLimits, ScalingDecision
@@ -166,8 +166,8 @@ def external_workers(snapshot: Snapshot, own_pids: set[int]) -> dict[str, int]:
     out: dict[str, int] = {}
     for load in snapshot.observations.workers:
         rec = snapshot.records.get(load.worker_id)
-        pid = rec.labels.get("pid", "") if rec is not None else ""
-        if not (pid.isdigit() and int(pid) in own_pids):
+        pid = rec.pid if rec is not None else 0
+        if not (pid > 0 and pid in own_pids):
             out[load.role] = out.get(load.role, 0) + 1
     return out
 
@@ -183,7 +183,7 @@ class PlannerLoop:
     """Observe → tick → actuate, every ``tick_s``; see the module docstring."""
 
     def __init__(self, core: PlannerCore, observer: Observer, actuator: Actuator,
-                 tick_s: float, clock: Callable[[], float] = time.monotonic,
+                 tick_s: float, clock: Callable[[], float],
                  publish: Callable[[ScalingDecision], Awaitable[None]] | None = None) -> None:
         self.core = core
         self.observer = observer
@@ -192,7 +192,7 @@ class PlannerLoop:
         self.clock = clock
         self.last: ScalingDecision | None = None
         self._publish = publish
-        self._task: asyncio.Task[None] | None = None
+        self.periodic = Periodic("planner-loop", self.step, tick_s)
 
     async def step(self) -> ScalingDecision:
         """One observe → tick → actuate round."""
@@ -218,25 +218,13 @@ class PlannerLoop:
                 log.exception("publishing the desired counts failed")
         return decision
 
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.step()
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("planner tick failed")
-            await asyncio.sleep(self.tick_s)
-
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="planner-loop")
+        """Runs :meth:`step` every ``tick_s`` (first at once) until :meth:`close`."""
+        self.periodic.start()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        """Stops the loop and waits for it. Idempotent."""
+        await self.periodic.stop()
 
 
 @dataclasses.dataclass
@@ -248,8 +236,11 @@ class PlannerApp:
     core: PlannerCore
 
 
-async def start_planner(cfg: PlannerConfig) -> PlannerApp:
-    """Builds, registers and starts the planner; stop it with ``app.server.stop()``."""
+async def start_planner(cfg: PlannerConfig,
+                        clock: Callable[[], float] = time.monotonic) -> PlannerApp:
+    """Builds, registers and starts the planner; stop it with ``app.server.stop()``.
+    ``clock`` is the planner's time (seconds, monotonic): what its intervals and rates are
+    measured in."""
     model = load_perf_model(cfg.perf_model, cfg.perf_speedup, cfg.kv_capacity_tokens)
     core = PlannerCore(cfg.settings(), model)
     urls = [u.strip() for u in cfg.metrics_urls.split(",") if u.strip()]
@@ -257,26 +248,25 @@ async def start_planner(cfg: PlannerConfig) -> PlannerApp:
     actuator = build_actuator(cfg)
     await observer.start()
     labels = {"mode": cfg.mode, "actuator": cfg.actuator}
+    published: dict[str, int] = {}
 
     def record(address: str) -> discovery_pb2.InstanceRecord:
         return discovery_pb2.InstanceRecord(instance_id=f"planner-{address}",
                                             component="planner", address=address,
-                                            labels=labels)
+                                            labels=labels, desired_replicas=published)
 
     holder: dict[str, MeshServer] = {}
-    published: dict[str, str] = {}
 
     async def publish(decision: ScalingDecision) -> None:
-        new = {f"desired_{p}": str(n) for p, n in decision.desired.items()}
+        new = dict(decision.desired)
         server = holder.get("server")
         if new == published or server is None or server.registration is None:
             return
         published.clear()
         published.update(new)
-        labels.update(new)
         await server.registration.update(record(server.address))
 
-    loop = PlannerLoop(core, observer, actuator, cfg.resolved_tick_s(), publish=publish)
+    loop = PlannerLoop(core, observer, actuator, cfg.resolved_tick_s(), clock, publish=publish)
     server = MeshServer(cfg, "planner", [], record_factory=record,
                         on_stop=[loop.close, observer.close, actuator.close])
     holder["server"] = server

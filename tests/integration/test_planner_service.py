@@ -1,90 +1,150 @@
-"""Planner service on real etcd: discovers workers and a frontend, reads GetLoad and
-/metrics, decides, and publishes its desired counts (dry-run actuator)."""
+"""Planner service on real etcd against a live mesh: a mock fleet (1 P + 1 D, the mock
+engine), a router and the real frontend. Requests go through the frontend; the planner
+discovers the workers and the frontend, reads GetLoad and the frontend's /metrics,
+decides, and publishes its desired counts (dry-run actuator).
+
+The planner runs on a clock the test moves: ``N`` requests finish between two throughput
+ticks ``INTERVAL`` apart in planner time, so the rate it derives is exactly
+``N / INTERVAL``, however long the requests took on the host.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
-import grpc
+import httpx
 import pytest
 
-from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
-from services.common.discovery import InstanceWatcher, Registration
+from services.common.discovery import InstanceWatcher
 from services.common.procs import Child
-from services.planner.main import PlannerConfig, start_planner
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.planner.main import PlannerApp, PlannerConfig, PlannerLoop, start_planner
+from services.planner.observe import MeshObserver, traffic_from_metrics
+from services.router.main import RouterApp, RouterConfig, start_router
+from tests.integration.conftest import base_args
+from tests.waiting import wait_for
+from workers.fleet import Fleet, FleetConfig, start_fleet
+
+NS = "planner-it"
+ISL, OSL = 1000, 20
+# The mock engines run SPEEDUP times faster than Dynamo's polynomial and the planner models
+# them so (--perf-speedup, SLOs divided by SPEEDUP). N requests per INTERVAL of planner
+# time are, at speed 1, 512 req/s: more than one P and one D can serve. Planner times are
+# exact in binary.
+SPEEDUP = 8.0
+INTERVAL = 2.0 ** -8  # planner seconds between throughput ticks
+N = 16  # requests in one interval
 
 
-class FakeWorker(worker_pb2_grpc.WorkerServicer):
+@dataclass
+class LiveMesh:
+    fleet: Fleet
+    router: RouterApp
+    frontend: FrontendApp
+
+
+@pytest.fixture
+async def live(etcd: Child, tiny_model: str) -> AsyncIterator[LiveMesh]:
+    args = base_args(etcd.address, NS)
+    fleet = await start_fleet(load_config(FleetConfig, [
+        *args, "--workers", "0", "--prefill-workers", "1", "--decode-workers", "1",
+        "--block-size", "16", "--max-num-seqs", "256", "--max-model-len", "4096",
+        "--timing", "poly", "--speedup-ratio", str(SPEEDUP), "--worker-id", "plan-",
+        "--model-path", tiny_model, "--model-name", "mock"], {}))
+    router = await start_router(load_config(RouterConfig, [
+        *args, "--conditional-disagg", "false"], {}))
+    frontend = await start_frontend(load_config(FrontendConfig, [
+        *args, "--http-port", "0", "--router-address", router.server.address], {}))
+    try:
+        yield LiveMesh(fleet, router, frontend)
+    finally:
+        await frontend.server.stop()
+        await router.server.stop()
+        await fleet.stop()
+
+
+class ManualClock:
+    """The planner's time: moves only when the test sets it."""
+
     def __init__(self) -> None:
-        self.calls = 0
+        self.now = 0.0
 
-    async def GetLoad(self, request, context):  # type: ignore[no-untyped-def]  # noqa: N802
-        self.calls += 1
-        return worker_pb2.LoadReport(num_running=2, num_waiting=0, kv_usage=0.1)
+    def __call__(self) -> float:
+        return self.now
 
 
-async def test_planner_scales_from_live_metrics(etcd: Child) -> None:
-    ns = "planner-it"
-    fake = FakeWorker()
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+async def two_more_steps(loop: PlannerLoop) -> None:
+    """Until two more planner steps have finished: every step that ends later began its
+    observation after this call (the step in flight now may have observed before it)."""
+    target = loop.periodic.calls + 2
+    await wait_for(lambda: loop.periodic.calls >= target, 10, "two more planner steps")
 
-    started = time.monotonic()
 
-    async def metrics(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        n = int((time.monotonic() - started) * 100)  # 100 req/s, ISL 1000, OSL 200
-        body = (f"kvmesh_requests_total{{path=\"agg\",outcome=\"stop\"}} {n}\n"
-                f"kvmesh_prompt_tokens_total {n * 1000}\n"
-                f"kvmesh_completion_tokens_total {n * 200}\n").encode()
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: "
-                     + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-        await writer.drain()
-        writer.close()
+async def complete(client: httpx.AsyncClient, url: str, i: int) -> None:
+    prompt = [3 + (i * 7919 + j) % 600 for j in range(ISL)]
+    resp = await client.post(f"{url}/v1/completions", json={
+        "model": "mock", "prompt": prompt, "max_tokens": OSL, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (ISL, OSL)
 
-    http = await asyncio.start_server(metrics, "127.0.0.1", 0)
-    http_port = http.sockets[0].getsockname()[1]
-    regs = [Registration(etcd.address, ns, discovery_pb2.InstanceRecord(
-        instance_id=f"w-{role}", component="worker", address=f"127.0.0.1:{port}",
-        role=role), ttl=5)
-        for role in (discovery_pb2.WORKER_ROLE_PREFILL, discovery_pb2.WORKER_ROLE_DECODE)]
-    regs.append(Registration(etcd.address, ns, discovery_pb2.InstanceRecord(
-        instance_id="fe", component="frontend", address="127.0.0.1:1",
-        labels={"http": f"127.0.0.1:{http_port}"}), ttl=5))
-    for r in regs:
-        await r.start()
+
+async def test_planner_scales_from_live_metrics(etcd: Child, live: LiveMesh) -> None:
+    clock = ManualClock()
     cfg = load_config(PlannerConfig, [
-        "--etcd-endpoint", etcd.address, "--namespace", ns, "--lease-ttl", "2",
-        "--grace-s", "0.2", "--throughput-interval-s", "1", "--load-interval-s", "0",
-        "--itl-slo-ms", "20", "--max-decode", "30", "--max-prefill", "30"], {})
-    app = await start_planner(cfg)
-    planners = InstanceWatcher(etcd.address, ns, "planner")
+        *base_args(etcd.address, NS), "--throughput-interval-s", str(INTERVAL),
+        "--load-interval-s", "0", "--tick-s", "0.05", "--perf-speedup", str(SPEEDUP),
+        "--itl-slo-ms", str(20 / SPEEDUP), "--ttft-slo-ms", str(1000 / SPEEDUP),
+        "--max-decode", "30", "--max-prefill", "30"], {})
+    app: PlannerApp = await start_planner(cfg, clock=clock)
+    observer = app.loop.observer
+    assert isinstance(observer, MeshObserver)
+    planners = InstanceWatcher(etcd.address, NS, "planner")
     await planners.start()
     try:
-        deadline = time.monotonic() + 15
-        desired: dict[str, str] = {}
-        while time.monotonic() < deadline:
+        # t=0: the first tick; the planner finds both workers and the frontend.
+        await wait_for(lambda: app.loop.last is not None and observer.metrics_urls()
+                       and app.loop.last.ready == {"prefill": 1, "decode": 1}, 30,
+                       lambda: f"the planner to see P, D and the frontend ({app.loop.last})")
+        await two_more_steps(app.loop)
+        clock.now = INTERVAL  # the throughput tick that takes the counters' base (no traffic)
+        await two_more_steps(app.loop)
+        url = live.frontend.base_url
+        async with httpx.AsyncClient(timeout=120) as client:
+            await asyncio.gather(*(complete(client, url, i) for i in range(N)))
+
+            async def counted() -> bool:
+                seen = traffic_from_metrics((await client.get(f"{url}/metrics")).text)
+                assert seen.requests <= N, seen
+                return seen.finished == N
+
+            await wait_for(counted, 10, f"the frontend's /metrics to count {N} finished")
+        await two_more_steps(app.loop)  # from now on every step scrapes all N requests
+        clock.now = 2 * INTERVAL
+        await two_more_steps(app.loop)
+
+        def desired() -> dict[str, int]:
             recs = list(planners.instances().values())
-            if recs and int(recs[0].labels.get("desired_decode", "1")) > 1:
-                desired = dict(recs[0].labels)
-                break
-            await asyncio.sleep(0.2)
-        assert desired, "planner never raised the decode count"
+            return dict(recs[0].desired_replicas) if recs else {}
+
+        def raised() -> dict[str, int]:
+            d = desired()
+            return d if d.get("decode", 1) > 1 else {}
+
+        published = await wait_for(raised, 10, lambda: f"the planner to raise the decode "
+                                                       f"count (published: {desired()})")
         pred = app.core.last_prediction
-        assert pred is not None and pred.rate == pytest.approx(100, rel=0.3)
-        assert pred.isl == pytest.approx(1000) and pred.osl == pytest.approx(200)
-        assert int(desired["desired_prefill"]) >= 2
-        assert fake.calls > 0
+        assert pred is not None and pred.rate == N / INTERVAL  # exact: planner time
+        assert (pred.isl, pred.osl) == (ISL, OSL)
+        assert published["prefill"] >= 2
+        snap = await observer.collect()  # the planner's own GetLoad calls are answered
+        assert sorted(w.role for w in snap.observations.workers if w.reported) == [
+            "decode", "prefill"]
         last = app.loop.last
         assert last is not None and last.ready == {"prefill": 1, "decode": 1}
     finally:
         await planners.close()
         await app.server.stop()
-        for r in regs:
-            await r.close()
-        http.close()
-        await server.stop(0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -13,6 +15,7 @@ from services.planner.actuators import DryRunActuator, LocalActuator
 from services.planner.core import Observations, PlannerCore, TrafficCounters, WorkerLoad
 from services.planner.main import PlannerConfig, PlannerLoop, external_workers
 from services.planner.observe import Snapshot, add_traffic, traffic_from_metrics
+from tests.unit.test_planner_actuators import FakeSpawn
 
 
 def test_traffic_from_the_frontends_metrics() -> None:
@@ -87,16 +90,46 @@ async def test_loop_step_applies_and_publishes() -> None:
     assert published[-1] == {"prefill": 2, "decode": 2}
 
 
-def test_external_workers_by_published_pid(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_external_workers_by_published_pid() -> None:
     recs = {
-        "p0": discovery_pb2.InstanceRecord(instance_id="p0", labels={"pid": "11"}),
-        "p1": discovery_pb2.InstanceRecord(instance_id="p1", labels={"pid": "22"}),
+        "p0": discovery_pb2.InstanceRecord(instance_id="p0", pid=11),
+        "p1": discovery_pb2.InstanceRecord(instance_id="p1", pid=22),
         "d0": discovery_pb2.InstanceRecord(instance_id="d0"),
     }
     s = Snapshot(Observations((WorkerLoad("p0", "prefill"), WorkerLoad("p1", "prefill"),
                                WorkerLoad("d0", "decode"))), recs)
     assert external_workers(s, {22}) == {"prefill": 1, "decode": 1}
-    assert isinstance(LocalActuator(tmp_path, {}), LocalActuator)
+
+
+async def test_loop_tells_the_local_actuator_which_workers_are_not_its_own(
+        tmp_path: Path) -> None:
+    spawn = FakeSpawn()
+    act = LocalActuator(tmp_path, {}, spawn_fn=spawn)  # type: ignore[arg-type]
+    core = PlannerCore(PlannerConfig(throughput_interval_s=0, load_interval_s=5,
+                                     cooldown_s=0).settings(), PolynomialPerfModel())
+
+    def mesh(waiting: int, own: dict[str, int]) -> Snapshot:
+        """One external worker per pool plus the actuator's own (pool -> pid)."""
+        loads = [WorkerLoad(f"{pool}-ext", pool, num_waiting=waiting)
+                 for pool in ("prefill", "decode")]
+        loads += [WorkerLoad(f"{pool}-own", pool) for pool in own]
+        recs = {f"{pool}-own": discovery_pb2.InstanceRecord(instance_id=f"{pool}-own", pid=pid)
+                for pool, pid in own.items()}
+        return Snapshot(Observations(tuple(loads)), recs)
+
+    now = [0.0]
+    observer = FakeObserver([mesh(0, {}), mesh(9, {})])
+    loop = PlannerLoop(core, observer, act, 5.0, clock=lambda: now[0])
+    await loop.step()
+    assert act.external == {"prefill": 1, "decode": 1} and spawn.children == []
+    now[0] = 5.0
+    d = await loop.step()  # queues are long: one more per pool, started by the actuator
+    assert d.desired == {"prefill": 2, "decode": 2}
+    assert [c.env["KVMESH_ROLE"] for c in spawn.children] == ["prefill", "decode"]
+    observer.snaps.append(mesh(0, {c.env["KVMESH_ROLE"]: c.pid for c in spawn.children}))
+    await loop.step()  # the new workers carry the actuator's pids: still one external each
+    assert act.external == {"prefill": 1, "decode": 1}
+    assert len(spawn.children) == 2 and not any(c.stopped for c in spawn.children)
 
 
 def test_local_actuator_env_does_not_leak_planner_settings(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
