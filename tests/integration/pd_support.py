@@ -18,7 +18,6 @@ from typing import Any
 import pytest_asyncio
 
 from services.common.procs import free_port
-from tests.waiting import wait_for
 from workers.engines.base import EngineOutput, EngineRequest, Sampling
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.kv import nixl
@@ -113,11 +112,6 @@ async def run(
 
 def token_ids(outs: list[EngineOutput]) -> list[int]:
     return [t for o in outs for t in o.token_ids]
-
-
-async def wait_until(cond: Callable[[], bool], what: str, within: float = 10.0) -> None:
-    """Kept for callers not yet moved to :func:`tests.waiting.wait_for` (same contract)."""
-    await wait_for(cond, within, what, interval_s=0.02)
 
 
 def idle(engine: VllmEngine) -> Callable[[], bool]:

@@ -30,8 +30,8 @@ from tests.integration.pd_support import (
     rid,
     run,
     token_ids,
-    wait_until,
 )
+from tests.waiting import wait_for
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.kv import nixl
 from workers.kv.configs import combined_kv_transfer_config
@@ -93,7 +93,7 @@ async def test_p_loads_prefix_from_store_and_hands_off_to_d(
     assert p_params is not None and p_params["transfer_mode"] == "pull"
     d_outs = await run(d, request_id, tokens, 12, nixl.decode_params_from_prefill(p_params))
     assert token_ids(d_outs) == ref
-    await wait_until(idle(p), "P idle (handoff blocks freed after D's read)")
+    await wait_for(idle(p), 10, "P idle (handoff blocks freed after D's read)", interval_s=0.02)
     p_delta, d_delta = delta(p.counters(), p0), delta(d.counters(), d0)
     assert p_delta["kv_connector_hits_tokens"] == 4 * BLOCK  # P: prefix from the store
     assert p_delta["kv_external_loaded_tokens"] == 4 * BLOCK

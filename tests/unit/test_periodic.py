@@ -10,7 +10,7 @@ from services.common.periodic import Periodic, cancel_and_wait
 
 
 def test_backoff_doubles_up_to_the_cap_and_progress_resets_it() -> None:
-    p = Periodic("t", lambda: asyncio.sleep(0), 1.0, max_backoff_s=5.0)
+    p = Periodic("t", lambda: asyncio.sleep(0), 1.0, max_backoff_s=5.0)  # a no-op fn
     assert p.next_delay() == 1.0
     delays = []
     for _ in range(4):
@@ -23,7 +23,7 @@ def test_backoff_doubles_up_to_the_cap_and_progress_resets_it() -> None:
 
 def test_interval_must_be_positive() -> None:
     with pytest.raises(ValueError, match="interval_s"):
-        Periodic("t", lambda: asyncio.sleep(0), 0)
+        Periodic("t", lambda: asyncio.sleep(0), 0)  # a no-op fn; never run
 
 
 async def test_failures_are_counted_and_a_success_resets_them() -> None:
@@ -51,7 +51,7 @@ async def test_failures_are_counted_and_a_success_resets_them() -> None:
 
 
 async def test_cancel_and_wait_stops_a_task_and_tolerates_none() -> None:
-    task = asyncio.create_task(asyncio.sleep(3600))
+    task = asyncio.create_task(asyncio.sleep(3600))  # a task that never ends by itself
     await cancel_and_wait(task)
     assert task.cancelled()
     await cancel_and_wait(None)
