@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from services.common.periodic import cancel_and_wait
 from workers.engines.base import (
     Engine,
     EngineError,
@@ -193,10 +194,7 @@ class MockEngine(Engine):
     async def shutdown(self) -> None:
         self._closed = True
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(task)
         if self._core is not None:
             now = self._clock()
             for rid in list(self._streams):
