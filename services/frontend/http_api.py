@@ -213,18 +213,19 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None) -> FastAPI:
         shapes = _Shapes(job)
         if req.stream:
             # Pull the first chunk before answering so early errors get a real status code.
-            first: Chunk | None = None
             try:
                 first = await chunks.__anext__()
             except StopAsyncIteration:
-                pass
+                # The pipeline always ends with a finishing chunk or an ApiError; a stream
+                # with neither is an upstream fault, never an empty 200.
+                raise ApiError(502, "the worker stream ended before its first chunk",
+                               type="upstream_error") from None
             except ApiError:
                 await chunks.aclose()  # type: ignore[attr-defined]
                 raise
 
             async def replay() -> AsyncIterator[Chunk]:
-                if first is not None:
-                    yield first
+                yield first
                 async for c in chunks:
                     yield c
 
@@ -239,6 +240,9 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None) -> FastAPI:
                     last = chunk
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
+        if last is None:  # see the streaming case: never a 200 without a finish
+            raise ApiError(502, "the worker stream ended without finishing",
+                           type="upstream_error")
         return JSONResponse(shapes.full("".join(text), last))
 
     @app.post("/v1/completions")

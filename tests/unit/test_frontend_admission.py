@@ -19,7 +19,7 @@ from protos import frontend_pb2
 from services.frontend.http_api import create_app
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_schema import ApiError, ParsedRequest
-from services.frontend.pipeline import rejection_error
+from services.frontend.pipeline import Job, rejection_error
 from services.frontend.service import FrontendServicer
 from services.planner.observe import traffic_from_metrics
 
@@ -95,6 +95,26 @@ def test_http_other_errors_have_no_retry_after() -> None:
     with TestClient(app) as client:
         resp = client.post("/v1/completions", json={"model": "m", "prompt": "hi"})
     assert resp.status_code == 503 and "retry-after" not in resp.headers
+
+
+class _EmptyStreamPipeline(_RejectingPipeline):
+    """A pipeline whose stream ends with no chunk at all (the real one never does)."""
+
+    async def run(self, req: ParsedRequest) -> Any:
+        async def nothing() -> AsyncIterator[Any]:
+            return
+            yield
+
+        return Job(request_id="r1", req=req, model=None, token_ids=[], created=0), nothing()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_http_stream_without_a_finish_is_502_not_an_empty_200(stream: bool) -> None:
+    app = create_app(_EmptyStreamPipeline(ApiError(500, "unused")))  # type: ignore[arg-type]
+    with TestClient(app) as client:
+        resp = client.post("/v1/completions", json={"model": "m", "prompt": "hi",
+                                                    "stream": stream})
+    assert resp.status_code == 502 and resp.json()["error"]["type"] == "upstream_error"
 
 
 class _Aborted(Exception):
