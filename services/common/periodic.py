@@ -9,7 +9,10 @@ Contract:
   - When ``fn`` raises, the error is logged with the task's name (never swallowed
     silently) and the next call waits ``min(interval_s · 2^k, max_backoff_s)`` after the
     k-th failure in a row (k ≥ 1); a success resets the interval. ``failures`` counts
-    failures in a row, ``calls`` every finished call.
+    failures in a row, ``failures_total`` every failure, ``calls`` every finished call.
+  - Logging of an outage stays bounded: the first failure in a row is logged with its
+    traceback; later ones as one warning line (the error's repr) when their number in
+    the row is a power of two, so a long outage leaves a few lines, not one per try.
   - A long-running ``fn`` (one that loops and returns only by raising, like a stream
     follower) calls ``note_progress()`` whenever it has done useful work, so the failures
     in a row, and with them the backoff, start again from zero.
@@ -55,6 +58,7 @@ class Periodic:
         self.interval_s = interval_s
         self.max_backoff_s = max(interval_s, max_backoff_s or interval_s * 8)
         self.failures = 0
+        self.failures_total = 0
         self.calls = 0
         self._fn = fn
         self._delay_first = delay_first
@@ -85,14 +89,22 @@ class Periodic:
         while True:
             try:
                 await self._fn()
-            except Exception:
+            except Exception as exc:
                 self.failures += 1
-                log.exception("%s failed (%d in a row); next try in %.2fs", self.name,
-                              self.failures, self.next_delay())
+                self.failures_total += 1
+                self._log_failure(exc)
             else:
                 self.failures = 0
             self.calls += 1
             await asyncio.sleep(self.next_delay())
+
+    def _log_failure(self, exc: Exception) -> None:
+        n = self.failures
+        if n == 1:
+            log.exception("%s failed; next try in %.2fs", self.name, self.next_delay())
+        elif n & (n - 1) == 0:
+            log.warning("%s still failing (%d in a row): %r; next try in %.2fs", self.name,
+                        n, exc, self.next_delay())
 
     async def stop(self) -> None:
         """Cancels the loop and waits for it. Idempotent."""

@@ -55,3 +55,25 @@ async def test_cancel_and_wait_stops_a_task_and_tolerates_none() -> None:
     await cancel_and_wait(task)
     assert task.cancelled()
     await cancel_and_wait(None)
+
+
+async def test_an_outage_is_logged_once_with_traceback_then_sparsely(
+        caplog: pytest.LogCaptureFixture) -> None:
+    done = asyncio.Event()
+
+    async def fn() -> None:
+        if p.failures_total == 20:
+            done.set()
+            return
+        raise RuntimeError("redis down")
+
+    p = Periodic("outage", fn, 0.001, max_backoff_s=0.001)
+    with caplog.at_level("WARNING", logger="services.common.periodic"):
+        p.start()
+        await asyncio.wait_for(done.wait(), 30)
+        await p.stop()
+    records = [r for r in caplog.records if "outage" in r.getMessage()]
+    # failures 1 (traceback), then 2, 4, 8, 16 as one-line warnings
+    assert [r.exc_info is not None for r in records] == [True, False, False, False, False]
+    assert "16 in a row" in records[-1].getMessage()
+    assert p.failures_total == 20 and p.failures == 0
