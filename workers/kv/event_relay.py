@@ -36,9 +36,8 @@ Contract of :class:`KvEventRelay`:
   relaying loop runs in a :class:`~services.common.periodic.Periodic`: a failed publish
   raises :class:`PublishFailed` out of it, and the Periodic waits 0.2 s, doubling up to
   :data:`RETRY_MAX_S`, before relaying again (in ZMQ mode from the next engine batch, in
-  submit mode with an immediate retry). The first publish that succeeds after a failure
-  ends that run, which resets the backoff (one :data:`RETRY_BASE_S` pause, then relaying
-  resumes).
+  submit mode with an immediate retry). Every publish that succeeds calls the Periodic's
+  ``note_progress()``, so the backoff starts again from zero while relaying goes on.
 - ``close()`` stops relaying, flushes what is pending, closes sockets and Redis.
 """
 
@@ -151,7 +150,6 @@ class KvEventRelay:
         self._sub: zmq.asyncio.Socket | None = None
         self._redis: aioredis.Redis | None = None
         self._pump: Periodic | None = None
-        self._failing = False  # the last publish failed
         self._decoder = msgspec.msgpack.Decoder()
         self._wake = asyncio.Event()
         self._max_pending = max_pending
@@ -187,25 +185,23 @@ class KvEventRelay:
         self._wake.set()
 
     async def _relay_submitted(self) -> None:
-        """Publishes submitted events whenever woken (at once when retrying); ends as
-        :meth:`_publish` says."""
-        if self._failing:
+        """Publishes submitted events whenever woken (at once when events are still
+        pending, i.e. when retrying); ends only by raising (see :meth:`_publish`)."""
+        if self._pending:
             self._wake.set()
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if await self._publish():
-                return
+            await self._publish()
 
-    async def _publish(self) -> bool:
-        """Flushes; raises PublishFailed when Redis failed. True when this publish is the
-        first success after a failure: the run returns so the Periodic's backoff resets."""
+    async def _publish(self) -> None:
+        """Flushes; raises PublishFailed when Redis failed, and notes progress to the
+        Periodic (resetting its backoff) when it did not."""
         if not await self._flush():
-            self._failing = True
             raise PublishFailed(f"{self.worker_id}: {len(self._pending)} KV events wait "
                                 "for the event bus")
-        recovered, self._failing = self._failing, False
-        return recovered
+        if self._pump is not None:
+            self._pump.note_progress()
 
     def drop_next(self, n: int) -> None:
         """Fault injection: number but do not publish the next ``n`` events."""
@@ -219,7 +215,8 @@ class KvEventRelay:
                                      tiers=tiers, block_size=self.block_size)
 
     async def _relay_frames(self) -> None:
-        """Relays engine batches as they arrive; ends as :meth:`_publish` says."""
+        """Relays engine batches as they arrive; ends only by raising (see
+        :meth:`_publish`)."""
         assert self._sub is not None
         while True:
             frames = await self._sub.recv_multipart()
@@ -228,8 +225,7 @@ class KvEventRelay:
                 await self._on_frames(await self._sub.recv_multipart())
                 if len(self._pending) >= self._max_batch and not await self._flush():
                     break  # Redis is down: back off below instead of retrying per frame
-            if await self._publish():
-                return
+            await self._publish()
 
     async def _on_frames(self, frames: list[bytes]) -> None:
         if len(frames) != 3:
