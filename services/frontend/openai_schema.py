@@ -24,6 +24,8 @@ from typing import Any
 
 MAX_STOP = 4
 MAX_JSON_DEPTH = 64
+TOO_DEEP = "is nested too deeply"
+_SCALARS = frozenset({int, float, bool, type(None)})
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -116,30 +118,50 @@ def _path(path: tuple[str | int, ...]) -> str:
     return out or "body"
 
 
-def check_json(body: Any) -> None:
-    """Raises ApiError 400 for too deep nesting or invalid Unicode; see the module doc."""
-    stack: list[tuple[Any, tuple[str | int, ...]]] = [(body, ())]
-    while stack:
-        value, path = stack.pop()
-        if len(path) > MAX_JSON_DEPTH:
-            raise _bad(f"JSON nested deeper than {MAX_JSON_DEPTH} levels at {_path(path)}",
-                       _path(path[:1]) if path else None)
-        if isinstance(value, str):
-            _check_text(value, path)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                _check_text(k, path)
-                stack.append((v, (*path, k)))
-        elif isinstance(value, list):
-            stack.extend((v, (*path, i)) for i, v in enumerate(value))
-
-
-def _check_text(text: str, path: tuple[str | int, ...]) -> None:
+def _valid_text(text: str) -> bool:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise _bad(f"{_path(path)} is not valid Unicode ({exc.reason} at position "
-                   f"{exc.start})", _path(path) if path else None) from None
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _first_problem(value: Any, depth: int) -> tuple[tuple[str | int, ...], str] | None:
+    """The path to the first too-deep value or invalid string, and what is wrong there.
+
+    Numbers, booleans and None are skipped without building anything, so a long list of
+    token ids costs one type check per item; paths are built only on the way back up
+    from a problem.
+    """
+    if isinstance(value, str):
+        return None if _valid_text(value) else ((), "is not valid Unicode (a lone surrogate)")
+    if not isinstance(value, dict | list):
+        return None
+    if depth >= MAX_JSON_DEPTH:
+        return (), TOO_DEEP
+    if isinstance(value, list) and _SCALARS.issuperset(map(type, value)):
+        return None  # e.g. token ids: one C-level pass, no per-item Python work
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(key, str) and not _valid_text(key):
+            return (), "has a key that is not valid Unicode (a lone surrogate)"
+        if isinstance(item, str | dict | list):
+            found = _first_problem(item, depth + 1)
+            if found is not None:
+                return (key, *found[0]), found[1]
+    return None
+
+
+def check_json(body: Any) -> None:
+    """Raises ApiError 400 for too deep nesting or invalid Unicode; see the module doc."""
+    found = _first_problem(body, 0)
+    if found is None:
+        return
+    path, problem = found
+    if problem == TOO_DEEP:  # name the top-level field; the full path is 64 steps long
+        raise _bad(f"JSON nested deeper than {MAX_JSON_DEPTH} levels under "
+                   f"{_path(path[:1])}", _path(path[:1]) if path else None)
+    raise _bad(f"{_path(path)} {problem}", _path(path) if path else None)
 
 
 def _opt_bool(body: dict[str, Any], name: str) -> bool:

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from services.frontend.http_api import create_app
 from services.frontend.models import ModelCatalog
+from services.frontend.openai_schema import ApiError, check_json
 from services.frontend.pipeline import Pipeline
 
 
@@ -70,3 +71,11 @@ def test_valid_extremes_pass_validation(client: TestClient) -> None:
         resp = client.post("/v1/completions", content=raw,
                            headers={"Content-Type": "application/json"})
         assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+
+
+def test_a_long_token_list_is_checked_and_a_bad_string_after_it_is_found() -> None:
+    ids = list(range(700_000))
+    check_json({"model": "m", "prompt": ids})  # numbers only: nothing to refuse
+    with pytest.raises(ApiError) as err:
+        check_json({"model": "m", "prompt": ids, "stop": ["ok", "bad\ud800"]})
+    assert err.value.status == 400 and err.value.param == "stop[1]"
