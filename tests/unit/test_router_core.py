@@ -92,4 +92,5 @@ def test_clock_and_rng_are_required() -> None:
         reg.create("random")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match="clock"):
         reg.create("approx", random.Random(0))  # no clock in the registry's context
-    assert reg.create("approx", random.Random(0), {"clock": clock}).name == "approx"
+    approx = default_registry(context={"clock": clock}).create("approx", random.Random(0))
+    assert approx.name == "approx"

@@ -144,8 +144,8 @@ def test_registered_policies_and_yaml_policy_profiles() -> None:
     kv = reg.create("ttft_kv", random.Random(0))
     assert isinstance(kv, TtftPolicy) and kv.decode_weight == 0.05
     # context (the simulator's engine facts) overrides the YAML args; unknown keys ignored
-    fast = reg.create("ttft_hit", random.Random(0),
-                      context={"chunk_budget": 2048, "page_size": 3})
+    fast = default_registry(context={"chunk_budget": 2048, "page_size": 3}).create(
+        "ttft_hit", random.Random(0))
     assert isinstance(fast, TtftPolicy) and fast.budget == 2048
     reg.load_profiles("""
 profiles:

@@ -27,13 +27,12 @@ Contract:
   draw) to check its arguments: bad ones raise :class:`ProfileError` ("bad args").
   ``load_profiles(text, source, replace)`` parses YAML text (see ``profile.py``) and adds;
   the plugin names a profile uses must be registered.
-- ``create(name, rng, context=None)`` builds a new instance of a policy or profile (each
-  instance has its own plugins and state) or raises KeyError listing the known names;
-  ``rng`` (an :class:`~services.router.policies.base.Rng`, required, e.g. a seeded
-  ``random.Random``) is what its random choices draw from; ``context`` is merged over
-  the registry's. A policy whose required arguments (``clock``, ``perf_model``) are
-  given neither way raises TypeError. Plugin profiles ignore the context. ``names()``
-  lists policies.
+- ``create(name, rng)`` builds a new instance of a policy or profile (each instance has
+  its own plugins and state) with the registry's ``context``, or raises KeyError listing
+  the known names; ``rng`` (an :class:`~services.router.policies.base.Rng`, required,
+  e.g. a seeded ``random.Random``) is what its random choices draw from. A policy whose
+  required arguments (``clock``, ``perf_model``) are not in the context raises
+  TypeError. Plugin profiles ignore the context. ``names()`` lists policies.
 - :func:`register_all` registers every built-in policy, filter, scorer and picker. Call
   it once per registry.
 """
@@ -217,16 +216,14 @@ class PolicyRegistry:
         """The spec of profile ``name`` (None for built-in policies and unknown names)."""
         return self._profiles.get(name)
 
-    def create(self, name: str, rng: Rng,
-               context: Mapping[str, Any] | None = None) -> Policy:
+    def create(self, name: str, rng: Rng) -> Policy:
         """A new instance of policy ``name`` (see the module docstring)."""
         try:
             factory = self._factories[name]
         except KeyError:
             raise KeyError(f"unknown policy {name!r}; known: {sorted(self._factories)}") from None
-        merged = {**self._context, **(context or {})}
         kwargs = {} if name in self._profiles else self._load_args(name, {})
-        policy: Policy = _call(factory, rng, **{**kwargs, **_accepted(factory, merged)})
+        policy: Policy = _call(factory, rng, **{**kwargs, **_accepted(factory, self._context)})
         return policy
 
     def names(self) -> list[str]:
