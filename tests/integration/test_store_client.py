@@ -27,8 +27,8 @@ from services.common.config import load_config
 from services.common.procs import Child
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args
-from tests.integration.test_store_master_service import ticks
 from tests.manual_clock import Clock
+from tests.store_inproc import ticks
 from workers.store_node import StoreNodeProcess
 
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}

@@ -22,7 +22,7 @@ from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_
 from services.store_master.persist import RedisMetadata
 from tests.integration.conftest import base_args
 from tests.manual_clock import Clock
-from tests.waiting import wait_for
+from tests.store_inproc import ticks
 from workers.store_node import StoreNodeConfig, discover_master
 
 _ns = itertools.count()
@@ -62,16 +62,6 @@ async def start(etcd: Child, redis_server: Child) -> AsyncIterator[Starter]:
         await ch.close()
     for app in apps:
         await app.server.stop()
-
-
-async def ticks(app: StoreMasterApp, n: int = 2) -> None:
-    """Waits until the ticker finished ``n`` more ticks without error (with n=2, one whole
-    tick ran after the caller's last change to the clock)."""
-    want = app.ticker.calls + n
-    await wait_for(lambda: app.ticker.calls >= want, 10,
-                   lambda: f"{n} store master ticks (the ticker is at {app.ticker.calls})",
-                   interval_s=0.01)
-    assert app.ticker.failures == 0
 
 
 async def code_of(call: Any) -> grpc.StatusCode:

@@ -1,5 +1,6 @@
 """StoreClient's protocol against the real store master (core and gRPC servicer, in
-process, fake clock) behind the client's ``stub`` seam, with a fake NIXL agent (no network).
+process, fake clock) behind the client's ``stub`` seam, with a fake NIXL agent (no
+network): both from :mod:`tests.store_inproc`.
 
 "Remote" segments are numpy buffers mounted in the master as other store clients would
 mount them; the fake agent copies bytes with memmove and fails transfers to agents marked
@@ -9,145 +10,11 @@ calls the core, so codes, placement and batching are the master's own.
 
 from __future__ import annotations
 
-import ctypes
-import random
-import threading
-from collections.abc import Callable, Coroutine
-from typing import Any
-
-import grpc
 import numpy as np
 import pytest
 
-from services.store_master.core import FreeRatioFirstStrategy, MasterParams, StoreMaster
-from services.store_master.persist import Persister
-from services.store_master.service import StoreMasterServicer
-from tests.manual_clock import Clock
+from tests.store_inproc import CoreMaster, FakeAgent
 from workers.kv.store_client import StoreClient, decode_endpoint, encode_endpoint
-
-
-class AbortError(grpc.RpcError):
-    """What ``context.abort`` raises: the status a real channel would report."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
-class AbortingContext:
-    """The part of ``grpc.aio.ServicerContext`` the servicer uses."""
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise AbortError(code, details)
-
-
-def run_now(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Runs a coroutine that never suspends (the servicer with persistence off) to its end."""
-    try:
-        coro.send(None)
-    except StopIteration as done:
-        return done.value
-    coro.close()
-    raise AssertionError("the servicer suspended; run it on an event loop instead")
-
-
-def keys_of(req: Any) -> list[str]:
-    if hasattr(req, "items"):
-        return [it.key for it in req.items]
-    if hasattr(req, "keys"):
-        return list(req.keys)
-    return [req.key] if hasattr(req, "key") else []
-
-
-class CoreMaster:
-    """A real :class:`StoreMaster` (free-ratio-first placement, so replica order is known)
-    served by the real :class:`StoreMasterServicer`; ``calls`` logs (rpc, keys)."""
-
-    def __init__(self) -> None:
-        self.clock = Clock()
-        self.core = StoreMaster(self.clock, random.Random(0), MasterParams(client_ttl_s=1e9),
-                                strategy=FreeRatioFirstStrategy())
-        self.servicer = StoreMasterServicer(self.core, Persister(self.core, None))
-        self.calls: list[tuple[str, list[str]]] = []
-        self._buffers: list[np.ndarray] = []
-        self._lock = threading.Lock()  # the client may call from several threads
-
-    def add_segment(self, seg: str, nbytes: int, agent: str) -> np.ndarray:
-        """Mounts a ``nbytes`` buffer as segment ``seg`` of the NIXL agent named ``agent``."""
-        buf = np.zeros(nbytes, dtype=np.uint8)
-        self._buffers.append(buf)
-        self.core.mount_segment(f"owner-{agent}", seg, int(buf.ctypes.data), nbytes,
-                                encode_endpoint(agent.encode()))
-        return buf
-
-    def complete(self, key: str) -> bool:
-        obj = self.core.get_object(key)
-        return obj is not None and obj.complete
-
-    def rpc(self, name: str) -> Callable[..., Any]:
-        method = getattr(self.servicer, name)
-
-        def call(req: Any, timeout: float | None = None) -> Any:
-            with self._lock:
-                self.calls.append((name, keys_of(req)))
-                return run_now(method(req, AbortingContext()))
-        return call
-
-    def stub(self) -> Any:
-        class Stub:
-            def __getattr__(_, name: str) -> Callable[..., Any]:  # noqa: N805
-                return self.rpc(name)
-        return Stub()
-
-
-class FakeAgent:
-    """memmove transfers; transfers to an agent in ``dead`` end in state ERR."""
-
-    def __init__(self) -> None:
-        self.dead: set[str] = set()
-        self.xfers: list[tuple[str, str, int]] = []  # op, remote, descriptors
-
-    def register_memory(self, regions: Any, kind: str) -> Any:
-        return regions
-
-    def deregister_memory(self, reg: Any) -> None:
-        pass
-
-    def add_remote_agent(self, md: bytes) -> bytes:
-        return md
-
-    def remove_remote_agent(self, name: str) -> None:
-        pass
-
-    def get_xfer_descs(self, descs: list[tuple[int, int, int]], kind: str) -> Any:
-        return descs
-
-    def initialize_xfer(self, op: str, local: Any, remote: Any, name: str) -> Any:
-        return (op, local, remote, name)
-
-    def transfer(self, handle: Any) -> str:
-        op, local, remote, name = handle
-        self.xfers.append((op, name, len(local)))
-        if name in self.dead:
-            return "ERR"
-        for (la, n, _), (ra, m, _) in zip(local, remote, strict=True):
-            assert n == m
-            if op == "WRITE":
-                ctypes.memmove(ra, la, n)
-            else:
-                ctypes.memmove(la, ra, n)
-        return "DONE"
-
-    def check_xfer_state(self, handle: Any) -> str:
-        return "DONE"
-
-    def release_xfer_handle(self, handle: Any) -> None:
-        pass
 
 
 @pytest.fixture

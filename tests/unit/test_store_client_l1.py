@@ -1,11 +1,11 @@
 """L1Pool in front of a StoreClient, with the in-process master and fake NIXL agent of
-test_store_client (no network): write-behind saves, L1-first loads, prefetch, eviction."""
+tests.store_inproc (no network): write-behind saves, L1-first loads, prefetch, eviction."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from tests.unit.test_store_client import CoreMaster, FakeAgent
+from tests.store_inproc import CoreMaster, FakeAgent
 from workers.kv.store.l1 import CLEAN, L1Pool
 from workers.kv.store_client import StoreClient
 

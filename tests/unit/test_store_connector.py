@@ -1,10 +1,10 @@
 """KvmeshStoreConnector's scheduler side inside a real vLLM scheduler (tiny model's config,
-no engine, no network), with the real store master core answering the lookups: what it
-reports as matched, which blocks it plans to load and save, what it announces."""
+no engine, no network), with the real store master (core and servicer) answering the
+lookups: what it reports as matched, which blocks it plans to load and save, what it
+announces."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -14,10 +14,8 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import KVConnectorOutput
 
-from protos import store_pb2
 from services.common.block_hash import block_hashes
-from services.store_master.core import MasterParams, StoreMaster
-from tests.manual_clock import Clock
+from tests.store_inproc import CoreMaster
 from tests.vllm_scheduler import (
     EventRecorder,
     create_request,
@@ -32,7 +30,6 @@ from workers.kv.store_client import StoreClient
 from workers.kv.store_connector import KvmeshStoreConnector, StoreMeta, StoreWorkerMeta
 
 BS = 32
-LEASE_S = 10.0
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -40,21 +37,24 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 class Store:
-    """The real store master core behind the lookup RPC of a real metadata-only
-    StoreClient (the gRPC hop is the only thing left out); records what was asked."""
+    """The real store master, core and gRPC servicer (:class:`~tests.store_inproc.CoreMaster`),
+    behind the stub seam of a real metadata-only StoreClient (the gRPC hop is the only thing
+    left out). ``asked`` lists the keys of each lookup; the scheduler side never calls any
+    other RPC."""
 
     def __init__(self) -> None:
-        self.clock = Clock()
-        self.master = StoreMaster(self.clock, random.Random(0),
-                                  MasterParams(lease_ttl_s=LEASE_S))
+        self.inproc = CoreMaster()
+        self.master = self.inproc.core
         self.master.mount_segment("node", "segment", 0, 1 << 20)
-        self.asked: list[list[str]] = []
 
-    def BatchExistKey(self, request: store_pb2.BatchExistKeyRequest,  # noqa: N802
-                      timeout: float | None = None) -> store_pb2.BatchExistKeyResponse:
-        self.asked.append(list(request.keys))
-        return store_pb2.BatchExistKeyResponse(
-            exists=self.master.batch_exist_key(list(request.keys)))
+    def stub(self) -> Any:
+        return self.inproc.stub()
+
+    @property
+    def asked(self) -> list[list[str]]:
+        calls = self.inproc.calls
+        assert {name for name, _ in calls} <= {"BatchExistKey"}, calls
+        return [k for name, k in calls if name == "BatchExistKey"]
 
     def put(self, keys: list[str]) -> None:
         for k in keys:
@@ -62,7 +62,8 @@ class Store:
             self.master.put_end(k)
 
     def remove(self, key: str) -> None:
-        self.clock.advance(LEASE_S + 1)  # the read leases of earlier lookups run out
+        # The read leases of earlier lookups run out first.
+        self.inproc.clock.advance(self.master.params.lease_ttl_s + 1)
         self.master.remove(key)
 
 
@@ -89,7 +90,7 @@ def make() -> Iterator[Any]:
         half = conn.connector_scheduler
         assert half.client is not None
         half.client.close()
-        half.client = StoreClient("127.0.0.1:1", nixl=False, stub=store)
+        half.client = StoreClient("127.0.0.1:1", nixl=False, stub=store.stub())
         return sched, conn, store
 
     yield build
