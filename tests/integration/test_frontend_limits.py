@@ -97,3 +97,44 @@ async def test_connections_that_never_finish_their_headers_are_closed(
             writer.close()
     line = await _exchange(frontend, b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
     assert line.startswith(b"HTTP/1.1 200"), line
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """Reads one HTTP/1.1 response with a Content-Length: (status line, body)."""
+    status = await asyncio.wait_for(reader.readline(), ANSWER_TIMEOUT_S)
+    length = 0
+    while (line := await asyncio.wait_for(reader.readline(), ANSWER_TIMEOUT_S)) != b"\r\n":
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    body = await asyncio.wait_for(reader.readexactly(length), ANSWER_TIMEOUT_S)
+    return status, body
+
+
+async def test_a_bad_request_leaves_the_keep_alive_connection_usable(
+        frontend: FrontendApp) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.http_port)
+    try:
+        bad = b'{"model": "m", "prompt": "x", "seed": 9223372036854775808}'
+        writer.write(_post(len(bad)) + bad)
+        status, body = await _response(reader)
+        assert status.startswith(b"HTTP/1.1 400") and b'"seed"' in body, (status, body)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _ = await _response(reader)
+        assert status.startswith(b"HTTP/1.1 200"), status
+    finally:
+        writer.close()
+
+
+async def test_late_headers_of_a_later_request_close_the_connection(
+        frontend: FrontendApp) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", frontend.http_port)
+    try:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _ = await _response(reader)
+        assert status.startswith(b"HTTP/1.1 200"), status
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # never ends
+        await writer.drain()
+        assert await asyncio.wait_for(reader.read(), ANSWER_TIMEOUT_S) == b""
+    finally:
+        writer.close()

@@ -60,7 +60,7 @@ def test_bad_input_is_a_400_naming_the_field(client: TestClient, path: str, raw:
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param
-    # the same app (and client connection) still answers
+    # the same app still answers (the real keep-alive connection: test_frontend_limits)
     assert client.get("/v1/models").status_code == 200
 
 
