@@ -2,14 +2,16 @@
 
 Contract:
 
-- :func:`make_policy(name, sim, rng)` returns ``default_registry(cfg.profiles_file,
-  context).create(name, rng)`` (built-in policies and YAML profiles such as ``kv``,
-  ``kv_sampled``, ``prefix_load``, ``ttft``, ``ttft_kv``, ``ttft_hit``), with the
-  simulated engines' facts as the registry's context, which policies take when they
-  accept them: ``clock`` (the virtual clock), ``page_size`` (the engine block size) and
-  ``max_pages_per_worker`` (the engine's block count) for ``approx``; ``perf_model`` (a
-  :class:`TimingPerfModel` of the engines' timing model, KV capacity and speedup) and
-  ``chunk_budget`` (``max_num_batched_tokens``) for the TTFT policies.
+- :func:`sim_registry(sim)` returns ``default_registry(cfg.profiles_file, context)``, the
+  live router's registry (built-in policies and YAML profiles such as ``kv``,
+  ``kv_sampled``, ``prefix_load``, ``ttft``, ``ttft_kv``, ``ttft_hit``), built once per
+  simulation (it reads the profiles and check-builds each), whose ``create(name, rng)``
+  makes the simulation's policies. Its context is the simulated engines' facts, which
+  policies take when they accept them: ``clock`` (the virtual clock), ``page_size`` (the
+  engine block size) and ``max_pages_per_worker`` (the engine's block count) for
+  ``approx``; ``perf_model`` (a :class:`TimingPerfModel` of the engines' timing model, KV
+  capacity and speedup) and ``chunk_budget`` (``max_num_batched_tokens``) for the TTFT
+  policies.
 - :class:`TimingPerfModel` is the mock engine's :class:`TimingModel` as a
   :class:`services.common.perf_model.PerfModel`: ``prefill_ms(t)`` = a prefill-only
   step of ``t`` tokens, ``decode_step_ms(k)`` = a decode-only step at KV usage
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.router.policies.base import Policy, Rng
+from services.router.policies.registry import PolicyRegistry
 from services.router.policy_setup import default_registry
 from workers.engines.mock.timing import TimingModel
 
@@ -48,8 +50,8 @@ class TimingPerfModel:
         return self.timing.step_ms(0, 1, u) / self.speedup
 
 
-def make_policy(name: str, sim: Any, rng: Rng) -> Policy:
-    """A policy instance for ``sim`` (see the module docstring)."""
+def sim_registry(sim: Any) -> PolicyRegistry:
+    """The policy registry of ``sim`` (see the module docstring)."""
     cfg = sim.cfg
     context = {
         "clock": lambda: sim.now,
@@ -59,4 +61,4 @@ def make_policy(name: str, sim: Any, rng: Rng) -> Policy:
                                       cfg.engine_speedup),
         "chunk_budget": cfg.max_num_batched_tokens,
     }
-    return default_registry(cfg.profiles_file, context).create(name, rng)
+    return default_registry(cfg.profiles_file, context)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.offline.config import SimConfig
-from bench.offline.policies import make_policy
+from bench.offline.policies import sim_registry
 from bench.replay.stats import Result
 from bench.replay.trace import TraceRequest
 from services.common.block_hash import block_hashes
@@ -177,8 +177,9 @@ class Simulation:
                 kv_bytes_per_block=cfg.kv_bytes_per_token * cfg.block_size,
                 transfer_bandwidth=cfg.transfer_bandwidth, seed=cfg.seed, engine_id=wid))
             self.workers[wid] = SimWorker(rec, sched, EventTranslator(cfg.block_size))
-        policy = make_policy(cfg.policy, self, self.rng)
-        prefill_policy = (make_policy(cfg.prefill_policy, self, self.rng)
+        registry = sim_registry(self)
+        policy = registry.create(cfg.policy, self.rng)
+        prefill_policy = (registry.create(cfg.prefill_policy, self.rng)
                           if cfg.prefill_policy else None)
         self.router = RouterCore(policy, prefill_policy, DisaggConfig(
             order=cfg.disagg_order, conditional=cfg.conditional_disagg),
