@@ -56,12 +56,11 @@ class FrontendConfig(BaseConfig):
         out = super().problems()
         if not 0 <= self.http_port <= 65535:
             out.append(f"http_port out of range: {self.http_port}")
-        if not (self.max_body_mib > 0 and self.body_timeout_s > 0 and self.keep_alive_s > 0
-                and self.header_timeout_s > 0):
-            out.append("max_body_mib, body_timeout_s, header_timeout_s and keep_alive_s "
-                       "must be > 0")
+        for name in ("max_body_mib", "body_timeout_s", "header_timeout_s", "keep_alive_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
-            out.append("max_connections must be >= 1")
+            out.append(f"max_connections must be >= 1, got {self.max_connections}")
         return out
 
 

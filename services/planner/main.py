@@ -188,7 +188,6 @@ class PlannerLoop:
         self.core = core
         self.observer = observer
         self.actuator = actuator
-        self.tick_s = tick_s
         self.clock = clock
         self.last: ScalingDecision | None = None
         self._publish = publish
