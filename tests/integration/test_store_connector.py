@@ -14,8 +14,8 @@
   request in error (no full answer).
 
 The master runs on a fake clock the tests advance (read leases and client TTLs run out
-when a test says so, not after a sleep); its ticker still runs, and the tests also call
-the core's ``tick`` themselves right after advancing.
+when a test says so, not after a sleep); its ticker still does the periodic work, and
+:func:`~tests.store_inproc.ticks` waits for it to have run after a clock change.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_
 from tests.integration.conftest import base_args
 from tests.integration.pd_support import BLOCK, KV_GIB, MAX_MODEL_LEN, delta, prompt, run, token_ids
 from tests.manual_clock import Clock
+from tests.store_inproc import ticks
 from tests.waiting import wait_for
 from workers.engines.vllm_engine import VllmEngine, VllmEngineConfig
 from workers.kv.configs import store_kv_transfer_config
@@ -46,22 +47,21 @@ _ids = itertools.count()
 READ_LEASE_S, CLIENT_TTL_S = 1.0, 3.0
 
 
-CLOCK = Clock()  # the master's: stands still until a test advances it
-
-
 def rid(tag: str) -> str:
     return f"store-{tag}-{next(_ids)}"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def master(etcd: Child) -> AsyncIterator[StoreMasterApp]:
+async def master(etcd: Child) -> AsyncIterator[tuple[StoreMasterApp, Clock]]:
+    """A master on a fake clock: it stands still until a test advances it."""
     cfg = load_config(StoreMasterConfig, [*base_args(etcd.address, "storeconn"),
                                           "--tick-interval-s", "0.1",
                                           "--read-lease-ttl-s", str(READ_LEASE_S),
                                           "--client-ttl-s", str(CLIENT_TTL_S)],
                       {})
-    app = await start_store_master(cfg, clock=CLOCK)
-    yield app
+    clock = Clock()
+    app = await start_store_master(cfg, clock=clock)
+    yield app, clock
     await app.server.stop()
 
 
@@ -77,31 +77,33 @@ async def start_engine(master_addr: str, policy: str, **extra: Any) -> VllmEngin
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def engine(master: StoreMasterApp) -> AsyncIterator[VllmEngine]:
-    eng = await start_engine(master.server.address, "recompute")
+async def engine(master: tuple[StoreMasterApp, Clock]) -> AsyncIterator[VllmEngine]:
+    eng = await start_engine(master[0].server.address, "recompute")
     yield eng
     await eng.shutdown()
 
 
-def drop_dead_nodes(master: StoreMasterApp) -> None:
-    """Every store node is gone (killed): their client TTL runs out, one tick drops them."""
-    CLOCK.advance(CLIENT_TTL_S + 0.1)
-    master.master.tick()
-    assert master.master.stats().clients == 0, "dead nodes still listed"
+async def drop_dead_nodes(app: StoreMasterApp, clock: Clock) -> None:
+    """Every store node is gone (killed): their client TTL runs out, the master's ticker
+    drops them."""
+    clock.advance(CLIENT_TTL_S + 0.1)
+    await ticks(app)
+    assert app.master.stats().clients == 0, "dead nodes still listed"
 
 
-async def node(master: StoreMasterApp, mib: int = 32) -> StoreNodeProcess:
-    return await asyncio.to_thread(StoreNodeProcess, master.server.address, mib)
+async def node(app: StoreMasterApp, mib: int = 32) -> StoreNodeProcess:
+    return await asyncio.to_thread(StoreNodeProcess, app.server.address, mib)
 
 
 async def test_store_reload_matches_compute_and_counts_hits(
-        master: StoreMasterApp, engine: VllmEngine) -> None:
-    sn = await node(master)
+        master: tuple[StoreMasterApp, Clock], engine: VllmEngine) -> None:
+    app, clock = master
+    sn = await node(app)
     try:
         tokens = prompt(11, 5 * BLOCK + 7)  # 5 full blocks, all loadable
         before = engine.counters()
         computed = token_ids(await run(engine, rid("a"), tokens))
-        assert master.master.stats().complete_objects >= 5
+        assert app.master.stats().complete_objects >= 5
         assert await engine.reset_prefix_cache()
         loaded = token_ids(await run(engine, rid("b"), tokens))
         assert loaded == computed
@@ -118,8 +120,8 @@ async def test_store_reload_matches_compute_and_counts_hits(
         # The same prompt computed from scratch: no prefix cache, and its blocks dropped
         # from the store.
         assert await engine.reset_prefix_cache()
-        CLOCK.advance(READ_LEASE_S + 0.1)  # read leases granted by the lookups run out
-        assert master.master.remove_all() > 0
+        clock.advance(READ_LEASE_S + 0.1)  # read leases granted by the lookups run out
+        assert app.master.remove_all() > 0
         before = engine.counters()
         assert token_ids(await run(engine, rid("d"), other)) == with_store
         assert delta(engine.counters(), before).get("kv_connector_hits_tokens", 0) == 0
@@ -147,18 +149,19 @@ async def test_store_reload_matches_compute_and_counts_hits(
         await asyncio.to_thread(sn.stop)
 
 
-async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
+async def test_l1_write_behind_reaches_the_store(master: tuple[StoreMasterApp, Clock],
                                                  engine: VllmEngine) -> None:
     """An engine with an L1 pool saves in the background; once written behind, another
     engine (no L1) loads the blocks from the store, and with the store node gone the L1
     engine still reloads them all from L1."""
-    sn = await node(master)
-    l1 = await start_engine(master.server.address, "recompute", l1_mib=4)
+    app, clock = master
+    sn = await node(app)
+    l1 = await start_engine(app.server.address, "recompute", l1_mib=4)
     try:
         tokens = prompt(41, 5 * BLOCK + 3)
-        objects = master.master.stats().complete_objects
+        objects = app.master.stats().complete_objects
         computed = token_ids(await run(l1, rid("l1a"), tokens))
-        await wait_for(lambda: master.master.stats().complete_objects >= objects + 5, 15.0,
+        await wait_for(lambda: app.master.stats().complete_objects >= objects + 5, 15.0,
                        "write-behind saves in the store")
         assert await engine.reset_prefix_cache()
         before = engine.counters()
@@ -175,14 +178,16 @@ async def test_l1_write_behind_reaches_the_store(master: StoreMasterApp,
     finally:
         await l1.shutdown()
         sn.kill()
-    drop_dead_nodes(master)
+    await drop_dead_nodes(app, clock)
 
 
-async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -> None:
+async def test_async_load_reports_through_get_finished(
+        master: tuple[StoreMasterApp, Clock]) -> None:
     """async_load: vLLM parks the request while the loader thread reads the store; the
     tokens are the computed ones; a vanished node → failed blocks → recompute."""
-    sn = await node(master)
-    eng = await start_engine(master.server.address, "recompute", async_load=True)
+    app, clock = master
+    sn = await node(app)
+    eng = await start_engine(app.server.address, "recompute", async_load=True)
     try:
         tokens = prompt(51, 4 * BLOCK + 9)
         computed = token_ids(await run(eng, rid("as1"), tokens))
@@ -202,13 +207,14 @@ async def test_async_load_reports_through_get_finished(master: StoreMasterApp) -
     finally:
         await eng.shutdown()
         sn.kill()
-    drop_dead_nodes(master)
+    await drop_dead_nodes(app, clock)
 
 
-async def test_load_failure_recompute_and_fail(master: StoreMasterApp,
+async def test_load_failure_recompute_and_fail(master: tuple[StoreMasterApp, Clock],
                                                engine: VllmEngine) -> None:
+    app, clock = master
     tokens = prompt(21, 6 * BLOCK + 1)
-    sn = await node(master)
+    sn = await node(app)
     try:
         computed = token_ids(await run(engine, rid("g"), tokens))
         assert await engine.reset_prefix_cache()
@@ -220,10 +226,10 @@ async def test_load_failure_recompute_and_fail(master: StoreMasterApp,
     moved = delta(engine.counters(), before)
     assert moved.get("kv_connector_hits_tokens") == 6 * BLOCK  # the lookup said hit
 
-    drop_dead_nodes(master)
-    fail = await start_engine(master.server.address, "fail")
+    await drop_dead_nodes(app, clock)
+    fail = await start_engine(app.server.address, "fail")
     try:
-        sn2 = await node(master)
+        sn2 = await node(app)
         try:
             tokens2 = prompt(22, 4 * BLOCK + 1)
             ref = token_ids(await run(fail, rid("i"), tokens2))
