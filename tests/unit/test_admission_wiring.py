@@ -20,18 +20,11 @@ from services.router.disagg import DisaggConfig
 from services.router.main import RouterConfig
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
+from tests.manual_clock import Clock
 
 BS = 16
 CAP = 10_000
 MODEL = PolynomialPerfModel(CAP)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def admission(policy: str, itl_ms: float = 20.0, ttft_ms: float = 2000.0) -> RouterAdmission:
@@ -48,7 +41,7 @@ def w(i: str, role: str) -> WorkerRecord:
 def core(policy: str, roles: tuple[str, ...] = ("agg",), **kw: object) -> tuple[RouterCore,
                                                                                  Clock]:
     reg = default_registry()
-    clock = Clock()
+    clock = Clock(100.0)
     rng = random.Random(0)
     c = RouterCore(policy=reg.create("least_loaded", rng),
                    prefill_policy=reg.create("least_loaded", rng),
@@ -101,7 +94,7 @@ def test_flight_is_pending_until_its_estimated_prefill_finishes_then_generates()
     step = MODEL.decode_step_ms(r.context_tokens) / 1000
     assert r.context_tokens - 1000 == pytest.approx(0.5 / step, abs=2)
     assert r.remaining_tokens == pytest.approx(100 - 0.5 / step, abs=2)
-    clock.t += 60  # long past its expected end but not released: 1 token left
+    clock.advance(60)  # long past its expected end but not released: 1 token left
     assert adm.decode_state(MODEL, "a1", c.flights(), clock.t, None).running[0] \
         .remaining_tokens == 1
     assert c.release("a") and not c.flights()
@@ -144,7 +137,7 @@ def test_rejection_carries_reason_retry_after_and_the_plan() -> None:
     assert d.retry_after_s >= 1.0 and d.predicted_itl_ms > 20.0
     assert info.value.plan.worker.instance_id == "a1"
     assert "x" not in {f.request_id for f in c.flights()}
-    clock.t += 30  # the admitted ones are (estimated) done: early admits again
+    clock.advance(30)  # the admitted ones are (estimated) done: early admits again
     assert c.route(ctx("y", start=8_000_000), max_tokens=100).admission.admit  # type: ignore[union-attr]
 
 
@@ -153,8 +146,8 @@ def test_current_load_keeps_rejecting_what_early_knows_has_left() -> None:
     cur, cc = core("current_load")
     burst(early, 3)
     burst(cur, 3)
-    ce.t += 30
-    cc.t += 30
+    ce.advance(30)
+    cc.advance(30)
     assert early.route(ctx("late", start=7_000_000), max_tokens=100).admission.admit  # type: ignore[union-attr]
     # current_load sees 3 x ~1100 tokens still on D (not released) and no departures
     with pytest.raises(Rejected):

@@ -13,6 +13,7 @@ from services.router.policies.base import RouteContext, WorkerState
 from services.router.policies.profile import Profile, ProfileError
 from services.router.policies.registry import PolicyRegistry, register_all
 from services.router.policy_setup import default_registry
+from tests.manual_clock import Clock
 
 
 def state(i: str, **kw: object) -> WorkerState:
@@ -165,20 +166,12 @@ def test_random_policy_is_seeded() -> None:
 
 # --- approx (SGLang CacheAwarePolicy) --------------------------------------------------
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def toks(start: int, n: int) -> tuple[int, ...]:
     return tuple(range(start, start + n))
 
 
 def test_approx_cache_threshold_and_smallest_tree() -> None:
-    p = ApproxPolicy(cache_threshold=0.3, clock=Clock())
+    p = ApproxPolicy(cache_threshold=0.3, clock=Clock(0.0))
     cands = [state("w1"), state("w2")]
     a = toks(0, 64)  # 4 pages
     assert p.select(RouteContext("1", "m", a), cands).worker_id == "w1"  # trees 0/0 → id
@@ -196,7 +189,7 @@ def test_approx_cache_threshold_and_smallest_tree() -> None:
 
 
 def test_approx_imbalance_switches_to_shortest_queue() -> None:
-    p = ApproxPolicy(clock=Clock())  # 0.3 / 64 / 1.5
+    p = ApproxPolicy(clock=Clock(0.0))  # 0.3 / 64 / 1.5
     a = toks(0, 64)
     p.select(RouteContext("1", "m", a), [state("w1"), state("w2")])  # a → w1
     # diff 90 > 64 and 100 > 10 · 1.5 → imbalanced: shortest queue despite the cache.
@@ -214,7 +207,7 @@ def test_approx_imbalance_switches_to_shortest_queue() -> None:
 
 
 def test_approx_eviction_lru_size_cap_and_age() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     p = ApproxPolicy(max_pages_per_worker=4, max_age_s=100, clock=clock)
     only = [state("w1")]
     a, b = toks(0, 48), toks(5000, 48)  # 3 pages each
@@ -233,7 +226,7 @@ def test_approx_eviction_lru_size_cap_and_age() -> None:
 
 
 def test_approx_drops_trees_of_vanished_workers_via_core() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     p = ApproxPolicy(clock=clock)
     c = RouterCore(policy=p, clock=clock)
     c.set_workers([WorkerRecord("w1", "a", "m", "agg", 16, 4096),
@@ -246,7 +239,7 @@ def test_approx_drops_trees_of_vanished_workers_via_core() -> None:
 
 
 def test_the_live_router_passes_its_clock_to_approx() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     reg = RouterConfig().registry(clock)
     p = reg.create("approx", random.Random(0))
     assert isinstance(p, ApproxPolicy)
