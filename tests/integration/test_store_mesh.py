@@ -85,13 +85,18 @@ async def test_evicted_prefix_comes_back_from_the_store(smesh: StoreMesh) -> Non
     async with grpc.aio.insecure_channel(smesh.indexer.server.address) as ch:
         stub = indexer_pb2_grpc.IndexerStub(ch)
 
+        last: indexer_pb2.FindMatchesResponse | None = None
+
         async def in_store_tier() -> indexer_pb2.FindMatchesResponse | None:
-            resp = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
+            nonlocal last
+            last = await stub.FindMatches(indexer_pb2.FindMatchesRequest(
                 token_ids=head, block_size=BLOCK))
-            return resp if any(o.by_tier.get("store", 0) == 5 for o in resp.overlaps) else None
+            return last if any(o.by_tier.get("store", 0) == 5 for o in last.overlaps) else None
 
         # saved blocks are announced with tier "store"
-        await wait_for(in_store_tier, 10, "the 5 saved blocks in the index with tier 'store'",
+        await wait_for(in_store_tier, 10,
+                       lambda: "the 5 saved blocks in the index with tier 'store'; last "
+                               f"response: {last}",
                        interval_s=0.1)
     assert await smesh.worker.engine.reset_prefix_cache()  # the engine forgets the prefix
     again = await complete(smesh.frontend.base_url, [*head, 9, 8, 7])
