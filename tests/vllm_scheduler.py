@@ -7,15 +7,18 @@ model run, no network.
 
 Contract:
 
-- ``create_vllm_config(kv_transfer_config, *, block_size, dtype, max_num_batched_tokens)``
-  → ``VllmConfig`` of :func:`workers.model.tiny.ensure_tiny_model` on the CPU device.
-- ``create_scheduler(vllm_config, num_blocks)`` → ``Scheduler`` with one full-attention KV
-  cache group of ``num_blocks`` blocks (block 0 is vLLM's null block).
-- ``create_request(request_id, token_ids, *, max_tokens, lora)`` → a ``Request`` with
-  vLLM's block hasher (so the prefix cache works) and greedy sampling.
-- ``runner_output(scheduler_output, *, kv_connector_output)`` → the
-  ``ModelRunnerOutput`` of one step: one sampled token (id 7) for every request whose
-  prompt the step completes, none for a partial prefill.
+- ``create_vllm_config(kv_transfer_config, *, block_size=32, dtype="float32",
+  max_num_batched_tokens=1024)`` → ``VllmConfig`` of
+  :func:`workers.model.tiny.ensure_tiny_model` on the CPU device.
+- ``create_scheduler(vllm_config, num_blocks=256)`` → ``Scheduler`` with one
+  full-attention KV cache group of ``num_blocks`` blocks (block 0 is vLLM's null block).
+- ``create_request(request_id, token_ids, *, block_size=32, max_tokens=4, lora=None)`` →
+  a ``Request`` with vLLM's block hasher for ``block_size`` (which must be the
+  scheduler's, so the prefix cache works) and greedy sampling.
+- ``runner_output(scheduler, out, *, kv_connector_output=None)`` → the
+  ``ModelRunnerOutput`` of the step that ``scheduler`` scheduled as ``out``: one sampled
+  token (id 7) for every request whose prompt the step completes, none for a partial
+  prefill.
 - ``EventRecorder``: a KV event publisher that keeps the batches vLLM publishes
   (``scheduler.kv_event_publisher = EventRecorder()``).
 """
