@@ -29,6 +29,8 @@ from pathlib import Path
 
 from services.common.config import _env_name
 from services.common.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
+from services.router.admission.core import POLICIES as ADMISSIONS
+from services.router.indexer_modes import INDEXER_MODES as INDEXERS
 
 CHILD_ENV = {
     "VLLM_HOST_IP": "127.0.0.1",
@@ -43,8 +45,6 @@ CHILD_ENV = {
 
 MODES = ("disagg", "agg")
 HANDOFFS = ("pull", "push")
-INDEXERS = ("remote", "embedded", "none")
-ADMISSIONS = ("none", "early", "current_load")
 
 
 def _flag(name: str) -> str:
