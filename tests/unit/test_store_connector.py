@@ -25,9 +25,10 @@ from tests.vllm_scheduler import (
 )
 from workers.kv.configs import store_kv_transfer_config
 from workers.kv.event_translate import EventTranslator
+from workers.kv.store.metadata import StoreMeta, StoreWorkerMeta
 from workers.kv.store.planner import BlockJob
 from workers.kv.store_client import StoreClient
-from workers.kv.store_connector import KvmeshStoreConnector, StoreMeta, StoreWorkerMeta
+from workers.kv.store_connector import KvmeshStoreConnector
 
 BS = 32
 

@@ -37,8 +37,8 @@ hook to its half (contracts in those modules; the planning itself is vLLM-free, 
   ``take_events``, ``request_finished`` / ``request_finished_all_groups`` (the first
   group's block ids) → ``(False, None)``;
 - worker half: ``register_kv_caches``, ``start_load_kv`` / ``wait_for_save`` (with the
-  bound :class:`StoreMeta`), ``build_connector_worker_meta``, ``get_finished`` → ``(None,
-  finished async loads)``, ``get_block_ids_with_load_errors``;
+  bound :class:`~workers.kv.store.metadata.StoreMeta`), ``build_connector_worker_meta``,
+  ``get_finished`` → ``(None, finished async loads)``, ``get_block_ids_with_load_errors``;
 - ``wait_for_layer_load`` / ``save_kv_layer``: nothing (loads complete before the
   forward; saves happen in ``wait_for_save``); ``get_kv_connector_stats``: vLLM's default
   None (loads show in vLLM's connector hit / external token counters);
@@ -66,11 +66,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from workers.kv.configs import STORE_CLASS as CLASS
-from workers.kv.configs import STORE_MODULE as MODULE
 from workers.kv.layout import kv_layout
-from workers.kv.store.metadata import StoreMeta, StoreWorkerMeta
-from workers.kv.store.planner import BlockJob, StoreSettings, key_prefix
+from workers.kv.store.planner import StoreSettings, key_prefix
 from workers.kv.store.scheduler import StoreConnectorScheduler
 from workers.kv.store.worker import StoreConnectorWorker
 
@@ -86,8 +83,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["CLASS", "MODULE", "BlockJob", "KvmeshStoreConnector", "StoreMeta",
-           "StoreWorkerMeta"]
+__all__ = ["KvmeshStoreConnector"]
 
 log = logging.getLogger(__name__)
 
