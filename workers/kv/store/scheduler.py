@@ -59,11 +59,11 @@ if TYPE_CHECKING:
 
 
 def eligible(request: Request) -> bool:
-    """Whether the request's KV is a function of its prompt's token ids alone."""
+    """Whether the request's KV is a function of its prompt's token ids alone (an empty
+    prompt is turned away by :meth:`StorePlanner.track`)."""
     return (getattr(request, "lora_request", None) is None
             and not getattr(request, "mm_features", None)
-            and getattr(request, "prompt_embeds", None) is None
-            and bool(request.prompt_token_ids))
+            and getattr(request, "prompt_embeds", None) is None)
 
 
 class StoreConnectorScheduler:
