@@ -27,7 +27,7 @@ import aetcd
 import grpc
 
 from protos import discovery_pb2
-from services.common.periodic import Periodic, cancel_and_wait
+from services.common.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +119,29 @@ Listener = Callable[[dict[str, discovery_pb2.InstanceRecord]], None]
 
 
 class InstanceWatcher:
-    """Follows all records under one component prefix."""
+    """Follows all records under one component prefix.
+
+    The watch runs in a :class:`Periodic`: each run loads a snapshot of the prefix, then
+    follows its changes until the watch ends or fails; a failure is logged and retried
+    with backoff (0.2 s doubling to 5 s; a loaded snapshot resets it), and every retry
+    reloads the whole snapshot, so nothing missed in between is lost. ``start()`` returns
+    once the first snapshot is loaded, or raises the error when the first
+    ``STARTUP_TRIES`` tries failed (or one failed for another reason than etcd being
+    unreachable).
+    """
+
+    STARTUP_TRIES = 5
 
     def __init__(self, endpoint: str, namespace: str, component: str) -> None:
         self._endpoint = endpoint
         self._prefix = instances_prefix(namespace, component).encode()
         self._instances: dict[str, discovery_pb2.InstanceRecord] = {}
         self._listeners: list[Listener] = []
-        self._task: asyncio.Task[None] | None = None
+        self._watch = Periodic(f"etcd-watch-{component}", self._watch_once, 0.1,
+                               max_backoff_s=5.0)
         self._ready = asyncio.Event()
+        self._settled = asyncio.Event()  # ready, or start-up gave up
+        self._startup_error: BaseException | None = None
 
     def instances(self) -> dict[str, discovery_pb2.InstanceRecord]:
         """A copy of the live records, keyed by instance id."""
@@ -139,12 +153,11 @@ class InstanceWatcher:
 
     async def start(self) -> None:
         """Starts watching; returns once the first snapshot is loaded."""
-        self._task = asyncio.create_task(self._run(), name="etcd-watch")
-        waiter = asyncio.create_task(self._ready.wait())
-        done, _ = await asyncio.wait({waiter, self._task}, return_when=asyncio.FIRST_COMPLETED)
-        if self._task in done:
-            waiter.cancel()
-            self._task.result()  # raises the startup error
+        self._watch.start()
+        await self._settled.wait()
+        if self._startup_error is not None:
+            await self._watch.stop()
+            raise self._startup_error
 
     def _apply(self, key: bytes, value: bytes | None) -> None:
         instance_id = key[len(self._prefix):].decode()
@@ -167,38 +180,36 @@ class InstanceWatcher:
             except Exception:
                 log.exception("discovery listener failed")
 
-    async def _run(self) -> None:
-        backoff = 0.2
-        while True:
-            client = etcd_client(self._endpoint)
-            try:
-                await client.connect()
-                snap = await client.get_prefix(self._prefix)
-                self._instances.clear()
-                for kv in snap:
-                    self._apply(kv.key, kv.value)
+    async def _watch_once(self) -> None:
+        """One snapshot, then the changes after it until the watch ends or fails."""
+        client = etcd_client(self._endpoint)
+        try:
+            await client.connect()
+            snap = await client.get_prefix(self._prefix)
+            self._instances.clear()
+            for kv in snap:
+                self._apply(kv.key, kv.value)
+            self._notify()
+            self._ready.set()
+            self._settled.set()
+            self._watch.note_progress()
+            watch = await client.watch_prefix(
+                self._prefix, start_revision=snap.header.revision + 1
+            )
+            async for event in watch:
+                self._apply(event.kv.key, event.kv.value if event.kind == "PUT" else None)
                 self._notify()
-                self._ready.set()
-                backoff = 0.2
-                watch = await client.watch_prefix(
-                    self._prefix, start_revision=snap.header.revision + 1
-                )
-                async for event in watch:
-                    self._apply(event.kv.key, event.kv.value if event.kind == "PUT" else None)
-                    self._notify()
-            except asyncio.CancelledError:
-                raise
-            except (grpc.RpcError, aetcd.exceptions.ClientError, OSError) as exc:
-                if not self._ready.is_set() and backoff > 3:
-                    raise
-                log.warning("etcd watch error (%s); resyncing in %.1fs", exc, backoff)
-            finally:
-                with contextlib.suppress(Exception):
-                    await client.close()
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+        except Exception as exc:
+            unreachable = isinstance(exc, grpc.RpcError | aetcd.exceptions.ClientError | OSError)
+            if not self._ready.is_set() and (
+                    not unreachable or self._watch.failures + 1 >= self.STARTUP_TRIES):
+                self._startup_error = exc
+                self._settled.set()
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
 
     async def close(self) -> None:
         """Stops watching. Idempotent."""
-        task, self._task = self._task, None
-        await cancel_and_wait(task)
+        await self._watch.stop()

@@ -114,9 +114,11 @@ def which_or_raise(binary: str) -> str:
     return path
 
 
-def start_etcd(work_dir: Path, log_dir: Path) -> Child:
-    """etcd on 127.0.0.1 free ports; ``child.address`` is host:port of the client URL."""
-    port, peer = free_port(), free_port()
+def start_etcd(work_dir: Path, log_dir: Path, port: int = 0, peer_port: int = 0) -> Child:
+    """etcd on 127.0.0.1 (``port`` and ``peer_port``, or free ones; the same ports and
+    ``work_dir`` restart the same member with its data); ``child.address`` is host:port
+    of the client URL."""
+    port, peer = port or free_port(), peer_port or free_port()
     url = f"http://127.0.0.1:{port}"
     data = work_dir / "etcd-data"
     data.mkdir(parents=True, exist_ok=True)

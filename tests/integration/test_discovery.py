@@ -1,0 +1,75 @@
+"""etcd discovery against real etcd: the watcher's start-up failure is reported, and the
+watcher resyncs after etcd restarts (the records written while it was away reach it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import aetcd
+import pytest
+
+from protos import discovery_pb2
+from services.common.discovery import InstanceWatcher, etcd_client, instance_key
+from services.common.procs import Child, free_port, start_etcd
+from tests.waiting import wait_for
+
+NS = "disc"
+
+
+async def test_start_raises_when_etcd_is_unreachable() -> None:
+    watcher = InstanceWatcher(f"127.0.0.1:{free_port()}", NS, "worker")
+    with pytest.raises(aetcd.exceptions.ConnectionFailedError):
+        await watcher.start()
+    await watcher.close()
+
+
+@pytest.fixture
+def own_etcd(tmp_path: Path, log_dir: Path) -> Iterator[tuple[Child, Path]]:
+    """An etcd of the test's own (the test stops and restarts it); stopped at the end."""
+    child = start_etcd(tmp_path, log_dir)
+    try:
+        yield child, tmp_path
+    finally:
+        child.stop()
+
+
+async def _put(address: str, instance_id: str) -> None:
+    rec = discovery_pb2.InstanceRecord(instance_id=instance_id, component="worker",
+                                       address="127.0.0.1:1")
+    client = etcd_client(address)
+    try:
+        await client.connect()
+        await client.put(instance_key(NS, rec).encode(), rec.SerializeToString())
+    finally:
+        await client.close()
+
+
+async def test_watcher_resyncs_after_an_etcd_restart(own_etcd: tuple[Child, Path],
+                                                     log_dir: Path) -> None:
+    child, work = own_etcd
+    host, port = child.address.split(":")
+    await _put(child.address, "w1")
+    watcher = InstanceWatcher(child.address, NS, "worker")
+    await watcher.start()
+    restarted: Child | None = None
+    try:
+        assert set(watcher.instances()) == {"w1"}
+        peer = _peer_port(child)
+        child.stop()
+        restarted = start_etcd(work, log_dir, port=int(port), peer_port=peer)
+        await _put(restarted.address, "w2")
+        await wait_for(lambda: set(watcher.instances()) == {"w1", "w2"}, 30,
+                       lambda: f"the watcher to resync after the restart "
+                               f"(has {sorted(watcher.instances())})")
+    finally:
+        await watcher.close()
+        if restarted is not None:
+            restarted.stop()
+
+
+def _peer_port(child: Child) -> int:
+    """The peer port etcd was started with (from its command line)."""
+    args = list(child.proc.args)  # type: ignore[arg-type]
+    url = args[args.index("--listen-peer-urls") + 1]
+    return int(url.rsplit(":", 1)[1])
