@@ -25,6 +25,7 @@ from services.planner.main import PlannerApp, PlannerConfig, PlannerLoop, start_
 from services.planner.observe import MeshObserver, traffic_from_metrics
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.integration.conftest import base_args
+from tests.manual_clock import Clock
 from tests.waiting import wait_for
 from workers.fleet import Fleet, FleetConfig, start_fleet
 
@@ -66,16 +67,6 @@ async def live(etcd: Child, tiny_model: str) -> AsyncIterator[LiveMesh]:
         await fleet.stop()
 
 
-class ManualClock:
-    """The planner's time: moves only when the test sets it."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def two_more_steps(loop: PlannerLoop) -> None:
     """Until two more planner steps have finished: every step that ends later began its
     observation after this call (the step in flight now may have observed before it)."""
@@ -93,7 +84,7 @@ async def complete(client: httpx.AsyncClient, url: str, i: int) -> None:
 
 
 async def test_planner_scales_from_live_metrics(etcd: Child, live: LiveMesh) -> None:
-    clock = ManualClock()
+    clock = Clock(0.0)  # the planner's time: moves only when the test moves it
     cfg = load_config(PlannerConfig, [
         *base_args(etcd.address, NS), "--throughput-interval-s", str(INTERVAL),
         "--load-interval-s", "0", "--tick-s", "0.05", "--perf-speedup", str(SPEEDUP),
@@ -110,7 +101,7 @@ async def test_planner_scales_from_live_metrics(etcd: Child, live: LiveMesh) -> 
                        and app.loop.last.ready == {"prefill": 1, "decode": 1}, 30,
                        lambda: f"the planner to see P, D and the frontend ({app.loop.last})")
         await two_more_steps(app.loop)
-        clock.now = INTERVAL  # the throughput tick that takes the counters' base (no traffic)
+        clock.advance(INTERVAL)  # the throughput tick that takes the counters' base (no traffic)
         await two_more_steps(app.loop)
         url = live.frontend.base_url
         async with httpx.AsyncClient(timeout=120) as client:
@@ -123,7 +114,7 @@ async def test_planner_scales_from_live_metrics(etcd: Child, live: LiveMesh) -> 
 
             await wait_for(counted, 10, f"the frontend's /metrics to count {N} finished")
         await two_more_steps(app.loop)  # from now on every step scrapes all N requests
-        clock.now = 2 * INTERVAL
+        clock.advance(INTERVAL)  # t = 2 · INTERVAL
         await two_more_steps(app.loop)
 
         def desired() -> dict[str, int]:
