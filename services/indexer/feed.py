@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from protos import discovery_pb2, kv_events_pb2, worker_pb2_grpc
 from services.common.discovery import InstanceWatcher
 from services.common.event_bus import BadEntry, decode_entry, stream_name
 from services.common.grpc_client import ChannelPool
+from services.common.injected import Clock
 from services.common.periodic import Periodic
 from services.indexer.core import Gap, KvEvent, KvIndex
 
@@ -72,7 +73,7 @@ class IndexFeed:
     """See the module docstring."""
 
     def __init__(self, index: KvIndex, redis_url: str, etcd_endpoint: str, namespace: str,
-                 group: str, consumer: str = "c0", *, clock: Callable[[], float],
+                 group: str, consumer: str = "c0", *, clock: Clock,
                  batch: int = 512, block_ms: int = 500, retry_s: float = 1.0) -> None:
         self.index = index
         self.stream = stream_name(namespace)

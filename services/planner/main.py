@@ -29,6 +29,7 @@ from typing import Protocol
 
 from protos import discovery_pb2
 from services.common.config import BaseConfig
+from services.common.injected import Clock
 from services.common.perf_model import load_perf_model
 from services.common.periodic import Periodic
 from services.common.server import MeshServer, serve_main
@@ -183,7 +184,7 @@ class PlannerLoop:
     """Observe → tick → actuate, every ``tick_s``; see the module docstring."""
 
     def __init__(self, core: PlannerCore, observer: Observer, actuator: Actuator,
-                 tick_s: float, clock: Callable[[], float],
+                 tick_s: float, clock: Clock,
                  publish: Callable[[ScalingDecision], Awaitable[None]] | None = None) -> None:
         self.core = core
         self.observer = observer
@@ -236,7 +237,7 @@ class PlannerApp:
 
 
 async def start_planner(cfg: PlannerConfig,
-                        clock: Callable[[], float] = time.monotonic) -> PlannerApp:
+                        clock: Clock = time.monotonic) -> PlannerApp:
     """Builds, registers and starts the planner; stop it with ``app.server.stop()``.
     ``clock`` is the planner's time (seconds, monotonic): what its intervals and rates are
     measured in."""

@@ -50,10 +50,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.block_hash import block_hashes
+from services.common.injected import Clock
 from services.router.admission.core import AdmissionDecision, RequestShape
 from services.router.admission.live import DecodeLoadReport, Flight, RouterAdmission
 from services.router.disagg import (
@@ -200,7 +201,7 @@ class RouterCore:
     _known_models: set[str] = field(default_factory=set)
     admission: RouterAdmission | None = None
     # Required, keyword-only: monotonic seconds (the live router's, or a virtual clock).
-    clock: Callable[[], float] = field(kw_only=True)
+    clock: Clock = field(kw_only=True)
     _flights: dict[str, Flight] = field(default_factory=dict)
     # request id → (prefilling worker id, uncached tokens); totals per worker id.
     _prefills: dict[str, tuple[str, int]] = field(default_factory=dict)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -40,6 +40,7 @@ import grpc
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.block_hash import block_hashes
 from services.common.grpc_client import ChannelPool
+from services.common.injected import Clock
 from services.common.periodic import Periodic
 from services.common.telemetry import tracer
 from services.router.admission.core import AdmissionDecision
@@ -264,7 +265,7 @@ class Evictor:
     first call one period after ``start()``. A failed eviction is logged; the next one
     still comes one period later."""
 
-    def __init__(self, core: RouterCore, period_s: float, clock: Callable[[], float]) -> None:
+    def __init__(self, core: RouterCore, period_s: float, clock: Clock) -> None:
         self._core = core
         self._clock = clock
         self._loop = Periodic("router-evictor", self._evict, period_s, delay_first=True,

@@ -28,34 +28,16 @@ Contract:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol
+
+# The injected clock and random source, re-exported for the policies.
+from services.common.injected import Clock as Clock
+from services.common.injected import Rng as Rng
+from services.common.injected import T as T
 
 TIERS = ("device", "host", "store")
-
-T = TypeVar("T")
-
-Clock = Callable[[], float]
-"""Monotonic seconds (``time.monotonic`` live, a virtual clock offline and in tests)."""
-
-
-class Rng(Protocol):
-    """What the policies draw from (``random.Random`` satisfies it)."""
-
-    def random(self) -> float:
-        """A float in [0, 1)."""
-        ...
-
-    def choice(self, seq: Sequence[T]) -> T:
-        """One element of the non-empty ``seq``, uniformly."""
-        ...
-
-    def choices(self, population: Sequence[T], weights: Sequence[float] | None = None, *,
-                k: int = 1) -> list[T]:
-        """``k`` elements drawn with replacement, with relative ``weights``."""
-        ...
-
 
 @dataclass(frozen=True)
 class WorkerOverlap:

@@ -8,6 +8,7 @@
 - ``master``: :class:`StoreMaster`, which ties them together.
 """
 
+from services.common.injected import Clock, Rng
 from services.store_master.core.allocator import (
     STRATEGIES,
     AllocationStrategy,
@@ -17,7 +18,6 @@ from services.store_master.core.allocator import (
     Segment,
     make_strategy,
 )
-from services.store_master.core.deps import Clock, Rng
 from services.store_master.core.eviction import (
     POLICIES,
     Candidate,

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.store_master.core.deps import Rng
+from services.common.injected import Rng
 
 
 class RangeAllocator:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.store_master.core.deps import Rng
+from services.common.injected import Rng
 
 
 @dataclass(frozen=True)

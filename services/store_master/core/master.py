@@ -95,8 +95,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from services.common.injected import Clock, Rng
 from services.store_master.core.allocator import AllocationStrategy, Segment, make_strategy
-from services.store_master.core.deps import Clock, Rng
 from services.store_master.core.eviction import (
     Candidate,
     EvictionPolicy,
