@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from services.common.periodic import Periodic, cancel_and_wait
+from tests.virtual_time import VirtualTimeLoop, run_virtual
 
 
 def test_backoff_doubles_up_to_the_cap_and_progress_resets_it() -> None:
@@ -77,3 +78,45 @@ async def test_an_outage_is_logged_once_with_traceback_then_sparsely(
     assert [r.exc_info is not None for r in records] == [True, False, False, False, False]
     assert "16 in a row" in records[-1].getMessage()
     assert p.failures_total == 20 and p.failures == 0
+
+
+async def test_cancel_and_wait_logs_an_error_the_task_had_ended_with(
+        caplog: pytest.LogCaptureFixture) -> None:
+    async def fails() -> None:
+        raise ValueError("lost")
+
+    task = asyncio.create_task(fails(), name="failing-task")
+    await asyncio.wait([task])
+    with caplog.at_level("ERROR", logger="services.common.periodic"):
+        await cancel_and_wait(task)  # does not raise
+    (record,) = caplog.records
+    assert "failing-task" in record.getMessage() and record.exc_info is not None
+
+
+def test_delay_first_waits_one_interval_and_a_stopped_loop_restarts() -> None:
+    """On virtual time (tests/virtual_time.py), so the call times are exact."""
+
+    async def scenario(loop: VirtualTimeLoop) -> list[float]:
+        calls: list[float] = []
+        ran = asyncio.Event()
+
+        async def fn() -> None:
+            calls.append(loop.time())
+            ran.set()
+
+        p = Periodic("t", fn, 0.5, delay_first=True)
+        p.start()
+        await ran.wait()
+        await asyncio.sleep(1.2)  # virtual: two more calls, at 1.0 and 1.5
+        await p.stop()
+        assert not p.running
+        ran.clear()
+        restarted_at = loop.time()
+        p.start()
+        await ran.wait()
+        await p.stop()
+        return [*calls, restarted_at]
+
+    *calls, restarted_at = run_virtual(scenario)
+    assert calls[:3] == [0.5, 1.0, 1.5]
+    assert calls[3] == restarted_at + 0.5  # a restarted loop waits its first interval again
