@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from services.router.admission.core import POLICIES as ADMISSION_POLICIES
 from services.router.disagg import ORDERS
 from workers.engines.mock.timing import TimingModel, make_timing
 
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 # Policies that read the indexer's overlaps (the others route without it).
 INDEX_POLICIES_EXCLUDED = frozenset({"round_robin", "random", "least_loaded", "approx"})
-ADMISSIONS = ("none", "early", "current_load")
+ADMISSIONS = ADMISSION_POLICIES  # the router's own names (none = admit all)
 
 
 @dataclass(frozen=True)
