@@ -10,6 +10,17 @@ Contract:
   and returns it. Bad values raise :class:`ConfigError` (``main`` turns it into exit code 2).
 - ``validate()`` checks every field at once and raises one :class:`ConfigError` listing
   all problems. Subclasses extend it by overriding ``problems()``.
+- The machinery takes any dataclass (``kvmesh up`` drives its parser with
+  :class:`services.launcher.up.MeshSpec`): :func:`add_fields` adds one flag per field to a
+  parser, with field types ``str``, ``int``, ``float``, ``bool`` (``--flag`` alone means
+  true), ``pathlib.Path`` or ``X | None`` of one of those; field metadata ``help`` is the
+  flag's help, ``choices`` its allowed values (checked for the flag and the variable), and
+  ``flag: False`` keeps a field off the command line. :func:`from_args` builds the
+  dataclass from the parsed flags (fields without a flag keep their defaults).
+- :class:`SeededConfig` is :class:`BaseConfig` plus ``--seed`` (default -1) for a process
+  whose choices are random; ``problems()`` rejects a seed below -1, naming the field.
+  :func:`seeded_rng` turns the seed into the process's ``random.Random``: a seed ≥ 0
+  gives the same draws every run, -1 one seeded from the OS.
 """
 
 from __future__ import annotations
@@ -17,9 +28,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, TypeVar
 
 
@@ -27,11 +40,18 @@ class ConfigError(ValueError):
     """One or more configuration values are invalid."""
 
 
-def _env_name(field_name: str) -> str:
+def env_name(field_name: str) -> str:
+    """The environment variable of field ``field_name``: ``KVMESH_FIELD_NAME``."""
     return "KVMESH_" + field_name.upper()
 
 
-def _parse_bool(text: str) -> bool:
+def flag_name(field_name: str) -> str:
+    """The command-line flag of field ``field_name``: ``--field-name``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def parse_bool(text: str) -> bool:
+    """``1/true/yes/on`` → True, ``0/false/no/off`` or empty → False, else ValueError."""
     low = text.strip().lower()
     if low in ("1", "true", "yes", "on"):
         return True
@@ -53,8 +73,8 @@ def _base_type(tp: Any) -> Any:
 def _converter(tp: Any) -> Any:
     tp = _base_type(tp)
     if tp is bool:
-        return _parse_bool
-    if tp in (int, float, str):
+        return parse_bool
+    if tp in (int, float, str, Path):
         return tp
     raise TypeError(f"unsupported config field type {tp!r}")
 
@@ -122,18 +142,54 @@ class BaseConfig:
         return host, int(port)
 
 
+def _seed_problem(seed: int) -> str | None:
+    return f"seed must be >= 0, or -1 for one from the OS; got {seed}" if seed < -1 else None
+
+
+def seeded_rng(seed: int) -> random.Random:
+    """``random.Random(seed)`` for ``seed >= 0`` (reproducible draws); for -1 a generator
+    seeded from the OS. Any other negative seed is a ValueError."""
+    problem = _seed_problem(seed)
+    if problem is not None:
+        raise ValueError(problem)
+    return random.Random(None if seed == -1 else seed)
+
+
+@dataclasses.dataclass
+class SeededConfig(BaseConfig):
+    """BaseConfig plus the seed of the process's random choices (see :func:`seeded_rng`)."""
+
+    seed: int = dataclasses.field(
+        default=-1, metadata={"help": "seed of this process's random choices, for "
+                                      "reproducible runs (-1: from the OS)"}
+    )
+
+    def problems(self) -> list[str]:
+        problem = _seed_problem(self.seed)
+        return super().problems() + ([problem] if problem else [])
+
+
 C = TypeVar("C", bound=BaseConfig)
+D = TypeVar("D")
 
 
-def build_parser(
-    cls: type[BaseConfig], environ: typing.Mapping[str, str]
-) -> argparse.ArgumentParser:
-    """Builds an argparse parser for ``cls`` whose defaults come from ``environ``."""
-    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().splitlines()[0])
+def _flag_fields(cls: type[Any]) -> list[dataclasses.Field[Any]]:
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("flag", True)]
+
+
+def add_fields(parser: argparse.ArgumentParser, cls: type[Any],
+               environ: Mapping[str, str]) -> list[str]:
+    """Adds a flag for each field of dataclass ``cls`` to ``parser`` (see the module
+    docstring), its default taken from ``environ`` when the field's variable is set there.
+    A variable whose value does not convert, or is not one of the field's ``choices``,
+    leaves the dataclass default and is returned as a problem naming it (the caller
+    decides when to report them)."""
+    problems = []
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    for f in _flag_fields(cls):
         conv = _converter(hints[f.name])
-        env = _env_name(f.name)
+        env = env_name(f.name)
+        choices = f.metadata.get("choices")
         if f.default is not dataclasses.MISSING:
             default: Any = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -141,22 +197,45 @@ def build_parser(
         else:
             default = None
         if env in environ:
+            raw = environ[env]
             try:
-                default = conv(environ[env])
+                value = conv(raw)
             except ValueError as exc:
-                raise ConfigError(f"{env}: {exc}") from exc
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata.get('help', '')} (env {env}, default {default!r})"
-        if conv is _parse_bool:
-            parser.add_argument(flag, dest=f.name, type=_parse_bool, nargs="?", const=True,
-                                default=default, help=help_text)
+                problems.append(f"{env}={raw!r}: {exc}")
+            else:
+                if choices is not None and value not in choices:
+                    problems.append(f"{env}={raw!r}: not one of {', '.join(map(str, choices))}")
+                else:
+                    default = value
+        shown = str(default) if isinstance(default, Path) else default
+        help_text = f"{f.metadata.get('help', '')} (env {env}, default {shown!r})"
+        if conv is parse_bool:
+            parser.add_argument(flag_name(f.name), dest=f.name, type=parse_bool, nargs="?",
+                                const=True, default=default, help=help_text)
         else:
-            parser.add_argument(flag, dest=f.name, type=conv, default=default, help=help_text)
+            parser.add_argument(flag_name(f.name), dest=f.name, type=conv, default=default,
+                                choices=choices, help=help_text)
+    return problems
+
+
+def from_args(cls: type[D], args: argparse.Namespace) -> D:
+    """Dataclass ``cls`` from the flags :func:`add_fields` added (not validated); fields
+    without a flag keep their defaults, other attributes of ``args`` are ignored."""
+    return cls(**{f.name: getattr(args, f.name) for f in _flag_fields(cls)})
+
+
+def build_parser(cls: type[BaseConfig], environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """Builds an argparse parser for ``cls`` whose defaults come from ``environ``; a bad
+    variable raises ConfigError naming every bad one."""
+    parser = argparse.ArgumentParser(description=(cls.__doc__ or "").strip().splitlines()[0])
+    problems = add_fields(parser, cls, environ)
+    if problems:
+        raise ConfigError("invalid environment: " + "; ".join(problems))
     return parser
 
 
 def load_config(
-    cls: type[C], argv: Sequence[str] | None = None, environ: typing.Mapping[str, str] | None = None
+    cls: type[C], argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
 ) -> C:
     """Parses flags (``argv``) and env vars (``environ``) into ``cls`` and validates it."""
     env = os.environ if environ is None else environ
@@ -167,6 +246,6 @@ def load_config(
         if exc.code == 0:  # --help
             raise
         raise ConfigError(f"bad command line (exit {exc.code})") from exc
-    cfg = cls(**vars(ns))
+    cfg = from_args(cls, ns)
     cfg.validate()
     return cfg

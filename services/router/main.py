@@ -8,7 +8,8 @@ Contract:
   ``none`` (the router's own history), ``remote`` (the indexer service from discovery,
   ``--indexer-timeout-s``) or ``embedded`` (an in-process index passed to
   :func:`start_router`). ``--seed`` makes the policies' random choices reproducible:
-  each policy gets its own ``random.Random`` drawn from one seeded here.
+  each policy gets its own ``random.Random`` drawn from one seeded here
+  (:func:`~services.common.config.seeded_rng`; -1: from the OS).
 - The clock (``time.monotonic``) and the RNGs are created here and passed to the core,
   the policies (through the registry's context) and the evictor; the profiles and
   perf-model files are read here too (``policy_setup.default_registry``).
@@ -38,7 +39,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc
-from services.common.config import BaseConfig
+from services.common.config import SeededConfig, seeded_rng
 from services.common.discovery import InstanceWatcher
 from services.common.perf_model import PerfModel, load_perf_model
 from services.common.server import MeshServer, ServiceSpec, serve_main
@@ -62,7 +63,7 @@ from services.router.service import Evictor, LoadPoller, RouterServicer
 
 
 @dataclasses.dataclass
-class RouterConfig(BaseConfig):
+class RouterConfig(SeededConfig):
     """kvmesh router: picks workers for requests."""
 
     policy: str = dataclasses.field(
@@ -84,9 +85,6 @@ class RouterConfig(BaseConfig):
     )
     evict_interval_s: float = dataclasses.field(
         default=60.0, metadata={"help": "seconds between policy cache evictions (approx)"}
-    )
-    seed: int = dataclasses.field(
-        default=-1, metadata={"help": "seed of the policies' random choices (-1: random)"}
     )
     load_poll_s: float = dataclasses.field(
         default=0.5, metadata={"help": "seconds between worker load polls"}
@@ -229,7 +227,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
                          f"then (indexer={cfg.indexer!r})")
     clock: Clock = time.monotonic  # the router's one clock: core, policies, evictor
     registry = cfg.registry(clock)
-    rng = random.Random(None if cfg.seed < 0 else cfg.seed)
+    rng = seeded_rng(cfg.seed)
     core = RouterCore(policy=registry.create(cfg.policy, random.Random(rng.random())),
                       prefill_policy=registry.create(cfg.prefill_policy,
                                                      random.Random(rng.random())),

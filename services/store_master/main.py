@@ -5,14 +5,15 @@ Contract:
 - :class:`StoreMasterConfig`: every tunable of the core as a flag / ``KVMESH_*`` env var,
   plus the allocation strategy, eviction policy, tick interval, persistence
   (``--persist auto|redis|none``; auto = redis when ``--redis-url`` is set) and ``--seed``
-  (the random placement and eviction sampling; -1: unseeded).
+  (the random placement and eviction sampling; -1: from the OS).
 - :func:`start_store_master(cfg, clock=time.time)` builds the core with ``clock`` and a
-  ``random.Random`` seeded from ``--seed``, loads the namespace's persisted metadata (when
-  persistence is on), serves the API, registers in etcd as component ``store_master``, and
-  runs :attr:`StoreMasterApp.ticker`, a :class:`~services.common.periodic.Periodic` calling
-  :func:`tick_once` (the core's ``tick``, then a flush) every ``tick_interval_s``, first
-  after one interval; an error is logged and the next tick backs off.
-  Stopping the server stops the ticker and flushes once more.
+  ``random.Random`` from ``--seed`` (:func:`~services.common.config.seeded_rng`), loads
+  the namespace's persisted metadata (when persistence is on), serves the API, registers
+  in etcd as component ``store_master``, and runs :attr:`StoreMasterApp.ticker`, a
+  :class:`~services.common.periodic.Periodic` calling :func:`tick_once` (the core's
+  ``tick``, then a flush) every ``tick_interval_s``, first after one interval; an error
+  is logged and the next tick backs off. Stopping the server stops the ticker and flushes
+  once more.
 - The clock is wall time (``time.time``) so deadlines persisted in Redis stay meaningful
   across a restart; tests inject a fake clock they advance.
 """
@@ -21,13 +22,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import time
 from collections.abc import Sequence
 from functools import partial
 
 from protos import discovery_pb2, store_pb2, store_pb2_grpc
-from services.common.config import BaseConfig
+from services.common.config import SeededConfig, seeded_rng
 from services.common.periodic import Periodic
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.store_master.core import (
@@ -49,7 +49,7 @@ PERSIST_MODES = ("auto", "redis", "none")
 
 
 @dataclasses.dataclass
-class StoreMasterConfig(BaseConfig):
+class StoreMasterConfig(SeededConfig):
     """kvmesh store master: object metadata, replicas, leases and segments of the KV store."""
 
     read_lease_ttl_s: float = dataclasses.field(
@@ -77,8 +77,6 @@ class StoreMasterConfig(BaseConfig):
     persist: str = dataclasses.field(
         default="auto", metadata={"help": "metadata persistence: auto (redis when "
                                           "--redis-url is set), redis, none"})
-    seed: int = dataclasses.field(
-        default=-1, metadata={"help": "seed of placement and eviction sampling (-1: random)"})
 
     def params(self) -> MasterParams:
         return MasterParams(
@@ -134,7 +132,7 @@ async def tick_once(master: StoreMaster, persister: Persister) -> None:
 
 async def start_store_master(cfg: StoreMasterConfig, clock: Clock = time.time) -> StoreMasterApp:
     """Restores persisted metadata, then serves; stop with ``app.server.stop()``."""
-    rng = random.Random(None if cfg.seed < 0 else cfg.seed)
+    rng = seeded_rng(cfg.seed)
     master = StoreMaster(clock, rng, cfg.params(),
                          strategy=make_strategy(cfg.allocation_strategy, rng),
                          eviction=make_eviction_policy(cfg.eviction_policy, rng,

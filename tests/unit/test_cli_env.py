@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from services.common.config import from_args
 from services.launcher import cli
 from services.launcher.up import MeshSpec
 
@@ -23,7 +24,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "indexer": ("embedded", "embedded"),
     "kv_cache_gib": ("0.5", 0.5),
     "max_model_len": ("1024", 1024),
-    "log_dir": ("/tmp/kvmesh-logs", "/tmp/kvmesh-logs"),
+    "log_dir": ("/tmp/kvmesh-logs", Path("/tmp/kvmesh-logs")),
     "admission": ("early", "early"),
     "admission_ttft_slo_ms": ("900", 900.0),
     "admission_itl_slo_ms": ("12.5", 12.5),
@@ -53,8 +54,9 @@ def test_every_up_flag_takes_its_default_from_kvmesh_env() -> None:
     assert args.env_problems == []
     assert {name: getattr(args, name) for name in SAMPLES} == {
         name: value for name, (_, value) in SAMPLES.items()}
-    spec = cli.mesh_spec(args)
+    spec = from_args(MeshSpec, args)
     assert spec.problems() == [] and spec.log_dir == Path("/tmp/kvmesh-logs")
+    assert spec == MeshSpec(**{name: value for name, (_, value) in SAMPLES.items()})
     help_text = up_parser().format_help()
     for name in SAMPLES:
         assert f"KVMESH_{name.upper()}" in help_text
@@ -66,7 +68,8 @@ def test_flag_beats_env_var_beats_default() -> None:
     assert up_args(["--workers", "2"], {"KVMESH_WORKERS": "4"}).workers == 2
     assert up_args([], {"KVMESH_PLANNER": "0"}).planner is False
     assert up_args(["--planner"], {"KVMESH_PLANNER": "0"}).planner is True
-    assert cli.mesh_spec(up_args([], {})) == MeshSpec()  # the flags' defaults are MeshSpec's
+    assert up_args(["--planner", "no"], {"KVMESH_PLANNER": "1"}).planner is False
+    assert from_args(MeshSpec, up_args([], {})) == MeshSpec()
 
 
 @pytest.mark.parametrize("env,value", [
