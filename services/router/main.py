@@ -48,8 +48,8 @@ from services.router.admission.core import AdmissionSettings
 from services.router.admission.live import RouterAdmission
 from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.indexer_modes import INDEXER_MODES
 from services.router.overlaps import (
-    INDEXER_MODES,
     EmbeddedSource,
     HistorySource,
     OverlapSource,

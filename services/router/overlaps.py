@@ -31,7 +31,6 @@ import grpc
 from protos import discovery_pb2, indexer_pb2, indexer_pb2_grpc
 from services.common.grpc_client import ChannelPool
 from services.router.core import WorkerRecord
-from services.router.indexer_modes import INDEXER_MODES as INDEXER_MODES
 from services.router.policies.base import WorkerOverlap
 
 log = logging.getLogger(__name__)
