@@ -83,9 +83,20 @@ async def engine(master: tuple[StoreMasterApp, Clock]) -> AsyncIterator[VllmEngi
     await eng.shutdown()
 
 
+@pytest_asyncio.fixture(autouse=True, loop_scope="session")
+async def no_node_outlives_its_test(master: tuple[StoreMasterApp, Clock]) -> AsyncIterator[None]:
+    """Every test stops or kills its store nodes; on a clock that stands still, a node that
+    went without unmounting (a failed test, a stop that did not get to unmount) would stay
+    listed for every later test and take their writes. After each test the client TTL
+    runs out and the ticker drops whatever is left, so each test starts with no nodes."""
+    assert master[0].master.stats().clients == 0, "a store node left over from before"
+    yield
+    await drop_dead_nodes(*master)
+
+
 async def drop_dead_nodes(app: StoreMasterApp, clock: Clock) -> None:
-    """Every store node is gone (killed): their client TTL runs out, the master's ticker
-    drops them."""
+    """Every store node is gone (killed or stopped): their client TTL runs out, the
+    master's ticker drops them."""
     clock.advance(CLIENT_TTL_S + 0.1)
     await ticks(app)
     assert app.master.stats().clients == 0, "dead nodes still listed"
