@@ -11,34 +11,52 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
 - Disaggregated plan, ``push`` handoff (vLLM NixlPushConnector): D is called first with P's
   coordinates from discovery and the same request id, P at the same time; D registers its
   receive blocks and P WRITEs into them when its prefill is done. Either may be ready first.
-- A failure of P, or P finishing without handoff parameters, raises :class:`HandoffError`
-  (never a silent half result). Cancelling the iterator cancels every call in flight,
-  which aborts the request on those workers.
+  Until D's first output a P failure ends the request, and D waits for P's push at most
+  ``PUSH_TIMEOUT_S``; after it a P failure is only logged (warning). D's finish chunk is
+  passed on once P has reported (so it carries P's hits), at most ``PUSH_TIMEOUT_S`` later.
+- Every failure of a worker call raises :class:`HandoffError` (never a raw gRPC error, never
+  a silent half result): a gRPC error, a stream that ends without output or without a
+  finish chunk, P without handoff parameters (pull), no first output from D within
+  ``PUSH_TIMEOUT_S`` (push; stage ``timeout``, named after D). See its attributes.
+- Cancelling or closing the iterator cancels every call in flight, which aborts the request
+  on those workers; when the iterator is over (finished, failed or closed) no task of it is
+  left running.
 - ``usage.cached_tokens`` of a disaggregated request are P's prefix hits (what was not
-  computed); D's own count, which includes the KV it received, goes to the spans.
+  computed; 0 when P never reported, push only); D's own count, which includes the KV it
+  received, goes to the spans.
 - Spans: ``prefill`` (P call), ``kv_transfer`` (D call until its first token: the READ or
   WRITE plus D's first step) and ``decode`` (the rest), with mode, P-hit and D-hit tokens
   and the number of blocks P held for D, next to the router's predictions
   (``kvmesh.predicted_cached_tokens`` on ``prefill`` for P, ``kvmesh.predicted_d_cached_tokens``
   on ``kv_transfer`` for D; 0 when the router does not send its block size).
+
+The order of events is decided by the pure :class:`~services.frontend.handoff_machine.
+HandoffMachine`; this module is its driver: one task per call (and one for the push timer)
+feeds the call's outcomes into one queue of events, and the machine's effects are executed
+here. D's chunks are queued as they come (at most ``max_tokens`` of them).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import trace
+from opentelemetry.trace import Status, StatusCode
 
 from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_client import ChannelPool
 from services.common.kv_params import held_blocks, is_set
 from services.common.telemetry import tracer
+from services.frontend import handoff_machine as hm
 from services.frontend.metrics import FrontendMetrics
+
+log = logging.getLogger(__name__)
 
 WORKER_TIMEOUT_S = 600.0
 # How long D may wait for P's push before the orchestrator gives up and aborts D.
@@ -46,7 +64,22 @@ PUSH_TIMEOUT_S = 120.0
 
 
 class HandoffError(Exception):
-    """The prefill side or the handoff failed; maps to 502."""
+    """A worker call of the plan failed; maps to 502 unless ``code`` says otherwise.
+
+    ``stage``: "agg", "prefill", "decode" or "timeout" (push: no first output from D in
+    time; ``instance_id``/``address`` are D's). ``code``: the gRPC status when a call
+    failed, else None. ``tokens_sent``: token ids :func:`run_plan` had yielded before the
+    failure (0: nothing reached the client yet).
+    """
+
+    def __init__(self, message: str, *, stage: str, instance_id: str, address: str,
+                 code: grpc.StatusCode | None = None, tokens_sent: int = 0) -> None:
+        super().__init__(message)
+        self.stage = stage
+        self.instance_id = instance_id
+        self.address = address
+        self.code = code
+        self.tokens_sent = tokens_sent
 
 
 @dataclass
@@ -63,24 +96,8 @@ def _finished(resp: worker_pb2.GenerateResponse) -> bool:
     return resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
-async def _stream_agg(pool: ChannelPool, req: Request,
-                      choice: router_pb2.WorkerChoice) -> AsyncIterator[
-                          worker_pb2.GenerateResponse]:
-    call = worker_pb2_grpc.WorkerStub(pool.get(choice.address)).Generate(
-        worker_pb2.GenerateRequest(request_id=req.request_id, token_ids=req.token_ids,
-                                   sampling=req.sampling, model=req.model),
-        timeout=WORKER_TIMEOUT_S)
-    try:
-        async for resp in call:
-            yield resp
-    finally:
-        call.cancel()
-
-
-async def _prefill(pool: ChannelPool, req: Request, choice: router_pb2.WorkerChoice,
-                   mode: str) -> worker_pb2.GenerateResponse:
-    """Runs the prompt on P with max_tokens=1 and returns P's last chunk. Pull mode needs
-    handoff parameters in it; push mode only needs P to finish."""
+def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
+    """P runs the prompt with max_tokens=1 and answers with handoff parameters."""
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(req.sampling)
     sampling.max_tokens = 1
@@ -90,31 +107,7 @@ async def _prefill(pool: ChannelPool, req: Request, choice: router_pb2.WorkerCho
     p_req.kv_transfer.do_remote_decode = True
     if mode == "push":
         p_req.kv_transfer.transfer_mode = "push"
-    call = worker_pb2_grpc.WorkerStub(pool.get(choice.address)).Generate(
-        p_req, timeout=WORKER_TIMEOUT_S)
-    last: worker_pb2.GenerateResponse | None = None
-    try:
-        async for resp in call:
-            last = resp
-    except grpc.aio.AioRpcError as exc:
-        raise HandoffError(f"prefill worker {choice.instance_id} failed: "
-                           f"{exc.code().name}: {exc.details()}") from exc
-    finally:
-        call.cancel()
-    if last is None or not _finished(last):
-        raise HandoffError(f"prefill worker {choice.instance_id} ended without finishing")
-    if mode == "pull" and not is_set(last.kv_transfer):
-        raise HandoffError(f"prefill worker {choice.instance_id} returned no KV handoff "
-                           "parameters")
-    return last
-
-
-def _report_prefill_hits(resp: worker_pb2.GenerateResponse,
-                         p_last: worker_pb2.GenerateResponse) -> None:
-    """The client's ``cached_tokens`` are the prompt tokens nobody had to compute: P's
-    prefix hits. D counts the KV it received over NIXL as cached too; that number stays
-    in the frontend's ``decode`` span as ``kvmesh.d_hit_tokens``."""
-    resp.usage.cached_tokens = p_last.usage.cached_tokens
+    return p_req
 
 
 def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
@@ -129,6 +122,15 @@ def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
     return d_req
 
 
+def _push_params(req: Request, route: router_pb2.RouteResponse) -> worker_pb2.KvTransferParams:
+    """Push: D gets P's coordinates from discovery and the request id P will push under."""
+    hand = route.prefill.handoff
+    return worker_pb2.KvTransferParams(
+        remote_engine_id=hand.engine_id, remote_request_id=req.request_id,
+        remote_host=hand.side_channel_host, remote_port=hand.side_channel_port,
+        tp_size=hand.tp_size or 1, transfer_mode="push")
+
+
 def _predicted_tokens(route: router_pb2.RouteResponse, prefill: bool) -> int:
     """The router's predicted cached tokens on P (``prefill``) or D."""
     blocks = (route.predicted_prefill_overlap_blocks if prefill
@@ -136,121 +138,237 @@ def _predicted_tokens(route: router_pb2.RouteResponse, prefill: bool) -> int:
     return blocks * route.block_size
 
 
-async def _stream_decode(pool: ChannelPool, d_req: worker_pb2.GenerateRequest,
-                         choice: router_pb2.WorkerChoice, mode: str, p_cached: int,
-                         blocks: int, metrics: FrontendMetrics,
-                         predicted_d: int = 0) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    tr = tracer("frontend")
-    xfer = tr.start_span("kv_transfer", attributes={
-        "kvmesh.handoff_mode": mode, "kvmesh.decode_worker_id": choice.instance_id,
-        "kvmesh.p_hit_tokens": p_cached, "kvmesh.p_held_blocks": blocks,
-        "kvmesh.predicted_d_cached_tokens": predicted_d})
-    with trace.use_span(xfer, end_on_exit=False):
-        call = worker_pb2_grpc.WorkerStub(pool.get(choice.address)).Generate(
-            d_req, timeout=WORKER_TIMEOUT_S)
-    decode: trace.Span | None = None
-    start = time.monotonic()
-    try:
-        async for resp in call:
-            if decode is None and resp.token_ids:
-                metrics.transfer.labels(mode).observe(time.monotonic() - start)
-                xfer.end()
-                decode = tr.start_span("decode", attributes={
-                    "kvmesh.decode_worker_id": choice.instance_id})
-            if _finished(resp):
-                metrics.d_hit.inc(resp.usage.cached_tokens)
-                for span in (xfer, decode):
-                    if span is not None:
-                        span.set_attribute("kvmesh.d_hit_tokens", resp.usage.cached_tokens)
-            yield resp
-    finally:
-        call.cancel()
-        if decode is None:
-            xfer.end()
+def _rpc_reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"failed: {exc.code().name}: {exc.details()}"
+    return f"failed: {type(exc).__name__}: {exc}"
+
+
+class _Run:
+    """One :func:`run_plan`: the machine, its event queue and the tasks it started."""
+
+    def __init__(self, pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
+                 metrics: FrontendMetrics) -> None:
+        self.pool, self.req, self.route, self.metrics = pool, req, route, metrics
+        # The mode as the spans and metrics label it (a mock P says "mock": pull-like).
+        self.mode = (route.prefill.handoff.mode or "pull") if route.disaggregated else "agg"
+        self.machine = hm.HandoffMachine(
+            self.mode if self.mode in ("agg", "push") else "pull")
+        self.events: asyncio.Queue[hm.Event] = asyncio.Queue()
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # the latest of each name
+        self.started: list[asyncio.Task[None]] = []  # all, re-armed timers included
+        self.tokens_sent = 0
+
+    async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        effects = self.machine.start()
+        try:
+            while True:
+                for effect in effects:
+                    if isinstance(effect, hm.EmitChunk):
+                        resp = self._outgoing(effect)
+                        self.tokens_sent += len(resp.token_ids)
+                        yield resp
+                    else:
+                        self._execute(effect)
+                if self.machine.terminal is not None:
+                    break
+                effects = self.machine.handle(await self.events.get())
+        finally:
+            if self.machine.terminal is None:  # closed or cancelled by the consumer
+                for effect in self.machine.handle(hm.Cancel()):
+                    self._execute(effect)
+            await self._settle()
+        if isinstance(self.machine.terminal, hm.Fail):
+            raise self._error(self.machine.terminal)
+
+    # effects ------------------------------------------------------------------------
+
+    def _spawn(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro, name=f"{name}:{self.req.request_id}")
+        self.tasks[name] = task
+        self.started.append(task)
+
+    def _cancel(self, name: str) -> None:
+        task = self.tasks.get(name)
+        if task is not None:
+            task.cancel()
+
+    def _execute(self, effect: hm.Effect) -> None:
+        if isinstance(effect, hm.StartPrefill):
+            self._spawn("prefill", self._prefill())
+        elif isinstance(effect, hm.StartDecode):
+            self._spawn("decode", self._decode(effect.prefill))
+        elif isinstance(effect, hm.CancelPrefill):
+            self._cancel("prefill")
+        elif isinstance(effect, hm.CancelDecode):
+            self._cancel("decode")
+        elif isinstance(effect, hm.ArmTimeout):
+            self._cancel("timer")
+            self._spawn("timer", self._timer(effect.generation))
+        elif isinstance(effect, hm.DisarmTimeout):
+            self._cancel("timer")
+        elif isinstance(effect, hm.Warn):
+            p = self.route.prefill
+            log.warning("request %s: %s (prefill worker %s at %s, decode worker %s)",
+                        self.req.request_id, effect.message, p.instance_id, p.address,
+                        self.route.worker.instance_id)
+        # EmitChunk is yielded by responses(); Done, Cancelled and Fail end its loop.
+
+    async def _settle(self) -> None:
+        """Waits for every task (all are ended or cancelled by now); logs any that failed,
+        which would be a bug here: the call tasks turn every outcome into an event."""
+        for task in self.started:
+            if not task.done():
+                task.cancel()
+        results = await asyncio.gather(*self.started, return_exceptions=True)
+        for task, result in zip(self.started, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(
+                    result, asyncio.CancelledError):
+                log.error("task %s failed", task.get_name(), exc_info=result)
+
+    def _outgoing(self, effect: hm.EmitChunk) -> worker_pb2.GenerateResponse:
+        resp: worker_pb2.GenerateResponse = effect.chunk  # type: ignore[assignment]
+        if self.mode != "agg" and _finished(resp):
+            # The client's cached_tokens are the prompt tokens nobody had to compute: P's
+            # prefix hits. D's count (with the KV it received) stays in the decode span.
+            p_last = effect.prefill
+            resp.usage.cached_tokens = (p_last.usage.cached_tokens  # type: ignore[attr-defined]
+                                        if p_last is not None else 0)
+        return resp
+
+    def _error(self, fail: hm.Fail) -> HandoffError:
+        choice = self.route.prefill if fail.stage == "prefill" else self.route.worker
+        if fail.stage == "timeout":
+            message = (f"decode worker {choice.instance_id} ({choice.address}) got no pushed "
+                       f"KV from prefill worker {self.route.prefill.instance_id} within "
+                       f"{PUSH_TIMEOUT_S}s")
         else:
-            decode.end()
+            role = {"agg": "worker", "prefill": "prefill worker",
+                    "decode": "decode worker"}[fail.stage]
+            message = f"{role} {choice.instance_id} ({choice.address}) {fail.reason}"
+        err = fail.error
+        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
+        out = HandoffError(message, stage=fail.stage, instance_id=choice.instance_id,
+                           address=choice.address, code=code, tokens_sent=self.tokens_sent)
+        if isinstance(err, BaseException):
+            out.__cause__ = err
+        return out
+
+    # tasks: each turns one call's outcome into events ---------------------------------
+
+    async def _timer(self, generation: int) -> None:
+        await asyncio.sleep(PUSH_TIMEOUT_S)  # a timer, not synchronisation
+        self.events.put_nowait(hm.Timeout(generation))
+
+    async def _prefill(self) -> None:
+        choice, mode = self.route.prefill, self.mode
+        start = time.monotonic()
+        event: hm.Event
+        try:
+            with tracer("frontend").start_as_current_span("prefill", attributes={
+                    "kvmesh.prefill_worker_id": choice.instance_id,
+                    "kvmesh.handoff_mode": mode,
+                    "kvmesh.predicted_cached_tokens": _predicted_tokens(self.route, True),
+            }) as span:
+                call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
+                    _prefill_request(self.req, mode), timeout=WORKER_TIMEOUT_S)
+                last: worker_pb2.GenerateResponse | None = None
+                try:
+                    async for resp in call:
+                        last = resp
+                finally:
+                    call.cancel()
+                if last is None or not _finished(last):
+                    event = hm.PrefillFailed("ended without finishing")
+                elif mode != "push" and not is_set(last.kv_transfer):
+                    event = hm.PrefillFailed("returned no KV handoff parameters")
+                else:
+                    span.set_attribute("kvmesh.p_hit_tokens", last.usage.cached_tokens)
+                    event = hm.PrefillDone(last)
+                if isinstance(event, hm.PrefillFailed):
+                    span.set_status(Status(StatusCode.ERROR, event.reason))
+        except Exception as exc:  # every failure becomes an event
+            event = hm.PrefillFailed(_rpc_reason(exc), exc)
+        if isinstance(event, hm.PrefillDone) and mode != "push":
+            last = event.result  # type: ignore[assignment]
+            assert last is not None
+            self.metrics.prefill.labels(mode).observe(time.monotonic() - start)
+            self.metrics.p_hit.inc(last.usage.cached_tokens)
+            self.metrics.blocks.labels(mode).inc(held_blocks(last.kv_transfer))
+        self.events.put_nowait(event)
+
+    async def _decode(self, prefill: object) -> None:
+        """D's call; ``prefill`` is P's last response (pull) or None (push, agg)."""
+        choice, req = self.route.worker, self.req
+        if self.mode == "agg":
+            d_req = worker_pb2.GenerateRequest(request_id=req.request_id,
+                                               token_ids=req.token_ids,
+                                               sampling=req.sampling, model=req.model)
+            await self._stream(choice, d_req, None)
+            return
+        p_last: worker_pb2.GenerateResponse | None = prefill  # type: ignore[assignment]
+        params = p_last.kv_transfer if p_last is not None else _push_params(req, self.route)
+        p_cached = p_last.usage.cached_tokens if p_last is not None else 0
+        xfer = tracer("frontend").start_span("kv_transfer", attributes={
+            "kvmesh.handoff_mode": self.mode, "kvmesh.decode_worker_id": choice.instance_id,
+            "kvmesh.p_hit_tokens": p_cached,
+            "kvmesh.p_held_blocks": held_blocks(params) if p_last is not None else 0,
+            "kvmesh.predicted_d_cached_tokens": _predicted_tokens(self.route, False)})
+        await self._stream(choice, _decode_request(req, params), xfer)
+
+    async def _stream(self, choice: router_pb2.WorkerChoice,
+                      d_req: worker_pb2.GenerateRequest, xfer: trace.Span | None) -> None:
+        """D's (or the aggregated worker's) call; ``xfer`` is the kv_transfer span, ended at
+        D's first token, when the decode span starts."""
+        decode: trace.Span | None = None
+        event: hm.Event = hm.DecodeEnded()
+        try:
+            if xfer is None:
+                call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
+                    d_req, timeout=WORKER_TIMEOUT_S)
+            else:
+                with trace.use_span(xfer, end_on_exit=False):
+                    call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
+                        d_req, timeout=WORKER_TIMEOUT_S)
+            start = time.monotonic()
+            try:
+                async for resp in call:
+                    if xfer is not None:
+                        decode = self._observe_decode(resp, choice, xfer, decode, start)
+                    self.events.put_nowait(hm.DecodeChunk(resp, _finished(resp)))
+            finally:
+                call.cancel()
+        except Exception as exc:  # every failure becomes an event
+            event = hm.DecodeFailed(_rpc_reason(exc), exc)
+        finally:
+            if xfer is not None:
+                (xfer if decode is None else decode).end()
+        self.events.put_nowait(event)
+
+    def _observe_decode(self, resp: worker_pb2.GenerateResponse,
+                        choice: router_pb2.WorkerChoice, xfer: trace.Span,
+                        decode: trace.Span | None, start: float) -> trace.Span | None:
+        """Spans and metrics of one of D's chunks; returns the decode span once started."""
+        if decode is None and resp.token_ids:
+            self.metrics.transfer.labels(self.mode).observe(time.monotonic() - start)
+            xfer.end()
+            decode = tracer("frontend").start_span("decode", attributes={
+                "kvmesh.decode_worker_id": choice.instance_id})
+        if _finished(resp):
+            self.metrics.d_hit.inc(resp.usage.cached_tokens)
+            for span in (xfer, decode):
+                if span is not None:
+                    span.set_attribute("kvmesh.d_hit_tokens", resp.usage.cached_tokens)
+        return decode
 
 
 async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
                    metrics: FrontendMetrics) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """Runs ``req`` as ``route`` says, recording into ``metrics``; see the module
     docstring."""
-    if not route.disaggregated:
-        async for resp in _stream_agg(pool, req, route.worker):
-            yield resp
-        return
-    mode = route.prefill.handoff.mode or "pull"
-    tr = tracer("frontend")
-    if mode == "push":
-        async for resp in _run_push(pool, req, route, metrics):
-            yield resp
-        return
-    start = time.monotonic()
-    with tr.start_as_current_span("prefill", attributes={
-            "kvmesh.prefill_worker_id": route.prefill.instance_id,
-            "kvmesh.handoff_mode": mode,
-            "kvmesh.predicted_cached_tokens": _predicted_tokens(route, True)}) as span:
-        p_last = await _prefill(pool, req, route.prefill, mode)
-        span.set_attribute("kvmesh.p_hit_tokens", p_last.usage.cached_tokens)
-    metrics.prefill.labels(mode).observe(time.monotonic() - start)
-    metrics.p_hit.inc(p_last.usage.cached_tokens)
-    blocks = held_blocks(p_last.kv_transfer)
-    metrics.blocks.labels(mode).inc(blocks)
-    d_req = _decode_request(req, p_last.kv_transfer)
-    async for resp in _stream_decode(pool, d_req, route.worker, mode,
-                                     p_last.usage.cached_tokens, blocks, metrics,
-                                     _predicted_tokens(route, False)):
-        if _finished(resp):
-            _report_prefill_hits(resp, p_last)
-        yield resp
-
-
-async def _run_push(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
-                    metrics: FrontendMetrics) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    """Push: D first (with P's coordinates), P concurrently; either may be ready first."""
-    hand = route.prefill.handoff
-    params = worker_pb2.KvTransferParams(
-        remote_engine_id=hand.engine_id, remote_request_id=req.request_id,
-        remote_host=hand.side_channel_host, remote_port=hand.side_channel_port,
-        tp_size=hand.tp_size or 1, transfer_mode="push")
-    d_req = _decode_request(req, params)
-    tr = tracer("frontend")
-    p_span = tr.start_span("prefill", attributes={
-        "kvmesh.prefill_worker_id": route.prefill.instance_id, "kvmesh.handoff_mode": "push",
-        "kvmesh.predicted_cached_tokens": _predicted_tokens(route, True)})
-
-    async def prefill() -> worker_pb2.GenerateResponse:
-        with trace.use_span(p_span, end_on_exit=True):
-            return await _prefill(pool, req, route.prefill, "push")
-
-    p_task = asyncio.create_task(prefill())
-    d_iter = _stream_decode(pool, d_req, route.worker, "push", 0, 0, metrics,
-                            _predicted_tokens(route, False)).__aiter__()
+    responses = _Run(pool, req, route, metrics).responses()
     try:
-        # Until D's first token, a failing P must end the request (D would wait forever).
-        first = asyncio.ensure_future(d_iter.__anext__())
-        done, _ = await asyncio.wait({first, p_task}, timeout=PUSH_TIMEOUT_S,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        if p_task in done and p_task.exception() is not None and first not in done:
-            first.cancel()
-            raise p_task.exception()  # type: ignore[misc]
-        if first not in done:
-            done, _ = await asyncio.wait({first}, timeout=PUSH_TIMEOUT_S)
-            if first not in done:
-                first.cancel()
-                raise HandoffError(f"decode worker got no pushed KV within {PUSH_TIMEOUT_S}s")
-        yield first.result()
-        async for resp in d_iter:
-            if _finished(resp) and p_task.done() and not p_task.cancelled() and (
-                    p_task.exception() is None):
-                _report_prefill_hits(resp, p_task.result())
+        async for resp in responses:
             yield resp
-        await asyncio.wait_for(p_task, PUSH_TIMEOUT_S)
-    except StopAsyncIteration:
-        raise HandoffError("decode worker ended the stream without output") from None
     finally:
-        await d_iter.aclose()  # type: ignore[attr-defined]
-        if not p_task.done():
-            p_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, HandoffError):
-            await p_task
+        await responses.aclose()  # type: ignore[attr-defined]

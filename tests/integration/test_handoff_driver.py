@@ -1,0 +1,191 @@
+"""``run_plan`` (the handoff driver) against mock workers over gRPC: agg, pull and push run
+to the end; every failing call surfaces as HandoffError with its stage, worker and gRPC
+code; closing the iterator or the push timer leaves no task running and the workers idle.
+
+Failures are real: a closed port (UNAVAILABLE), the worker's own validation
+(INVALID_ARGUMENT), and a simulated P→D link too slow for the push timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from protos import common_pb2, discovery_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from services.common.config import load_config
+from services.common.grpc_client import ChannelPool
+from services.common.procs import Child
+from services.frontend import handoff
+from services.frontend.handoff import HandoffError, Request, run_plan
+from services.frontend.metrics import FrontendMetrics
+from tests.integration.conftest import base_args
+from tests.waiting import wait_for
+from workers.fleet import Fleet, FleetConfig, start_fleet
+
+NS = "handoffdrv"
+BLOCK = 16
+PROMPT = [3 + (i * 31) % 900 for i in range(5 * BLOCK + 3)]
+
+
+@pytest.fixture(scope="module")
+async def fleet(etcd: Child) -> AsyncIterator[Fleet]:
+    cfg = load_config(FleetConfig, [
+        *base_args(etcd.address, NS), "--workers", "1", "--prefill-workers", "1",
+        "--decode-workers", "1", "--block-size", str(BLOCK), "--num-blocks", "512",
+        "--max-model-len", "1024", "--timing", "poly", "--worker-id", "hd-"], {})
+    f = await start_fleet(cfg)
+    try:
+        yield f
+    finally:
+        await f.stop()
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ChannelPool]:
+    p = ChannelPool()
+    try:
+        yield p
+    finally:
+        await p.close()
+
+
+def closed_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def choice(instance_id: str, address: str, mode: str = "") -> router_pb2.WorkerChoice:
+    return router_pb2.WorkerChoice(instance_id=instance_id, address=address,
+                                   handoff=discovery_pb2.KvHandoff(
+                                       mode=mode, engine_id="e", side_channel_host="127.0.0.1",
+                                       side_channel_port=5600, tp_size=1))
+
+
+def plan(f: Fleet, mode: str, *, p_addr: str | None = None,
+         d_addr: str | None = None) -> router_pb2.RouteResponse:
+    p, d = f.by_role("prefill")[0], f.by_role("decode")[0]
+    if mode == "agg":
+        a = f.by_role("agg")[0]
+        return router_pb2.RouteResponse(worker=choice(a.worker_id, d_addr or a.address))
+    return router_pb2.RouteResponse(
+        disaggregated=True, worker=choice(d.worker_id, d_addr or d.address),
+        prefill=choice(p.worker_id, p_addr or p.address, mode))
+
+
+def request(rid: str, max_tokens: int = 6, prompt: list[int] | None = None) -> Request:
+    return Request(rid, "mock", PROMPT if prompt is None else prompt,
+                   common_pb2.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def tasks_of(rid: str) -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name().endswith(f":{rid}")]
+
+
+async def wait_idle(address: str) -> None:
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+
+        async def idle() -> bool:
+            rep = await stub.GetLoad(worker_pb2.GetLoadRequest())
+            return (rep.num_running, rep.num_waiting) == (0, 0)
+
+        await wait_for(idle, 10, f"worker {address} idle", interval_s=0.02)
+
+
+async def collect(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse) -> list[
+        worker_pb2.GenerateResponse]:
+    return [r async for r in run_plan(pool, req, route, FrontendMetrics())]
+
+
+@pytest.mark.parametrize("mode", ["agg", "mock", "push"])
+async def test_each_plan_streams_to_the_end(fleet: Fleet, pool: ChannelPool,
+                                            mode: str) -> None:
+    out = await collect(pool, request(f"ok-{mode}"), plan(fleet, mode))
+    assert sum(len(r.token_ids) for r in out) == 6
+    assert out[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert not tasks_of(f"ok-{mode}")
+    if mode != "agg":  # the same prompt again: the client sees P's prefix hits
+        again = await collect(pool, request(f"ok2-{mode}"), plan(fleet, mode))
+        assert again[-1].usage.cached_tokens == 5 * BLOCK
+
+
+@pytest.mark.parametrize(("mode", "dead", "stage"), [
+    ("agg", "d", "agg"), ("mock", "p", "prefill"), ("mock", "d", "decode"),
+    ("push", "d", "decode")])
+async def test_an_unreachable_worker_is_a_handoff_error(
+        fleet: Fleet, pool: ChannelPool, mode: str, dead: str, stage: str) -> None:
+    addr = closed_port()
+    route = plan(fleet, mode, **{f"{dead}_addr": addr})
+    rid = f"dead-{mode}-{dead}"
+    with pytest.raises(HandoffError) as err:
+        await collect(pool, request(rid), route)
+    e = err.value
+    target = route.prefill if dead == "p" else route.worker
+    assert (e.stage, e.code, e.address, e.tokens_sent) == (
+        stage, grpc.StatusCode.UNAVAILABLE, addr, 0)
+    assert e.instance_id == target.instance_id and target.instance_id in str(e)
+    assert isinstance(e.__cause__, grpc.aio.AioRpcError)
+    assert not tasks_of(rid)
+    for w in fleet.workers:
+        await wait_idle(w.address)
+
+
+async def test_the_workers_refusal_keeps_its_code(fleet: Fleet, pool: ChannelPool) -> None:
+    with pytest.raises(HandoffError) as err:
+        await collect(pool, request("bad", prompt=[]), plan(fleet, "mock"))
+    assert (err.value.stage, err.value.code) == ("prefill", grpc.StatusCode.INVALID_ARGUMENT)
+
+
+async def test_push_timeout_cancels_both_calls(etcd: Child, pool: ChannelPool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """D's KV never arrives in time (a P→D link of 1 byte/s): the timer ends the request
+    and both calls are cancelled."""
+    slow = await start_fleet(load_config(FleetConfig, [
+        *base_args(etcd.address, NS), "--workers", "0", "--prefill-workers", "1",
+        "--decode-workers", "1", "--block-size", str(BLOCK), "--max-model-len", "1024",
+        "--timing", "poly", "--transfer-bandwidth", "1", "--worker-id", "hd-slow-"], {}))
+    monkeypatch.setattr(handoff, "PUSH_TIMEOUT_S", 0.3)
+    try:
+        route = plan(slow, "push")
+        with pytest.raises(HandoffError) as err:
+            await collect(pool, request("slow"), route)
+        e = err.value
+        assert (e.stage, e.code, e.instance_id, e.tokens_sent) == (
+            "timeout", None, route.worker.instance_id, 0), str(e)
+        assert "within 0.3s" in str(e) and route.prefill.instance_id in str(e)
+        assert not tasks_of("slow")
+        for w in slow.workers:
+            await wait_idle(w.address)
+    finally:
+        await slow.stop()
+
+
+@pytest.mark.parametrize("mode", ["mock", "push"])
+async def test_closing_the_iterator_cancels_every_call(fleet: Fleet, pool: ChannelPool,
+                                                       mode: str) -> None:
+    rid = f"close-{mode}"
+    it = run_plan(pool, request(rid, max_tokens=400), plan(fleet, mode), FrontendMetrics())
+    first = await it.__anext__()
+    assert first.token_ids
+    await it.aclose()  # type: ignore[attr-defined]
+    assert not tasks_of(rid)
+    for w in fleet.workers:
+        await wait_idle(w.address)
+
+
+async def test_cancelling_during_prefill_cancels_p(fleet: Fleet, pool: ChannelPool) -> None:
+    it = run_plan(pool, request("cancel-p", max_tokens=4), plan(fleet, "mock"),
+                  FrontendMetrics())
+    step = asyncio.ensure_future(it.__anext__())
+    await wait_for(lambda: tasks_of("cancel-p"), 5, "the prefill call to start",
+                   interval_s=0.001)
+    step.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await step
+    assert not tasks_of("cancel-p")
+    await wait_idle(fleet.by_role("prefill")[0].address)
