@@ -3,9 +3,21 @@
 Contract:
 
 - :func:`free_port` returns a loopback TCP port that was free a moment ago.
+- :func:`spawn` starts a child in its own process group (session), output appended to or
+  replacing ``log_dir/<name>.log``, PID in ``log_dir/<name>.pid``. Called from the main
+  thread (the default ``die_with_parent=True``), the child gets ``PR_SET_PDEATHSIG(SIGTERM)``
+  (Linux prctl, set between fork and exec): when this process dies, even by SIGKILL, the
+  kernel sends the child SIGTERM, so nothing is orphaned. PDEATHSIG fires when the *thread*
+  that forked exits, so a spawn from another thread does not set it (the child would die
+  with that thread); and a child whose parent already died before prctl exits at once.
+  Elsewhere than Linux the flag is ignored.
 - :func:`start_etcd` / :func:`start_redis` start Debian's ``etcd`` / ``redis-server`` bound
   to 127.0.0.1 on free ports in their own process group, wait until they answer, and
   return a :class:`Child`. They raise RuntimeError (with the tail of the log) on failure.
+  :func:`etcd_argv` / :func:`redis_argv` are their command lines (to restart one the same
+  way). Redis keeps nothing by default; with ``data_dir`` it keeps an append-only file
+  there (``appendonly yes``, ``appendfsync everysec``: a crash loses at most the last
+  ~1 s of writes) and a restart with the same ``data_dir`` reloads it.
 - :class:`Child` remembers the PID it started; ``stop()`` sends SIGTERM to that PID's
   process group only, waits, then SIGKILLs it. Nothing else is ever signalled.
 """
@@ -18,6 +30,8 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -78,16 +92,41 @@ class Child:
         self.stop(timeout=5, sig=signal.SIGKILL)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with(parent_pid: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that ties the child to ``parent_pid`` (module docstring), or None
+    where that cannot be done (not Linux, not the main thread)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not \
+            threading.main_thread():
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork, not in the child
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl: no signal will come
+            os._exit(128 + signal.SIGTERM)
+
+    return preexec
+
+
 def spawn(name: str, argv: Sequence[str], log_dir: Path,
-          env: Mapping[str, str] | None = None) -> Child:
-    """Starts ``argv`` in its own process group with output to ``log_dir/name.log``; its PID
-    is written to ``log_dir/name.pid``."""
+          env: Mapping[str, str] | None = None, *, append: bool = False,
+          die_with_parent: bool = True) -> Child:
+    """Starts ``argv`` in its own process group with output to ``log_dir/name.log``
+    (appended to with ``append``, else replaced); its PID is written to
+    ``log_dir/name.pid``. ``die_with_parent``: see the module docstring."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    with open(log_path, "wb") as log:
+    preexec = _die_with(os.getpid()) if die_with_parent else None
+    with open(log_path, "ab" if append else "wb") as log:
         proc = subprocess.Popen(
             list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None, start_new_session=True,
+            preexec_fn=preexec,  # main thread only (_die_with)
         )
     (log_dir / f"{name}.pid").write_text(str(proc.pid))
     return Child(name, proc, log_path)
@@ -114,35 +153,48 @@ def which_or_raise(binary: str) -> str:
     return path
 
 
+def etcd_argv(work_dir: Path, port: int, peer_port: int) -> list[str]:
+    """etcd's command line: one member on 127.0.0.1 with its data in ``work_dir``."""
+    url = f"http://127.0.0.1:{port}"
+    data = work_dir / "etcd-data"
+    data.mkdir(parents=True, exist_ok=True)
+    return [
+        which_or_raise("etcd"), "--name", "kvmesh", "--data-dir", str(data),
+        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+        "--initial-cluster", f"kvmesh=http://127.0.0.1:{peer_port}",
+        "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
+    ]
+
+
 def start_etcd(work_dir: Path, log_dir: Path, port: int = 0, peer_port: int = 0) -> Child:
     """etcd on 127.0.0.1 (``port`` and ``peer_port``, or free ones; the same ports and
     ``work_dir`` restart the same member with its data); ``child.address`` is host:port
     of the client URL."""
     port, peer = port or free_port(), peer_port or free_port()
-    url = f"http://127.0.0.1:{port}"
-    data = work_dir / "etcd-data"
-    data.mkdir(parents=True, exist_ok=True)
-    child = spawn("etcd", [
-        which_or_raise("etcd"), "--name", "kvmesh", "--data-dir", str(data),
-        "--listen-client-urls", url, "--advertise-client-urls", url,
-        "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-        "--initial-cluster", f"kvmesh=http://127.0.0.1:{peer}",
-        "--listen-metrics-urls", f"http://127.0.0.1:{free_port()}",
-    ], log_dir)
+    child = spawn("etcd", etcd_argv(work_dir, port, peer), log_dir)
     child.address = f"127.0.0.1:{port}"
     wait_until(lambda: port_open("127.0.0.1", port), child, 20, "etcd to listen")
     return child
 
 
-def start_redis(log_dir: Path, port: int = 0) -> Child:
-    """redis-server on 127.0.0.1 (``port``, or a free one), no persistence; address is
-    host:port."""
+def redis_argv(port: int, data_dir: Path | None = None) -> list[str]:
+    """redis-server's command line on 127.0.0.1: no persistence, or with ``data_dir`` an
+    append-only file there fsynced every second (module docstring). No RDB snapshots."""
+    persist = ["--appendonly", "no"]
+    if data_dir is not None:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        persist = ["--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", "everysec"]
+    return [which_or_raise("redis-server"), "--bind", "127.0.0.1", "--port", str(port),
+            "--save", "", *persist, "--protected-mode", "yes"]
+
+
+def start_redis(log_dir: Path, port: int = 0, data_dir: Path | None = None) -> Child:
+    """redis-server on 127.0.0.1 (``port``, or a free one); no persistence unless
+    ``data_dir`` (:func:`redis_argv`); address is host:port."""
     port = port or free_port()
-    child = spawn("redis", [
-        which_or_raise("redis-server"), "--bind", "127.0.0.1", "--port", str(port),
-        "--save", "", "--appendonly", "no", "--protected-mode", "yes",
-    ], log_dir)
+    child = spawn("redis", redis_argv(port, data_dir), log_dir)
     child.address = f"127.0.0.1:{port}"
     wait_until(lambda: port_open("127.0.0.1", port), child, 10, "redis to listen")
     return child

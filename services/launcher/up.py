@@ -1,4 +1,5 @@
-"""``kvmesh up``: start a whole local mesh as child processes, stop it with Ctrl-C.
+"""``kvmesh up``: start a whole local mesh as child processes, keep it running (restart what
+dies), stop it with Ctrl-C.
 
 Contract: :class:`LocalMesh` starts etcd and redis-server on free loopback ports, then the
 indexer (with ``indexer="remote"``), the router (with the spec's admission control), the
@@ -8,7 +9,32 @@ configured through ``KVMESH_*`` env vars), and waits until the frontend's ``/hea
 answers 200 (a worker registered). With ``planner=True`` it then starts
 ``python -m services.planner`` with the dry-run actuator (it publishes desired counts,
 scrapes the frontend's ``/metrics``, changes nothing). ``stop()`` stops everything it
-started, in reverse order, by PID. Logs go to ``log_dir/<name>.log``.
+started, in reverse start order, by PID. Logs go to ``log_dir/<name>.log``. A child that
+dies while ``start()`` waits fails the start (and stops the rest).
+
+Supervision: once started, :meth:`LocalMesh.supervise` (called by ``kvmesh up`` every
+0.2 s) restarts any child that exited without being asked to, whatever its exit code or
+signal (a worker whose engine died exits non-zero on purpose, to be restarted), with the
+backoff of :mod:`services.launcher.supervisor` (0.5 s doubling to 30 s, reset after 60 s
+up; more than 5 exits in 120 s is a crash loop, retried every 30 s, never given up). Each
+exit is one log line (name, pid, exit code or signal, the delay, the child's log), each
+restart another; the restarted child keeps its name, command line and environment (etcd
+and Redis their ports and data, the frontend its HTTP port; a worker registers anew, with
+a new id and gRPC port), appends to its log, and rewrites its ``<name>.pid``.
+``log_dir/status.tsv`` is rewritten on every change: a header, then one tab-separated line
+per child ``name pid state restarts last_exit address`` (state: running, restarting,
+crashloop, stopped; ``-`` where empty); it is for people and tests to read, no service
+reads it. Children are spawned from the main thread with
+``PR_SET_PDEATHSIG`` (:func:`services.common.procs.spawn`), so even a SIGKILL of ``kvmesh
+up`` takes them down (each gets SIGTERM).
+
+Redis runs with AOF (``appendonly yes``, ``appendfsync everysec``) in the mesh's state
+folder, so what is in it (the KV event stream; store metadata, when a store master is
+pointed at it: ``kvmesh up`` starts none) survives a Redis restart by the supervisor. A
+Redis crash loses at most the last ~1 s of writes: the newest KV events (the indexer
+resyncs from the workers) and store metadata updates (the store master rewrites its
+metadata when it sees Redis restart). The state folder (etcd data, AOF) is
+deleted by ``stop()``: nothing carries over to the next ``kvmesh up``.
 
 :class:`MeshSpec`'s fields are the ``kvmesh up`` flags (those not marked ``flag: False``;
 :func:`services.common.config.add_fields` builds them, with ``help`` and ``choices`` from
@@ -26,12 +52,23 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from services.common.config import env_name, flag_name
-from services.common.procs import Child, free_port, spawn, start_etcd, start_redis, wait_until
+from services.common.procs import (
+    Child,
+    etcd_argv,
+    free_port,
+    redis_argv,
+    spawn,
+    start_etcd,
+    start_redis,
+    wait_until,
+)
+from services.launcher.supervisor import RestartPolicy, Supervisor, describe_exit
 from services.router.admission.core import POLICIES as ADMISSIONS
 from services.router.indexer_modes import INDEXER_MODES as INDEXERS
 
@@ -48,6 +85,8 @@ CHILD_ENV = {
 
 MODES = ("disagg", "agg")
 HANDOFFS = ("pull", "push")
+ENGINES = ("vllm", "mock")
+STATUS_FILE = "status.tsv"
 
 
 def _flag(name: str) -> str:
@@ -79,6 +118,8 @@ class MeshSpec:
     handoff: str = _opt("pull", "P→D KV handoff: pull (D READs, default) or push "
                         "(P WRITEs)", HANDOFFS)
     workers: int = _opt(1, "workers per role")
+    engine: str = _opt("vllm", "worker engine: vllm, or mock (simulated: no weights, the "
+                       "model folder only gives the tokenizer)", ENGINES)
     policy: str = _opt("kv", "worker policy or profile (kv, approx, least_loaded, "
                        "round_robin, ...)")
     indexer: str = _opt("remote", "KV overlap source of the router: indexer service, "
@@ -132,15 +173,32 @@ def health(url: str) -> tuple[int, dict[str, object]]:
         return 0, {}
 
 
-class LocalMesh:
-    """A mesh of child processes; see the module docstring."""
+@dataclass
+class _Recipe:
+    """How to start a child again: its command line (computed at each start), environment
+    and address."""
 
-    def __init__(self, spec: MeshSpec) -> None:
+    argv: Callable[[], list[str]]
+    env: dict[str, str] | None
+    address: str = ""
+
+
+class LocalMesh:
+    """A mesh of child processes; see the module docstring. ``clock`` (monotonic seconds)
+    drives the restart backoff; ``log`` gets the supervision lines."""
+
+    def __init__(self, spec: MeshSpec, policy: RestartPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 log: Callable[[str], None] | None = None) -> None:
         self.spec = spec
         self.children: list[Child] = []
         self.url = ""
         self.etcd: Child | None = None
         self.redis: Child | None = None
+        self.supervisor = Supervisor(policy)
+        self._clock = clock
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._recipes: dict[str, _Recipe] = {}
         self._state: Path | None = None
 
     def _env(self, **extra: str) -> dict[str, str]:
@@ -152,11 +210,19 @@ class LocalMesh:
         env.update(extra)
         return env
 
-    def _python(self, name: str, module: str, *args: str, **env: str) -> Child:
-        child = spawn(name, [sys.executable, "-m", module, *args], self.spec.log_dir,
-                      self._env(**env))
+    def _track(self, child: Child, argv: Callable[[], list[str]],
+               env: dict[str, str] | None) -> Child:
         self.children.append(child)
+        self._recipes[child.name] = _Recipe(argv, env, child.address)
+        self.supervisor.started(child.name, self._clock())
+        self._write_status()
         return child
+
+    def _python(self, name: str, module: str, *args: str, **env: str) -> Child:
+        argv = [sys.executable, "-m", module, *args]
+        full_env = self._env(**env)
+        return self._track(spawn(name, argv, self.spec.log_dir, full_env), lambda: argv,
+                           full_env)
 
     def start(self) -> str:
         """Starts everything; returns the frontend's base URL."""
@@ -164,11 +230,13 @@ class LocalMesh:
         s.log_dir.mkdir(parents=True, exist_ok=True)
         try:
             s.log_dir.parent.mkdir(parents=True, exist_ok=True)
-            self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
-            self.etcd = start_etcd(self._state, s.log_dir)
-            self.children.append(self.etcd)
-            self.redis = start_redis(s.log_dir)
-            self.children.append(self.redis)
+            state = self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
+            port, peer = free_port(), free_port()
+            self.etcd = self._track(start_etcd(state, s.log_dir, port, peer),
+                                    lambda: etcd_argv(state, port, peer), None)
+            redis_port = free_port()
+            self.redis = self._track(start_redis(s.log_dir, redis_port, state / "redis"),
+                                     lambda: redis_argv(redis_port, state / "redis"), None)
             if s.indexer == "remote":
                 self._python("indexer", "services.indexer")
             self._python("router", "services.router", KVMESH_POLICY=s.policy,
@@ -177,6 +245,7 @@ class LocalMesh:
             for role in roles:
                 for i in range(s.workers):
                     self._python(f"{role}-{i}", "workers", KVMESH_MODEL_PATH=s.model,
+                                 KVMESH_ENGINE=s.engine,
                                  KVMESH_ROLE=role, KVMESH_HANDOFF=s.handoff if role != "agg"
                                  else "none", KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
                                  KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
@@ -204,6 +273,64 @@ class LocalMesh:
             raise
         return self.url
 
+    def supervise(self) -> None:
+        """One supervision step (module docstring): notes the children that exited since
+        the last step, logs each once and schedules its restart; restarts those due."""
+        now = self._clock()
+        changed = False
+        for c in self.children:
+            if self.supervisor.pending(c.name) or c.alive():
+                continue
+            how = describe_exit(c.proc.returncode)
+            d = self.supervisor.exited(c.name, how, now)
+            loop = (f"; crash loop ({d.exits_in_window} exits within "
+                    f"{self.supervisor.policy.crashloop_window_s:g} s)" if d.crashloop else "")
+            self._log(f"kvmesh up: {c.name} (pid {c.pid}) exited ({how}){loop}; restarting "
+                      f"in {d.delay_s:g} s; log: {c.log_path}")
+            changed = True
+        for name in self.supervisor.due(now):
+            self._restart(name, now)
+            changed = True
+        if changed:
+            self._write_status()
+
+    def _restart(self, name: str, now: float) -> None:
+        at = next(i for i, c in enumerate(self.children) if c.name == name)
+        old, recipe = self.children[at], self._recipes[name]
+        state = self.supervisor.state(name)
+        try:
+            with open(old.log_path, "ab") as log:
+                log.write(f"--- kvmesh up: restart {state.restarts + 1} (last exit: "
+                          f"{state.last_exit}) ---\n".encode())
+            child = spawn(name, recipe.argv(), self.spec.log_dir, recipe.env, append=True)
+        except (OSError, RuntimeError) as exc:  # a binary gone, a full disk, ...
+            d = self.supervisor.exited(name, f"restart failed: {exc}", now)
+            self._log(f"kvmesh up: {name} could not be restarted ({exc}); retrying in "
+                      f"{d.delay_s:g} s")
+            return
+        child.address = recipe.address
+        self.children[at] = child
+        if name == "etcd":
+            self.etcd = child
+        elif name == "redis":
+            self.redis = child
+        restarts = self.supervisor.started(name, now).restarts
+        self._log(f"kvmesh up: {name} restarted (pid {child.pid}, restarts {restarts})")
+
+    def _write_status(self, stopped: bool = False) -> None:
+        pids = {c.name: c.pid for c in self.children}
+        lines = ["name\tpid\tstate\trestarts\tlast_exit\taddress"]
+        for st in self.supervisor.states():
+            state = ("stopped" if stopped else "running" if st.restart_at is None else
+                     "crashloop" if st.crashloop else "restarting")
+            cells = [st.name, str(pids.get(st.name, "-")), state, str(st.restarts),
+                     st.last_exit or "-", self._recipes[st.name].address or "-"]
+            lines.append("\t".join(" ".join(c.split()) for c in cells))  # one line, no tabs
+        path = self.spec.log_dir / STATUS_FILE
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(path)
+
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""
         s = self.spec
@@ -216,9 +343,13 @@ class LocalMesh:
         return next(c for c in self.children if c.name == name)
 
     def stop(self) -> None:
-        """Stops every child, newest first, by PID."""
+        """Stops every child, in reverse start order, by PID (no restarts after this)."""
         for child in reversed(self.children):
             child.stop()
+        if self.children:
+            self._write_status(stopped=True)
+        for child in self.children:
+            self.supervisor.forget(child.name)
         self.children.clear()
         if self._state is not None:
             shutil.rmtree(self._state, ignore_errors=True)

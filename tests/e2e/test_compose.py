@@ -31,3 +31,14 @@ def test_compose_runs_every_service_from_one_image_on_loopback_ports() -> None:
         for port in svc.get("ports", []):
             assert port.startswith("127.0.0.1:"), port
     assert (ROOT / "Dockerfile").read_text().count("FROM ") == 1
+
+
+def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    redis = doc["services"]["redis"]
+    cmd = redis["command"]
+    assert cmd[cmd.index("--appendonly") + 1] == "yes"
+    assert cmd[cmd.index("--appendfsync") + 1] == "everysec"
+    data = cmd[cmd.index("--dir") + 1]
+    volume = next(v for v in redis["volumes"] if v.endswith(":" + data))
+    assert volume.split(":")[0] in doc["volumes"]

@@ -1,7 +1,11 @@
-"""``kvmesh up`` end to end, driven with the official openai client."""
+"""``kvmesh up`` end to end, driven with the official openai client: on vLLM (tiny model),
+and as a supervisor on mock workers (a killed child comes back, Redis keeps its data
+across a restart, children die with a SIGKILLed ``kvmesh up``)."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import queue
 import signal
@@ -15,37 +19,43 @@ from typing import IO
 
 import openai
 import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import BusyLoadingError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
+from protos import discovery_pb2
+from services.common.discovery import etcd_client, instances_prefix
 from services.common.procs import free_port, port_open
-from services.launcher.up import health
-from tests.waiting import wait_for_sync
+from services.launcher.up import STATUS_FILE, health
+from tests.waiting import wait_for, wait_for_sync
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+@contextlib.contextmanager
+def kvmesh_up(log_dir: Path, *flags: str, timeout_s: float) -> Iterator[
+        tuple[subprocess.Popen[bytes], str, Path]]:
+    """Runs ``kvmesh up FLAGS --http-port P --log-dir LOG_DIR`` until it says it serves;
+    yields (process, base URL, file of its output); afterwards SIGINTs (then SIGKILLs) it
+    if it still runs."""
     port = free_port()
-    log_dir = tmp_path_factory.mktemp("up") / "logs"
     out = log_dir.parent / "launcher.out"
     with open(out, "wb") as sink:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "services.launcher.cli", "up", "--model", "tiny", "--http-port",
-             str(port), "--log-dir", str(log_dir), "--kv-cache-gib", "0.25",
-             "--max-model-len", "1024"],
+            [sys.executable, "-m", "services.launcher.cli", "up", *flags, "--http-port",
+             str(port), "--log-dir", str(log_dir)],
             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
         )
-    url = f"http://127.0.0.1:{port}"
 
     def serving() -> bool:
         assert proc.poll() is None, out.read_text()
         return b"kvmesh is serving" in out.read_bytes()
 
     try:
-        wait_for_sync(serving, 300, lambda: f"'kvmesh is serving'; output: {out.read_text()}",
-                      interval_s=0.5)
-        yield url, out
+        wait_for_sync(serving, timeout_s,
+                      lambda: f"'kvmesh is serving'; output: {out.read_text()}", interval_s=0.2)
+        yield proc, f"http://127.0.0.1:{port}", out
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -54,6 +64,14 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pa
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    log_dir = tmp_path_factory.mktemp("up") / "logs"
+    with kvmesh_up(log_dir, "--model", "tiny", "--kv-cache-gib", "0.25", "--max-model-len",
+                   "1024", timeout_s=300) as (_, url, out):
+        yield url, out
 
 
 def read_until(stream: IO[bytes], marker: bytes, timeout_s: float) -> bytes:
@@ -85,6 +103,7 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.mark.vllm
 def test_openai_client_against_the_launched_mesh(launched: tuple[str, Path]) -> None:
     url, out = launched
     assert f"curl {url}/v1/chat/completions" in out.read_text()
@@ -109,6 +128,7 @@ def test_openai_client_against_the_launched_mesh(launched: tuple[str, Path]) -> 
     assert streamed == comp.choices[0].text
 
 
+@pytest.mark.vllm
 def test_openai_client_sees_errors(launched: tuple[str, Path]) -> None:
     c = client(launched[0])
     with pytest.raises(openai.NotFoundError) as nf:
@@ -121,6 +141,7 @@ def test_openai_client_sees_errors(launched: tuple[str, Path]) -> None:
     assert health(launched[0])[0] == 200
 
 
+@pytest.mark.vllm
 def test_kvmesh_chat_prints_the_streamed_answer(launched: tuple[str, Path]) -> None:
     res = subprocess.run([sys.executable, "-m", "services.launcher.cli", "chat",
                           "--url", launched[0],
@@ -135,6 +156,7 @@ def test_kvmesh_chat_prints_the_streamed_answer(launched: tuple[str, Path]) -> N
     assert bad.returncode == 1 and "nope" in bad.stderr
 
 
+@pytest.mark.vllm
 def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     port = free_port()
     log_dir = tmp_path / "logs"
@@ -160,3 +182,135 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), pid
+
+
+# --- supervision, on mock workers (no vLLM): one launched mesh for the three tests below,
+# the last of which SIGKILLs its ``kvmesh up``.
+
+class Supervised:
+    """A running ``kvmesh up --engine mock --mode agg`` and where to look at it."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, log_dir: Path,
+                 out: Path) -> None:
+        self.proc, self.url, self.log_dir, self.out = proc, url, log_dir, out
+
+    def status(self) -> dict[str, dict[str, str]]:
+        """``status.tsv``: name → column → value."""
+        head, *rows = (self.log_dir / STATUS_FILE).read_text().splitlines()
+        cols = head.split("\t")
+        return {r.split("\t")[0]: dict(zip(cols, r.split("\t"), strict=True)) for r in rows}
+
+    def address(self, name: str) -> str:
+        return self.status()[name]["address"]
+
+
+def gone(pid: int) -> bool:
+    """No such process (or only its zombie, left for whoever reaps orphans here)."""
+    try:
+        return "zombie" in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture(scope="module")
+def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
+    log_dir = tmp_path_factory.mktemp("supervised") / "logs"
+    with kvmesh_up(log_dir, "--engine", "mock", "--model", "tiny", "--mode", "agg",
+                   timeout_s=120) as (proc, url, out):
+        yield Supervised(proc, url, log_dir, out)
+
+
+async def worker_pids(etcd: str) -> set[int]:
+    client = etcd_client(etcd)
+    await client.connect()
+    try:
+        recs = []
+        for kv in await client.get_prefix(instances_prefix("kvmesh", "worker").encode()):
+            rec = discovery_pb2.InstanceRecord()
+            rec.ParseFromString(kv.value)
+            recs.append(rec.pid)
+        return set(recs)
+    finally:
+        await client.close()
+
+
+def complete(url: str) -> str:
+    comp = client(url).completions.create(model="tiny-llama", prompt="one two three",
+                                          max_tokens=4, temperature=0)
+    assert comp.choices[0].finish_reason == "length"
+    return comp.choices[0].text
+
+
+async def test_a_killed_worker_is_restarted_and_the_mesh_serves(
+        supervised: Supervised) -> None:
+    mesh = supervised
+    before = complete(mesh.url)
+    etcd = mesh.address("etcd")
+    old = int(mesh.status()["agg-0"]["pid"])
+    assert await worker_pids(etcd) == {old}
+    os.kill(old, signal.SIGKILL)
+
+    def restarted() -> dict[str, str] | None:
+        row = mesh.status()["agg-0"]
+        return row if row["pid"] != str(old) and row["state"] == "running" else None
+
+    row = wait_for_sync(restarted, 30, lambda: f"agg-0 restarted; {mesh.status()}")
+    assert row is not None and row["restarts"] == "1" and row["last_exit"] == "SIGKILL"
+    new = int(row["pid"])
+    assert int((mesh.log_dir / "agg-0.pid").read_text()) == new
+    assert f"agg-0 (pid {old}) exited (SIGKILL)" in mesh.out.read_text()
+    # The old record goes with its lease (SIGKILL: no revoke), the new one registers.
+    pids: set[int] = set()
+
+    async def only_new() -> bool:
+        nonlocal pids
+        pids = await worker_pids(etcd)
+        return pids == {new}
+    await wait_for(only_new, 30, lambda: f"only pid {new} registered, got {pids}",
+                   interval_s=0.2)
+    assert complete(mesh.url) == before  # same greedy answer from the new process
+    assert mesh.proc.poll() is None
+    assert {r["restarts"] for n, r in mesh.status().items() if n != "agg-0"} == {"0"}
+
+
+async def test_redis_keeps_its_data_across_a_restart(supervised: Supervised) -> None:
+    mesh = supervised
+    url = f"redis://{mesh.address('redis')}"
+    r = aioredis.from_url(url)
+    try:
+        await r.set("aof-probe", b"kept")  # answered: written to the AOF (in the page cache)
+    finally:
+        await r.aclose()
+    old = int(mesh.status()["redis"]["pid"])
+    os.kill(old, signal.SIGKILL)
+    wait_for_sync(lambda: mesh.status()["redis"]["pid"] != str(old)
+                  and mesh.status()["redis"]["state"] == "running", 30,
+                  lambda: f"redis restarted; {mesh.status()}")
+    value: object = None
+
+    async def reloaded() -> bool:
+        nonlocal value
+        r = aioredis.from_url(url)
+        try:
+            value = await r.get("aof-probe")
+            return True
+        except (RedisConnectionError, BusyLoadingError):
+            return False  # not listening / still loading the AOF
+        finally:
+            await r.aclose()
+    await wait_for(reloaded, 30, "the restarted redis to answer", interval_s=0.1)
+    assert value == b"kept"
+    assert mesh.status()["redis"]["restarts"] == "1"
+    assert mesh.proc.poll() is None
+
+
+def test_children_die_with_a_sigkilled_kvmesh_up(supervised: Supervised) -> None:
+    mesh = supervised
+    pids = {name: int(row["pid"]) for name, row in mesh.status().items()}
+    assert set(pids) == {"etcd", "redis", "indexer", "router", "agg-0", "frontend"}
+    assert not any(gone(p) for p in pids.values()), pids
+    os.kill(mesh.proc.pid, signal.SIGKILL)
+    assert mesh.proc.wait(10) == -signal.SIGKILL
+    for name, pid in pids.items():
+        wait_for_sync(functools.partial(gone, pid), 30, f"{name} (pid {pid}) to exit")
+    assert not port_open("127.0.0.1", int(mesh.url.rsplit(":", 1)[1]))

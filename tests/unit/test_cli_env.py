@@ -20,6 +20,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "mode": ("agg", "agg"),
     "handoff": ("push", "push"),
     "workers": ("3", 3),
+    "engine": ("mock", "mock"),
     "policy": ("round_robin", "round_robin"),
     "indexer": ("embedded", "embedded"),
     "kv_cache_gib": ("0.5", 0.5),
