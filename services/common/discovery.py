@@ -8,7 +8,11 @@ Contract:
 - :class:`Registration` grants a lease of ``ttl`` seconds, puts the record under it and
   refreshes the lease every ``ttl/3`` seconds (aetcd does not refresh by itself). If the
   lease was lost (etcd restarted, long pause), it grants a new one and puts the record
-  again. ``close()`` revokes the lease so watchers see the key vanish at once.
+  again. After each successful refresh it reads its key back (one GET): when the key is
+  gone (someone deleted it while the lease lives), holds another value or sits under
+  another lease, it puts the record again under its lease, so a deleted key is back
+  within one keepalive period. ``close()`` revokes the lease so watchers see the key
+  vanish at once.
 - :class:`InstanceWatcher` loads the current records under a component prefix, then follows
   etcd's watch from the next revision. ``instances()`` is the live set. A record whose lease
   expires disappears from it within the watch delay. After a watch error it reconnects and
@@ -103,6 +107,19 @@ class Registration:
         if (resp.TTL if resp is not None else 0) <= 0:  # lease gone on the server
             log.warning("etcd lease %s expired; re-registering", self._lease.id)
             await self._grant_and_put()
+            return
+        await self._restore_key()
+
+    async def _restore_key(self) -> None:
+        """Puts the record again when its key is gone or no longer ours (value, lease)."""
+        assert self._lease is not None
+        value = self._record.SerializeToString()
+        kv = await self._client.get(self._key)
+        if kv is not None and kv.value == value and kv.lease == self._lease.id:
+            return
+        log.warning("etcd key %s was %s while its lease %s lives; putting it back",
+                    self.key, "deleted" if kv is None else "overwritten", self._lease.id)
+        await self._client.put(self._key, value, lease=self._lease)
 
     async def close(self) -> None:
         """Stops the keepalive and revokes the lease (deleting the record). Idempotent."""

@@ -1,5 +1,6 @@
-"""etcd discovery against real etcd: the watcher's start-up failure is reported, and the
-watcher resyncs after etcd restarts (the records written while it was away reach it)."""
+"""etcd discovery against real etcd: the watcher's start-up failure is reported, the
+watcher resyncs after etcd restarts (the records written while it was away reach it), and
+a registration puts its key back when someone deletes it while its lease lives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import aetcd
 import pytest
 
 from protos import discovery_pb2
-from services.common.discovery import InstanceWatcher, etcd_client, instance_key
+from services.common.discovery import (
+    InstanceWatcher,
+    Registration,
+    etcd_client,
+    instance_key,
+)
 from services.common.procs import Child, free_port, start_etcd
 from tests.waiting import wait_for
 
@@ -73,3 +79,25 @@ def _peer_port(child: Child) -> int:
     args = list(child.proc.args)  # type: ignore[arg-type]
     url = args[args.index("--listen-peer-urls") + 1]
     return int(url.rsplit(":", 1)[1])
+
+
+async def test_registration_puts_a_deleted_key_back(etcd: Child) -> None:
+    rec = discovery_pb2.InstanceRecord(instance_id="phoenix", component="worker",
+                                       address="127.0.0.1:1")
+    reg = Registration(etcd.address, NS, rec, ttl=3)  # keepalive every 1 s
+    await reg.start()
+    client = etcd_client(etcd.address)
+    await client.connect()
+    try:
+        key = reg.key.encode()
+        first = await client.get(key)
+        assert first is not None and first.lease == reg.lease_id
+        assert await client.delete(key)
+        assert await client.get(key) is None
+        back = await wait_for(lambda: client.get(key), 15,
+                              "the registration to put its deleted key back")
+        assert back.value == rec.SerializeToString()
+        assert back.lease == reg.lease_id  # the same lease: it still expires with us
+    finally:
+        await reg.close()
+        await client.close()
