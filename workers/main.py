@@ -1,7 +1,15 @@
-"""Worker process wiring: config → engine → gRPC server registered in etcd."""
+"""Worker process wiring: config → engine → gRPC server registered in etcd.
+
+A started :class:`WorkerApp` watches its engine (:meth:`Engine.wait_dead`): when the
+engine dies, the servicer answers every Generate UNAVAILABLE ``engine dead: <reason>``
+and ``WorkerApp.fatal`` resolves to that reason, so :func:`serve_main` turns the worker
+NOT_SERVING, revokes its lease, stops it and exits with code 3 for its supervisor
+(``kvmesh up``) to restart it.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 from collections.abc import Awaitable, Callable, Sequence
@@ -134,15 +142,29 @@ def build_server(cfg: WorkerConfig, engine: Engine,
 
 @dataclasses.dataclass
 class WorkerApp:
-    """A started worker: engine, optional KV event relay, server."""
+    """A started worker: engine, optional KV event relay, server. ``fatal`` resolves to
+    ``"engine dead: <reason>"`` when the engine dies (see the module docstring)."""
 
     server: MeshServer
     engine: Engine
     relay: KvEventRelay | None
     events: EventEndpoints | None
 
+    def __post_init__(self) -> None:
+        self.fatal: asyncio.Task[str] = asyncio.create_task(self._watch_engine(),
+                                                            name="worker-engine-watch")
+
+    async def _watch_engine(self) -> str:
+        reason = await self.engine.wait_dead()
+        for spec in self.server.services:
+            if isinstance(spec.servicer, WorkerServicer):
+                spec.servicer.mark_dead(reason)
+        return f"engine dead: {reason}"
+
     async def stop(self) -> None:
         """Stops the server (which stops engine and relay) and removes the ipc folder."""
+        if not self.fatal.done():
+            self.fatal.cancel()
         await self.server.stop()
         if self.events is not None:
             self.events.remove()

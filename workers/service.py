@@ -2,12 +2,20 @@
 
 Contract:
 
-- ``Generate`` validates the request (INVALID_ARGUMENT for empty prompts, max_tokens <= 0,
-  malformed ``kv_transfer`` params (naming the key), or anything the engine refuses with
-  EngineError), streams one GenerateResponse per
-  engine delta, and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL when
-  the engine's ``kv_transfer_params`` cannot be carried). When the client
-  cancels, the engine generator is closed, which aborts the request in the engine.
+- ``Generate`` validates the whole request before the engine sees it: INVALID_ARGUMENT
+  naming the field for an empty prompt or a negative token id, a bad sampling field
+  (:func:`workers.engines.base.validate_sampling`), malformed ``kv_transfer`` params or
+  ones the engine's handoff mode must not get
+  (:func:`services.common.kv_params.validate_request`), or anything the engine refuses
+  with EngineError. It streams one GenerateResponse per engine delta, and fills
+  ``finish_reason`` and ``usage`` on the last one (INTERNAL when the engine's
+  ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
+  the engine raised EngineDeadError) every in-flight and later call ends UNAVAILABLE
+  ``engine dead: <reason>``. Any other engine failure is logged once and answered
+  INTERNAL (never UNKNOWN). When the client cancels, the engine generator is closed,
+  which aborts the request in the engine.
+- ``mark_dead(reason)``: from now on Generate answers UNAVAILABLE (the worker calls it
+  when :meth:`Engine.wait_dead` returns).
   Records the spans ``worker.queue`` (arrival → first engine output of any kind),
   ``prefill`` (→ first token) and ``decode`` (first token → finish) under the gRPC
   server span, with worker id, prompt and cached token counts as attributes.
@@ -19,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 
@@ -27,8 +36,17 @@ import grpc
 from protos import common_pb2, kv_events_pb2, worker_pb2, worker_pb2_grpc
 from services.common import kv_params
 from services.common.telemetry import tracer
-from workers.engines.base import Engine, EngineError, EngineRequest, Sampling
+from workers.engines.base import (
+    Engine,
+    EngineDeadError,
+    EngineError,
+    EngineRequest,
+    Sampling,
+    validate_sampling,
+)
 from workers.kv.event_relay import KvEventRelay
+
+log = logging.getLogger(__name__)
 
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -63,26 +81,48 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._relay = relay
         self._worker_id = worker_id
         self._active = 0
+        self._dead: str | None = None
         self._tracer = tracer("worker")
+
+    def mark_dead(self, reason: str) -> None:
+        """From now on Generate answers UNAVAILABLE ``engine dead: <reason>``."""
+        if self._dead is None:
+            self._dead = reason
+
+    async def _abort_dead(self, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine dead: {self._dead}")
+
+    def _engine_request(self, request: worker_pb2.GenerateRequest) -> EngineRequest:
+        """The validated engine request; raises EngineError or KvParamsError naming the
+        bad field."""
+        if not request.token_ids:
+            raise EngineError("token_ids must not be empty")
+        negative = [t for t in request.token_ids if t < 0]
+        if negative:
+            raise EngineError(f"token_ids must be >= 0, got {negative[0]}")
+        sampling = sampling_from_proto(request.sampling)
+        validate_sampling(sampling)
+        kv_transfer = None
+        if request.HasField("kv_transfer"):
+            kv_transfer = kv_params.to_dict(request.kv_transfer)
+            mode = str(self._engine.info.handoff.get("mode", ""))
+            kv_params.validate_request(kv_transfer, mode)
+        return EngineRequest(
+            request_id=request.request_id or f"req-{time.monotonic_ns()}",
+            prompt_token_ids=list(request.token_ids),
+            sampling=sampling,
+            kv_transfer_params=kv_transfer,
+        )
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        if not request.token_ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "token_ids must not be empty")
-        if request.sampling.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "max_tokens must be > 0")
+        if self._dead is not None:
+            await self._abort_dead(context)
         try:
-            kv_transfer = (kv_params.to_dict(request.kv_transfer)
-                           if request.HasField("kv_transfer") else None)
-        except kv_params.KvParamsError as exc:
+            ereq = self._engine_request(request)
+        except (EngineError, kv_params.KvParamsError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        ereq = EngineRequest(
-            request_id=request.request_id or f"req-{time.monotonic_ns()}",
-            prompt_token_ids=list(request.token_ids),
-            sampling=sampling_from_proto(request.sampling),
-            kv_transfer_params=kv_transfer,
-        )
         attrs: dict[str, str | int] = {
             "kvmesh.worker_id": self._worker_id,
             "kvmesh.remote_prefill": bool(request.kv_transfer.do_remote_prefill),
@@ -122,8 +162,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     yield resp
             except EngineError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EngineDeadError as exc:
+                self.mark_dead(str(exc))
+                await self._abort_dead(context)
             except kv_params.KvParamsError as exc:  # the engine's answer cannot travel
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine output: {exc}")
+            except Exception as exc:  # an engine bug: say so once, never UNKNOWN
+                log.exception("engine failed on request %s", ereq.request_id)
+                await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc!r}")
         finally:
             self._active -= 1
             self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)

@@ -16,14 +16,31 @@ processes as ``worker_pb2.KvTransferParams``. Contract:
   must stay ints), so ``2.0`` there reads back as ``2`` (equal, of another type).
 - Malformed input raises :class:`KvParamsError` (a ValueError) naming the key, in both
   directions: a typed key with a value of the wrong type or out of range, a value that is
-  not JSON, an int in ``extra`` beyond 2**53 (a JSON number would not hold it exactly);
-  from protobuf, a Value with no kind, both block-id forms at once, or an ``extra`` key
-  that has a typed field. The worker servicer answers INVALID_ARGUMENT for a request's
-  params and INTERNAL for the engine's.
+  not JSON, an int in ``extra`` beyond 2**53 (a JSON number would not hold it exactly), a
+  NaN or infinite number in ``extra`` (JSON has none); from protobuf, a Value with no
+  kind, both block-id forms at once, or an ``extra`` key that has a typed field. The
+  worker servicer answers INVALID_ARGUMENT for a request's params and INTERNAL for the
+  engine's.
+- :func:`validate_request` checks a *request's* params (a dict from :func:`to_dict`)
+  before they reach an engine whose handoff mode is ``mode`` (``EngineInfo.handoff``:
+  "pull", "push", "mock", or "" for none) and raises :class:`KvParamsError` naming the
+  key. For every mode: ``do_remote_prefill`` and ``do_remote_decode`` are not both set;
+  ``remote_port`` is in 1..65535; ``tp_size``, ``dcp_size``, ``pp_size`` and
+  ``remote_block_size`` are >= 1; ``remote_num_tokens`` and
+  ``remote_prefill_cached_tokens`` are >= 0; ``remote_blocks_expiry_time`` is finite;
+  block ids are >= 0; ``transfer_mode`` is "pull" or "push". With ``do_remote_prefill``
+  on a NIXL engine (vLLM 0.32's connectors read these keys unchecked: a missing one
+  kills EngineCore with a KeyError or an assertion, or parks the request until it times
+  out), the keys in :data:`REMOTE_PREFILL_KEYS` for that mode must be present (strings
+  non-empty): pull needs ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
+  ``remote_port`` and a non-empty ``remote_block_ids``; push needs the same side
+  channel and ``tp_size`` (it seeds the block ids itself). The mock engine reads only
+  the flags, so nothing more is required there.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -108,6 +125,8 @@ def _fill_value(where: str, value: Any, out: struct_pb2.Value) -> None:
                                 "number holds exactly")
         out.number_value = value
     elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise KvParamsError(f"{where}: {value} is not a JSON number")
         out.number_value = value
     elif isinstance(value, str):
         out.string_value = value
@@ -134,6 +153,8 @@ def _read_value(where: str, value: struct_pb2.Value) -> Any:
         return value.bool_value
     if kind == "number_value":
         x = value.number_value
+        if not math.isfinite(x):
+            raise KvParamsError(f"{where}: {x} is not a JSON number")
         return int(x) if x.is_integer() and abs(x) <= _MAX_EXACT_INT else x
     if kind == "string_value":
         return value.string_value
@@ -189,6 +210,65 @@ def to_dict(msg: worker_pb2.KvTransferParams) -> dict[str, Any]:
             raise KvParamsError(f"{_where(key)}: sent in extra, but it has a typed field")
         out[key] = _read_value(_where(key), value)
     return out
+
+
+# Keys a remote-prefill (D) request must carry, by the engine's handoff mode.
+REMOTE_PREFILL_KEYS: dict[str, tuple[str, ...]] = {
+    "pull": ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+             _BLOCKS),
+    "push": ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
+             "tp_size"),
+}
+# Inclusive lower (and upper) bounds of typed integer keys, where present.
+_INT_RANGES: dict[str, tuple[int, int | None]] = {
+    "remote_port": (1, 65535),
+    "tp_size": (1, None),
+    "dcp_size": (1, None),
+    "pp_size": (1, None),
+    "remote_block_size": (1, None),
+    "remote_num_tokens": (0, None),
+    "remote_prefill_cached_tokens": (0, None),
+}
+TRANSFER_MODES = ("pull", "push")
+
+
+def _block_ids(value: Any) -> list[int]:
+    """Every id in a flat or per-group ``remote_block_ids``."""
+    if value and isinstance(value[0], list | tuple):
+        return [b for group in value for b in group]
+    return list(value or ())
+
+
+def validate_request(params: dict[str, Any], mode: str) -> None:
+    """Refuses a request's params an engine of handoff ``mode`` must not see; see the
+    module docstring. Raises :class:`KvParamsError` naming the key."""
+    if params.get("do_remote_prefill") and params.get("do_remote_decode"):
+        raise KvParamsError(f"{_where('do_remote_prefill')} and "
+                            f"{_where('do_remote_decode')} are both set; a request is "
+                            "either the decode or the prefill side of a handoff")
+    for key, (low, high) in _INT_RANGES.items():
+        value = params.get(key)
+        if value is not None and (value < low or (high is not None and value > high)):
+            bound = f"in {low}..{high}" if high is not None else f">= {low}"
+            raise KvParamsError(f"{_where(key)}: must be {bound}, got {value}")
+    expiry = params.get("remote_blocks_expiry_time")
+    if expiry is not None and not math.isfinite(expiry):
+        raise KvParamsError(f"{_where('remote_blocks_expiry_time')}: must be finite, "
+                            f"got {expiry}")
+    negative = [b for b in _block_ids(params.get(_BLOCKS)) if b < 0]
+    if negative:
+        raise KvParamsError(f"{_where(_BLOCKS)}: block ids must be >= 0, got {negative[0]}")
+    transfer = params.get("transfer_mode")
+    if transfer is not None and transfer not in TRANSFER_MODES:
+        raise KvParamsError(f"{_where('transfer_mode')}: must be one of {TRANSFER_MODES}, "
+                            f"got {transfer!r}")
+    if not params.get("do_remote_prefill"):
+        return
+    for key in REMOTE_PREFILL_KEYS.get(mode, ()):
+        value = params.get(key)
+        if value is None or value == "" or (key == _BLOCKS and not _block_ids(value)):
+            raise KvParamsError(f"{_where(key)}: required (non-empty) with "
+                                f"do_remote_prefill on a {mode}-mode engine")
 
 
 def is_set(msg: worker_pb2.KvTransferParams) -> bool:

@@ -15,6 +15,11 @@ Contract of :class:`MeshServer`:
   sets up logging and tracing, then runs ``start(cfg)`` (which returns anything with an
   ``async stop()``: a MeshServer, an app, a fleet) until SIGTERM or SIGINT, stops it and
   returns 0. A ``start`` that raises propagates (non-zero exit).
+  The started app may also expose ``fatal``: an awaitable (future or task) that
+  resolves to a reason when the app can no longer serve (a worker's engine died). When
+  it resolves (or raises) before a signal, serve_main logs one error line with the
+  reason, stops the app as on SIGTERM (so a MeshServer turns NOT_SERVING and revokes its
+  lease first) and returns :data:`FATAL_EXIT` (3), so a supervisor restarts the process.
 """
 
 from __future__ import annotations
@@ -53,7 +58,9 @@ class _Malformed:
 
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Answers requests whose protobuf cannot be parsed with INVALID_ARGUMENT (grpc's
-    default is UNKNOWN plus an error log) for unary-request methods."""
+    default is UNKNOWN plus an error log) for unary-request methods. Server-streaming
+    handlers may be async generators or coroutines that ``context.write`` (as the health
+    service's ``Watch``)."""
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -73,8 +80,12 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
                     if isinstance(request, _Malformed):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                             f"malformed request: {request.reason}")
-                    async for item in behavior(request, context):
-                        yield item
+                    result = behavior(request, context)
+                    if hasattr(result, "__aiter__"):  # an async generator handler
+                        async for item in result:
+                            yield item
+                    else:  # a coroutine that writes with context.write (health Watch)
+                        await result
                 return stream_behavior
 
             async def unary_behavior(request: Any, context: Any) -> Any:
@@ -197,31 +208,67 @@ def setup_logging(level: str) -> None:
 
 
 class Stoppable(Protocol):
-    """What a process's ``start`` returns: something that can be stopped."""
+    """What a process's ``start`` returns: something that can be stopped (and may have a
+    ``fatal`` awaitable; see the module docstring)."""
 
     async def stop(self) -> None: ...
 
 
 C = TypeVar("C", bound=BaseConfig)
+# serve_main's exit code after the app's ``fatal`` fired (0: signal, 2: bad config).
+FATAL_EXIT = 3
+
+
+async def _fatal_reason(fatal: Awaitable[Any]) -> str:
+    """What ``fatal`` resolved to, or the error it raised. Shielded: cancelling this
+    wait (on a signal) leaves the app's own future to the app's ``stop()``."""
+    try:
+        return str(await asyncio.shield(asyncio.ensure_future(fatal)))
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 async def _serve_until_signal(start: Callable[[C], Awaitable[Stoppable]], cfg: C,
-                              component: str) -> None:
+                              component: str) -> int:
+    """Runs the app until a signal (→ 0) or its ``fatal`` (→ FATAL_EXIT), then stops it."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     app = await start(cfg)
-    await stop.wait()
-    log.info("%s shutting down", component)
+    signalled = asyncio.create_task(stop.wait())
+    fatal = getattr(app, "fatal", None)
+    died = asyncio.create_task(_fatal_reason(fatal)) if fatal is not None else None
+    reason: str | None = None
+    try:
+        pending: set[asyncio.Task[Any]] = {signalled, *([died] if died else [])}
+        while not stop.is_set() and reason is None:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if died in done and not died.cancelled():  # cancelled: the app gave it up
+                reason = died.result()
+    finally:
+        signalled.cancel()
+        if died is not None:
+            died.cancel()
+    code = 0
+    if reason is not None and not stop.is_set():
+        code = FATAL_EXIT
+        log.error("%s cannot serve: %s; stopping (exit code %d)", component, reason, code)
+    else:
+        log.info("%s shutting down", component)
     await app.stop()
+    return code
 
 
 def serve_main(config_cls: type[C], argv: Sequence[str] | None, component: str,
                start: Callable[[C], Awaitable[Stoppable]]) -> int:
-    """A process's ``main``: config → logging, tracing → ``start`` until a signal → stop.
+    """A process's ``main``: config → logging, tracing → ``start`` until a signal (or the
+    app's ``fatal``) → stop.
 
-    Returns 2 on a bad config, 0 after a clean stop; see the module docstring.
+    Returns 2 on a bad config, 0 after a clean stop, FATAL_EXIT after ``fatal``; see the
+    module docstring.
     """
     try:
         cfg = load_config(config_cls, argv)
@@ -230,5 +277,4 @@ def serve_main(config_cls: type[C], argv: Sequence[str] | None, component: str,
         return 2
     setup_logging(cfg.log_level)
     setup_tracing(f"kvmesh-{component}")
-    asyncio.run(_serve_until_signal(start, cfg, component))
-    return 0
+    return asyncio.run(_serve_until_signal(start, cfg, component))

@@ -9,7 +9,8 @@ Contract, method by method:
 - ``generate(request)``: async iterator of :class:`EngineOutput` deltas for one request.
   The last item has ``finished=True`` and a ``finish_reason``. If the consumer stops
   iterating early (client cancel), the engine must abort the request and free its KV.
-  Raises :class:`EngineError` for a request the engine refuses (e.g. prompt too long).
+  Raises :class:`EngineError` for a request the engine refuses (e.g. prompt too long),
+  and :class:`EngineDeadError` (in flight, or at once) once the engine has died.
   ``request.kv_transfer_params`` go to the engine's KV connector unchanged; the
   connector's answer comes back on the final output's ``kv_transfer_params``.
 - ``abort(request_id)``: aborts a running request; returns False if unknown.
@@ -18,7 +19,19 @@ Contract, method by method:
 - ``reset_prefix_cache()``: drops every cached block that no request uses; True when the
   cache is now empty (the engine then announces AllBlocksCleared on its KV event bus).
   Default: unsupported, False.
+- ``wait_dead()``: returns (a short reason) once the engine has died on its own (e.g.
+  vLLM's EngineCore process exited); never returns while the engine lives, nor because
+  of ``shutdown()``. Several waiters may wait; all get the same reason. A worker that
+  sees it stops serving and exits non-zero so its supervisor restarts it (see
+  :mod:`workers.main`). Default: never returns (an engine that cannot die on its own).
 - ``shutdown()``: stops the engine and frees its resources. Idempotent.
+
+:func:`validate_sampling` checks a :class:`Sampling` before any engine sees it (the
+worker servicer calls it): :class:`EngineError` naming the field for ``max_tokens < 1``,
+a NaN or infinite float, ``temperature < 0``, ``top_p`` outside (0, 1], ``top_k < -1``,
+``presence_penalty``/``frequency_penalty`` outside [-2, 2], ``repetition_penalty <= 0``
+or a negative stop token id (OpenAI's and vLLM's ranges). Seeds are not checked: any
+int64 is a valid seed (vLLM reads -1 as none).
 
 Everything that crosses a process boundary is a plain dataclass here; the worker
 service converts to and from protobuf.
@@ -27,6 +40,8 @@ service converts to and from protobuf.
 from __future__ import annotations
 
 import abc
+import asyncio
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +49,11 @@ from typing import Any
 
 class EngineError(Exception):
     """A request the engine cannot serve (bad input); maps to INVALID_ARGUMENT."""
+
+
+class EngineDeadError(Exception):
+    """The engine died and serves nothing more; maps to UNAVAILABLE. The message is the
+    reason (what :meth:`Engine.wait_dead` returns)."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,33 @@ class Sampling:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+
+
+def validate_sampling(s: Sampling) -> None:
+    """Raises :class:`EngineError` naming the first bad field; see the module docstring."""
+    if s.max_tokens < 1:
+        raise EngineError(f"sampling.max_tokens must be > 0, got {s.max_tokens}")
+    floats = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty")
+    for name in floats:
+        value = getattr(s, name)
+        if value is not None and not math.isfinite(value):
+            raise EngineError(f"sampling.{name} must be a finite number, got {value}")
+    checks = (
+        ("temperature", lambda v: v >= 0, ">= 0"),
+        ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+        ("top_k", lambda v: v >= -1, ">= -1 (-1 or 0: no limit)"),
+        ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+        ("repetition_penalty", lambda v: v > 0, "> 0"),
+    )
+    for name, ok, bound in checks:
+        value = getattr(s, name)
+        if value is not None and not ok(value):
+            raise EngineError(f"sampling.{name} must be {bound}, got {value}")
+    negative = [t for t in s.stop_token_ids if t < 0]
+    if negative:
+        raise EngineError(f"sampling.stop_token_ids must be >= 0, got {negative[0]}")
 
 
 @dataclass(frozen=True)
@@ -139,6 +186,11 @@ class Engine(abc.ABC):
     async def reset_prefix_cache(self) -> bool:
         """Default: not supported."""
         return False
+
+    async def wait_dead(self) -> str:
+        """Default: never returns (this engine cannot die apart from its process)."""
+        await asyncio.get_running_loop().create_future()  # never resolved
+        raise AssertionError("unreachable")
 
     async def shutdown(self) -> None:  # noqa: B027 - optional hook, no-op by default
         """Default: nothing to free."""

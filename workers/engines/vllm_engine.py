@@ -49,8 +49,18 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   metrics also land in the default ``prometheus_client`` registry.
 - ``reset_prefix_cache()``: vLLM's ``reset_prefix_cache()`` (False while running requests
   hold blocks); vLLM publishes AllBlocksCleared when KV events are on.
-- ``shutdown()``: aborts live requests (their streams end with "abort"), then shuts
-  ``AsyncLLM`` and its EngineCore process down. Idempotent.
+- ``wait_dead()``: returns the reason once EngineCore died on its own. A
+  :class:`~services.common.periodic.Periodic` reads ``AsyncLLM.errored`` every
+  ``DEATH_POLL_S`` (vLLM 0.32 sets it when its ``MPClientEngineMonitor`` thread sees the
+  EngineCore process exit, or when its output handler fails); a vLLM
+  ``EngineDeadError`` out of ``generate`` marks the engine dead at once. The reason
+  names EngineCore's exit code when the process is gone. On death every live stream is
+  woken with the error (vLLM's own ``propagate_error``, so none waits for outputs that
+  never come) and ``generate`` raises :class:`EngineDeadError` for in-flight and later
+  requests. Never fires after ``shutdown()`` began (``errored`` is also true then).
+- ``shutdown()``: stops the death watch, aborts live requests (their streams end with
+  "abort"; skipped when the engine is dead), then shuts ``AsyncLLM`` and its EngineCore
+  process down. Idempotent.
 """
 
 from __future__ import annotations
@@ -66,8 +76,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.periodic import Periodic
 from workers.engines.base import (
     Engine,
+    EngineDeadError,
     EngineError,
     EngineInfo,
     EngineLoad,
@@ -93,6 +105,9 @@ _FINISH_REASONS = {"stop": "stop", "repetition": "stop", "length": "length", "ab
 _DEFAULTABLE = tuple(
     "temperature top_p top_k presence_penalty frequency_penalty repetition_penalty".split()
 )
+# How often the death watch reads AsyncLLM.errored (vLLM's monitor thread itself waits
+# on the EngineCore process sentinel with a 1 s timeout).
+DEATH_POLL_S = 0.5
 
 
 @dataclass
@@ -198,6 +213,9 @@ class VllmEngine(Engine):
         self._live: set[str] = set()
         self._defaults: dict[str, Any] = {}
         self._closed = False
+        self._dead: asyncio.Future[str] | None = None
+        self._watch = Periodic("vllm-death-watch", self._check_alive, DEATH_POLL_S,
+                               delay_first=True)
         self.start_seconds: float | None = None
 
     @property
@@ -212,6 +230,7 @@ class VllmEngine(Engine):
         if self._closed:
             raise RuntimeError("VllmEngine.start() after shutdown()")
         self.config.validate()
+        self._dead = asyncio.get_running_loop().create_future()
         t0 = time.monotonic()
         # In a thread so the loop keeps serving (health checks) while the model loads.
         await asyncio.to_thread(self._build)
@@ -228,6 +247,7 @@ class VllmEngine(Engine):
         )
         diff = vcfg.model_config.get_diff_sampling_param()
         self._defaults = {k: diff[k] for k in _DEFAULTABLE if diff.get(k) is not None}
+        self._watch.start()
         log.info(
             "vLLM engine ready in %.1fs: %s, %d KV blocks",
             self.start_seconds,
@@ -263,6 +283,38 @@ class VllmEngine(Engine):
         # executor's futures, and an AsyncLLM collected at interpreter exit logs errors.
         recorder: Any = self._stats.factory  # duck-typed StatLoggerBase factory
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder])
+
+    async def _check_alive(self) -> None:
+        """One death-watch tick (see ``wait_dead`` in the module docstring)."""
+        llm = self._llm
+        if llm is not None and not self._closed and llm.errored:
+            self._mark_dead(llm)
+
+    def _death_reason(self, llm: AsyncLLM) -> str:
+        """EngineCore's exit code(s) when its process is gone, else vLLM's own words."""
+        resources = getattr(llm.engine_core, "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        exits = [f"{proc.name} exited with code {proc.exitcode}"
+                 for proc in getattr(manager, "processes", ()) if proc.exitcode is not None]
+        return "; ".join(exits) or "vLLM AsyncLLM errored (EngineDeadError)"
+
+    def _mark_dead(self, llm: AsyncLLM) -> str:
+        """Resolves ``wait_dead`` (once) and wakes every live stream with the error."""
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
+
+        assert self._dead is not None
+        if not self._dead.done():
+            self._dead.set_result(self._death_reason(llm))
+            try:  # vLLM's own path has usually done it already; a second put is harmless
+                llm.output_processor.propagate_error(VllmDeadError())
+            except Exception as exc:
+                log.warning("could not wake the live streams of a dead engine: %r", exc)
+        return self._dead.result()
+
+    async def wait_dead(self) -> str:
+        if self._dead is None:
+            raise RuntimeError("VllmEngine.wait_dead() before start()")
+        return await asyncio.shield(self._dead)
 
     def _require_llm(self) -> AsyncLLM:
         if self._llm is None:
@@ -317,8 +369,11 @@ class VllmEngine(Engine):
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMClientError
         from vllm.inputs import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
         llm = self._require_llm()
+        if self._dead is not None and self._dead.done():
+            raise EngineDeadError(self._dead.result())
         self._check(request)
         params = self.sampling_params(request.sampling, request.kv_transfer_params)
         prompt = tokens_input(list(request.prompt_token_ids))  # rendered: no tokenizer call
@@ -353,6 +408,10 @@ class VllmEngine(Engine):
                     yield delta
                     if out.finished:
                         return
+        except VllmDeadError as exc:
+            if self._closed:  # shut down under us: not a death of its own
+                raise EngineDeadError("the engine was shut down") from exc
+            raise EngineDeadError(self._mark_dead(llm)) from exc
         except (VLLMClientError, ValueError) as exc:
             raise EngineError(str(exc)) from exc
         finally:
@@ -398,10 +457,12 @@ class VllmEngine(Engine):
 
     async def shutdown(self) -> None:
         self._closed = True
+        await self._watch.stop()
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        if self._live:  # end in-flight streams with "abort" (else they wait forever)
+        dead = self._dead is not None and self._dead.done()
+        if self._live and not dead:  # end in-flight streams with "abort" (else they wait)
             with contextlib.suppress(Exception):
                 await llm.abort(list(self._live))
             self._live.clear()
