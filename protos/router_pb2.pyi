@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "max_tokens")
+    __slots__ = ("request_id", "model", "token_ids", "max_tokens", "exclude_instance_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ...) -> None: ...
+    exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerChoice(_message.Message):
     __slots__ = ("instance_id", "address", "role", "handoff")
@@ -108,3 +110,19 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[_discovery_pb2.InstanceRecord]
     def __init__(self, workers: _Optional[_Iterable[_Union[_discovery_pb2.InstanceRecord, _Mapping]]] = ...) -> None: ...
+
+class ReportFailureRequest(_message.Message):
+    __slots__ = ("instance_id", "reason", "request_id")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    reason: str
+    request_id: str
+    def __init__(self, instance_id: _Optional[str] = ..., reason: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
+
+class ReportFailureResponse(_message.Message):
+    __slots__ = ("found",)
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    found: bool
+    def __init__(self, found: _Optional[bool] = ...) -> None: ...

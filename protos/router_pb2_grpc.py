@@ -49,6 +49,11 @@ class RouterStub:
                 request_serializer=protos_dot_router__pb2.PrefillDoneRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.PrefillDoneResponse.FromString,
                 _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/kvmesh.router.Router/ReportFailure',
+                request_serializer=protos_dot_router__pb2.ReportFailureRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ReportFailureResponse.FromString,
+                _registered_method=True)
         self.ListWorkers = channel.unary_unary(
                 '/kvmesh.router.Router/ListWorkers',
                 request_serializer=protos_dot_router__pb2.ListWorkersRequest.SerializeToString,
@@ -61,7 +66,12 @@ class RouterServicer:
 
     def Route(self, request, context):
         """Chooses the worker(s) for one request. NOT_FOUND if no worker serves the model,
-        UNAVAILABLE if the model has no live worker. RESOURCE_EXHAUSTED when admission
+        UNAVAILABLE if the model has no live worker (none left after exclude_instance_ids).
+        INVALID_ARGUMENT naming the field: no request_id / model, a request_id or model over
+        256 characters, empty token_ids, a negative token id, max_tokens < 0, more than
+        1024 exclude_instance_ids, or token_ids (+ max_tokens) beyond the largest
+        max_model_len of the model's workers. ALREADY_EXISTS when the request_id is already
+        in flight (routed, not released). RESOURCE_EXHAUSTED when admission
         control rejects the request (router --admission early|current_load): the trailing
         metadata carries "retry-after" (seconds, decimal) and "kvmesh-admission-reason"
         (predicted_itl, predicted_ttft, kv_full, no_decode_workers); a rejected request is
@@ -72,7 +82,9 @@ class RouterServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
-        """Tells the router the request has ended so it stops counting it as load.
+        """Tells the router the request has ended so it stops counting it as load. Idempotent:
+        found is false when the request was not in flight (released already, never routed,
+        or dropped by the router's in-flight TTL). INVALID_ARGUMENT without a request_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -82,7 +94,18 @@ class RouterServicer:
         """Tells the router the request's prefill is over (its first token arrived), so its
         uncached prompt tokens stop counting as the prefilling worker's pending prefill
         (the TTFT policies read it). Optional: Release also ends it. found is false when
-        nothing was pending for the request.
+        nothing was pending for the request. INVALID_ARGUMENT without a request_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """A caller's call to a worker failed (UNAVAILABLE, connection refused, stream broken):
+        the router stops routing to it at once, until its discovery record changes (it
+        re-registered, e.g. restarted) or the router's --failure-hold-s passes. found is
+        false when the router does not know the worker (nothing is marked).
+        INVALID_ARGUMENT without an instance_id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,6 +135,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.PrefillDone,
                     request_deserializer=protos_dot_router__pb2.PrefillDoneRequest.FromString,
                     response_serializer=protos_dot_router__pb2.PrefillDoneResponse.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=protos_dot_router__pb2.ReportFailureRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ReportFailureResponse.SerializeToString,
             ),
             'ListWorkers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListWorkers,
@@ -200,6 +228,33 @@ class Router:
             '/kvmesh.router.Router/PrefillDone',
             protos_dot_router__pb2.PrefillDoneRequest.SerializeToString,
             protos_dot_router__pb2.PrefillDoneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.router.Router/ReportFailure',
+            protos_dot_router__pb2.ReportFailureRequest.SerializeToString,
+            protos_dot_router__pb2.ReportFailureResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,11 +16,39 @@ Contract of :class:`RouterCore`:
     a compatible D with ``policy``, then applies conditional disaggregation;
     ``decode_first`` (llm-d) picks D, then asks the prefix decider whether a remote P is
     needed and picks a compatible one. Both decisions use D's predicted overlap.
-  Raises :class:`UnknownModel` when no worker ever served the model, :class:`NoWorkers`
-  when none can take it now, :class:`Incompatible` when prefill and decode workers exist
-  but no pair can hand KV to each other (layout, block size or mode differ).
+  Raises :class:`AlreadyInFlight` when ``ctx.request_id`` is in flight (routed, not
+  released), :class:`UnknownModel` when no worker ever served the model,
+  :class:`InvalidRequest` when the prompt (+ ``max_tokens``) exceeds the model's context
+  (``check_request``), :class:`NoWorkers` when none can take it now, :class:`Incompatible`
+  when prefill and decode workers exist but no pair can hand KV to each other (layout,
+  block size or mode differ).
+  Candidates are the model's workers whose ``max_model_len`` (0: unknown, no limit) holds
+  prompt + ``max_tokens``, minus ``exclude`` (instance ids never picked for this request,
+  in any role; none left → :class:`NoWorkers`), minus the unroutable ones (below).
   The chosen workers count the request as in flight, and its ``ceil(prompt tokens /
-  block_size)`` blocks as active, until ``release(request_id)``.
+  block_size)`` blocks as active, until ``release(request_id)`` (idempotent: False the
+  second time) or the in-flight TTL (below).
+- ``check_request(model, prompt_tokens, max_tokens)`` raises :class:`InvalidRequest`
+  naming ``token_ids`` (and ``max_tokens``) and the limit when prompt (+ max_tokens > 0)
+  exceeds ``context_limit(model)``: the largest ``max_model_len`` of the model's live
+  workers (0: no limit known). ``route`` applies it too.
+- Failure marks: ``report_failure(worker_id, reason)`` (a caller's call to it failed)
+  marks a live worker unroutable at ``clock()`` (a repeated report refreshes the time;
+  False, and nothing marked, for an unknown worker). The mark ends when the worker's
+  discovery record changes (``set_workers`` sees a different :class:`WorkerRecord`: a
+  restart brings a new ``pid`` / ``started_at_ms``, or the worker vanished) or after
+  ``failure_hold_s``. A marked worker is not a candidate, with one last resort: when
+  every candidate decode worker (or, without decode workers, every aggregated one) is
+  marked, the least recently marked ones stay candidates (a mark is a caller's guess and
+  may be stale; refusing would turn it into a certain 503), and the plan's reason says
+  so. Marked prefill workers have no such fallback: D prefills locally instead.
+  ``unroutable()`` lists the live marks (worker id → marked-at); ``unroutable_count()``
+  counts them.
+- In-flight TTL: every in-flight entry carries its routed-at time. ``expire_in_flight()``
+  releases (as ``release`` does: load, pending prefill, admission flight) every request
+  routed more than ``inflight_ttl_s`` ago and returns their ids: a caller that never
+  released (a bug) is bounded. ``in_flight_count()`` is the number of requests in
+  flight (safe to call from another thread).
 - Pending prefill: the worker that will prefill the request (the agg worker; P when
   disaggregated; D when it prefills locally) also counts the request's uncached prompt
   tokens (:func:`~services.router.policies.ttft.uncached_tokens`: prompt − its predicted
@@ -50,7 +78,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.block_hash import block_hashes
@@ -91,6 +119,14 @@ class Incompatible(RoutingError):
     """Prefill and decode workers exist, but no pair can hand KV over."""
 
 
+class InvalidRequest(RoutingError):
+    """The request cannot run on this model (e.g. longer than its context)."""
+
+
+class AlreadyInFlight(RoutingError):
+    """A request with this id is routed and not released."""
+
+
 class Rejected(RoutingError):
     """Admission control refused the request (the plan it would have run on is kept)."""
 
@@ -112,6 +148,14 @@ class WorkerRecord:
     max_model_len: int
     handoff_mode: str = ""
     kv_layout: str = ""
+    # The incarnation: a restarted worker registers with a new pid / start time, which
+    # ends a failure mark (see the module docstring).
+    pid: int = 0
+    started_at_ms: int = 0
+
+    def fits(self, tokens: int) -> bool:
+        """Whether ``tokens`` (prompt + output) fit its context (0: unknown, no limit)."""
+        return self.max_model_len <= 0 or tokens <= self.max_model_len
 
     def pair_info(self) -> PairInfo:
         return PairInfo(self.instance_id, self.handoff_mode, self.block_size, self.kv_layout)
@@ -150,6 +194,23 @@ class RoutePlan:
     def block_size(self) -> int:
         """Block size the overlaps are counted in (``worker``'s; P pairs only with equal)."""
         return self.worker.block_size
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One in-flight request: ((worker id, active blocks), ...) and when it was routed."""
+
+    workers: tuple[tuple[str, int], ...]
+    routed_at: float
+
+
+@dataclass(frozen=True)
+class _Mark:
+    """A failure report: when, and the record it was made against."""
+
+    at: float
+    record: WorkerRecord
+    reason: str
 
 
 @dataclass
@@ -196,8 +257,7 @@ class RouterCore:
     history: PrefixHistory = field(default_factory=PrefixHistory)
     _workers: dict[str, WorkerRecord] = field(default_factory=dict)
     _loads: dict[str, _Load] = field(default_factory=dict)
-    # request id → ((worker id, active blocks), ...)
-    _in_flight: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+    _in_flight: dict[str, _Entry] = field(default_factory=dict)
     _known_models: set[str] = field(default_factory=set)
     admission: RouterAdmission | None = None
     # Required, keyword-only: monotonic seconds (the live router's, or a virtual clock).
@@ -209,6 +269,11 @@ class RouterCore:
     # Workers released on since their latest load report: that report still counts the
     # released request (until the next report, only the router's own count is used).
     _stale: set[str] = field(default_factory=set)
+    # Seconds a failure report keeps a worker unroutable (unless it re-registers), and
+    # after which an in-flight request no one released is dropped.
+    failure_hold_s: float = 5.0
+    inflight_ttl_s: float = 600.0
+    _marks: dict[str, _Mark] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -227,6 +292,8 @@ class RouterCore:
         for wid in [w for w in self._pending if w not in self._workers]:
             del self._pending[wid]
         self._stale &= set(self._workers)
+        for wid in [w for w, m in self._marks.items() if self._workers.get(w) != m.record]:
+            del self._marks[wid]  # re-registered (new record) or vanished
         self.history.keep_only(self._workers)
         for policy in self._policies():
             keep_only = getattr(policy, "keep_only", None)
@@ -251,18 +318,80 @@ class RouterCore:
     def in_flight(self) -> Mapping[str, int]:
         """Requests routed and not yet released, per worker id."""
         counts: dict[str, int] = {}
-        for entries in self._in_flight.values():
-            for wid, _ in entries:
+        for entry in self._in_flight.values():
+            for wid, _ in entry.workers:
                 counts[wid] = counts.get(wid, 0) + 1
         return counts
 
     def active_blocks(self) -> Mapping[str, int]:
         """Prompt blocks of requests routed and not yet released, per worker id."""
         blocks: dict[str, int] = {}
-        for entries in self._in_flight.values():
-            for wid, n in entries:
+        for entry in self._in_flight.values():
+            for wid, n in entry.workers:
                 blocks[wid] = blocks.get(wid, 0) + n
         return blocks
+
+    def in_flight_count(self) -> int:
+        """Requests routed and not yet released (one ``len``: safe from another thread)."""
+        return len(self._in_flight)
+
+    def expire_in_flight(self) -> list[str]:
+        """Releases every request routed more than ``inflight_ttl_s`` ago; their ids."""
+        cutoff = self.clock() - self.inflight_ttl_s
+        old = [rid for rid, e in self._in_flight.items() if e.routed_at < cutoff]
+        for rid in old:
+            self.release(rid)
+        return old
+
+    def report_failure(self, worker_id: str, reason: str = "") -> bool:
+        """Marks a live worker unroutable now (see the module docstring); False when the
+        worker is unknown."""
+        w = self._workers.get(worker_id)
+        if w is None:
+            return False
+        self._marks[worker_id] = _Mark(self.clock(), w, reason)
+        return True
+
+    def unroutable(self) -> dict[str, float]:
+        """Live failure marks: worker id → when it was marked (expired ones are dropped)."""
+        cutoff = self.clock() - self.failure_hold_s
+        for wid in [w for w, m in self._marks.items() if m.at <= cutoff]:
+            del self._marks[wid]
+        return {w: m.at for w, m in self._marks.items()}
+
+    def unroutable_count(self) -> int:
+        """Live failure marks, counted without changing anything (safe from another
+        thread: one snapshot of the marks)."""
+        cutoff = self.clock() - self.failure_hold_s
+        return sum(1 for m in tuple(self._marks.values()) if m.at > cutoff)
+
+    def context_limit(self, model: str) -> int:
+        """The largest ``max_model_len`` of ``model``'s live workers (0: none known)."""
+        return max((w.max_model_len for w in self._workers.values() if w.model == model),
+                   default=0)
+
+    def check_request(self, model: str, prompt_tokens: int, max_tokens: int = 0) -> None:
+        """Raises InvalidRequest when the prompt (+ ``max_tokens``) exceeds the model's
+        context (see the module docstring)."""
+        limit = self.context_limit(model)
+        if limit <= 0:
+            return
+        if prompt_tokens > limit:
+            raise InvalidRequest(f"token_ids has {prompt_tokens} tokens, more than the "
+                                 f"model's context of {limit} (max_model_len)")
+        if max_tokens > 0 and prompt_tokens + max_tokens > limit:
+            raise InvalidRequest(f"token_ids ({prompt_tokens}) + max_tokens ({max_tokens}) "
+                                 f"exceed the model's context of {limit} (max_model_len)")
+
+    def _last_resort(self, pool: list[WorkerRecord], marks: Mapping[str, float]
+                     ) -> tuple[list[WorkerRecord], bool]:
+        """The unmarked workers of ``pool``; when all are marked, the least recently
+        marked ones (and True)."""
+        unmarked = [w for w in pool if w.instance_id not in marks]
+        if unmarked or not pool:
+            return unmarked, False
+        oldest = min(marks[w.instance_id] for w in pool)
+        return [w for w in pool if marks[w.instance_id] == oldest], True
 
     def pending_prefill(self) -> Mapping[str, int]:
         """Uncached prompt tokens whose prefill is not over, per worker id."""
@@ -350,30 +479,52 @@ class RouterCore:
         return plan, Flight("", d, p, n, shape.uncached_tokens, shape.output_tokens, now,
                             done)
 
-    def route(self, ctx: RouteContext, max_tokens: int = 0) -> RoutePlan:
-        """Chooses worker(s) for ``ctx``; see the module docstring. ``max_tokens`` is the
-        request's output limit (0: unknown), used by admission control."""
-        if ctx.request_id in self._in_flight:
-            raise RoutingError(f"request id {ctx.request_id!r} is already in flight")
+    def _candidates(self, ctx: RouteContext, max_tokens: int,
+                    exclude: Collection[str]) -> list[WorkerRecord]:
+        """The model's workers that fit the request and are not excluded; raises."""
         serving = [w for w in self._workers.values() if w.model == ctx.model]
         if not serving:
             if ctx.model in self._known_models:
                 raise NoWorkers(f"model {ctx.model!r} has no live worker")
             raise UnknownModel(f"model {ctx.model!r} is not served here")
+        n = len(ctx.token_ids)
+        self.check_request(ctx.model, n, max_tokens)
+        serving = [w for w in serving if w.fits(n + max(max_tokens, 0))]
+        left = [w for w in serving if w.instance_id not in exclude]
+        if not left:
+            raise NoWorkers(f"model {ctx.model!r} has no live worker left after excluding "
+                            f"{sorted(set(exclude))}")
+        return left
+
+    def route(self, ctx: RouteContext, max_tokens: int = 0,
+              exclude: Collection[str] = ()) -> RoutePlan:
+        """Chooses worker(s) for ``ctx``; see the module docstring. ``max_tokens`` is the
+        request's output limit (0: unknown), used by admission control and the context
+        check; ``exclude``: instance ids not to pick."""
+        if ctx.request_id in self._in_flight:
+            raise AlreadyInFlight(f"request_id {ctx.request_id} is already in flight")
+        skip = frozenset(exclude)
+        serving = self._candidates(ctx, max_tokens, skip)
+        marks = self.unroutable() if self._marks else {}
         prompt = _Prompt(ctx, self.history)
-        decode = [w for w in serving if w.role == "decode"]
+        decode, fallback = self._last_resort([w for w in serving if w.role == "decode"], marks)
         if decode:
-            plan = self._route_pd(prompt, [w for w in serving if w.role == "prefill"], decode)
+            prefill = [w for w in serving if w.role == "prefill" and w.instance_id not in marks]
+            plan = self._route_pd(prompt, prefill, decode)
         else:
-            agg = [w for w in serving if w.role == "agg"]
+            agg, fallback = self._last_resort([w for w in serving if w.role == "agg"], marks)
             if not agg:
-                raise NoWorkers(f"model {ctx.model!r} has no worker that can generate")
+                raise NoWorkers(f"model {ctx.model!r} has no worker that can generate"
+                                + (f" after excluding {sorted(skip)}" if skip else ""))
             worker, d = self._pick(self.policy, prompt, agg)
             ov = prompt.overlap(worker)
             plan = RoutePlan(worker, None, self.policy.name, d.reason, ov.blocks,
                              overlap_by_tier=ov.by_tier, overlap_source=prompt.source,
                              prompt_blocks=len(prompt.hashes(worker.block_size)),
                              score=d.score, cost=d.cost)
+        if fallback:
+            plan = dataclasses.replace(plan, reason=f"{plan.reason}; every candidate was "
+                                       "reported failed: least recently failed kept")
         n = len(ctx.token_ids)
         doer, overlap = ((plan.prefill, plan.prefill_overlap_blocks) if plan.prefill is not None
                          else (plan.worker, plan.overlap_blocks))  # predicted before recording
@@ -385,9 +536,9 @@ class RouterCore:
         chosen = [plan.worker] + ([plan.prefill] if plan.prefill is not None else [])
         for w in chosen:
             self.history.record(w.instance_id, prompt.hashes(w.block_size))
-        self._in_flight[ctx.request_id] = tuple(
+        self._in_flight[ctx.request_id] = _Entry(tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
-            for w in chosen)
+            for w in chosen), self.clock())
         if tokens > 0:
             self._prefills[ctx.request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
@@ -468,8 +619,8 @@ class RouterCore:
         was not in flight."""
         self._flights.pop(request_id, None)
         self.release_prefill(request_id)
-        entries = self._in_flight.pop(request_id, None)
-        if entries is None:
+        entry = self._in_flight.pop(request_id, None)
+        if entry is None:
             return False
-        self._stale.update(wid for wid, _ in entries)
+        self._stale.update(wid for wid, _ in entry.workers)
         return True

@@ -27,6 +27,13 @@ Contract:
   ``--admission-default-output-tokens`` (when a request carries no ``max_tokens``).
   :meth:`RouterConfig.make_admission` builds the
   :class:`~services.router.admission.live.RouterAdmission` (None for ``none``).
+- Resilience: ``--failure-hold-s`` (default 5) is how long a ``ReportFailure`` keeps a
+  worker unroutable unless it re-registers first; ``--inflight-ttl-s`` (default 600, keep
+  it ≥ the frontend's longest request) drops in-flight entries no one released, checked
+  every ``min(ttl / 4, 30)`` s (:class:`~services.router.service.InflightExpiry`).
+- ``--metrics-port`` (0 = any free, -1 = off) serves the router's Prometheus metrics
+  (:mod:`services.router.metrics`) on ``--host``; the address is published as the
+  router record's ``metrics_address`` and the endpoint stops with the server.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from services.router.admission.live import RouterAdmission
 from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.indexer_modes import INDEXER_MODES
+from services.router.metrics import RouterMetrics, serve_metrics
 from services.router.overlaps import (
     EmbeddedSource,
     HistorySource,
@@ -59,7 +67,7 @@ from services.router.policies.base import Clock
 from services.router.policies.profile import ProfileError
 from services.router.policies.registry import PolicyRegistry
 from services.router.policy_setup import default_registry
-from services.router.service import Evictor, LoadPoller, RouterServicer
+from services.router.service import Evictor, InflightExpiry, LoadPoller, RouterServicer
 
 
 @dataclasses.dataclass
@@ -135,6 +143,17 @@ class RouterConfig(SeededConfig):
     admission_default_output_tokens: int = dataclasses.field(
         default=256, metadata={"help": "admission: expected output when max_tokens is unset"}
     )
+    failure_hold_s: float = dataclasses.field(
+        default=5.0, metadata={"help": "seconds a reported worker failure keeps it "
+                                       "unroutable (unless it re-registers first)"}
+    )
+    inflight_ttl_s: float = dataclasses.field(
+        default=600.0, metadata={"help": "drop in-flight requests not released after this "
+                                         "many seconds (>= the frontend's longest request)"}
+    )
+    metrics_port: int = dataclasses.field(
+        default=0, metadata={"help": "Prometheus /metrics port (0 = any free, -1 = off)"}
+    )
 
     def admission_settings(self) -> AdmissionSettings:
         """The admission knobs as the core's AdmissionSettings."""
@@ -189,6 +208,12 @@ class RouterConfig(SeededConfig):
             out.append("--indexer embedded needs --redis-url (the KV event stream)")
         if self.indexer_timeout_s <= 0 or self.evict_interval_s <= 0:
             out.append("indexer_timeout_s and evict_interval_s must be > 0")
+        if self.failure_hold_s < 0:
+            out.append(f"failure_hold_s must be >= 0, got {self.failure_hold_s}")
+        if not self.inflight_ttl_s > 0:
+            out.append(f"inflight_ttl_s must be > 0, got {self.inflight_ttl_s}")
+        if not -1 <= self.metrics_port <= 65535:
+            out.append(f"metrics_port out of range: {self.metrics_port}")
         if self.admission not in ADMISSION_POLICIES:
             out.append(f"admission must be one of {ADMISSION_POLICIES}, got {self.admission!r}")
         out.extend(self.admission_settings().problems())
@@ -214,6 +239,8 @@ class RouterApp:
     # The overlap source (``servicer.overlap_source``); RemoteSource counts fallbacks.
     overlaps: OverlapSource | None = None
     indexer_watcher: InstanceWatcher | None = None
+    # host:port of the Prometheus endpoint ("" with --metrics-port -1).
+    metrics_address: str = ""
 
 
 async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterApp:
@@ -232,7 +259,9 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
                       prefill_policy=registry.create(cfg.prefill_policy,
                                                      random.Random(rng.random())),
                       disagg=cfg.disagg_config(), admission=cfg.make_admission(),
-                      clock=clock)
+                      clock=clock, failure_hold_s=cfg.failure_hold_s,
+                      inflight_ttl_s=cfg.inflight_ttl_s)
+    metrics = RouterMetrics(core)
     indexer_watcher: InstanceWatcher | None = None
     overlaps: OverlapSource
     if cfg.indexer == "embedded":
@@ -243,7 +272,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
         overlaps = RemoteSource(indexer_watcher.instances, cfg.indexer_timeout_s)
     else:
         overlaps = HistorySource()
-    servicer = RouterServicer(core, {}, overlaps)
+    servicer = RouterServicer(core, {}, overlaps, metrics)
     watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker")
     watcher.on_change(servicer.set_records)
     await watcher.start()
@@ -251,6 +280,11 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     poller.start()
     evictor = Evictor(core, cfg.evict_interval_s, clock)
     evictor.start()
+    expiry = InflightExpiry(core, min(cfg.inflight_ttl_s / 4, 30.0), metrics)
+    expiry.start()
+    endpoint = (serve_metrics(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port >= 0
+                else None)
+    metrics_address = f"{cfg.public_host}:{endpoint.port}" if endpoint is not None else ""
     spec = ServiceSpec(router_pb2_grpc.add_RouterServicer_to_server, servicer,
                        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)
 
@@ -259,15 +293,18 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
             instance_id=f"router-{address}", component="router", address=address,
             labels={"policy": cfg.policy, "prefill_policy": cfg.prefill_policy,
                     "indexer": cfg.indexer, "admission": cfg.admission},
+            metrics_address=metrics_address,
         )
 
     on_stop: list[Callable[[], Awaitable[None]]] = [
-        poller.close, evictor.close, watcher.close, overlaps.close]
+        poller.close, evictor.close, expiry.close, watcher.close, overlaps.close]
+    if endpoint is not None:
+        on_stop.append(endpoint.close)
     if indexer_watcher is not None:
         on_stop.append(indexer_watcher.close)
     server = MeshServer(cfg, "router", [spec], record_factory=record, on_stop=on_stop)
     await server.start()
-    return RouterApp(server, servicer, watcher, overlaps, indexer_watcher)
+    return RouterApp(server, servicer, watcher, overlaps, indexer_watcher, metrics_address)
 
 
 async def _serve(cfg: RouterConfig) -> MeshServer:

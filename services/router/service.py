@@ -2,8 +2,14 @@
 
 Contract:
 
-- ``Route``: INVALID_ARGUMENT without a model, NOT_FOUND for a model no worker ever served,
-  UNAVAILABLE when it has no live worker now; otherwise the chosen worker with the policy
+- ``Route``: INVALID_ARGUMENT, naming the field, for a missing ``request_id`` or
+  ``model``, either over :data:`MAX_ID_CHARS` characters, empty ``token_ids``, a
+  negative token id, ``max_tokens`` < 0, more than :data:`MAX_EXCLUDE`
+  ``exclude_instance_ids``, or a prompt (+ ``max_tokens``) beyond the model's context
+  (``core.check_request``, before hashing); ALREADY_EXISTS "request_id <id> is already
+  in flight"; NOT_FOUND for a model no worker ever served, UNAVAILABLE when it has no
+  live worker now (none left after ``exclude_instance_ids``, which the core never
+  picks); otherwise the chosen worker with the policy
   name and reason, the predicted overlaps (blocks, per tier, block size, source). The
   prompt is hashed once per distinct block size of the model's workers, and the overlap
   source (``overlaps.py``: none / remote indexer / embedded index) is asked before the
@@ -16,15 +22,26 @@ Contract:
   ``kvmesh-admission-reason``; the span gets ``kvmesh.admission`` (admit / reject /
   off), ``kvmesh.admission_reason``, ``kvmesh.predicted_itl_ms``,
   ``kvmesh.predicted_ttft_ms`` and ``kvmesh.retry_after_s``.
-- ``Release``: ends the request's load accounting (pending prefill included).
+- ``Release``: ends the request's load accounting (pending prefill included);
+  idempotent, ``found`` false when it was not in flight.
 - ``PrefillDone``: the request's prefill is over (the frontend saw its first token):
   ``core.release_prefill``; ``found`` is false when nothing was pending for it.
+- ``ReportFailure``: ``core.report_failure``: the worker is unroutable until it
+  re-registers or ``failure_hold_s`` passes; ``found`` false for an unknown worker. A new
+  mark is logged (one warning line, not one per report) and every report on a known
+  worker counted.
+- Release, PrefillDone and ReportFailure answer INVALID_ARGUMENT without their id (or
+  one over :data:`MAX_ID_CHARS`). No method answers UNKNOWN: an unexpected error is
+  logged with its traceback, counted (``kvmesh_router_errors_total{method}``) and answered
+  INTERNAL.
 - ``ListWorkers``: the live worker records from etcd.
 - :class:`LoadPoller` asks every live worker for ``GetLoad`` every ``period_s`` and feeds
   the core; a worker that does not answer keeps its last report until discovery drops it.
   A round that raises is logged and retried with the Periodic's backoff.
 - :class:`Evictor` calls ``core.evict(clock())`` every ``period_s`` (the approx trees),
-  with the injected (required) ``clock``. Both loops are
+  with the injected (required) ``clock``. :class:`InflightExpiry` calls
+  ``core.expire_in_flight()`` every ``period_s`` and logs a warning with the count (and
+  counts them) when it dropped any: a drop means a caller never released. The loops are
   :class:`~services.common.periodic.Periodic` tasks, stopped by ``close()``.
 """
 
@@ -32,8 +49,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import grpc
 
@@ -45,6 +62,8 @@ from services.common.periodic import Periodic
 from services.common.telemetry import tracer
 from services.router.admission.core import AdmissionDecision
 from services.router.core import (
+    AlreadyInFlight,
+    InvalidRequest,
     NoWorkers,
     Rejected,
     RoutePlan,
@@ -53,6 +72,7 @@ from services.router.core import (
     UnknownModel,
     WorkerRecord,
 )
+from services.router.metrics import RouterMetrics
 from services.router.overlaps import HistorySource, OverlapSource
 from services.router.policies.base import RouteContext
 
@@ -72,7 +92,7 @@ def record_from_proto(rec: discovery_pb2.InstanceRecord) -> WorkerRecord:
         instance_id=rec.instance_id, address=rec.address, model=rec.model,
         role=ROLE_NAMES.get(rec.role, "agg"), block_size=rec.block_size,
         max_model_len=rec.max_model_len, handoff_mode=rec.handoff.mode,
-        kv_layout=rec.kv_layout,
+        kv_layout=rec.kv_layout, pid=rec.pid, started_at_ms=rec.started_at_ms,
     )
 
 
@@ -105,6 +125,50 @@ def _set_plan_attributes(span: Any, plan: RoutePlan) -> None:
 
 RETRY_AFTER_KEY = "retry-after"
 REASON_KEY = "kvmesh-admission-reason"
+# Longest request_id / model / instance_id accepted, and most exclude_instance_ids.
+MAX_ID_CHARS = 256
+MAX_EXCLUDE = 1024
+
+T = TypeVar("T")
+
+
+class Refused(Exception):
+    """A request answered with a status code (aborted by the servicer in one place)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 trailing: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.trailing = tuple(trailing)
+
+
+def _invalid(message: str) -> Refused:
+    return Refused(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_id(name: str, value: str) -> None:
+    """Raises INVALID_ARGUMENT when the id field ``name`` is empty or too long."""
+    if not value:
+        raise _invalid(f"{name} is required")
+    if len(value) > MAX_ID_CHARS:
+        raise _invalid(f"{name} has {len(value)} characters, more than {MAX_ID_CHARS}")
+
+
+def check_route_request(request: router_pb2.RouteRequest) -> None:
+    """The checks of a RouteRequest that need no worker (see the module docstring)."""
+    check_id("request_id", request.request_id)
+    check_id("model", request.model)
+    if request.max_tokens < 0:
+        raise _invalid(f"max_tokens must be >= 0, got {request.max_tokens}")
+    if not request.token_ids:
+        raise _invalid("token_ids must not be empty")
+    if min(request.token_ids) < 0:
+        i = next(i for i, t in enumerate(request.token_ids) if t < 0)
+        raise _invalid(f"token_ids must be >= 0, got token_ids[{i}] = {request.token_ids[i]}")
+    if len(request.exclude_instance_ids) > MAX_EXCLUDE:
+        raise _invalid(f"exclude_instance_ids has {len(request.exclude_instance_ids)} "
+                       f"entries, more than {MAX_EXCLUDE}")
 
 
 def _set_admission_attributes(span: Any, decision: AdmissionDecision | None) -> None:
@@ -124,11 +188,30 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """Serves routing decisions from a RouterCore."""
 
     def __init__(self, core: RouterCore, records: dict[str, discovery_pb2.InstanceRecord],
-                 overlaps: OverlapSource | None = None):
+                 overlaps: OverlapSource | None = None,
+                 metrics: RouterMetrics | None = None):
         self._core = core
         self._records = records
         self._overlaps: OverlapSource = overlaps or HistorySource()
         self._tracer = tracer("router")
+        self.metrics = metrics or RouterMetrics(core)
+
+    async def _answer(self, method: str, context: grpc.aio.ServicerContext,
+                      fn: Callable[[], Awaitable[T]]) -> T:
+        """``await fn()``; a :class:`Refused` aborts with its code, anything else is
+        logged, counted and answered INTERNAL (never UNKNOWN)."""
+        try:
+            return await fn()
+        except Refused as exc:
+            if exc.trailing:
+                await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing)
+            await context.abort(exc.code, exc.message)
+        except Exception as exc:
+            log.exception("router %s failed", method)
+            self.metrics.errors.labels(method).inc()
+            await context.abort(grpc.StatusCode.INTERNAL,
+                                f"router {method} failed: {type(exc).__name__}: {exc}"[:512])
+        raise AssertionError("context.abort returned")  # pragma: no cover
 
     @property
     def overlap_source(self) -> OverlapSource:
@@ -155,10 +238,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Route(  # noqa: N802
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
-        if not request.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "model is required")
-        if not request.request_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        return await self._answer("Route", context, lambda: self._route(request))
+
+    async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
+        check_route_request(request)
+        try:
+            self._core.check_request(request.model, len(request.token_ids), request.max_tokens)
+        except InvalidRequest as exc:
+            raise _invalid(str(exc)) from exc
         with self._tracer.start_as_current_span("router.route") as span:
             span.set_attribute("kvmesh.request_id", request.request_id)
             span.set_attribute("kvmesh.policy", self._core.policy.name)
@@ -169,21 +256,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if self._overlaps.name != "none":
                 span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
             try:
-                plan = self._core.route(ctx, max_tokens=request.max_tokens)
+                plan = self._core.route(ctx, max_tokens=request.max_tokens,
+                                        exclude=request.exclude_instance_ids)
             except Rejected as exc:
                 _set_plan_attributes(span, exc.plan)
                 _set_admission_attributes(span, exc.decision)
-                await context.abort(
+                raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"overloaded ({exc.decision.reason}): {exc}",
-                    trailing_metadata=((RETRY_AFTER_KEY, f"{exc.decision.retry_after_s:.3f}"),
-                                       (REASON_KEY, exc.decision.reason)))
-            except UnknownModel as exc:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
-            except NoWorkers as exc:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-            except RoutingError as exc:  # incl. Incompatible P/D layouts
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                    ((RETRY_AFTER_KEY, f"{exc.decision.retry_after_s:.3f}"),
+                     (REASON_KEY, exc.decision.reason))) from exc
+            except RoutingError as exc:
+                raise Refused(_routing_code(exc), str(exc)) from exc
             _set_plan_attributes(span, plan)
             _set_admission_attributes(span, plan.admission)
         resp = router_pb2.RouteResponse(
@@ -211,13 +295,36 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Release(  # noqa: N802
         self, request: router_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ReleaseResponse:
-        return router_pb2.ReleaseResponse(found=self._core.release(request.request_id))
+        async def release() -> router_pb2.ReleaseResponse:
+            check_id("request_id", request.request_id)
+            return router_pb2.ReleaseResponse(found=self._core.release(request.request_id))
+        return await self._answer("Release", context, release)
 
     async def PrefillDone(  # noqa: N802
         self, request: router_pb2.PrefillDoneRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PrefillDoneResponse:
-        return router_pb2.PrefillDoneResponse(
-            found=self._core.release_prefill(request.request_id))
+        async def done() -> router_pb2.PrefillDoneResponse:
+            check_id("request_id", request.request_id)
+            return router_pb2.PrefillDoneResponse(
+                found=self._core.release_prefill(request.request_id))
+        return await self._answer("PrefillDone", context, done)
+
+    async def ReportFailure(  # noqa: N802
+        self, request: router_pb2.ReportFailureRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.ReportFailureResponse:
+        async def report() -> router_pb2.ReportFailureResponse:
+            check_id("instance_id", request.instance_id)
+            wid = request.instance_id
+            new = wid not in self._core.unroutable()
+            found = self._core.report_failure(wid, request.reason)
+            if found:
+                self.metrics.failure_reports.inc()
+                if new:
+                    log.warning("worker %s marked unroutable for up to %.1fs (request %s: %s)",
+                                wid, self._core.failure_hold_s, request.request_id or "-",
+                                request.reason[:200] or "no reason given")
+            return router_pb2.ReportFailureResponse(found=found)
+        return await self._answer("ReportFailure", context, report)
 
     async def ListWorkers(  # noqa: N802
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
@@ -225,6 +332,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         recs = [r for _, r in sorted(self._records.items())
                 if not request.model or r.model == request.model]
         return router_pb2.ListWorkersResponse(workers=recs)
+
+
+def _routing_code(exc: RoutingError) -> grpc.StatusCode:
+    """The status code of a core routing error."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, AlreadyInFlight):
+        return grpc.StatusCode.ALREADY_EXISTS
+    if isinstance(exc, UnknownModel):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, NoWorkers):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.FAILED_PRECONDITION  # incl. Incompatible P/D layouts
 
 
 class LoadPoller:
@@ -279,6 +399,34 @@ class Evictor:
         n = self._core.evict(self._clock())
         if n:
             log.debug("router evicted %d entries", n)
+
+    async def close(self) -> None:
+        """Stops the task."""
+        await self._loop.stop()
+
+
+class InflightExpiry:
+    """Calls ``core.expire_in_flight()`` every ``period_s`` (first call one period after
+    ``start()``); a drop is logged as a warning with the count and counted in
+    ``metrics.expired``."""
+
+    def __init__(self, core: RouterCore, period_s: float, metrics: RouterMetrics) -> None:
+        self._core = core
+        self._metrics = metrics
+        self._loop = Periodic("router-inflight-expiry", self._expire, period_s,
+                              delay_first=True, max_backoff_s=period_s)
+
+    def start(self) -> None:
+        """Starts the expiry task."""
+        self._loop.start()
+
+    async def _expire(self) -> None:
+        dropped = self._core.expire_in_flight()
+        if dropped:
+            self._metrics.expired.inc(len(dropped))
+            log.warning("router dropped %d in-flight request(s) never released within "
+                        "%.0fs (a caller did not call Release), e.g. %s", len(dropped),
+                        self._core.inflight_ttl_s, dropped[0][:MAX_ID_CHARS])
 
     async def close(self) -> None:
         """Stops the task."""
