@@ -251,7 +251,7 @@ def test_random_workload_keeps_blocks_and_index_consistent(seed: int) -> None:
     assert s.blocks.num_used == 0 and not s.requests
 
 
-def test_token_seed_packs_the_little_endian_u32_prompt() -> None:
+def test_prompt_hash_packs_the_little_endian_u32_prompt() -> None:
     import struct
 
     import xxhash
@@ -262,4 +262,22 @@ def test_token_seed_packs_the_little_endian_u32_prompt() -> None:
         h = xxhash.xxh3_64()
         h.update(struct.pack("<QQ", 5, 9))
         h.update(struct.pack(f"<{len(prompt)}I", *(t & 0xFFFFFFFF for t in prompt)))
-        assert s._token_seed(r) == h.intdigest()
+        assert s._prompt_hash(r).intdigest() == h.intdigest()
+
+
+def tokens_of(s: Scheduler, r: SimRequest) -> list[int]:
+    """Runs ``r`` alone to its end; its generated tokens."""
+    s.add(r, 0.0)
+    return [t for o in drain(s)[0][r.request_id] for t in o.token_ids]
+
+
+def test_token_n_depends_on_every_token_before_it_so_a_resend_continues() -> None:
+    prompt = list(range(100, 140))
+    full = tokens_of(sched(seed=3), req("a", prompt, max_tokens=12, sampling_seed=4))
+    assert len(full) == 12 and len(set(full)) > 1
+    for cut in (1, 5, 11):  # migration: prompt + the tokens so far, the rest of max_tokens
+        rest = tokens_of(sched(seed=3), req("b", prompt + full[:cut], max_tokens=12 - cut,
+                                            sampling_seed=4))
+        assert full[:cut] + rest == full
+    other = tokens_of(sched(seed=3), req("c", prompt, max_tokens=12, sampling_seed=5))
+    assert other != full  # the sampling seed is part of the hash

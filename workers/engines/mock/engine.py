@@ -20,9 +20,11 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 - ``generate(request)``: validates first (empty prompt, ``max_tokens < 1``,
   ``prompt + max_tokens > max_model_len``, a prompt that can never fit in the KV cache,
   a duplicate live id -> :class:`EngineError`), then streams one :class:`EngineOutput`
-  per generated token: deterministic token ids (a hash of the engine seed, the request's
-  sampling seed and the prompt: equal prompts give equal tokens on every mock engine, so
-  P's first token equals D's), ``text`` = ``" w<id>"`` per token (or "" when
+  per generated token: deterministic token ids, as a greedy model's (token n is a hash of
+  the engine seed, the request's sampling seed and every token before it: equal prompts
+  give equal tokens on every mock engine with the same seed, so P's first token equals
+  D's, and re-sending prompt + the tokens generated so far continues the same sequence,
+  as request migration needs), ``text`` = ``" w<id>"`` per token (or "" when
   ``token_text`` is off), cumulative ``completion_tokens``, ``cached_tokens`` (prefix-cache
   hit, last prompt token never counted; on a handoff's decode side: the prompt minus one,
   received or local), ``queue_s``/``prefill_s`` on the first token. Finish: "length" at

@@ -36,7 +36,10 @@ Contract of :class:`Scheduler`:
   ``speedup_ratio``.
 - ``complete(batch, now) -> list[StepOutput]``: applies the step: computed counts grow,
   newly full blocks are cached, each request whose tokens are all computed samples one
-  token (deterministic: a hash of seed, prompt and position, in ``[0, vocab_size)``),
+  token (deterministic, as a greedy model: token n is an xxh3_64 streaming hash of the
+  engine seed, the sampling seed and *all* tokens before it, prompt and output, packed as
+  little-endian u32, mod ``vocab_size``; so a request re-sent with prompt + the tokens
+  generated so far continues the identical sequence, which request migration relies on),
   and finishes with "length" (``max_tokens`` or ``max_model_len`` reached) or "stop"
   (``eos_token_id`` unless ``ignore_eos``, or a ``stop_token_ids`` token). Finished
   requests free their blocks (which stay cached until evicted). Requests aborted during the
@@ -84,6 +87,7 @@ COUNTERS = (
 )
 TPOT_HISTORY = 4096
 _PAIR = struct.Struct("<QQ")
+_U32LE = struct.Struct("<I")
 _U32 = "I" if array("I").itemsize == 4 else "L"  # an array typecode of 4-byte items
 
 
@@ -145,7 +149,7 @@ class SimRequest:
     received_tokens: int = 0
     preemptions: int = 0
     finish_reason: str | None = None
-    token_seed: int = 0
+    token_hash: Any = None  # xxh3_64 state over (seeds, tokens so far); see _sample
     decode_s: float = 0.0  # modelled time of the steps that gave its 2nd..last tokens
 
     @property
@@ -216,11 +220,12 @@ class Scheduler:
         req.tokens = list(req.prompt)
         req.arrival = now
         req.status = WAITING
-        req.token_seed = self._token_seed(req)
+        req.token_hash = self._prompt_hash(req)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
-    def _token_seed(self, req: SimRequest) -> int:
+    def _prompt_hash(self, req: SimRequest) -> Any:
+        """The xxh3_64 state over the seeds and the prompt (the first token's input)."""
         h = xxhash.xxh3_64()
         h.update(_PAIR.pack(self.config.seed & (2**64 - 1),
                             (req.sampling_seed or 0) & (2**64 - 1)))
@@ -232,11 +237,15 @@ class Scheduler:
         except OverflowError:  # a token outside [0, 2**32): keep its low 32 bits
             h.update(struct.pack(f"<{len(req.prompt)}I",
                                  *(t & 0xFFFFFFFF for t in req.prompt)))
-        return h.intdigest()
+        return h
 
     def _sample(self, req: SimRequest) -> int:
-        pos = len(req.tokens)
-        return xxhash.xxh3_64_intdigest(_PAIR.pack(req.token_seed, pos)) % self.config.vocab_size
+        """The next token: the hash of everything before it (intdigest does not finalize
+        the streaming state), then the state absorbs the token."""
+        h = req.token_hash
+        tok = int(h.intdigest() % self.config.vocab_size)
+        h.update(_U32LE.pack(tok))
+        return tok
 
     def abort(self, request_id: str, now: float) -> StepOutput | None:
         """Removes a live request; see the module docstring."""
