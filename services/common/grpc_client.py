@@ -1,19 +1,42 @@
 """gRPC client channels with OpenTelemetry propagation.
 
-Contract: :func:`channel` returns a ``grpc.aio`` insecure channel to ``address`` whose calls
-create client spans and carry the current trace context (opentelemetry-instrumentation-grpc
-interceptors). Channels are cheap to keep; callers cache one per address.
+Contract:
+
+- :func:`channel` returns a ``grpc.aio`` insecure channel to ``address`` whose calls create
+  client spans and carry the current trace context (opentelemetry-instrumentation-grpc
+  interceptors). Its reconnect backoff is short (:data:`RECONNECT_BACKOFF_MS` up to
+  :data:`MAX_RECONNECT_BACKOFF_MS`), so a peer restarted on the same port is reached
+  within about a second instead of gRPC's default backoff of up to two minutes.
+- :class:`ChannelPool` caches one channel per address. ``invalidate(address)`` forgets the
+  channel after a call through it failed with UNAVAILABLE: the next ``get`` dials afresh
+  (no backoff left over from the dead peer), while calls still running on the old channel
+  may finish within :data:`RETIRE_GRACE_S` (then they are cancelled). ``close()`` closes
+  every cached channel and waits up to :data:`CLOSE_WAIT_S` for the retired ones' calls
+  (their owners normally cancel them first), then abandons them to garbage collection.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+RECONNECT_BACKOFF_MS = 100
+MAX_RECONNECT_BACKOFF_MS = 1000
+RETIRE_GRACE_S = 600.0
+CLOSE_WAIT_S = 5.0
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.enable_retries", 0),
+    ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
+    # Own subchannels: with gRPC's process-wide pool a fresh channel would share the old
+    # one's connection, backoff included, and invalidate() could not dial afresh.
+    ("grpc.use_local_subchannel_pool", 1),
 ]
 
 
@@ -25,10 +48,11 @@ def channel(address: str) -> grpc.aio.Channel:
 
 
 class ChannelPool:
-    """One channel per address, closed together."""
+    """One channel per address, closed together; see the module docstring."""
 
     def __init__(self) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
     def get(self, address: str) -> grpc.aio.Channel:
         """The cached channel to ``address`` (created on first use)."""
@@ -36,6 +60,17 @@ class ChannelPool:
         if ch is None:
             ch = self._channels[address] = channel(address)
         return ch
+
+    def invalidate(self, address: str) -> bool:
+        """Forgets the channel to ``address`` (closing it gracefully in the background);
+        False when there was none."""
+        ch = self._channels.pop(address, None)
+        if ch is None:
+            return False
+        task = asyncio.ensure_future(ch.close(grace=RETIRE_GRACE_S))
+        self._retired[ch] = task
+        task.add_done_callback(lambda _: self._retired.pop(ch, None))
+        return True
 
     async def drop(self, address: str) -> None:
         """Closes and forgets the channel to ``address`` if any."""
@@ -49,7 +84,14 @@ class ChannelPool:
             await self.drop(address)
 
     async def close(self) -> None:
-        """Closes all channels."""
+        """Closes all channels; see the module docstring."""
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        tasks = list(self._retired.values())
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        self._retired.clear()
