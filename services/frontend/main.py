@@ -16,7 +16,7 @@ from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.frontend.http_api import HttpLimits, create_app
 from services.frontend.http_server import http_config
 from services.frontend.models import ModelCatalog
-from services.frontend.pipeline import Pipeline
+from services.frontend.pipeline import DEFAULT_MIGRATION_LIMIT, Pipeline
 from services.frontend.service import FrontendServicer
 
 
@@ -48,6 +48,12 @@ class FrontendConfig(BaseConfig):
                                      "this many seconds"}
     )
 
+    migration_limit: int = dataclasses.field(
+        default=DEFAULT_MIGRATION_LIMIT, metadata={
+            "help": "times one request may move to another worker after a worker failure "
+                    "(re-sending prompt + tokens so far); 0: never"}
+    )
+
     def http_limits(self) -> HttpLimits:
         return HttpLimits(max_body_bytes=int(self.max_body_mib * (1 << 20)),
                           body_timeout_s=self.body_timeout_s)
@@ -59,6 +65,8 @@ class FrontendConfig(BaseConfig):
         for name in ("max_body_mib", "body_timeout_s", "header_timeout_s", "keep_alive_s"):
             if not getattr(self, name) > 0:
                 out.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.migration_limit < 0:
+            out.append(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_connections < 1:
             out.append(f"max_connections must be >= 1, got {self.max_connections}")
         return out
@@ -94,7 +102,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         live = sorted(routers.instances().values(), key=lambda r: r.instance_id)
         return live[0].address if live else None
 
-    pipeline = Pipeline(catalog, router_address)
+    pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit)
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
     # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

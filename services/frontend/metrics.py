@@ -6,7 +6,10 @@ each ``observe_*`` call records one event; names follow ``kvmesh_<what>_<unit>``
 | metric | meaning |
 |---|---|
 | ``kvmesh_requests_total{path,outcome}`` | requests by path (agg, disagg; ``none`` when \
-rejected) and outcome (``rejected``: admission control) |
+rejected or never routed) and outcome (the finish reason; ``rejected``: admission control; \
+``cancelled``: the client went away first; ``error``: it got an error) |
+| ``kvmesh_frontend_migrations_total{stage}`` | requests moved to another worker after a \
+worker failure, by the failed stage (agg, prefill, decode, timeout) |
 | ``kvmesh_admission_rejections_total{reason}`` | admission rejections by reason |
 | ``kvmesh_prompt_tokens_total`` | prompt tokens (usage) of finished requests |
 | ``kvmesh_completion_tokens_total`` | completion tokens (usage) of finished requests |
@@ -47,6 +50,9 @@ class FrontendMetrics:
         self.rejections = Counter("kvmesh_admission_rejections",
                                   "Requests rejected by admission control", ["reason"],
                                   registry=r)
+        self.migrations = Counter("kvmesh_frontend_migrations",
+                                  "Requests migrated after a worker failure, by stage",
+                                  ["stage"], registry=r)
         self.prompt_tokens = Counter("kvmesh_prompt_tokens",
                                      "Prompt tokens of finished requests", registry=r)
         self.completion_tokens = Counter("kvmesh_completion_tokens",

@@ -5,15 +5,37 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
 - ``prepare(req)`` resolves the model (ApiError 404 ``model_not_found`` when no worker
   serves it), tokenizes the prompt or renders the chat template, and enforces the context
   length (ApiError 400). It never contacts a worker.
-- ``stream(job)`` asks the router for a worker, calls its ``Generate`` and yields
-  :class:`Chunk` deltas; the last has ``finish_reason`` and ``usage``. Errors before the
-  first chunk raise ApiError (404/503 from routing, 400 from the worker's validation, 502
-  when the worker fails). A worker that dies mid-stream raises ApiError 502, never hangs.
-  When the consumer stops early, the worker call is cancelled (which aborts the request on
-  the worker). When the first token arrives the router is told ``PrefillDone``
-  (fire-and-forget: the stream never waits for it, and its failures, e.g. an older
-  router without the RPC, are ignored). The router is always told to release the
-  request.
+- ``stream(job)`` asks the router for a worker, calls its ``Generate`` (through
+  :func:`~services.frontend.handoff.run_plan`) and yields :class:`Chunk` deltas; the last
+  has ``finish_reason`` and ``usage``. Errors before the first chunk raise ApiError
+  (404/503 from routing, 400 from a worker's validation, naming the worker, P included;
+  502 when the worker fails). A worker that dies mid-stream never hangs the stream.
+- **Migration** (Dynamo's ``migration_limit``): when a worker call fails in a way that
+  is not the request's fault (:data:`MIGRATABLE` codes, a stream that ends without a
+  finish, a handoff fault or timeout) the request moves on, up to ``migration_limit``
+  times: the router is told (``ReportFailure``, fire-and-forget) and the attempt's entry
+  released; a channel that answered UNAVAILABLE is dropped (so a worker restarted on the
+  same port is dialled afresh); the request is routed again with
+  ``exclude_instance_ids`` = every worker that failed it, ``token_ids`` = prompt + the
+  tokens generated so far and ``max_tokens`` reduced by them (the router decides where,
+  e.g. another P, or D prefilling itself). The client's stream continues without an
+  error, a repeated or a missing token (exact for greedy decoding; a sampled request
+  continues from a fresh sampler state). The finishing chunk's usage counts the
+  original prompt and every generated token; "length" means ``max_tokens`` across
+  attempts. ``kvmesh_frontend_migrations_total{stage}`` counts migrations; once the
+  limit is spent (0: at once) the client gets the failure's error (502/503).
+- **Ids**: ``job.request_id`` (the client's ``request_id``, else a fresh uuid) names the
+  response; each attempt has its own mesh id (:meth:`Pipeline.mesh_request_id`), so
+  two clients choosing the same id never collide in the router or on a worker.
+- **Release exactly once**: every attempt's routing entry is released exactly once,
+  whatever ends it (finish, error, migration, the consumer closing the iterator or being
+  cancelled at any point): its worker calls are cancelled (which aborts the request on
+  the workers) and ``Release`` is sent by a task that the consumer's cancellation cannot
+  interrupt; :meth:`Pipeline.close` waits for those tasks. When an attempt's first token
+  arrives the router is told ``PrefillDone`` (fire-and-forget: the stream never waits for
+  it, and its failures, e.g. an older router without the RPC, are ignored).
+- Outcomes: a request the consumer abandoned before its finish counts
+  ``outcome="cancelled"`` (not an error, no traceback); see :mod:`.metrics`.
 - Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
   and the gRPC client spans of the router and worker calls (which carry the context on).
   When it finishes, the span gets ``kvmesh.predicted_cached_tokens`` (the router's
@@ -28,10 +50,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -45,6 +69,9 @@ from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
+
+log = logging.getLogger(__name__)
+DEFAULT_MIGRATION_LIMIT = 3
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -110,11 +137,12 @@ def rejection_error(exc: grpc.aio.AioRpcError) -> ApiError:
                     code=reason, retry_after_s=max(retry, 0.0))
 
 
-def _status_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
-    code = exc.code()
-    detail = exc.details() or code.name
+def _status_error(code: grpc.StatusCode, detail: str, what: str) -> ApiError:
+    """A gRPC status from ``what`` (router, worker, prefill worker) as an ApiError."""
+    detail = detail or code.name
     if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ApiError(400, detail)
+        return ApiError(400, detail if what == "router" else f"{what} refused the request: "
+                                                             f"{detail}")
     if code == grpc.StatusCode.NOT_FOUND:
         return ApiError(404, detail, code="model_not_found", param="model")
     if code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -123,6 +151,63 @@ def _status_error(exc: grpc.aio.AioRpcError, what: str) -> ApiError:
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
         return ApiError(503, f"{what} unavailable: {detail}", type="service_unavailable")
     return ApiError(502, f"{what} failed: {detail}", type="upstream_error")
+
+
+# Worker failures a migration may retry elsewhere (the worker or the link broke); any other
+# code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, ...) is the request's own fault or
+# an admission answer, and goes to the client.
+MIGRATABLE = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
+})
+# The longest part of a client's request id kept in the mesh's per-attempt ids.
+CLIENT_ID_CHARS = 200
+
+
+@dataclass(frozen=True)
+class WorkerFailure:
+    """One attempt's failed worker call: which worker, at which stage, with what."""
+
+    stage: str  # agg | prefill | decode | timeout
+    instance_id: str
+    address: str
+    code: grpc.StatusCode | None  # None: no status (broken stream, handoff fault, timeout)
+    detail: str
+
+    @property
+    def migratable(self) -> bool:
+        return self.code is None or self.code in MIGRATABLE
+
+    def error(self) -> ApiError:
+        """What the client gets when this failure is not migrated."""
+        what = f"{'prefill worker' if self.stage == 'prefill' else 'worker'} {self.instance_id}"
+        if self.code is None:
+            return ApiError(502, self.detail, type="upstream_error")
+        return _status_error(self.code, self.detail, what)
+
+
+def worker_failure(exc: BaseException, route: router_pb2.RouteResponse) -> (
+        WorkerFailure | None):
+    """``exc`` from :func:`run_plan` as a WorkerFailure (None: not a worker failure). Reads
+    HandoffError's ``stage``/``instance_id``/``address``/``code`` where it has them, else
+    its gRPC cause and the route."""
+    if isinstance(exc, HandoffError):
+        cause = exc.__cause__
+        code = getattr(exc, "code", None)
+        if code is None and isinstance(cause, grpc.aio.AioRpcError):
+            code = cause.code()
+        stage = getattr(exc, "stage", None) or "prefill"
+        target = (route.prefill if stage == "prefill" and route.HasField("prefill")
+                  else route.worker)
+        detail = (cause.details() or str(exc) if isinstance(cause, grpc.aio.AioRpcError)
+                  else str(exc))
+        return WorkerFailure(stage, getattr(exc, "instance_id", None) or target.instance_id,
+                             getattr(exc, "address", None) or target.address, code, detail)
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return WorkerFailure("decode" if route.disaggregated else "agg",
+                             route.worker.instance_id, route.worker.address, exc.code(),
+                             exc.details() or exc.code().name)
+    return None
 
 
 @contextlib.contextmanager
@@ -154,13 +239,25 @@ def sampling_proto(job: Job) -> common_pb2.SamplingParams:
 class Pipeline:
     """Tokenize, route, stream; see the module docstring."""
 
-    def __init__(self, catalog: ModelCatalog, router_address: Callable[[], str | None]) -> None:
+    def __init__(self, catalog: ModelCatalog, router_address: Callable[[], str | None],
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
+        if migration_limit < 0:
+            raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self._catalog = catalog
         self._router_address = router_address
         self._pool = ChannelPool()
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
+        self.migration_limit = migration_limit
         self._background: set[asyncio.Future[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
+        """Runs ``coro`` as a task that outlives the request's cancellation; ``close``
+        waits for it."""
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     def _prefill_done(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
         """Tells the router the prefill is over, without waiting (see the module doc)."""
@@ -170,9 +267,58 @@ class Pipeline:
                 await router.PrefillDone(router_pb2.PrefillDoneRequest(request_id=request_id),
                                          timeout=5)
 
-        task = asyncio.ensure_future(call())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(call())
+
+    def _report_failure(self, router: router_pb2_grpc.RouterStub, request_id: str,
+                        failure: WorkerFailure) -> None:
+        """Tells the router ``failure``'s worker failed (fire-and-forget), and forgets our
+        channel to it when it was unreachable (a restart on the same port is dialled
+        afresh)."""
+        if failure.code == grpc.StatusCode.UNAVAILABLE and failure.address:
+            self._pool.invalidate(failure.address)
+        reason = f"{failure.stage}: {failure.code.name if failure.code else 'no status'}: " \
+                 f"{failure.detail}"
+
+        async def call() -> None:
+            try:
+                await router.ReportFailure(router_pb2.ReportFailureRequest(
+                    instance_id=failure.instance_id, reason=reason[:1000],
+                    request_id=request_id), timeout=5)
+            except grpc.aio.AioRpcError as exc:
+                log.warning("router ReportFailure(%s) failed: %s", failure.instance_id,
+                            exc.code().name)
+
+        self._spawn(call())
+
+    async def _end_attempt(self, router: router_pb2_grpc.RouterStub, request_id: str,
+                           pending: asyncio.Future[Any] | None,
+                           responses: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
+        """Cancels what an attempt still runs on its workers, then releases its routing
+        entry (exactly once per attempt: the attempt's ``finally`` runs this once)."""
+        if pending is not None:
+            pending.cancel()  # the consumer went away mid-step: cancels the worker calls
+            await asyncio.wait([pending])
+            if not pending.cancelled():
+                pending.exception()  # retrieved: its failure is the attempt's, seen already
+        try:
+            await responses.aclose()  # type: ignore[attr-defined]
+        except Exception:
+            log.exception("closing the worker stream of %s failed", request_id)
+        await self._release(router, request_id)
+
+    async def _release_when_routed(self, router: router_pb2_grpc.RouterStub, request_id: str,
+                                   call: asyncio.Future[router_pb2.RouteResponse]) -> None:
+        """Releases ``request_id`` once its abandoned Route ``call`` succeeded."""
+        await asyncio.wait([call])
+        if call.cancelled() or call.exception() is not None:
+            return  # not routed: nothing to release
+        await self._release(router, request_id)
+
+    async def _release(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
+        try:
+            await router.Release(router_pb2.ReleaseRequest(request_id=request_id), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("router Release(%s) failed: %s", request_id, exc.code().name)
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -185,100 +331,167 @@ class Pipeline:
             raise ApiError(404, f"The model '{req.model}' does not exist or has no live worker",
                            param="model", code="model_not_found")
         with self._tracer.start_as_current_span("frontend.tokenize") as span:
-            tok = await asyncio.to_thread(self._catalog.tokenizer, info)
             if req.prompt_token_ids is not None:
                 ids = list(req.prompt_token_ids)
-            elif req.kind == "chat":
-                ids = await asyncio.to_thread(tok.apply_chat, req.messages)
             else:
-                ids = await asyncio.to_thread(tok.encode, req.prompt or "")
+                tok = await asyncio.to_thread(self._catalog.tokenizer, info)
+                if req.kind == "chat":
+                    ids = await asyncio.to_thread(tok.apply_chat, req.messages)
+                else:
+                    ids = await asyncio.to_thread(tok.encode, req.prompt or "")
             span.set_attribute("kvmesh.prompt_tokens", len(ids))
         req = check_context(req, len(ids), info.max_model_len)
         rid = req.request_id or uuid.uuid4().hex
         return Job(rid, req, info, ids, int(time.time()))
 
-    async def stream(self, job: Job, ctx: Context | None = None) -> AsyncIterator[Chunk]:
-        """Routes and streams the job; see the module docstring. ``ctx`` is the trace
-        context the router and worker calls are made in (default: the current one)."""
-        router_addr = self._router_address()
-        if not router_addr:
-            raise ApiError(503, "no router is available", type="service_unavailable")
-        router = router_pb2_grpc.RouterStub(self._pool.get(router_addr))
+    @staticmethod
+    def mesh_request_id(job: Job, attempt: int) -> str:
+        """The id the router and workers see for ``attempt`` (0, 1, ...) of ``job``: unique
+        per attempt even when clients choose equal ids (the response keeps the client's)."""
+        if job.req.request_id is None:  # job.request_id is a fresh uuid
+            return job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
+        return f"{job.request_id[:CLIENT_ID_CHARS]}-{uuid.uuid4().hex[:8]}"
+
+    async def _route(self, router: router_pb2_grpc.RouterStub, req: router_pb2.RouteRequest,
+                     ctx: Context | None) -> router_pb2.RouteResponse:
+        """Routes ``req``. A consumer cancelled meanwhile does not cancel the call (the
+        router may have routed it already): its answer is awaited in the background and
+        released."""
+        with _attached(ctx):
+            call: asyncio.Future[router_pb2.RouteResponse] = asyncio.ensure_future(
+                router.Route(req, timeout=10))
         try:
-            with _attached(ctx):
-                route = await router.Route(router_pb2.RouteRequest(
-                    request_id=job.request_id, model=job.req.model, token_ids=job.token_ids,
-                    max_tokens=sampling_proto(job).max_tokens,
-                ), timeout=10)
+            return await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._spawn(self._release_when_routed(router, req.request_id, call))
+            raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 err = rejection_error(exc)
                 self.metrics.observe_rejection(err.code or "")
                 raise err from exc
-            raise _status_error(exc, "router") from exc
+            raise _status_error(exc.code(), exc.details() or "", "router") from exc
+
+    async def stream(self, job: Job, ctx: Context | None = None) -> AsyncIterator[Chunk]:
+        """Routes and streams the job, migrating it when a worker fails; see the module
+        docstring. ``ctx`` is the trace context the router and worker calls are made in
+        (default: the current one)."""
+        router_addr = self._router_address()
+        if not router_addr:
+            raise ApiError(503, "no router is available", type="service_unavailable")
+        router = router_pb2_grpc.RouterStub(self._pool.get(router_addr))
+        sampling = sampling_proto(job)
+        max_tokens = sampling.max_tokens
+        generated: list[int] = []  # every token the client got, across attempts
+        failed: list[str] = []  # instance ids that failed this request
+        path, outcome, finished = "none", "error", False
+        started = last_at = time.monotonic()
+        first_token = True
         try:
-            plan = Request(job.request_id, job.req.model, job.token_ids, sampling_proto(job))
-            with _attached(ctx):
-                responses = run_plan(self._pool, plan, route, self.metrics)
-                first = asyncio.ensure_future(responses.__anext__())
-            pending: asyncio.Future[worker_pb2.GenerateResponse] | None = first
-            path = "disagg" if route.disaggregated else "agg"
-            started, outcome = time.monotonic(), "error"
-            first_token = True
-            last_at = started
-            try:
-                finished = False
-                while pending is not None:
-                    try:
-                        resp = await pending
-                    except StopAsyncIteration:
-                        break
-                    chunk = Chunk(resp.text, list(resp.token_ids))
-                    if resp.token_ids:
-                        now = time.monotonic()
-                        if first_token:
-                            first_token = False
-                            self.metrics.ttft.labels(path).observe(now - started)
-                            with _attached(ctx):
-                                self._prefill_done(router, job.request_id)
-                        else:
-                            self.metrics.observe_chunk_gap(now - last_at, len(resp.token_ids))
-                        last_at = now
-                    if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        finished = True
-                        outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
-                        predicted = predicted_cached_tokens(route, job.model.block_size)
-                        self.metrics.observe_cache_prediction(
-                            path, route.overlap_source or "history", predicted,
-                            resp.usage.cached_tokens)
-                        chunk.predicted_cached_tokens = predicted
-                        chunk.finish_reason = FINISH_NAMES.get(resp.finish_reason, "stop")
-                        chunk.prompt_tokens = resp.usage.prompt_tokens
-                        chunk.completion_tokens = resp.usage.completion_tokens
-                        chunk.cached_tokens = resp.usage.cached_tokens
-                        self.metrics.observe_usage(resp.usage.prompt_tokens,
-                                                   resp.usage.completion_tokens)
-                    yield chunk
-                    with _attached(ctx):
-                        pending = asyncio.ensure_future(responses.__anext__())
-                if not finished:
-                    raise ApiError(502, "worker ended the stream without finishing",
-                                   type="upstream_error")
-            except grpc.aio.AioRpcError as exc:
-                raise _status_error(exc, "worker") from exc
-            except HandoffError as exc:
-                raise ApiError(502, str(exc), type="upstream_error") from exc
-            finally:
-                self.metrics.requests.labels(path, outcome).inc()
-                if pending is not None and not pending.done():
-                    pending.cancel()  # client went away mid-step: cancels the worker calls
-                    with contextlib.suppress(BaseException):
-                        await pending
-                await responses.aclose()  # type: ignore[attr-defined]
+            for attempt in range(self.migration_limit + 1):
+                carried = len(generated)
+                if carried >= max_tokens:  # died after its last token, before the finish
+                    finished, outcome = True, "length"
+                    self.metrics.observe_usage(len(job.token_ids), carried)
+                    yield Chunk("", [], "length", len(job.token_ids), carried)
+                    return
+                mesh_id = self.mesh_request_id(job, attempt)
+                try:
+                    route = await self._route(router, router_pb2.RouteRequest(
+                        request_id=mesh_id, model=job.req.model,
+                        token_ids=job.token_ids + generated, max_tokens=max_tokens - carried,
+                        exclude_instance_ids=failed), ctx)
+                except ApiError as err:
+                    if err.type == "overloaded_error":
+                        outcome = "rejected"  # counted by observe_rejection
+                    raise
+                path = "disagg" if route.disaggregated else "agg"
+                attempt_sampling = common_pb2.SamplingParams()
+                attempt_sampling.CopyFrom(sampling)
+                attempt_sampling.max_tokens = max_tokens - carried
+                plan = Request(mesh_id, job.req.model, job.token_ids + generated,
+                               attempt_sampling)
+                with _attached(ctx):
+                    responses = run_plan(self._pool, plan, route, self.metrics)
+                pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None
+                failure: WorkerFailure | None = None
+                cause: BaseException | None = None
+                attempt_first = True
+                try:
+                    while True:
+                        with _attached(ctx):
+                            pending = asyncio.ensure_future(responses.__anext__())
+                        try:
+                            resp = await pending
+                        except StopAsyncIteration:
+                            pending = None
+                            w = route.worker
+                            failure = WorkerFailure(
+                                "decode" if route.disaggregated else "agg", w.instance_id,
+                                w.address, None, "worker ended the stream without finishing")
+                            break
+                        pending = None
+                        chunk = Chunk(resp.text, list(resp.token_ids))
+                        if resp.token_ids:
+                            now = time.monotonic()
+                            if attempt_first:
+                                attempt_first = False
+                                with _attached(ctx):
+                                    self._prefill_done(router, mesh_id)
+                            if first_token:
+                                first_token = False
+                                self.metrics.ttft.labels(path).observe(now - started)
+                            else:
+                                self.metrics.observe_chunk_gap(now - last_at,
+                                                               len(resp.token_ids))
+                            last_at = now
+                            generated.extend(resp.token_ids)
+                        if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                            finished = True
+                            outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
+                            self._finish(chunk, resp, route, job, path, carried)
+                            yield chunk
+                            return
+                        yield chunk
+                except (HandoffError, grpc.aio.AioRpcError) as exc:
+                    failure, cause = worker_failure(exc, route), exc
+                finally:
+                    await asyncio.shield(self._spawn(
+                        self._end_attempt(router, mesh_id, pending, responses)))
+                assert failure is not None
+                if not failure.migratable or attempt >= self.migration_limit:
+                    raise failure.error() from cause
+                log.info("request %s: %s worker %s failed (%s); migrating with %d tokens "
+                         "generated", job.request_id, failure.stage, failure.instance_id,
+                         failure.detail, len(generated))
+                self.metrics.migrations.labels(failure.stage).inc()
+                self._report_failure(router, mesh_id, failure)
+                if failure.instance_id and failure.instance_id not in failed:
+                    failed.append(failure.instance_id)
+        except (GeneratorExit, asyncio.CancelledError):
+            if not finished:
+                outcome = "cancelled"
+            raise
         finally:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await router.Release(router_pb2.ReleaseRequest(request_id=job.request_id),
-                                     timeout=5)
+            if outcome != "rejected":
+                self.metrics.requests.labels(path, outcome).inc()
+
+    def _finish(self, chunk: Chunk, resp: worker_pb2.GenerateResponse,
+                route: router_pb2.RouteResponse, job: Job, path: str, carried: int) -> None:
+        """Fills the finishing ``chunk`` from the worker's last response; after a migration
+        (``carried`` tokens came from earlier attempts) the usage is the client's: the
+        original prompt and every generated token."""
+        predicted = predicted_cached_tokens(route, job.model.block_size)
+        prompt = len(job.token_ids) if carried else resp.usage.prompt_tokens
+        cached = min(resp.usage.cached_tokens, prompt)
+        self.metrics.observe_cache_prediction(path, route.overlap_source or "history",
+                                              predicted, cached)
+        chunk.predicted_cached_tokens = predicted
+        chunk.finish_reason = FINISH_NAMES.get(resp.finish_reason, "stop")
+        chunk.prompt_tokens = prompt
+        chunk.completion_tokens = carried + resp.usage.completion_tokens
+        chunk.cached_tokens = cached
+        self.metrics.observe_usage(chunk.prompt_tokens, chunk.completion_tokens)
 
     async def run(self, req: ParsedRequest) -> tuple[Job, AsyncIterator[Chunk]]:
         """``prepare`` + ``stream`` under one ``frontend.request`` root span.

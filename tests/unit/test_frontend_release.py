@@ -1,0 +1,302 @@
+"""The frontend releases every routing entry exactly once, whatever ends the request.
+
+A real pipeline against a real RouterServicer (RouterCore, policies) and real Worker
+servicers over mock engines, on in-process loopback gRPC servers (no etcd: the router is
+given the worker records). After 100 consumers that close early, and after cancellations
+at every point of a request (routing, prefill, mid-stream, also anyio's level-triggered
+cancellation as Starlette applies it), the router's in-flight count is back to 0 and the
+workers run nothing. Also row 9 of issue 12: two clients with the same ``request_id`` do
+not collide, a prefill worker's INVALID_ARGUMENT is a 400 naming P, an abandoned request
+counts ``outcome="cancelled"``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import grpc
+import pytest
+
+from protos import discovery_pb2, router_pb2_grpc, worker_pb2_grpc
+from services.frontend.models import ModelCatalog
+from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec
+from services.frontend.pipeline import Chunk, Pipeline
+from services.router.core import RouterCore
+from services.router.disagg import DisaggConfig
+from services.router.policy_setup import default_registry
+from services.router.service import RouterServicer
+from tests.waiting import wait_for
+from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.service import WorkerServicer
+
+MODEL = "m"
+PROMPT = tuple(range(10, 74))  # 64 tokens
+
+
+@dataclass
+class Node:
+    engine: MockEngine
+    server: grpc.aio.Server
+    record: discovery_pb2.InstanceRecord
+
+
+async def serve(add: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> tuple[
+        grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    add(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def node(wid: str, role: int, model: str, num_blocks: int = 1024) -> Node:
+    engine = MockEngine(MockEngineConfig(
+        model_name=model, block_size=16, num_blocks=num_blocks, max_model_len=4096,
+        timing="poly", handoff="" if role == discovery_pb2.WORKER_ROLE_AGG else "mock"))
+    await engine.start()
+    server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server,
+                                  WorkerServicer(engine, wid))
+    info = engine.info
+    rec = discovery_pb2.InstanceRecord(
+        instance_id=wid, component="worker", address=address, role=role, model=model,
+        block_size=info.block_size, max_model_len=info.max_model_len, engine="mock",
+        kv_layout=info.kv_layout)
+    if info.handoff:
+        rec.handoff.CopyFrom(discovery_pb2.KvHandoff(mode="mock",
+                                                     engine_id=info.handoff["engine_id"]))
+    return Node(engine, server, rec)
+
+
+@dataclass
+class Setup:
+    core: RouterCore
+    pipeline: Pipeline
+    nodes: list[Node]
+
+    def in_flight(self) -> int:
+        return sum(self.core.in_flight().values())
+
+    def busy(self) -> list[tuple[str, int, int]]:
+        out = []
+        for n in self.nodes:
+            load = n.engine.load()
+            if load.num_running or load.num_waiting:
+                out.append((n.record.instance_id, load.num_running, load.num_waiting))
+        return out
+
+    async def settled(self) -> None:
+        """Until no request is in flight in the router and no worker runs anything."""
+        await wait_for(lambda: self.in_flight() == 0 and not self.busy(), 20,
+                       lambda: f"nothing in flight (router: {dict(self.core.in_flight())}, "
+                               f"workers: {self.busy()})")
+
+
+@contextlib.asynccontextmanager
+async def mesh(nodes: list[Node]) -> AsyncIterator[Setup]:
+    """A router over ``nodes`` and a pipeline using it; stopped with the nodes after."""
+    registry = default_registry()
+    core = RouterCore(policy=registry.create("kv", random.Random(0)),
+                      prefill_policy=registry.create("kv", random.Random(1)),
+                      disagg=DisaggConfig(conditional=False),
+                      clock=asyncio.get_running_loop().time)
+    servicer = RouterServicer(core, {})
+    records = {n.record.instance_id: n.record for n in nodes}
+    servicer.set_records(records)
+    router, router_address = await serve(router_pb2_grpc.add_RouterServicer_to_server,
+                                         servicer)
+    catalog = ModelCatalog()
+    catalog.on_workers(records)
+    pipeline = Pipeline(catalog, lambda: router_address)
+    try:
+        yield Setup(core, pipeline, nodes)
+    finally:
+        await pipeline.close()
+        await router.stop(0)
+        for n in nodes:
+            await n.server.stop(0)
+            await n.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+async def setup() -> AsyncIterator[Setup]:
+    async with mesh([
+            await node("a1", discovery_pb2.WORKER_ROLE_AGG, MODEL),
+            await node("a2", discovery_pb2.WORKER_ROLE_AGG, MODEL),
+            # P/D: P's KV cache is smaller than D's, so P refuses what D accepts
+            await node("p1", discovery_pb2.WORKER_ROLE_PREFILL, "pd", num_blocks=16),
+            await node("d1", discovery_pb2.WORKER_ROLE_DECODE, "pd")]) as s:
+        yield s
+
+
+def request(max_tokens: int = 200, model: str = MODEL, request_id: str | None = None,
+            prompt: tuple[int, ...] = PROMPT) -> ParsedRequest:
+    return ParsedRequest("completion", model, SamplingSpec(max_tokens=max_tokens,
+                                                           ignore_eos=True),
+                         stream=True, prompt_token_ids=prompt, request_id=request_id)
+
+
+def counter(p: Pipeline, name: str, **labels: str) -> float:
+    total = 0.0
+    for metric in p.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def outcomes(p: Pipeline, outcome: str) -> float:
+    return counter(p, "kvmesh_requests_total", outcome=outcome)
+
+
+async def test_100_consumers_closing_after_the_first_chunk_leak_nothing(setup: Setup) -> None:
+    before = outcomes(setup.pipeline, "cancelled")
+
+    async def one(i: int) -> None:
+        _, chunks = await setup.pipeline.run(request(prompt=(i, *PROMPT)))
+        first = await chunks.__anext__()
+        assert first.token_ids
+        await chunks.aclose()  # type: ignore[attr-defined]
+
+    for batch in range(10):
+        await asyncio.gather(*(one(batch * 10 + i) for i in range(10)))
+    await setup.settled()
+    assert outcomes(setup.pipeline, "cancelled") - before == 100
+
+
+async def consume(p: Pipeline, req: ParsedRequest, into: list[Chunk],
+                  reached: asyncio.Event | None = None, n: int = 0) -> None:
+    """Streams ``req`` into ``into``; sets ``reached`` once ``n`` chunks arrived."""
+    _, chunks = await p.run(req)
+    async for c in chunks:
+        into.append(c)
+        if reached is not None and len(into) >= n:
+            reached.set()
+
+
+@pytest.mark.parametrize("model", [MODEL, "pd"])
+async def test_cancelled_at_every_point_releases_exactly_once(setup: Setup, model: str) -> None:
+    """The consumer's task is cancelled after 0, 1, 2, ... loop iterations (in routing,
+    in the worker calls: P, the handoff, D), and after its 1st, 2nd, 5th chunk."""
+    for k in range(40):
+        got: list[Chunk] = []
+        task = asyncio.create_task(consume(setup.pipeline, request(20, model), got))
+        for _ in range(k):
+            await asyncio.sleep(0)  # one loop iteration: a deterministic cancel point
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await setup.settled()
+    for n in (1, 2, 5):
+        got = []
+        reached = asyncio.Event()
+        task = asyncio.create_task(consume(setup.pipeline, request(150, model), got,
+                                           reached, n))
+        await asyncio.wait([task, asyncio.ensure_future(reached.wait())], timeout=20,
+                           return_when=asyncio.FIRST_COMPLETED)
+        assert reached.is_set() and not task.done(), (task, got)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert len(got) >= n  # it may have taken one more before the cancel landed
+        await setup.settled()
+
+
+async def test_level_triggered_cancellation_as_starlette_does(setup: Setup) -> None:
+    """Inside an anyio cancel scope every await after the cancel is cancelled again: a
+    Release awaited in a ``finally`` never ran (issue 12 row 2)."""
+    for k in (0, 5, 40):
+        got: list[Chunk] = []
+        with anyio.CancelScope() as scope:
+            asyncio.get_running_loop().call_later(0.001 * k, scope.cancel)
+            await consume(setup.pipeline, request(400), got)
+        assert scope.cancelled_caught
+        await setup.settled()
+
+
+async def test_finished_and_failed_requests_are_released(setup: Setup) -> None:
+    _, chunks = await setup.pipeline.run(request(5))
+    out = [c async for c in chunks]
+    assert out[-1].finish_reason == "length" and out[-1].completion_tokens == 5
+    assert setup.in_flight() == 0  # released before the stream ended
+    # P refuses a 300-token prompt (its KV cache holds 256 tokens; D's 16k; the router
+    # knows neither).
+    _, chunks = await setup.pipeline.run(request(60, "pd", prompt=tuple(range(300))))
+    with pytest.raises(ApiError) as err:
+        async for _ in chunks:
+            pass
+    assert err.value.status == 400 and "prefill worker p1" in err.value.message
+    assert "KV blocks" in err.value.message, err.value.message
+    assert counter(setup.pipeline, "kvmesh_frontend_migrations_total") == 0  # its own fault
+    await setup.settled()
+
+
+async def test_clients_choosing_the_same_request_id_do_not_collide(setup: Setup) -> None:
+    async def one() -> tuple[str, list[Chunk]]:
+        job, chunks = await setup.pipeline.run(request(8, request_id="same"))
+        return job.request_id, [c async for c in chunks]
+
+    results = await asyncio.gather(*(one() for _ in range(4)))
+    for rid, chunks in results:
+        assert rid == "same" and chunks[-1].finish_reason == "length"
+        assert sum(len(c.token_ids) for c in chunks) == 8
+    await setup.settled()
+
+
+async def test_an_invalidated_channel_reaches_a_worker_restarted_on_its_port() -> None:
+    """Issue 12 row 7: after UNAVAILABLE the pool dials afresh instead of waiting out the
+    old channel's reconnect backoff."""
+    from protos import worker_pb2
+    from services.common.grpc_client import ChannelPool
+
+    engine = MockEngine(MockEngineConfig(timing="zero"))
+    await engine.start()
+    pool = ChannelPool()
+    try:
+        servicer = WorkerServicer(engine, "w")
+        server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
+        stub = worker_pb2_grpc.WorkerStub(pool.get(address))
+        await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        old = pool.get(address)
+        await server.stop(0)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        assert server.add_insecure_port(address) == int(address.rsplit(":", 1)[1])
+        await server.start()
+        assert pool.invalidate(address) and not pool.invalidate("127.0.0.1:1")
+        assert pool.get(address) is not old
+        fresh = worker_pb2_grpc.WorkerStub(pool.get(address))
+        await fresh.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)  # no wait_for_ready
+        await server.stop(0)
+    finally:
+        await pool.close()
+        await engine.shutdown()
+
+
+async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly() -> None:
+    async with mesh([await node("m1", discovery_pb2.WORKER_ROLE_AGG, "mig"),
+                     await node("m2", discovery_pb2.WORKER_ROLE_AGG, "mig")]) as s:
+        _, chunks = await s.pipeline.run(request(40, "mig"))
+        reference = [t for c in [c async for c in chunks] for t in c.token_ids]
+        got: list[Chunk] = []
+        _, chunks = await s.pipeline.run(request(40, "mig"))
+        async for c in chunks:
+            got.append(c)
+            if len(got) == 5:
+                busy = [n for n in s.nodes if n.engine.load().num_running]
+                assert len(busy) == 1
+                await busy[0].server.stop(0)  # its calls end; the client must not notice
+        assert [t for c in got for t in c.token_ids] == reference
+        last = got[-1]
+        assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == (
+            "length", len(PROMPT), 40)
+        assert counter(s.pipeline, "kvmesh_frontend_migrations_total", stage="agg") == 1
+        await s.settled()
