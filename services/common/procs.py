@@ -6,11 +6,11 @@ Contract:
 - :func:`spawn` starts a child in its own process group (session), output appended to or
   replacing ``log_dir/<name>.log``, PID in ``log_dir/<name>.pid``. Called from the main
   thread (the default ``die_with_parent=True``), the child gets ``PR_SET_PDEATHSIG(SIGTERM)``
-  (Linux prctl, set between fork and exec): when this process dies, even by SIGKILL, the
-  kernel sends the child SIGTERM, so nothing is orphaned. PDEATHSIG fires when the *thread*
-  that forked exits, so a spawn from another thread does not set it (the child would die
-  with that thread); and a child whose parent already died before prctl exits at once.
-  Elsewhere than Linux the flag is ignored.
+  (set by util-linux's ``setpriv --pdeathsig TERM``, which then execs the command, so the
+  PID is the command's): when this process dies, even by SIGKILL, the kernel sends the
+  child SIGTERM, so nothing is orphaned. PDEATHSIG fires when the *thread* that forked
+  exits, so a spawn from another thread does not set it (the child would die with that
+  thread). Elsewhere than Linux, or without setpriv, the flag is ignored.
 - :func:`start_etcd` / :func:`start_redis` start Debian's ``etcd`` / ``redis-server`` bound
   to 127.0.0.1 on free ports in their own process group, wait until they answer, and
   return a :class:`Child`. They raise RuntimeError (with the tail of the log) on failure.
@@ -92,25 +92,18 @@ class Child:
         self.stop(timeout=5, sig=signal.SIGKILL)
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+def _die_with_parent(argv: list[str]) -> list[str]:
+    """``argv`` run under util-linux's ``setpriv --pdeathsig TERM`` (module docstring), or
+    unchanged where that cannot be done (not Linux, not the main thread, no setpriv).
 
-
-def _die_with(parent_pid: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that ties the child to ``parent_pid`` (module docstring), or None
-    where that cannot be done (not Linux, not the main thread)."""
+    Not a ``preexec_fn``: Python code between fork and exec makes subprocess fork()
+    instead of vfork(), which runs gRPC's fork handlers in the child; with gRPC threads
+    running that child died of SIGSEGV at once."""
     if not sys.platform.startswith("linux") or threading.current_thread() is not \
             threading.main_thread():
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork, not in the child
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl: no signal will come
-            os._exit(128 + signal.SIGTERM)
-
-    return preexec
+        return argv
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *argv] if setpriv else argv
 
 
 def spawn(name: str, argv: Sequence[str], log_dir: Path,
@@ -121,12 +114,11 @@ def spawn(name: str, argv: Sequence[str], log_dir: Path,
     ``log_dir/name.pid``. ``die_with_parent``: see the module docstring."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    preexec = _die_with(os.getpid()) if die_with_parent else None
+    cmd = _die_with_parent(list(argv)) if die_with_parent else list(argv)
     with open(log_path, "ab" if append else "wb") as log:
         proc = subprocess.Popen(
-            list(argv), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(env) if env is not None else None, start_new_session=True,
-            preexec_fn=preexec,  # main thread only (_die_with)
         )
     (log_dir / f"{name}.pid").write_text(str(proc.pid))
     return Child(name, proc, log_path)
