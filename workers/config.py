@@ -38,6 +38,11 @@ class WorkerConfig(BaseConfig):
     kv_load_failure_policy: str = dataclasses.field(
         default="recompute", metadata={"help": "D when loading P's KV fails: recompute | fail"}
     )
+    kv_handoff_timeout_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "D: longest wait for a remote prefill's KV (until its "
+                                        "first token); then recompute or fail by "
+                                        "--kv-load-failure-policy"}
+    )
     metrics_port: int = dataclasses.field(
         default=0, metadata={"help": "Prometheus /metrics port (0 = any free, -1 = off)"}
     )
@@ -89,6 +94,9 @@ class WorkerConfig(BaseConfig):
             out.append(f"a {self.role} worker needs a KV handoff (pull or push)")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             out.append("kv_load_failure_policy must be recompute or fail")
+        if not 0 < self.kv_handoff_timeout_s <= 3600:
+            out.append("kv_handoff_timeout_s must be in (0, 3600], "
+                       f"got {self.kv_handoff_timeout_s}")
         if not -1 <= self.metrics_port <= 65535:
             out.append(f"metrics_port out of range: {self.metrics_port}")
         if not 0 <= self.nixl_port <= 65535:

@@ -73,6 +73,7 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
                 kv_transfer_config=kv.config,
                 kv_events_config=vllm_kv_events_config(events) if events else None,
                 env=kv.env,  # for its EngineCore only, not this whole process
+                kv_handoff_timeout_s=cfg.kv_handoff_timeout_s,
             ),
         )
     return create_engine(cfg.engine, model_path=model_path, model_name=name)

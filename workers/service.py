@@ -11,7 +11,9 @@ Contract:
   ``finish_reason`` and ``usage`` on the last one (INTERNAL when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
   the engine raised EngineDeadError) every in-flight and later call ends UNAVAILABLE
-  ``engine dead: <reason>``. Any other engine failure is logged once and answered
+  ``engine dead: <reason>``. A remote prefill that never came within the worker's
+  ``--kv-handoff-timeout-s`` (KvHandoffError, policy ``fail``) is UNAVAILABLE naming
+  the handoff. Any other engine failure is logged once and answered
   INTERNAL (never UNKNOWN). When the client cancels, the engine generator is closed,
   which aborts the request in the engine.
 - ``mark_dead(reason)``: from now on Generate answers UNAVAILABLE (the worker calls it
@@ -41,6 +43,7 @@ from workers.engines.base import (
     EngineDeadError,
     EngineError,
     EngineRequest,
+    KvHandoffError,
     Sampling,
     validate_sampling,
 )
@@ -165,6 +168,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except EngineDeadError as exc:
                 self.mark_dead(str(exc))
                 await self._abort_dead(context)
+            except KvHandoffError as exc:  # the remote prefill never came (P gone?)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
             except kv_params.KvParamsError as exc:  # the engine's answer cannot travel
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine output: {exc}")
             except Exception as exc:  # an engine bug: say so once, never UNKNOWN

@@ -89,6 +89,15 @@ def test_worker_config_rules() -> None:
     assert again.resolved_worker_id() != first  # fresh id per launch
 
 
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "3601"])
+def test_kv_handoff_timeout_must_be_a_positive_bound(value: str) -> None:
+    with pytest.raises(ConfigError, match="kv_handoff_timeout_s must be in"):
+        load_config(WorkerConfig, ["--model-path", "/m", "--kv-handoff-timeout-s", value], {})
+    cfg = load_config(WorkerConfig, ["--model-path", "/m"], {"KVMESH_KV_HANDOFF_TIMEOUT_S": "2.5"})
+    assert cfg.kv_handoff_timeout_s == 2.5
+    assert load_config(WorkerConfig, ["--model-path", "/m"], {}).kv_handoff_timeout_s == 10.0
+
+
 @pytest.mark.parametrize("cls", [SeededConfig, RouterConfig, StoreMasterConfig])
 def test_seed_below_minus_one_is_rejected_naming_the_field(cls: type[SeededConfig]) -> None:
     assert load_config(cls, ["--seed", "-1"], {}).seed == -1

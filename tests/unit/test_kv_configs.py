@@ -47,8 +47,9 @@ def test_nixl_handoff_alone_and_with_the_store(mode: str) -> None:
     assert plain.config["kv_role"] == "kv_both"
     assert plain.config["kv_connector_module_path"] == nixl.QUIET_MODULE
     assert plain.config["engine_id"].startswith("w1-")
-    assert plain.config["kv_connector_extra_config"] == {
-        "kv_lease_duration": 30 if mode == "pull" else 60}
+    assert plain.config["kv_connector_extra_config"] == (
+        {"kv_lease_duration": 30} if mode == "pull"
+        else {"kv_lease_duration": 60, "push_registration_timeout": 10.0})
     both = worker_kv_transfer(worker(role="prefill", handoff=mode, store_master="h:1"))
     assert both.config is not None and both.config["kv_connector"] == "MultiConnector"
     assert both.env == nixl.nixl_env(5999)

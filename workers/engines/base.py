@@ -51,6 +51,11 @@ class EngineError(Exception):
     """A request the engine cannot serve (bad input); maps to INVALID_ARGUMENT."""
 
 
+class KvHandoffError(Exception):
+    """A remote prefill's KV did not come (P gone or silent past the handoff timeout, or
+    its load failed) and the policy is "fail"; the message names P. Maps to UNAVAILABLE."""
+
+
 class EngineDeadError(Exception):
     """The engine died and serves nothing more; maps to UNAVAILABLE. The message is the
     reason (what :meth:`Engine.wait_dead` returns)."""

@@ -31,9 +31,20 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   ``request.kv_transfer_params`` reach the KV connector as vLLM's OpenAI server passes
   them (``SamplingParams.extra_args["kv_transfer_params"]``, a copy); the final output
   carries ``RequestOutput.kv_transfer_params`` (P: where D loads the prompt's KV from).
-  Aborting a handoff request is vLLM's: P frees blocks at once, D tells P. Finish reasons map
-  stop/repetition -> "stop", length -> "length", abort/error -> "abort". vLLM's validation
-  errors (``ValueError``) become :class:`EngineError`. If the consumer stops early
+  Aborting a handoff request is vLLM's: P frees blocks at once, D tells P.
+  **D's wait for P is bounded**: a ``do_remote_prefill`` request that has no output within
+  ``config.kv_handoff_timeout_s`` (default 10 s, ``--kv-handoff-timeout-s``; counted from
+  submission, so it includes queueing) is cancelled (vLLM aborts it; a request waiting
+  for remote KV gets its blocks back once vLLM's connector reports the load finished or
+  failed, e.g. after its fixed 5 s NIXL handshake timeout) and then, by the
+  ``kv_load_failure_policy`` of ``kv_transfer_config`` (vLLM's default "fail"), run again
+  here without the handoff ("recompute": the client gets the locally computed tokens) or
+  ended with :class:`~workers.engines.base.KvHandoffError` naming P ("fail"), as is a
+  remote prefill that vLLM itself ends with "error" before any token. Timeouts are
+  counted (``kv_handoff_timeouts``). A flat ``remote_block_ids`` is passed to vLLM as one
+  KV-cache group's list (vLLM 0.32's NIXL failure path needs one list per group).
+  Finish reasons map stop/repetition -> "stop", length -> "length", abort/error -> "abort".
+  vLLM's validation errors (``ValueError``) become :class:`EngineError`. If the consumer stops early
   (``aclose()``, garbage collection, task cancellation) vLLM's stream is closed at once,
   which aborts the request in vLLM and frees its KV blocks.
 - ``abort(request_id)``: aborts a live request started by ``generate``; its stream ends
@@ -71,7 +82,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -85,6 +96,7 @@ from workers.engines.base import (
     EngineLoad,
     EngineOutput,
     EngineRequest,
+    KvHandoffError,
     Sampling,
 )
 from workers.engines.vllm_stats import StatsRecorder
@@ -131,6 +143,8 @@ class VllmEngineConfig:
     # For this engine's EngineCore only (e.g. workers.kv.nixl.nixl_env): applied to
     # os.environ while start() spawns it, then restored; never left in this process.
     env: dict[str, str] = field(default_factory=dict)
+    # D: longest wait for a remote prefill's KV, until its first output (None: unbounded).
+    kv_handoff_timeout_s: float | None = 10.0
 
     @property
     def model_name(self) -> str:
@@ -150,6 +164,14 @@ class VllmEngineConfig:
             raise ValueError(f"omp_threads must be at least 1, got {self.omp_threads}")
         if self.kv_cache_space_gib <= 0:
             raise ValueError(f"kv_cache_space_gib must be positive, got {self.kv_cache_space_gib}")
+        timeout = self.kv_handoff_timeout_s
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"kv_handoff_timeout_s must be positive, got {timeout}")
+
+    @property
+    def kv_load_failure_policy(self) -> str:
+        """What D does when a remote prefill's KV does not come: vLLM's default "fail"."""
+        return str((self.kv_transfer_config or {}).get("kv_load_failure_policy") or "fail")
 
     def engine_args(self) -> dict[str, Any]:
         """Keyword arguments for ``AsyncEngineArgs`` (dict configs left as dicts)."""
@@ -211,6 +233,7 @@ class VllmEngine(Engine):
         self._info: EngineInfo | None = None
         self._stats = StatsRecorder()
         self._live: set[str] = set()
+        self._handoff_timeouts = 0
         self._defaults: dict[str, Any] = {}
         self._closed = False
         self._dead: asyncio.Future[str] | None = None
@@ -375,7 +398,8 @@ class VllmEngine(Engine):
         if self._dead is not None and self._dead.done():
             raise EngineDeadError(self._dead.result())
         self._check(request)
-        params = self.sampling_params(request.sampling, request.kv_transfer_params)
+        kv = self._handoff_params(request.kv_transfer_params)
+        params = self.sampling_params(request.sampling, kv)
         prompt = tokens_input(list(request.prompt_token_ids))  # rendered: no tokenizer call
         rid = request.request_id
         n_prompt = len(request.prompt_token_ids)
@@ -383,9 +407,12 @@ class VllmEngine(Engine):
         timed = False
         self._live.add(rid)
         try:
+            outputs: AsyncGenerator[Any, None] = llm.generate(prompt, params, rid)
+            if kv is not None and kv.get("do_remote_prefill"):
+                outputs = self._bounded_handoff(llm, request, kv, outputs)
             # aclosing: when *our* consumer stops early, close vLLM's stream now (its
             # GeneratorExit handler aborts the request) instead of at garbage collection.
-            async with contextlib.aclosing(llm.generate(prompt, params, rid)) as stream:
+            async with contextlib.aclosing(outputs) as stream:
                 async for out in stream:
                     comp = out.outputs[0]
                     completion += len(comp.token_ids)
@@ -416,6 +443,66 @@ class VllmEngine(Engine):
             raise EngineError(str(exc)) from exc
         finally:
             self._live.discard(rid)
+
+    def _handoff_params(self, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The request's params as vLLM's NIXL connectors read them: a flat
+        ``remote_block_ids`` is one KV-cache group's (vLLM 0.32 wants one list per group;
+        given a flat list, its handshake-failure path raises TypeError and the request
+        waits for ever, holding its blocks)."""
+        if params is None or not self.info.handoff.get("mode"):
+            return params
+        blocks = params.get("remote_block_ids")
+        if blocks and all(isinstance(b, int) for b in blocks):
+            params = {**params, "remote_block_ids": [list(blocks)]}
+        return params
+
+    async def _bounded_handoff(
+        self, llm: AsyncLLM, request: EngineRequest, kv: dict[str, Any],
+        outputs: AsyncGenerator[Any, None],
+    ) -> AsyncGenerator[Any, None]:
+        """vLLM's outputs of a remote-prefill request, its wait for P's KV bounded.
+
+        No output within ``kv_handoff_timeout_s`` (vLLM gives none until the KV arrived,
+        or its load failed and was handled): the request is cancelled, which aborts it in
+        vLLM; then, by ``kv_load_failure_policy``, it is run again without the handoff
+        (recompute: the prompt is prefilled here) or :class:`KvHandoffError` is raised
+        (fail). vLLM ending it with "error" before any token (its "fail" policy, e.g. P's
+        side channel did not answer its 5 s handshake) raises :class:`KvHandoffError` too.
+        """
+        rid = request.request_id
+        where = (f"remote prefill of {rid!r} from {kv.get('remote_host')}:"
+                 f"{kv.get('remote_port')} (engine {kv.get('remote_engine_id')})")
+        timeout = self.config.kv_handoff_timeout_s
+        async with contextlib.aclosing(outputs) as stream:
+            try:
+                async with asyncio.timeout(timeout):
+                    first = await anext(aiter(stream))
+            except TimeoutError:
+                first = None
+            except StopAsyncIteration:
+                return
+            if first is not None:
+                comp = first.outputs[0]
+                if first.finished and not comp.token_ids and comp.finish_reason == "error":
+                    raise KvHandoffError(f"KV handoff failed: {where}: vLLM could not load "
+                                         "it (kv_load_failure_policy=fail)")
+                yield first
+                async for out in stream:
+                    yield out
+                return
+        # Timed out: the cancel made vLLM abort the request (and free its blocks).
+        self._handoff_timeouts += 1
+        if self.config.kv_load_failure_policy != "recompute":
+            raise KvHandoffError(f"KV handoff timed out: {where} sent nothing within "
+                                 f"{timeout} s (kv_load_failure_policy=fail)")
+        log.warning("KV handoff timed out after %s s: %s; prefilling it here", timeout, where)
+        from vllm.inputs import tokens_input
+
+        local = self.sampling_params(request.sampling, None)
+        prompt = tokens_input(list(request.prompt_token_ids))
+        async with contextlib.aclosing(llm.generate(prompt, local, rid)) as again:
+            async for out in again:
+                yield out
 
     async def abort(self, request_id: str) -> bool:
         if request_id not in self._live or self._llm is None:
@@ -448,6 +535,7 @@ class VllmEngine(Engine):
             "kv_transfers": s.kv_transfers,
             "kv_transfer_bytes": s.kv_transfer_bytes,
             "kv_transfer_failures": s.kv_transfer_failures,
+            "kv_handoff_timeouts": self._handoff_timeouts,
         }
 
     async def reset_prefix_cache(self) -> bool:

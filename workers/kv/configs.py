@@ -14,8 +14,11 @@ Contract:
   (:func:`~workers.kv.nixl.nixl_env`: the NIXL side channel on ``--nixl-port``, else a
   free port, and UCX on loopback, which the store's NIXL transfers use too). Pass it as
   ``VllmEngineConfig.env``: the engine applies it only while it spawns its EngineCore,
-  never to the worker process as a whole. No config and no environment without either
-  connector; every call gets a fresh NIXL engine id.
+  never to the worker process as a whole. Push mode also gets vLLM's
+  ``push_registration_timeout`` = ``--kv-handoff-timeout-s`` (in vLLM 0.32 that watchdog
+  only logs; the worker's own bound is ``VllmEngineConfig.kv_handoff_timeout_s``). No
+  config and no environment without either connector; every call gets a fresh NIXL
+  engine id.
 """
 
 from __future__ import annotations
@@ -125,6 +128,10 @@ def worker_kv_transfer(cfg: WorkerConfig) -> KvTransferSetup:
         # vLLM's own connector classes, with NIXL's busy-polling progress thread off: it
         # keeps a core busy per idle engine on this 2-core machine (workers/kv/nixl_quiet).
         progress_thread=False,
+        # vLLM's own D-side push watchdog: it logs and drops a registration P never
+        # fulfilled; the worker itself bounds the request (VllmEngineConfig).
+        extra={"push_registration_timeout": cfg.kv_handoff_timeout_s} if mode == "push"
+        else None,
     )
     if not cfg.store_master:
         return KvTransferSetup(nixl_cfg, env)
