@@ -16,8 +16,10 @@ Contract:
 - :class:`InstanceWatcher` loads the current records under a component prefix, then follows
   etcd's watch from the next revision. ``instances()`` is the live set. A record whose lease
   expires disappears from it within the watch delay. After a watch error it reconnects and
-  resyncs from a fresh snapshot. Listeners registered with ``on_change`` are called after
-  every applied change.
+  resyncs from a fresh snapshot; a record the new snapshot lacks stays listed for
+  ``resync_grace_s`` (default 10 s) unless its key is put or deleted meanwhile, so an
+  etcd restarted without its data does not empty the set until the owners re-register.
+  Listeners registered with ``on_change`` are called after every applied change.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import aetcd
 import grpc
 
 from protos import discovery_pb2
+from services.common.grpc_client import RECONNECT_OPTIONS
 from services.common.periodic import Periodic
 
 log = logging.getLogger(__name__)
@@ -48,9 +51,10 @@ def instance_key(namespace: str, record: discovery_pb2.InstanceRecord) -> str:
 
 
 def etcd_client(endpoint: str) -> aetcd.Client:
-    """An (unconnected) aetcd client for ``host:port``."""
+    """An (unconnected) aetcd client for ``host:port``, which redials a restarted etcd
+    within a second (gRPC's default backoff grows to two minutes)."""
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=5)
+    return aetcd.Client(host=host, port=int(port), timeout=5, options=dict(RECONNECT_OPTIONS))
 
 
 class Registration:
@@ -77,10 +81,27 @@ class Registration:
     def lease_id(self) -> int | None:
         return self._lease.id if self._lease else None
 
-    async def start(self) -> None:
-        """Grants the lease, writes the record and starts the keepalive task."""
+    STARTUP_TIMEOUT_S = 30.0
+
+    async def start(self, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Grants the lease, writes the record and starts the keepalive task. While etcd
+        is unreachable (e.g. restarting) it retries, 0.2 s apart doubling to 2 s and
+        logging each failure, for ``startup_timeout_s``; then it raises the last error."""
         await self._client.connect()
-        await self._grant_and_put()
+        loop = asyncio.get_running_loop()
+        deadline, delay, attempt = loop.time() + startup_timeout_s, 0.2, 0
+        while True:
+            attempt += 1
+            try:
+                await self._grant_and_put()
+                break
+            except aetcd.exceptions.ConnectionFailedError as exc:
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("etcd registration of %s failed (try %d): %s; retrying in %.1fs",
+                            self.key, attempt, exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
         self._keepalive.start()
 
     async def update(self, record: discovery_pb2.InstanceRecord) -> None:
@@ -148,9 +169,13 @@ class InstanceWatcher:
     """
 
     STARTUP_TRIES = 5
+    RESYNC_GRACE_S = 10.0
 
-    def __init__(self, endpoint: str, namespace: str, component: str) -> None:
+    def __init__(self, endpoint: str, namespace: str, component: str,
+                 resync_grace_s: float = RESYNC_GRACE_S) -> None:
         self._endpoint = endpoint
+        self._grace = resync_grace_s
+        self._stale: dict[str, float] = {}  # kept after a resync missed them: id → deadline
         self._prefix = instances_prefix(namespace, component).encode()
         self._instances: dict[str, discovery_pb2.InstanceRecord] = {}
         self._listeners: list[Listener] = []
@@ -178,6 +203,7 @@ class InstanceWatcher:
 
     def _apply(self, key: bytes, value: bytes | None) -> None:
         instance_id = key[len(self._prefix):].decode()
+        self._stale.pop(instance_id, None)
         if value is None:
             self._instances.pop(instance_id, None)
         else:
@@ -203,9 +229,11 @@ class InstanceWatcher:
         try:
             await client.connect()
             snap = await client.get_prefix(self._prefix)
+            previous = dict(self._instances)
             self._instances.clear()
             for kv in snap:
                 self._apply(kv.key, kv.value)
+            self._keep_missing(previous)
             self._notify()
             self._ready.set()
             self._settled.set()
@@ -226,6 +254,41 @@ class InstanceWatcher:
         finally:
             with contextlib.suppress(Exception):
                 await client.close()
+
+    def _keep_missing(self, previous: dict[str, discovery_pb2.InstanceRecord]) -> None:
+        """After a resync, records the snapshot lacks stay listed for ``resync_grace_s``
+        (from when they first went missing) unless a watch event puts or deletes them
+        first: an etcd that lost its data (restarted wiped) has them back within one
+        keepalive of their owners, and a routing gap of a whole lease is worse than a
+        few calls to a dead worker, which callers report and skip."""
+        missing = {k: v for k, v in previous.items() if k not in self._instances}
+        if not missing or self._grace <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        fresh = [k for k in missing if k not in self._stale]
+        if fresh:
+            log.warning("etcd snapshot of %s lacks %d known record(s) (%s); keeping them "
+                        "%.0fs for their owners to re-register", self._prefix.decode(),
+                        len(fresh), ", ".join(sorted(fresh)[:5]), self._grace)
+        for k, rec in missing.items():
+            self._instances[k] = rec
+            self._stale.setdefault(k, now + self._grace)
+        loop.call_later(max(min(self._stale.values()) - now, 0.0), self._expire_stale)
+
+    def _expire_stale(self) -> None:
+        now = asyncio.get_running_loop().time()
+        gone = [k for k, deadline in self._stale.items() if deadline <= now]
+        for k in gone:
+            del self._stale[k]
+            self._instances.pop(k, None)
+        if gone:
+            log.warning("%d record(s) under %s did not come back after the resync: %s",
+                        len(gone), self._prefix.decode(), ", ".join(sorted(gone)[:5]))
+            self._notify()
+        if self._stale:
+            asyncio.get_running_loop().call_later(
+                max(min(self._stale.values()) - now, 0.0), self._expire_stale)
 
     async def close(self) -> None:
         """Stops watching. Idempotent."""

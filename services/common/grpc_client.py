@@ -27,16 +27,21 @@ MAX_RECONNECT_BACKOFF_MS = 1000
 RETIRE_GRACE_S = 600.0
 CLOSE_WAIT_S = 5.0
 
-_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.enable_retries", 0),
+# Reconnect at once to a peer that comes back (also used for etcd's channel).
+RECONNECT_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
-    ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS),
+    # Not grpc.min_reconnect_backoff_ms: gRPC core uses it as the connect timeout, and
+    # at 100 ms a loaded host's handshakes timed out ("before receiving SETTINGS frame").
     ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     # Own subchannels: with gRPC's process-wide pool a fresh channel would share the old
     # one's connection, backoff included, and invalidate() could not dial afresh.
     ("grpc.use_local_subchannel_pool", 1),
+]
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.enable_retries", 0),
+    *RECONNECT_OPTIONS,
 ]
 
 

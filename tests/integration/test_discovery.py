@@ -4,6 +4,8 @@ a registration puts its key back when someone deletes it while its lease lives."
 
 from __future__ import annotations
 
+import asyncio
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,3 +103,59 @@ async def test_registration_puts_a_deleted_key_back(etcd: Child) -> None:
     finally:
         await reg.close()
         await client.close()
+
+
+async def test_registration_waits_out_a_short_etcd_restart(own_etcd: tuple[Child, Path],
+                                                           log_dir: Path) -> None:
+    child, work = own_etcd
+    port, peer = int(child.address.split(":")[1]), _peer_port(child)
+    child.stop()
+    rec = discovery_pb2.InstanceRecord(instance_id="early", component="worker",
+                                       address="127.0.0.1:1")
+    reg = Registration(child.address, NS, rec, ttl=3)
+    # Its first tries find no etcd; the timeout only bounds a loaded host's etcd start.
+    starting = asyncio.ensure_future(reg.start(startup_timeout_s=120))
+    restarted = await asyncio.to_thread(start_etcd, work, log_dir, port, peer)
+    try:
+        await starting
+        client = etcd_client(restarted.address)
+        await client.connect()
+        try:
+            kv = await client.get(reg.key.encode())
+            assert kv is not None and kv.lease == reg.lease_id
+        finally:
+            await client.close()
+    finally:
+        await reg.close()
+        restarted.stop()
+
+
+async def test_records_a_wiped_etcd_lost_stay_until_the_grace_ends(
+        own_etcd: tuple[Child, Path], log_dir: Path) -> None:
+    child, work = own_etcd
+    port, peer = int(child.address.split(":")[1]), _peer_port(child)
+    await _put(child.address, "dead")
+    await _put(child.address, "alive")
+    watcher = InstanceWatcher(child.address, NS, "worker", resync_grace_s=2.0)
+    await watcher.start()
+    seen: list[set[str]] = []
+    watcher.on_change(lambda recs: seen.append(set(recs)))
+    child.stop()
+    shutil.rmtree(work / "etcd-data")
+    restarted = await asyncio.to_thread(start_etcd, work, log_dir, port, peer)
+    try:
+        async def put_alive() -> bool:  # its owner re-registers; "dead" never does
+            try:
+                await _put(restarted.address, "alive")
+            except aetcd.exceptions.ConnectionFailedError:
+                return False  # a wiped etcd may listen before it serves
+            return True
+        await wait_for(put_alive, 30, "the restarted etcd to take a put")
+        await wait_for(lambda: set(watcher.instances()) == {"alive"}, 30,
+                       lambda: f"'dead' to go after the grace (has {seen})")
+        # Neither was ever missing before the grace ended: no routing gap.
+        assert all("alive" in s for s in seen), seen
+        assert any(s == {"alive", "dead"} for s in seen), seen
+    finally:
+        await watcher.close()
+        restarted.stop()
