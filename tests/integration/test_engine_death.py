@@ -36,6 +36,7 @@ from services.common.config import BaseConfig, load_config
 from services.common.discovery import etcd_client, instances_prefix
 from services.common.procs import Child, spawn
 from services.common.server import FATAL_EXIT, MeshServer, serve_main
+from tests.faults.table import FaultTable
 from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.engines.mock.engine import MockEngine, MockEngineConfig
@@ -279,7 +280,7 @@ def engine_core_of(pid: int) -> psutil.Process:
 @pytest.mark.vllm
 @pytest.mark.slow
 async def test_vllm_worker_refuses_the_crafted_request_and_dies_cleanly_with_its_engine(
-        etcd: Child, tiny_model: str, log_dir: Path) -> None:
+        etcd: Child, tiny_model: str, log_dir: Path, fault_table: FaultTable) -> None:
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     child = spawn("vllm-doomed", [
         sys.executable, "-m", "workers", "--engine", "vllm", "--role", "decode",
@@ -304,6 +305,10 @@ async def test_vllm_worker_refuses_the_crafted_request_and_dies_cleanly_with_its
         assert nan.code() == grpc.StatusCode.INVALID_ARGUMENT
         ok = await generate(rec.address, plain("after-crafted"))
         assert ok[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        fault_table.record("crafted kv_transfer and NaN temperature on a vLLM worker",
+                           "INVALID_ARGUMENT naming the field; the engine serves after",
+                           "INVALID_ARGUMENT naming the field; the engine serves after",
+                           count=3)
 
         # (b) kill -9 of EngineCore while a long request streams
         core = engine_core_of(child.proc.pid)
@@ -325,7 +330,12 @@ async def test_vllm_worker_refuses_the_crafted_request_and_dies_cleanly_with_its
         assert later.code() == grpc.StatusCode.UNAVAILABLE
         await wait_for(lambda: _no_workers(etcd.address), 60,
                        "the dead worker's key to vanish (TTL 300 s: only a revoke)")
-        assert await exit_code(child) == FATAL_EXIT, child.log_tail()
+        code = await exit_code(child)
+        observed = (f"in-flight and later calls UNAVAILABLE, NOT_SERVING, lease revoked, "
+                    f"exit {code}")
+        assert fault_table.record("kill -9 of vLLM's EngineCore mid-stream", "in-flight and "
+                                  "later calls UNAVAILABLE, NOT_SERVING, lease revoked, exit 3",
+                                  observed), child.log_tail()
         log = child.log_path.read_text(errors="replace")
         assert "worker cannot serve: engine dead: EngineCore" in log, child.log_tail()
         assert "exited with code -9" in log, child.log_tail()

@@ -1,0 +1,3 @@
+from bench.faults.run import main
+
+raise SystemExit(main())
