@@ -17,9 +17,22 @@ core). Contract of :class:`IndexFeed`:
   index is already past it.
 - Workers whose etcd lease goes are removed from the index (also those found only in the
   replayed stream once the first etcd snapshot shows them gone).
-- Malformed entries are counted and skipped; the feed never stops on bad input. A failed
-  stream read (Redis hiccup) is logged and the reads restart ``retry_s`` later.
-- ``stats`` (see :class:`FeedStats`), ``close()`` stops everything. Idempotent.
+- Malformed entries are counted and skipped; the feed never stops on bad input.
+- Redis going away or restarting (see :meth:`IndexFeed._follow`): a failed read is counted
+  (``read_failures``) and retried every ``retry_s``; the first failure of an outage logs
+  one line with its cause, later ones only when their number is a power of two, and the
+  recovery one line. The feed notices a *bus reset*: the server's ``run_id`` changed
+  (checked at every retry and every ``retry_s`` while reading: a restart, whether the data
+  was wiped or kept by AOF, which may lose its last second), or a read answered
+  ``NOGROUP`` (the stream or the group is gone: wiped, ``FLUSHALL``, ``DEL``). On a reset
+  it recreates the group at the start of what the stream now holds (``MKSTREAM``; a group
+  kept by AOF stays where it is), logs one line with the cause, counts it
+  (``bus_resets``), and resyncs every worker in etcd that publishes KV events
+  (``kv_events`` capability) from its ``GetKvState``, since events published before the
+  reset may be lost with no later event to reveal the gap. A worker whose resync fails is
+  retried every ``retry_s`` until it succeeds or the worker leaves etcd.
+- ``stats`` (see :class:`FeedStats`); ``live_workers()`` the worker ids of the latest etcd
+  snapshot; ``close()`` stops everything. Idempotent.
 """
 
 from __future__ import annotations
@@ -32,7 +45,7 @@ from typing import Any
 
 import grpc
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from protos import discovery_pb2, kv_events_pb2, worker_pb2_grpc
 from services.common.discovery import InstanceWatcher
@@ -62,11 +75,17 @@ class FeedStats:
     resync_failures: int = 0
     workers_removed: int = 0
     bad_entries: int = 0
+    read_failures: int = 0  # stream reads (or bus checks) that failed
+    bus_resets: int = 0  # Redis restarts / lost streams or groups noticed
 
 
 def state_blocks(state: kv_events_pb2.KvState) -> dict[str, Iterable[int]]:
     """tier → hashes of a KvState message."""
     return {t.tier: list(t.block_hashes) for t in state.tiers}
+
+
+def _powers_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 class IndexFeed:
@@ -90,21 +109,25 @@ class IndexFeed:
         self._seen_alive: set[str] = set()
         self._pool = ChannelPool()
         self._last_try: dict[str, float] = {}
+        self._resync_fails: dict[str, int] = {}  # failed resyncs in a row, per worker
+        self._stale: set[str] = set()  # workers to resync after a bus reset
         self._redis: aioredis.Redis | None = None
+        self._run_id = ""  # the Redis server's run_id when last checked
+        self._checked_at = 0.0
+        self._failing = 0  # failed follow runs in a row (an outage)
+        self._closing = False
         self._clock = clock
-        # _follow reads until an error; the Periodic logs it and restarts after retry_s
-        # (max_backoff_s = retry_s: a fixed retry delay, as before).
+        # _follow reads until an error, which it logs and counts itself; the Periodic then
+        # calls it again after retry_s (max_backoff_s = retry_s: a fixed retry delay).
         self._follower = Periodic(f"index-feed-{group}", self._follow, retry_s,
                                   max_backoff_s=retry_s)
 
     async def start(self) -> None:
         """Replays the stream into the index, then follows it (see the contract)."""
         self._redis = aioredis.Redis.from_url(self._redis_url)
-        try:
-            await self._redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
-        except ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        self._run_id = await self._server_run_id()
+        self._checked_at = self._clock()
+        if not await self._ensure_group():
             await self._redis.xgroup_setid(self.stream, self.group, id="0")
         self._watcher.on_change(self._on_workers)
         await self._watcher.start()
@@ -113,6 +136,27 @@ class IndexFeed:
         self._drop_dead_after_replay()
         self.ready.set()
         self._follower.start()
+
+    async def _ensure_group(self) -> bool:
+        """Creates the group at the stream's start (and the stream if missing); False when
+        the group already exists."""
+        assert self._redis is not None
+        try:
+            await self._redis.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+            return False
+        return True
+
+    async def _server_run_id(self) -> str:
+        assert self._redis is not None
+        info: dict[str, Any] = await self._redis.info("server")
+        return str(info.get("run_id", ""))
+
+    def live_workers(self) -> set[str]:
+        """The workers in the latest etcd snapshot."""
+        return set(self._records)
 
     def _on_workers(self, records: Mapping[str, discovery_pb2.InstanceRecord]) -> None:
         """An etcd snapshot: workers seen alive before and now gone lose their blocks."""
@@ -132,11 +176,72 @@ class IndexFeed:
         self.stats.workers_removed += 1
 
     async def _follow(self) -> None:
-        """Reads and applies new entries back to back; returns only by raising (a Redis
-        hiccup), after which the Periodic retries in ``retry_s``."""
-        while True:
-            await self._read_once(block_ms=self._block_ms)
-            self._follower.note_progress()
+        """Reads and applies new entries back to back, checking for a bus reset first and
+        every ``retry_s``; a Redis error ends the run (logged and counted by
+        :meth:`_outage`), and the Periodic calls again ``retry_s`` later."""
+        try:
+            self._raise_if_closing()
+            await self._check_bus()
+            while True:
+                self._raise_if_closing()
+                try:
+                    await self._read_once(block_ms=self._block_ms)
+                except ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    await self._bus_reset(f"the stream or its group is gone ({exc})")
+                    continue
+                self._follower.note_progress()
+                self._recovered()
+                if self._clock() - self._checked_at >= self._retry_s:
+                    await self._check_bus()
+                if self._stale:
+                    await self._resync_stale()
+        except (RedisError, OSError) as exc:
+            self._outage(exc)
+
+    def _raise_if_closing(self) -> None:
+        """Ends the follower once ``close()`` began, even if its cancel was lost in a Redis
+        call (Python 3.11's ``asyncio.wait_for``, which redis-py sends through, drops a
+        cancel that arrives as the send completes)."""
+        if self._closing:
+            raise asyncio.CancelledError
+
+    async def _check_bus(self) -> None:
+        """A changed server ``run_id`` means Redis restarted: a bus reset."""
+        run_id = await self._server_run_id()
+        self._checked_at = self._clock()
+        if run_id != self._run_id:
+            await self._bus_reset(f"Redis restarted (run_id {self._run_id} -> {run_id})")
+            self._run_id = run_id
+
+    async def _bus_reset(self, reason: str) -> None:
+        """Recreates the group if it is gone and resyncs every KV-event worker."""
+        created = await self._ensure_group()
+        self.stats.bus_resets += 1
+        self._stale = {w for w, rec in self._records.items() if "kv_events" in rec.capabilities}
+        self._last_try.clear()
+        log.warning("KV event stream %s: %s; consumer group %s %s; resyncing %d workers",
+                    self.stream, reason, self.group, "recreated" if created else "kept",
+                    len(self._stale))
+        await self._resync_stale()
+
+    def _outage(self, exc: Exception) -> None:
+        self.stats.read_failures += 1
+        self._failing += 1
+        n = self._failing
+        if n == 1:
+            log.warning("KV event stream %s unreadable (%r); retrying every %.1fs",
+                        self.stream, exc, self._retry_s)
+        elif _powers_of_two(n):
+            log.warning("KV event stream %s still unreadable (%d tries in a row): %r",
+                        self.stream, n, exc)
+
+    def _recovered(self) -> None:
+        if self._failing:
+            log.info("KV event stream %s readable again after %d failed tries", self.stream,
+                     self._failing)
+            self._failing = 0
 
     async def _read_once(self, block_ms: int | None) -> int:
         """Reads and applies one chunk; returns the number of entries."""
@@ -166,6 +271,7 @@ class IndexFeed:
             if msg.event_id >= self.index.next_event_id(msg.worker_id) - 1:
                 self.index.resync(msg.worker_id, msg.event_id, state_blocks(msg))
                 self.stats.resyncs += 1
+                self._stale.discard(msg.worker_id)
             return
         for ev in msg.events:
             kind = KIND_NAMES.get(ev.kind)
@@ -188,32 +294,63 @@ class IndexFeed:
                     continue
             self.stats.events_applied += 1
 
+    def _may_try(self, worker: str) -> bool:
+        """At most one resync attempt per worker every ``retry_s``."""
+        now = self._clock()
+        if now - self._last_try.get(worker, -1e9) < self._retry_s:
+            return False
+        self._last_try[worker] = now
+        return True
+
     async def _resync(self, gap: Gap) -> bool:
         """Replaces the worker's state by its own full dump; False when unavailable."""
-        now = self._clock()
-        if now - self._last_try.get(gap.worker_id, -1e9) < self._retry_s:
+        if not self._may_try(gap.worker_id):
             return False
-        self._last_try[gap.worker_id] = now
-        rec = self._records.get(gap.worker_id)
-        if rec is None:
-            self.stats.resync_failures += 1
-            return False
-        stub = worker_pb2_grpc.WorkerStub(self._pool.get(rec.address))
-        try:
-            state = await stub.GetKvState(kv_events_pb2.KvStateRequest(), timeout=5)
-        except grpc.RpcError as exc:
-            self.stats.resync_failures += 1
-            log.warning("resync of %s failed: %s", gap.worker_id, exc)
+        state = await self._fetch_state(gap.worker_id)
+        if state is None:
             return False
         log.info("%s: events %d..%d missing; resynced at event %d", gap.worker_id,
                  gap.expected, gap.got - 1, state.event_id)
-        self.index.resync(gap.worker_id, state.event_id, state_blocks(state))
-        self._last_try.pop(gap.worker_id, None)
-        self.stats.resyncs += 1
+        self._apply_state(gap.worker_id, state)
         return True
+
+    async def _resync_stale(self) -> None:
+        """Resyncs the workers left to resync after a bus reset (those due a try)."""
+        self._stale &= set(self._records)
+        due = sorted(w for w in self._stale if self._may_try(w))
+        states = await asyncio.gather(*(self._fetch_state(w) for w in due))
+        for worker, state in zip(due, states, strict=True):
+            if state is not None and worker in self._stale:
+                self._apply_state(worker, state)
+
+    async def _fetch_state(self, worker: str) -> kv_events_pb2.KvState | None:
+        """The worker's ``GetKvState``; None (counted, logged on the first failure in a row
+        and then at powers of two) when it is not in etcd or does not answer."""
+        rec = self._records.get(worker)
+        if rec is None:
+            self.stats.resync_failures += 1
+            return None
+        stub = worker_pb2_grpc.WorkerStub(self._pool.get(rec.address))
+        try:
+            return await stub.GetKvState(kv_events_pb2.KvStateRequest(), timeout=5)
+        except grpc.RpcError as exc:
+            self.stats.resync_failures += 1
+            n = self._resync_fails[worker] = self._resync_fails.get(worker, 0) + 1
+            if _powers_of_two(n):
+                log.warning("resync of %s failed (%d in a row): %s %s", worker, n,
+                            exc.code(), exc.details())  # type: ignore[attr-defined]
+            return None
+
+    def _apply_state(self, worker: str, state: kv_events_pb2.KvState) -> None:
+        self.index.resync(worker, state.event_id, state_blocks(state))
+        self._last_try.pop(worker, None)
+        self._resync_fails.pop(worker, None)
+        self._stale.discard(worker)
+        self.stats.resyncs += 1
 
     async def close(self) -> None:
         """Stops following the stream and closes connections."""
+        self._closing = True
         await self._follower.stop()
         await self._watcher.close()
         await self._pool.close()

@@ -3,9 +3,14 @@
 Contract:
 
 - ``FindMatches``: exactly one of ``token_ids`` (hashed with ``block_size`` > 0, kvmesh's
-  chained hashes) or ``block_hashes``; INVALID_ARGUMENT otherwise. Returns the overlap of
-  every worker holding the query's first block, sorted by worker id.
-- ``Dump``: the exact state (all workers, or one), with the last applied event id.
+  chained hashes) or ``block_hashes``; INVALID_ARGUMENT otherwise, and for more than
+  :data:`MAX_QUERY_TOKENS` token ids (ids must be >= 0), a ``block_size`` over
+  :data:`MAX_BLOCK_SIZE` or more than :data:`MAX_QUERY_BLOCKS` hashes (a million tokens
+  is far beyond any model's context; the limits only bound the work one query costs).
+  Returns the overlap of every worker holding the query's first block, sorted by worker
+  id.
+- ``Dump``: the exact state (all workers, or one), with the last applied event id; a
+  ``worker_id`` no worker has answers no workers.
 - ``Stats``: index sizes plus the feed's counters.
 """
 
@@ -18,6 +23,29 @@ from services.common.block_hash import block_hashes
 from services.indexer.core import KvIndex
 from services.indexer.feed import FeedStats
 
+MAX_QUERY_TOKENS = 1 << 20
+MAX_QUERY_BLOCKS = 1 << 16
+MAX_BLOCK_SIZE = 1 << 16
+
+
+def query_problem(request: indexer_pb2.FindMatchesRequest) -> str | None:
+    """Why a FindMatches request is refused (naming the field), or None."""
+    if bool(request.token_ids) == bool(request.block_hashes):
+        return "give exactly one of token_ids or block_hashes"
+    if request.block_hashes:
+        if len(request.block_hashes) > MAX_QUERY_BLOCKS:
+            return (f"block_hashes: at most {MAX_QUERY_BLOCKS} hashes, "
+                    f"got {len(request.block_hashes)}")
+        return None
+    if not 0 < request.block_size <= MAX_BLOCK_SIZE:
+        return f"token_ids need a block_size in 1..{MAX_BLOCK_SIZE}, got {request.block_size}"
+    if len(request.token_ids) > MAX_QUERY_TOKENS:
+        return f"token_ids: at most {MAX_QUERY_TOKENS} ids, got {len(request.token_ids)}"
+    if min(request.token_ids) < 0:
+        i = next(i for i, t in enumerate(request.token_ids) if t < 0)
+        return f"token_ids[{i}] must be >= 0, got {request.token_ids[i]}"
+    return None
+
 
 class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     """Serves queries on one KvIndex."""
@@ -29,13 +57,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def FindMatches(  # noqa: N802
         self, request: indexer_pb2.FindMatchesRequest, context: grpc.aio.ServicerContext
     ) -> indexer_pb2.FindMatchesResponse:
-        if bool(request.token_ids) == bool(request.block_hashes):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "give exactly one of token_ids or block_hashes")
+        problem = query_problem(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.token_ids:
-            if request.block_size <= 0:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "token_ids need a positive block_size")
             hashes = block_hashes(request.token_ids, request.block_size)
         else:
             hashes = list(request.block_hashes)

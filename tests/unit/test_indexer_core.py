@@ -222,3 +222,27 @@ def test_workers_lists_only_workers_with_blocks() -> None:
     assert idx.workers() == {"a", "b"}
     idx.apply(KvEvent("b", 1, "removed", tuple(H[:1]), "store"))
     assert idx.workers() == {"a"} and idx._multi_tier == set()
+
+
+def test_find_matches_requests_are_bounded_and_name_the_field() -> None:
+    from protos import indexer_pb2
+    from services.indexer.service import (
+        MAX_BLOCK_SIZE,
+        MAX_QUERY_BLOCKS,
+        MAX_QUERY_TOKENS,
+        query_problem,
+    )
+
+    req = indexer_pb2.FindMatchesRequest
+    assert query_problem(req(token_ids=[1, 2], block_size=2)) is None
+    assert query_problem(req(block_hashes=[1] * MAX_QUERY_BLOCKS)) is None
+    refused = {
+        "exactly one": req(),
+        "block_hashes: at most": req(block_hashes=[1] * (MAX_QUERY_BLOCKS + 1)),
+        "token_ids: at most": req(token_ids=[1] * (MAX_QUERY_TOKENS + 1), block_size=16),
+        "block_size in 1..": req(token_ids=[1], block_size=MAX_BLOCK_SIZE + 1),
+        "token_ids[1] must be >= 0": req(token_ids=[1, -5], block_size=1),
+    }
+    for text, r in refused.items():
+        problem = query_problem(r)
+        assert problem is not None and text in problem, (text, problem)
