@@ -11,20 +11,26 @@ Contract:
   the namespace's persisted metadata (when persistence is on), serves the API, registers
   in etcd as component ``store_master``, and runs :attr:`StoreMasterApp.ticker`, a
   :class:`~services.common.periodic.Periodic` calling :func:`tick_once` (the core's
-  ``tick``, then a flush) every ``tick_interval_s``, first after one interval; an error
-  is logged and the next tick backs off. Stopping the server stops the ticker and flushes
-  once more.
+  ``tick``, then the persister's Redis-restart ``check`` and a flush) every
+  ``tick_interval_s``, first after one interval; an error is logged and the next tick
+  backs off. Stopping the server stops the ticker and flushes once more.
+- Redis restarts are noticed within one tick: the persister rewrites the whole metadata
+  (``app.persister.rewrites`` counts it; see :mod:`services.store_master.persist`).
+- Stopping never hangs on a cancellation lost inside a Redis call (redis-py sends through
+  ``asyncio.wait_for`` when ``socket_timeout`` is set, its default since 8.0, and Python
+  3.11's ``wait_for`` drops a cancel that arrives as the send completes): a tick that ends
+  after the stop began raises ``CancelledError`` itself.
 - The clock is wall time (``time.time``) so deadlines persisted in Redis stay meaningful
   across a restart; tests inject a fake clock they advance.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from functools import partial
 
 from protos import discovery_pb2, store_pb2, store_pb2_grpc
 from services.common.config import SeededConfig, seeded_rng
@@ -120,13 +126,14 @@ class StoreMasterApp:
 
 
 async def tick_once(master: StoreMaster, persister: Persister) -> None:
-    """One round of the core's periodic work, then a flush (even when ``tick`` raised; the
-    ticker logs the error and backs off)."""
+    """One round of the core's periodic work, then a Redis-restart check and a flush (even
+    when ``tick`` raised; the ticker logs the error and backs off)."""
     try:
         report = master.tick()
         if report.zombies_reclaimed or report.clients_lost or report.objects_evicted:
             log.info("store tick: %s", report)
     finally:
+        await persister.check()
         await persister.flush()
 
 
@@ -149,11 +156,19 @@ async def start_store_master(cfg: StoreMasterConfig, clock: Clock = time.time) -
         log.info("store metadata restored: %s", restored)
     persister = Persister(master, store)
     await persister.flush()  # drops what restore could not keep
-    ticker = Periodic("store-master-tick", partial(tick_once, master, persister),
-                      cfg.tick_interval_s, delay_first=True)
+    await persister.mark()
+    stopping = asyncio.Event()
+
+    async def tick() -> None:
+        await tick_once(master, persister)
+        if stopping.is_set():  # the stop's cancel was swallowed (see the module docstring)
+            raise asyncio.CancelledError
+
+    ticker = Periodic("store-master-tick", tick, cfg.tick_interval_s, delay_first=True)
     ticker.start()
 
     async def stop_ticker() -> None:
+        stopping.set()
         await ticker.stop()
         await persister.flush()
         if store is not None:

@@ -12,8 +12,13 @@ Contract (``protos/store.proto`` documents each RPC):
   Reads (GetReplicaList, ExistKey, BatchExistKey, Ping, Stats) write nothing.
 - The ``Batch*`` RPCs run each item as its single-key RPC would, in order, and answer
   OK with one ``ItemStatus`` per item (the code that RPC would have answered with); a
-  batch over :data:`MAX_BATCH` items, or with an unknown pin, is INVALID_ARGUMENT as a
-  whole. A mutating batch flushes the persister once, after its last item.
+  batch over :data:`MAX_BATCH` (4096) items, or with an unknown pin, is INVALID_ARGUMENT
+  as a whole. ``BatchExistKey`` (one bool per key) is INVALID_ARGUMENT as a whole for an
+  invalid key (naming its index). A mutating batch flushes the persister once, after its
+  last item.
+- Keys (and client ids, segment ids, endpoints) are at most ``max_key_bytes`` (4096)
+  bytes of UTF-8 and not empty; segment geometry is checked against 64-bit addresses
+  (see the core's ``mount_segment``). No request answers UNKNOWN.
 """
 
 from __future__ import annotations
@@ -69,6 +74,13 @@ def status_of(exc: StoreError) -> grpc.StatusCode:
 async def _abort(context: grpc.aio.ServicerContext, exc: StoreError) -> NoReturn:
     await context.abort(status_of(exc), str(exc))
     raise AssertionError("unreachable")  # context.abort raises
+
+
+async def _batch_size(context: grpc.aio.ServicerContext, field: str, n: int) -> None:
+    """INVALID_ARGUMENT for a batch over :data:`MAX_BATCH` items."""
+    if n > MAX_BATCH:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"{field}: a batch holds at most {MAX_BATCH} items, got {n}")
 
 
 def _item(fn: Callable[[], T]) -> tuple[store_pb2.ItemStatus, T | None]:
@@ -147,6 +159,7 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     async def BatchExistKey(  # noqa: N802
         self, request: store_pb2.BatchExistKeyRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.BatchExistKeyResponse:
+        await _batch_size(context, "keys", len(request.keys))
         found = await self._call(context, lambda: self._m.batch_exist_key(list(request.keys)),
                                  mutates=False)
         return store_pb2.BatchExistKeyResponse(exists=found)
@@ -194,15 +207,11 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
                                  mutates=False)
         return store_pb2.PingResponse(known=known, client_ttl_s=self._m.params.client_ttl_s)
 
-    async def _batch_size(self, context: grpc.aio.ServicerContext, n: int) -> None:
-        if n > MAX_BATCH:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"a batch holds at most {MAX_BATCH} items, got {n}")
 
     async def BatchPutStart(  # noqa: N802
         self, request: store_pb2.BatchPutStartRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.BatchPutStartResponse:
-        await self._batch_size(context, len(request.items))
+        await _batch_size(context, "items", len(request.items))
         pins = [await self._pin(context, it.pin) for it in request.items]
         out = store_pb2.BatchPutStartResponse()
         try:
@@ -218,7 +227,7 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     async def _batch_keys(self, context: grpc.aio.ServicerContext,
                           request: store_pb2.BatchKeysRequest,
                           fn: Callable[[str], object]) -> store_pb2.BatchStatusResponse:
-        await self._batch_size(context, len(request.keys))
+        await _batch_size(context, "keys", len(request.keys))
         out = store_pb2.BatchStatusResponse()
         try:
             for key in request.keys:
@@ -240,7 +249,7 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     async def BatchGetReplicaList(  # noqa: N802
         self, request: store_pb2.BatchKeysRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.BatchGetReplicaListResponse:
-        await self._batch_size(context, len(request.keys))
+        await _batch_size(context, "keys", len(request.keys))
         out = store_pb2.BatchGetReplicaListResponse()
         for key in request.keys:
             status, found = _item(partial(self._replica_list, key))

@@ -325,3 +325,102 @@ async def test_without_redis_metadata_is_not_kept(start: Starter) -> None:
     app2, stub2 = await start(namespace, redis=False)
     assert app2.restored is None
     assert (await stub2.Stats(store_pb2.StatsRequest())).segments == 0
+
+
+async def test_limits_and_overflows_are_invalid_argument_naming_the_field(
+        start: Starter) -> None:
+    _, stub = await start(ns())
+    await mount(stub, "c0", "s0")
+    long = "k" * 4097  # the key limit is 4096 bytes (MasterParams.max_key_bytes)
+
+    def mount_req(**kw: Any) -> store_pb2.MountSegmentRequest:
+        return store_pb2.MountSegmentRequest(**{"client_id": "c", "segment_id": "s",
+                                                "base": 0, "size": 10, **kw})
+
+    cases: list[tuple[Any, str]] = [
+        (stub.MountSegment(mount_req(base=(1 << 64) - 10, size=100)), "base + size"),
+        (stub.MountSegment(mount_req(size=0)), "size"),
+        (stub.MountSegment(mount_req(size=(1 << 64) - 1)), "capacity"),  # 1000 + that
+        (stub.MountSegment(mount_req(client_id=long)), "client_id"),
+        (stub.MountSegment(mount_req(segment_id="")), "segment_id"),
+        (stub.MountSegment(mount_req(endpoint=long)), "endpoint"),
+        (stub.BatchExistKey(store_pb2.BatchExistKeyRequest(
+            keys=[f"k{i}" for i in range(100_000)])), "at most 4096"),
+        (stub.BatchExistKey(store_pb2.BatchExistKeyRequest(keys=["a", long])), "keys[1]"),
+        (stub.BatchExistKey(store_pb2.BatchExistKeyRequest(keys=["", "a"])), "keys[0]"),
+        (stub.BatchGetReplicaList(store_pb2.BatchKeysRequest(
+            keys=["k"] * 4097)), "keys: a batch holds at most 4096"),
+        (stub.BatchPutStart(store_pb2.BatchPutStartRequest(
+            items=[store_pb2.PutStartRequest(key="k", size=1)] * 4097)), "items"),
+        (stub.ExistKey(key(long)), "4096 bytes"),
+        (stub.PutStart(store_pb2.PutStartRequest(key=long, size=1)), "4096 bytes"),
+        (stub.GetReplicaList(key("")), "key must not be empty"),
+    ]
+    for call, text in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
+        assert text in (info.value.details() or ""), (text, info.value.details())
+    # At the limits: accepted.
+    assert (await stub.MountSegment(mount_req(segment_id="top", base=(1 << 64) - 10,
+                                              size=10))).mounted
+    assert len((await stub.BatchExistKey(store_pb2.BatchExistKeyRequest(
+        keys=["k" * 4096] * 4096))).exists) == 4096
+    stats = await stub.Stats(store_pb2.StatsRequest())
+    assert stats.capacity == 1010
+
+
+def _extreme(cls: Any, variant: int, depth: int = 0) -> Any:
+    """A request of ``cls`` with every field at an extreme (variant 0: maximal numbers and
+    4097-long lists, 1: minimal numbers and empty strings, 2: 5000-byte strings)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    msg = cls()
+    ints = {F.TYPE_UINT64: ((1 << 64) - 1, 0), F.TYPE_INT64: ((1 << 63) - 1, -(1 << 63)),
+            F.TYPE_INT32: ((1 << 31) - 1, -(1 << 31)), F.TYPE_ENUM: ((1 << 31) - 1, -1),
+            F.TYPE_UINT32: ((1 << 32) - 1, 0)}
+    for f in msg.DESCRIPTOR.fields:
+        if f.type == F.TYPE_STRING:
+            value: Any = ["", "", "x" * 5000][variant] if variant else "k"
+        elif f.type in ints:
+            value = ints[f.type][variant % 2]
+        elif f.type == F.TYPE_BOOL:
+            value = True
+        elif f.type == F.TYPE_DOUBLE:
+            value = float("nan")
+        else:
+            value = None
+        repeated = f.is_repeated
+        if f.type == F.TYPE_MESSAGE:
+            if depth == 0:
+                n = 4097 if variant == 0 else 3
+                sub = _extreme(f.message_type._concrete_class, variant, depth + 1)
+                if repeated:
+                    getattr(msg, f.name).extend([sub] * n)
+                else:
+                    getattr(msg, f.name).CopyFrom(sub)
+        elif value is not None:
+            if repeated:
+                getattr(msg, f.name).extend([value] * (4097 if variant == 0 else 3))
+            else:
+                setattr(msg, f.name, value)
+    return msg
+
+
+async def test_no_request_answers_unknown_or_internal(start: Starter) -> None:
+    _, stub = await start(ns())
+    await mount(stub, "c0", "s0")
+    service = store_pb2.DESCRIPTOR.services_by_name["StoreMaster"]
+    seen: dict[str, set[grpc.StatusCode]] = {}
+    for method in service.methods:
+        for variant in range(3):
+            req = _extreme(method.input_type._concrete_class, variant)
+            try:
+                await getattr(stub, method.name)(req)
+                code = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+            seen.setdefault(method.name, set()).add(code)
+    bad = {m: c for m, c in seen.items()
+           if c & {grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL}}
+    assert not bad, bad

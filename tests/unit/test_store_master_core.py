@@ -43,7 +43,7 @@ def make(clock: Clock, segments: int = 1, size: int = 1000, strategy: str = "ran
     m = StoreMaster(clock, random.Random(0), MasterParams(**params),  # type: ignore[arg-type]
                     strategy=make_strategy(strategy, random.Random(0)), eviction=LruPolicy())
     for i in range(segments):
-        m.mount_segment(f"c{i}", f"s{i}", base=1 << 20 * (i + 1), size=size,
+        m.mount_segment(f"c{i}", f"s{i}", base=(i + 1) << 20, size=size,
                         endpoint=f"agent-{i}")
     return m
 

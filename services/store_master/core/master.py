@@ -16,6 +16,9 @@ Store clients and segments
 
 - ``mount_segment(client_id, segment_id, base, size, endpoint)``: adds a segment of ``size``
   bytes at address ``base``, owned by ``client_id`` (which counts as alive from now on).
+  InvalidInput (naming the field) for an empty id, an id or endpoint longer than
+  ``max_key_bytes``, ``size <= 0``, ``base < 0``, ``base + size > 2^64`` or a total
+  capacity that would reach 2^64 (addresses and sizes are 64-bit on the wire).
   Mounting the same segment again with the same owner, base and size is a no-op returning
   False (a client remounting after a master restart); a different owner or geometry is
   AlreadyExists. Returns True when newly mounted. A remount trusts the bytes already
@@ -52,7 +55,8 @@ Reads (never before COMPLETE)
   (LRU) and, for a soft-pinned object, its soft-pin TTL.
 - ``exist_key(key)`` → True only for a complete object, granting the same lease; False for
   unknown keys and puts in progress.  Every key-taking method raises InvalidInput for an
-  empty key or one longer than ``max_key_bytes``. ``batch_exist_key(keys)`` is the same per key.
+  empty key or one longer than ``max_key_bytes`` (default 4096 bytes of UTF-8).
+  ``batch_exist_key(keys)`` is the same per key (InvalidInput names the key's index).
 
 Removal, pins, eviction
 
@@ -124,6 +128,8 @@ from services.store_master.core.states import (
     StoreError,
     WrongState,
 )
+
+ADDRESS_SPACE = 1 << 64  # segment addresses, sizes and the total capacity are 64-bit
 
 
 @dataclass(frozen=True)
@@ -240,10 +246,20 @@ class StoreMaster:
 
     def mount_segment(self, client_id: str, segment_id: str, base: int, size: int,
                       endpoint: str = "") -> bool:
-        if not client_id or not segment_id:
-            raise InvalidInput("client_id and segment_id must not be empty")
-        if base < 0 or size <= 0:
-            raise InvalidInput(f"bad segment geometry: base {base}, size {size}")
+        for name, value in (("client_id", client_id), ("segment_id", segment_id)):
+            if not value:
+                raise InvalidInput(f"{name} must not be empty")
+        for name, value in (("client_id", client_id), ("segment_id", segment_id),
+                            ("endpoint", endpoint)):
+            if len(value.encode()) > self.params.max_key_bytes:
+                raise InvalidInput(f"{name} longer than {self.params.max_key_bytes} bytes")
+        if size <= 0:
+            raise InvalidInput(f"size must be > 0, got {size}")
+        if base < 0:
+            raise InvalidInput(f"base must be >= 0, got {base}")
+        if base + size > ADDRESS_SPACE:
+            raise InvalidInput(f"base + size must be <= 2^64 (64-bit addresses), got base "
+                               f"{base} + size {size}")
         now = self._clock()
         old = self._segments.get(segment_id)
         if old is not None:
@@ -256,6 +272,8 @@ class StoreMaster:
                 old.endpoint = endpoint
                 self._dirty_segments.add(segment_id)
             return False
+        if self.capacity() + size >= ADDRESS_SPACE:
+            raise InvalidInput(f"size {size}: the total capacity would reach 2^64 bytes")
         self._segments[segment_id] = Segment(segment_id, client_id, base, size, endpoint)
         self._by_segment[segment_id] = set()
         client = self._clients.setdefault(client_id, _Client(now))
@@ -402,8 +420,11 @@ class StoreMaster:
         return True
 
     def batch_exist_key(self, keys: Sequence[str]) -> list[bool]:
-        for k in keys:
-            self._check_key(k)
+        for i, k in enumerate(keys):
+            try:
+                self._check_key(k)
+            except InvalidInput as exc:
+                raise InvalidInput(f"keys[{i}]: {exc}") from None
         return [self.exist_key(k) for k in keys]
 
     def _grant_lease(self, obj: ObjectMeta, now: float) -> None:
