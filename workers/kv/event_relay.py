@@ -38,7 +38,13 @@ Contract of :class:`KvEventRelay`:
   :data:`RETRY_MAX_S`, before relaying again (in ZMQ mode from the next engine batch, in
   submit mode with an immediate retry). Every publish that succeeds calls the Periodic's
   ``note_progress()``, so the backoff starts again from zero while relaying goes on.
-- ``close()`` stops relaying, flushes what is pending, closes sockets and Redis.
+- ``close()`` stops relaying, flushes what is pending, closes sockets and Redis; a
+  relaying run that goes on after its cancel was lost in a Redis call ends at its next
+  loop turn.
+- A Redis restart (data wiped or kept) needs nothing from the relay: its next XADD
+  reconnects and recreates the stream if it is gone; events an indexer missed are
+  repaired from ``state()`` (the indexer resyncs every worker when it notices the
+  restart).
 """
 
 from __future__ import annotations
@@ -153,6 +159,7 @@ class KvEventRelay:
         self._decoder = msgspec.msgpack.Decoder()
         self._wake = asyncio.Event()
         self._max_pending = max_pending
+        self._closing = False
 
     @property
     def orphans(self) -> int:
@@ -190,6 +197,7 @@ class KvEventRelay:
         if self._pending:
             self._wake.set()
         while True:
+            self._raise_if_closing()
             await self._wake.wait()
             self._wake.clear()
             await self._publish()
@@ -202,6 +210,13 @@ class KvEventRelay:
                                 "for the event bus")
         if self._pump is not None:
             self._pump.note_progress()
+
+    def _raise_if_closing(self) -> None:
+        """Ends a relaying run once ``close()`` began, even if its cancel was lost in a Redis
+        call (Python 3.11's ``asyncio.wait_for``, which redis-py sends through, drops a
+        cancel that arrives as the send completes)."""
+        if self._closing:
+            raise asyncio.CancelledError
 
     def drop_next(self, n: int) -> None:
         """Fault injection: number but do not publish the next ``n`` events."""
@@ -219,6 +234,7 @@ class KvEventRelay:
         :meth:`_publish`)."""
         assert self._sub is not None
         while True:
+            self._raise_if_closing()
             frames = await self._sub.recv_multipart()
             await self._on_frames(frames)
             while await self._sub.poll(0):
@@ -361,6 +377,7 @@ class KvEventRelay:
 
     async def close(self) -> None:
         """Stops relaying; flushes, closes sockets and Redis. Idempotent."""
+        self._closing = True
         if self._pump is not None:
             await self._pump.stop()
             self._pump = None
