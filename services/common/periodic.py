@@ -17,11 +17,14 @@ Contract:
     follower) calls ``note_progress()`` whenever it has done useful work, so the failures
     in a row, and with them the backoff, start again from zero.
   - ``CancelledError`` from ``fn`` ends the loop.
-  - ``stop()`` cancels the task and waits for it to finish. Idempotent; after it,
-    ``start()`` may start a new task.
+  - ``stop()`` cancels the task and waits for it to finish; a loop whose ``fn`` swallowed
+    the cancel (Python 3.11's ``wait_for`` can lose one that lands as its inner call
+    completes, e.g. inside redis-py) ends after that call instead of sleeping on.
+    Idempotent; after it, ``start()`` may start a new task.
 - :func:`cancel_and_wait` cancels one task and waits for it, suppressing only its
-  ``CancelledError``: an exception the task had already ended with is logged. A ``None``
-  task is a no-op.
+  ``CancelledError``: an exception the task had already ended with is logged. A task
+  still running ``RECANCEL_S`` after the cancel is logged and cancelled again, until it
+  ends. A ``None`` task is a no-op.
 """
 
 from __future__ import annotations
@@ -35,11 +38,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+RECANCEL_S = 5.0
+
+
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Cancels ``task`` (if any) and waits for it to end; see the module docstring."""
     if task is None:
         return
     task.cancel()
+    while not (await asyncio.wait({task}, timeout=RECANCEL_S))[0]:
+        log.warning("task %s is still running %.0fs after its cancel (a swallowed "
+                    "CancelledError?); cancelling it again", task.get_name(), RECANCEL_S)
+        task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         try:
             await task
@@ -63,6 +73,7 @@ class Periodic:
         self._fn = fn
         self._delay_first = delay_first
         self._task: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @property
     def running(self) -> bool:
@@ -81,6 +92,7 @@ class Periodic:
     def start(self) -> None:
         """Starts the loop task (no-op while one runs)."""
         if not self.running:
+            self._stopping = False
             self._task = asyncio.create_task(self._run(), name=self.name)
 
     async def _run(self) -> None:
@@ -96,6 +108,8 @@ class Periodic:
             else:
                 self.failures = 0
             self.calls += 1
+            if self._stopping:  # fn swallowed stop()'s cancel
+                return
             await asyncio.sleep(self.next_delay())
 
     def _log_failure(self, exc: Exception) -> None:
@@ -109,4 +123,5 @@ class Periodic:
     async def stop(self) -> None:
         """Cancels the loop and waits for it. Idempotent."""
         task, self._task = self._task, None
+        self._stopping = True
         await cancel_and_wait(task)

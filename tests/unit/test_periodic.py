@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from services.common import periodic
 from services.common.periodic import Periodic, cancel_and_wait
 from tests.virtual_time import VirtualTimeLoop, run_virtual
 
@@ -120,3 +121,40 @@ def test_delay_first_waits_one_interval_and_a_stopped_loop_restarts() -> None:
     *calls, restarted_at = run_virtual(scenario)
     assert calls[:3] == [0.5, 1.0, 1.5]
     assert calls[3] == restarted_at + 0.5  # a restarted loop waits its first interval again
+
+
+async def test_stop_ends_a_loop_whose_fn_swallowed_the_cancel() -> None:
+    entered = asyncio.Event()
+
+    async def swallowing() -> None:  # as a lost cancel inside redis-py looks from outside
+        entered.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass
+
+    loop = Periodic("swallower", swallowing, 3600)
+    loop.start()
+    await entered.wait()
+    await asyncio.wait_for(loop.stop(), 30)  # hang guard only
+    assert not loop.running and loop.calls == 1
+
+
+async def test_cancel_and_wait_cancels_again_until_the_task_ends(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(periodic, "RECANCEL_S", 0.01)
+    cancels = 0
+
+    async def stubborn() -> None:
+        nonlocal cancels
+        while cancels < 3:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels += 1
+
+    task = asyncio.ensure_future(stubborn())
+    await asyncio.sleep(0)  # reason: let the task reach its first sleep
+    await asyncio.wait_for(periodic.cancel_and_wait(task), 30)  # hang guard only
+    assert cancels == 3 and task.done()
+    assert sum("cancelling it again" in r.getMessage() for r in caplog.records) == 2
