@@ -15,8 +15,9 @@ Contract of :class:`FaultMesh`:
   file kept or deleted.
 - Checks: ``router_metric(name)`` (a sample of the router's /metrics), ``routable()``
   (worker ids from the router's ListWorkers), ``load(name)`` (a worker's GetLoad),
-  ``idle(names)`` (the workers still holding a request), ``index_mismatch(names)`` (the
-  workers whose blocks in the indexer's Dump differ from their GetKvState),
+  ``idle(names)`` (the workers still holding a request or a KV block),
+  ``index_mismatch(names)`` (the workers whose blocks in the indexer's Dump differ from
+  their GetKvState),
   ``completion()`` / ``stream()`` (one OpenAI request through the frontend).
 - ``stop()`` stops every child, newest first, by PID; nothing else is signalled.
 """
@@ -250,14 +251,16 @@ class FaultMesh:
             return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                                 timeout=5)
 
-    async def idle(self, names: list[str]) -> dict[str, tuple[int, int, int]]:
-        """(running, waiting, active API requests) of every worker in ``names`` that is
-        not all zero: empty means nothing is held anywhere."""
+    async def idle(self, names: list[str]) -> dict[str, tuple[int, int, int, float]]:
+        """(running, waiting, active API requests, fraction of KV blocks held) of every
+        worker in ``names`` that is not all zero: empty means no request and no KV block
+        is held anywhere (cached blocks no request holds are free)."""
         busy = {}
         for name in names:
             rep = await self.load(name)
-            if rep.num_running or rep.num_waiting or rep.active_requests:
-                busy[name] = (rep.num_running, rep.num_waiting, rep.active_requests)
+            if rep.num_running or rep.num_waiting or rep.active_requests or rep.kv_usage:
+                busy[name] = (rep.num_running, rep.num_waiting, rep.active_requests,
+                              rep.kv_usage)
         return busy
 
     async def index_mismatch(self, names: list[str]) -> dict[str, str]:
