@@ -1,8 +1,8 @@
 """The fault table: runs the fault suite (``tests/faults``) and writes what it recorded.
 
 ``python -m bench.faults`` runs ``pytest`` on :data:`SUITE` (``tests/faults`` plus the
-integration tests that record fault rows: engine death on vLLM, Redis and store-master
-restarts) with ``KVMESH_FAULTS_JSON`` set to
+tests that record fault rows: engine death on vLLM, Redis and store-master restarts,
+``kvmesh up`` supervision) with ``KVMESH_FAULTS_JSON`` set to
 ``--out`` (default ``bench/results/faults.json``), then prints the table as Markdown, the
 form the README carries (``--readme`` rewrites the README's table between its
 ``<!-- faults -->`` markers). The exit code is pytest's: a fault that did not hold fails.
@@ -23,7 +23,7 @@ from tests.faults.table import markdown
 ROOT = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- faults -->", "<!-- /faults -->"
 SUITE = ("tests/faults", "tests/integration/test_engine_death.py",
-         "tests/integration/test_redis_restart.py")
+         "tests/integration/test_redis_restart.py", "tests/e2e/test_launcher.py")
 
 
 def replace_table(readme: str, table: str) -> str:
