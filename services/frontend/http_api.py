@@ -15,6 +15,12 @@ Contract:
   with a ``Retry-After`` header (whole seconds, rounded up). An error after streaming
   began is sent as a final ``data: {"error": ...}`` event. A client that disconnects
   cancels the request on the worker.
+- **API keys** (:mod:`.auth`): with keys configured, ``/v1/*`` (and ``/metrics`` when
+  ``metrics_auth``) need ``Authorization: Bearer <key>``, checked before the body is
+  read; a missing or unknown key is 401 ``{"error": {message, "type":
+  "invalid_request_error", "param": null, "code": "invalid_api_key"}}`` with
+  ``WWW-Authenticate: Bearer``. ``/health`` is always open. The key's tenant's cache
+  salt goes with the request (:meth:`Pipeline.run`). No keys: everything is open.
 - Limits (:class:`HttpLimits`): a body over ``max_body_bytes`` is refused with 413 as
   soon as that is known (a larger ``Content-Length`` is refused before reading; a
   chunked body once the limit is passed), and a body not received within
@@ -29,13 +35,14 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.openai_schema import (
     ApiError,
     ParsedRequest,
@@ -57,8 +64,18 @@ def _usage(last: Chunk | None) -> dict[str, Any]:
 
 def _error_response(err: ApiError) -> JSONResponse:
     headers = ({"Retry-After": str(max(math.ceil(err.retry_after_s), 1))}
-               if err.retry_after_s is not None else None)
+               if err.retry_after_s is not None else {})
+    if err.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+def authenticate(keys: ApiKeys, header: str | None) -> Tenant:
+    """The tenant of an ``Authorization`` header; ApiError 401 ``invalid_api_key``."""
+    try:
+        return keys.check(header)
+    except Unauthorized as exc:
+        raise ApiError(401, str(exc), code="invalid_api_key") from None
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -169,9 +186,19 @@ async def _json_body(request: Request, limits: HttpLimits) -> Any:
     return body
 
 
-def create_app(pipeline: Pipeline, limits: HttpLimits | None = None) -> FastAPI:
-    """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None)."""
+def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
+               keys: ApiKeys | None = None, metrics_auth: bool = False) -> FastAPI:
+    """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None),
+    behind ``keys`` (None or none configured: open; ``metrics_auth``: ``/metrics`` too)."""
     lim = limits or HttpLimits()
+    auth = keys or ApiKeys(())
+
+    def tenant(request: Request) -> Tenant:
+        try:
+            return authenticate(auth, request.headers.get("authorization"))
+        except ApiError:
+            pipeline.metrics.auth_failures.labels("http").inc()
+            raise
     app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -196,20 +223,23 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None) -> FastAPI:
         return JSONResponse(body, status_code=200 if models else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if metrics_auth:
+            tenant(request)
         return Response(pipeline.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models(request: Request) -> dict[str, Any]:
+        tenant(request)
         return {"object": "list", "data": [
             {"id": m.name, "object": "model", "created": m.created, "owned_by": "kvmesh",
              "max_model_len": m.max_model_len, "root": m.model_path}
             for m in pipeline.catalog.all()
         ]}
 
-    async def _serve(req: ParsedRequest) -> Response:
-        job, chunks = await pipeline.run(req)
+    async def _serve(req: ParsedRequest, who: Tenant) -> Response:
+        job, chunks = await pipeline.run(replace(req, cache_salt=who.cache_salt))
         shapes = _Shapes(job)
         if req.stream:
             # Pull the first chunk before answering so early errors get a real status code.
@@ -247,11 +277,13 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(parse_completion(await _json_body(request, lim)))
+        who = tenant(request)
+        return await _serve(parse_completion(await _json_body(request, lim)), who)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await _serve(parse_chat(await _json_body(request, lim)))
+        who = tenant(request)
+        return await _serve(parse_chat(await _json_body(request, lim)), who)
 
     app.state.started = time.time()
     return app

@@ -1,11 +1,23 @@
-"""Frontend process wiring: etcd watches → catalog + router address → HTTP and gRPC APIs."""
+"""Frontend process wiring: etcd watches → catalog + router address → HTTP and gRPC APIs.
+
+API keys (:mod:`.auth`): ``--api-key K`` (repeatable) and ``--api-keys K1,K2`` /
+``KVMESH_API_KEYS`` (each key its own tenant), ``--api-key-file`` / ``KVMESH_API_KEY_FILE``
+(``key [tenant]`` lines); a bad file or key is a config error naming it (exit 2). With no
+key the APIs are open and one warning says so at start. ``--metrics-auth`` puts
+``/metrics`` behind the keys too (default: open, like ``/health``, for scrapers on the
+private network). ``--shared-prefix-cache`` lets all tenants share one prefix cache
+(salt ""); the default isolates each tenant.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import socket
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import uvicorn
 
@@ -13,12 +25,15 @@ from protos import discovery_pb2, frontend_pb2, frontend_pb2_grpc
 from services.common.config import BaseConfig
 from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, serve_main
+from services.common.tls import tls_for
+from services.frontend.auth import ApiKeys, KeyFileError, merge_api_key_flags
 from services.frontend.http_api import HttpLimits, create_app
 from services.frontend.http_server import http_config
 from services.frontend.models import ModelCatalog
 from services.frontend.pipeline import DEFAULT_MIGRATION_LIMIT, Pipeline
 from services.frontend.service import FrontendServicer
 
+log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class FrontendConfig(BaseConfig):
@@ -54,6 +69,34 @@ class FrontendConfig(BaseConfig):
                     "(re-sending prompt + tokens so far); 0: never"}
     )
 
+    api_keys: str = dataclasses.field(
+        default="", metadata={"help": "comma-separated API keys clients send as "
+                                      "'Authorization: Bearer <key>' (also --api-key K, "
+                                      "repeatable); each key is its own tenant. None and "
+                                      "no --api-key-file: the API is open"}
+    )
+    api_key_file: str = dataclasses.field(
+        default="", metadata={"help": "file of 'key [tenant]' lines (# comments): keys "
+                                      "sharing a tenant share its prefix cache"}
+    )
+    metrics_auth: bool = dataclasses.field(
+        default=False, metadata={"help": "require an API key for /metrics too"}
+    )
+    shared_prefix_cache: bool = dataclasses.field(
+        default=False, metadata={"help": "all tenants share one prefix cache (opt-in: "
+                                         "cached_tokens then reveals other tenants' "
+                                         "prompts)"}
+    )
+
+    def load_api_keys(self) -> ApiKeys:
+        """The configured keys (KeyFileError / OSError for a bad key or file)."""
+        text = Path(self.api_key_file).read_text() if self.api_key_file else None
+        try:
+            return ApiKeys.from_sources(self.api_keys, text, shared=self.shared_prefix_cache)
+        except KeyFileError as exc:
+            where = f"api_key_file {self.api_key_file}" if self.api_key_file else "api_keys"
+            raise KeyFileError(f"{where}: {exc}") from None
+
     def http_limits(self) -> HttpLimits:
         return HttpLimits(max_body_bytes=int(self.max_body_mib * (1 << 20)),
                           body_timeout_s=self.body_timeout_s)
@@ -69,6 +112,11 @@ class FrontendConfig(BaseConfig):
             out.append(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_connections < 1:
             out.append(f"max_connections must be >= 1, got {self.max_connections}")
+        try:
+            self.load_api_keys()
+        except (KeyFileError, OSError) as exc:
+            out.append(str(exc) if isinstance(exc, KeyFileError)
+                       else f"api_key_file {self.api_key_file}: {exc.strerror or exc}")
         return out
 
 
@@ -102,7 +150,12 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         live = sorted(routers.instances().values(), key=lambda r: r.instance_id)
         return live[0].address if live else None
 
-    pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit)
+    keys = cfg.load_api_keys()
+    if not keys.enabled:
+        log.warning("no API key configured (--api-key, KVMESH_API_KEYS, --api-key-file): "
+                    "the frontend's HTTP and gRPC APIs are open to anyone who reaches them")
+    pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
+                        tls=tls_for(cfg, "frontend"))
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
     # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -110,7 +163,8 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     sock.bind((cfg.http_host, cfg.http_port))
     sock.listen(1024)
     http_port = sock.getsockname()[1]
-    http = uvicorn.Server(http_config(create_app(pipeline, cfg.http_limits()),
+    app = create_app(pipeline, cfg.http_limits(), keys, metrics_auth=cfg.metrics_auth)
+    http = uvicorn.Server(http_config(app,
                                       max_connections=cfg.max_connections,
                                       keep_alive_s=cfg.keep_alive_s,
                                       header_timeout_s=cfg.header_timeout_s))
@@ -128,7 +182,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         )
 
     spec = ServiceSpec(frontend_pb2_grpc.add_FrontendServicer_to_server,
-                       FrontendServicer(pipeline),
+                       FrontendServicer(pipeline, keys),
                        frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name)
     server = MeshServer(cfg, "frontend", [spec], record_factory=record,
                         on_stop=[stop_http, workers.close, routers.close])
@@ -143,4 +197,5 @@ async def _serve(cfg: FrontendConfig) -> MeshServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return serve_main(FrontendConfig, argv, "frontend", _serve)
+    args = merge_api_key_flags(sys.argv[1:] if argv is None else argv)
+    return serve_main(FrontendConfig, args, "frontend", _serve)

@@ -11,6 +11,8 @@ rejected or never routed) and outcome (the finish reason; ``rejected``: admissio
 | ``kvmesh_frontend_migrations_total{stage}`` | requests moved to another worker after a \
 worker failure, by the failed stage (agg, prefill, decode, timeout) |
 | ``kvmesh_admission_rejections_total{reason}`` | admission rejections by reason |
+| ``kvmesh_frontend_auth_failures_total{api}`` | requests refused for a missing or bad API \
+key (401 / UNAUTHENTICATED), by API (http, grpc) |
 | ``kvmesh_prompt_tokens_total`` | prompt tokens (usage) of finished requests |
 | ``kvmesh_completion_tokens_total`` | completion tokens (usage) of finished requests |
 | ``kvmesh_itl_seconds`` | chunk gap / tokens in the chunk, one sample per token |
@@ -50,6 +52,9 @@ class FrontendMetrics:
         self.rejections = Counter("kvmesh_admission_rejections",
                                   "Requests rejected by admission control", ["reason"],
                                   registry=r)
+        self.auth_failures = Counter("kvmesh_frontend_auth_failures",
+                                     "Requests refused for a missing or bad API key, by API",
+                                     ["api"], registry=r)
         self.migrations = Counter("kvmesh_frontend_migrations",
                                   "Requests migrated after a worker failure, by stage",
                                   ["stage"], registry=r)

@@ -81,6 +81,9 @@ class ParsedRequest:
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     request_id: str | None = None
+    # The caller's tenant's prefix-cache salt, set by the API from the API key (never from
+    # the body: a client cannot pick another tenant's cache). "": unsalted.
+    cache_salt: str = ""
 
 
 def _bad(message: str, param: str | None) -> ApiError:

@@ -7,15 +7,22 @@ last one carries ``finish_reason`` and ``usage``. Errors map to status codes:
 admission rejection (``overloaded_error``) → RESOURCE_EXHAUSTED with the message and the
 ``retry-after`` (seconds) and ``kvmesh-admission-reason`` trailing metadata.
 ``ListModels`` lists the served models.
+
+API keys (:mod:`.auth`): with keys configured, both methods need the metadata
+``authorization: Bearer <key>`` and answer UNAUTHENTICATED (the reason, never the key)
+without a valid one, before the request is looked at; the key's tenant's cache salt goes
+with the request. No keys: open.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
+from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
 from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec
 from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
 
@@ -70,14 +77,33 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     """gRPC façade over the pipeline."""
 
-    def __init__(self, pipeline: Pipeline) -> None:
+    def __init__(self, pipeline: Pipeline, keys: ApiKeys | None = None) -> None:
         self._pipeline = pipeline
+        self._keys = keys or ApiKeys(())
+
+    async def _tenant(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The caller's tenant from its ``authorization`` metadata; aborts with
+        UNAUTHENTICATED when the key is missing or unknown."""
+        if not self._keys.enabled:
+            return OPEN
+        header = None
+        for k, v in context.invocation_metadata() or ():
+            if k == "authorization":
+                header = v.decode() if isinstance(v, bytes) else str(v)
+        try:
+            return self._keys.check(header)
+        except Unauthorized as exc:
+            self._pipeline.metrics.auth_failures.labels("grpc").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        raise AssertionError("context.abort returned")  # pragma: no cover
 
     async def Generate(  # noqa: N802
         self, request: frontend_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[frontend_pb2.CompletionChunk]:
+        who = await self._tenant(context)
         try:
-            job, chunks = await self._pipeline.run(parse_proto(request))
+            job, chunks = await self._pipeline.run(
+                dataclasses.replace(parse_proto(request), cache_salt=who.cache_salt))
             try:
                 async for c in chunks:
                     out = frontend_pb2.CompletionChunk(
@@ -103,6 +129,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     async def ListModels(  # noqa: N802
         self, request: frontend_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> frontend_pb2.ListModelsResponse:
+        await self._tenant(context)
         return frontend_pb2.ListModelsResponse(models=[
             frontend_pb2.Model(id=m.name, max_model_len=m.max_model_len,
                                num_workers=m.num_workers)
