@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/indexer.proto\x12\x0ekvmesh.indexer\x1a\x16protos/kv_events.proto\"Q\n\x12\x46indMatchesRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\"\x9d\x01\n\rWorkerOverlap\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12:\n\x07\x62y_tier\x18\x03 \x03(\x0b\x32).kvmesh.indexer.WorkerOverlap.ByTierEntry\x1a-\n\x0b\x42yTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\\\n\x13\x46indMatchesResponse\x12/\n\x08overlaps\x18\x01 \x03(\x0b\x32\x1d.kvmesh.indexer.WorkerOverlap\x12\x14\n\x0cquery_blocks\x18\x02 \x01(\x05\" \n\x0b\x44umpRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\":\n\x0c\x44umpResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.kvmesh.kv_events.KvState\"\x0e\n\x0cStatsRequest\"\xa9\x01\n\rStatsResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\x0f\n\x07workers\x18\x02 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x03\x12\x16\n\x0e\x65vents_applied\x18\x04 \x01(\x03\x12\x0c\n\x04gaps\x18\x05 \x01(\x03\x12\x0f\n\x07resyncs\x18\x06 \x01(\x03\x12\x17\n\x0fworkers_removed\x18\x07 \x01(\x03\x12\x16\n\x0estream_entries\x18\x08 \x01(\x03\x32\xea\x01\n\x07Indexer\x12V\n\x0b\x46indMatches\x12\".kvmesh.indexer.FindMatchesRequest\x1a#.kvmesh.indexer.FindMatchesResponse\x12\x41\n\x04\x44ump\x12\x1b.kvmesh.indexer.DumpRequest\x1a\x1c.kvmesh.indexer.DumpResponse\x12\x44\n\x05Stats\x12\x1c.kvmesh.indexer.StatsRequest\x1a\x1d.kvmesh.indexer.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/indexer.proto\x12\x0ekvmesh.indexer\x1a\x16protos/kv_events.proto\"e\n\x12\x46indMatchesRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x12\n\ncache_salt\x18\x04 \x01(\t\"\x9d\x01\n\rWorkerOverlap\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12:\n\x07\x62y_tier\x18\x03 \x03(\x0b\x32).kvmesh.indexer.WorkerOverlap.ByTierEntry\x1a-\n\x0b\x42yTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\\\n\x13\x46indMatchesResponse\x12/\n\x08overlaps\x18\x01 \x03(\x0b\x32\x1d.kvmesh.indexer.WorkerOverlap\x12\x14\n\x0cquery_blocks\x18\x02 \x01(\x05\" \n\x0b\x44umpRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\":\n\x0c\x44umpResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.kvmesh.kv_events.KvState\"\x0e\n\x0cStatsRequest\"\xa9\x01\n\rStatsResponse\x12\x0e\n\x06\x62locks\x18\x01 \x01(\x03\x12\x0f\n\x07workers\x18\x02 \x01(\x03\x12\x0f\n\x07\x65ntries\x18\x03 \x01(\x03\x12\x16\n\x0e\x65vents_applied\x18\x04 \x01(\x03\x12\x0c\n\x04gaps\x18\x05 \x01(\x03\x12\x0f\n\x07resyncs\x18\x06 \x01(\x03\x12\x17\n\x0fworkers_removed\x18\x07 \x01(\x03\x12\x16\n\x0estream_entries\x18\x08 \x01(\x03\x32\xea\x01\n\x07Indexer\x12V\n\x0b\x46indMatches\x12\".kvmesh.indexer.FindMatchesRequest\x1a#.kvmesh.indexer.FindMatchesResponse\x12\x41\n\x04\x44ump\x12\x1b.kvmesh.indexer.DumpRequest\x1a\x1c.kvmesh.indexer.DumpResponse\x12\x44\n\x05Stats\x12\x1c.kvmesh.indexer.StatsRequest\x1a\x1d.kvmesh.indexer.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKEROVERLAP_BYTIERENTRY']._loaded_options = None
   _globals['_WORKEROVERLAP_BYTIERENTRY']._serialized_options = b'8\001'
   _globals['_FINDMATCHESREQUEST']._serialized_start=64
-  _globals['_FINDMATCHESREQUEST']._serialized_end=145
-  _globals['_WORKEROVERLAP']._serialized_start=148
-  _globals['_WORKEROVERLAP']._serialized_end=305
-  _globals['_WORKEROVERLAP_BYTIERENTRY']._serialized_start=260
-  _globals['_WORKEROVERLAP_BYTIERENTRY']._serialized_end=305
-  _globals['_FINDMATCHESRESPONSE']._serialized_start=307
-  _globals['_FINDMATCHESRESPONSE']._serialized_end=399
-  _globals['_DUMPREQUEST']._serialized_start=401
-  _globals['_DUMPREQUEST']._serialized_end=433
-  _globals['_DUMPRESPONSE']._serialized_start=435
-  _globals['_DUMPRESPONSE']._serialized_end=493
-  _globals['_STATSREQUEST']._serialized_start=495
-  _globals['_STATSREQUEST']._serialized_end=509
-  _globals['_STATSRESPONSE']._serialized_start=512
-  _globals['_STATSRESPONSE']._serialized_end=681
-  _globals['_INDEXER']._serialized_start=684
-  _globals['_INDEXER']._serialized_end=918
+  _globals['_FINDMATCHESREQUEST']._serialized_end=165
+  _globals['_WORKEROVERLAP']._serialized_start=168
+  _globals['_WORKEROVERLAP']._serialized_end=325
+  _globals['_WORKEROVERLAP_BYTIERENTRY']._serialized_start=280
+  _globals['_WORKEROVERLAP_BYTIERENTRY']._serialized_end=325
+  _globals['_FINDMATCHESRESPONSE']._serialized_start=327
+  _globals['_FINDMATCHESRESPONSE']._serialized_end=419
+  _globals['_DUMPREQUEST']._serialized_start=421
+  _globals['_DUMPREQUEST']._serialized_end=453
+  _globals['_DUMPRESPONSE']._serialized_start=455
+  _globals['_DUMPRESPONSE']._serialized_end=513
+  _globals['_STATSREQUEST']._serialized_start=515
+  _globals['_STATSREQUEST']._serialized_end=529
+  _globals['_STATSRESPONSE']._serialized_start=532
+  _globals['_STATSRESPONSE']._serialized_end=701
+  _globals['_INDEXER']._serialized_start=704
+  _globals['_INDEXER']._serialized_end=938
 # @@protoc_insertion_point(module_scope)

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FindMatchesRequest(_message.Message):
-    __slots__ = ("token_ids", "block_size", "block_hashes")
+    __slots__ = ("token_ids", "block_size", "block_hashes", "cache_salt")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class WorkerOverlap(_message.Message):
     __slots__ = ("worker_id", "blocks", "by_tier")

@@ -3,12 +3,16 @@
 Contract:
 
 - ``Generate`` validates the whole request before the engine sees it: INVALID_ARGUMENT
-  naming the field for an empty prompt or a negative token id, a bad sampling field
+  naming the field for an empty prompt or a negative token id, a ``cache_salt`` over
+  :data:`MAX_CACHE_SALT_CHARS` characters or with ``@ / \\`` or NUL (vLLM's rules), a
+  bad sampling field
   (:func:`workers.engines.base.validate_sampling`), malformed ``kv_transfer`` params or
   ones the engine's handoff mode must not get
   (:func:`services.common.kv_params.validate_request`), or anything the engine refuses
-  with EngineError. It streams one GenerateResponse per engine delta, and fills
-  ``finish_reason`` and ``usage`` on the last one (INTERNAL when the engine's
+  with EngineError. ``cache_salt`` (the tenant's) goes to the engine unchanged: its
+  prefix cache never shares blocks across salts. It streams one GenerateResponse per
+  engine delta, and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
+  when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
   the engine raised EngineDeadError) every in-flight and later call ends UNAVAILABLE
   ``engine dead: <reason>``. A remote prefill that never came within the worker's
@@ -50,6 +54,9 @@ from workers.engines.base import (
 from workers.kv.event_relay import KvEventRelay
 
 log = logging.getLogger(__name__)
+# vLLM's own bounds on a cache salt (validate_cache_salt).
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
 
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -103,6 +110,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         negative = [t for t in request.token_ids if t < 0]
         if negative:
             raise EngineError(f"token_ids must be >= 0, got {negative[0]}")
+        salt = request.cache_salt
+        if len(salt) > MAX_CACHE_SALT_CHARS or CACHE_SALT_FORBIDDEN.intersection(salt):
+            raise EngineError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters "
+                              f"without '@', '/', '\\' or NUL (got {len(salt)} characters)")
         sampling = sampling_from_proto(request.sampling)
         validate_sampling(sampling)
         kv_transfer = None
@@ -115,6 +126,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             prompt_token_ids=list(request.token_ids),
             sampling=sampling,
             kv_transfer_params=kv_transfer,
+            cache_salt=request.cache_salt,
         )
 
     async def Generate(  # noqa: N802 - gRPC method name

@@ -90,6 +90,7 @@ class Request:
     model: str
     token_ids: list[int]
     sampling: common_pb2.SamplingParams
+    cache_salt: str = ""  # the tenant's prefix-cache salt, sent on every GenerateRequest
 
 
 def _finished(resp: worker_pb2.GenerateResponse) -> bool:
@@ -103,7 +104,8 @@ def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
     sampling.max_tokens = 1
     sampling.ignore_eos = True
     p_req = worker_pb2.GenerateRequest(request_id=req.request_id, token_ids=req.token_ids,
-                                       sampling=sampling, model=req.model)
+                                       sampling=sampling, model=req.model,
+                                       cache_salt=req.cache_salt)
     p_req.kv_transfer.do_remote_decode = True
     if mode == "push":
         p_req.kv_transfer.transfer_mode = "push"
@@ -113,7 +115,8 @@ def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
 def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
         worker_pb2.GenerateRequest):
     d_req = worker_pb2.GenerateRequest(request_id=req.request_id, token_ids=req.token_ids,
-                                       sampling=req.sampling, model=req.model)
+                                       sampling=req.sampling, model=req.model,
+                                       cache_salt=req.cache_salt)
     d_req.kv_transfer.CopyFrom(params)
     d_req.kv_transfer.do_remote_prefill = True
     d_req.kv_transfer.do_remote_decode = False
@@ -303,7 +306,8 @@ class _Run:
         if self.mode == "agg":
             d_req = worker_pb2.GenerateRequest(request_id=req.request_id,
                                                token_ids=req.token_ids,
-                                               sampling=req.sampling, model=req.model)
+                                               sampling=req.sampling, model=req.model,
+                                               cache_salt=req.cache_salt)
             await self._stream(choice, d_req, None)
             return
         p_last: worker_pb2.GenerateResponse | None = prefill  # type: ignore[assignment]

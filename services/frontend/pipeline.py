@@ -24,6 +24,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   original prompt and every generated token; "length" means ``max_tokens`` across
   attempts. ``kvmesh_frontend_migrations_total{stage}`` counts migrations; once the
   limit is spent (0: at once) the client gets the failure's error (502/503).
+- **Tenants**: ``req.cache_salt`` (the tenant's, set by the API from the key, see
+  :mod:`.auth`) goes on every RouteRequest and GenerateRequest of the job (P and D
+  included), so the router's overlaps and the engines' prefix caches are per tenant.
 - **Ids**: ``job.request_id`` (the client's ``request_id``, else a fresh uuid) names the
   response; each attempt has its own mesh id (:meth:`Pipeline.mesh_request_id`), so
   two clients choosing the same id never collide in the router or on a worker.
@@ -65,6 +68,7 @@ from opentelemetry.context import Context
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
+from services.common.tls import MeshTls
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
@@ -90,6 +94,7 @@ class Job:
     model: ModelInfo
     token_ids: list[int]
     created: int
+    cache_salt: str = ""  # the tenant's prefix-cache salt ("" = shared/unsalted)
 
 
 @dataclass
@@ -240,12 +245,13 @@ class Pipeline:
     """Tokenize, route, stream; see the module docstring."""
 
     def __init__(self, catalog: ModelCatalog, router_address: Callable[[], str | None],
-                 migration_limit: int = DEFAULT_MIGRATION_LIMIT) -> None:
+                 migration_limit: int = DEFAULT_MIGRATION_LIMIT,
+                 tls: MeshTls | None = None) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self._catalog = catalog
         self._router_address = router_address
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(tls)
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
         self.migration_limit = migration_limit
@@ -325,7 +331,8 @@ class Pipeline:
         return self._catalog
 
     async def prepare(self, req: ParsedRequest) -> Job:
-        """Resolves the model, tokenizes and checks the context length."""
+        """Resolves the model, tokenizes and checks the context length; the job carries
+        ``req.cache_salt`` (the tenant's) to the router and the workers."""
         info = self._catalog.get(req.model)
         if info is None:
             raise ApiError(404, f"The model '{req.model}' does not exist or has no live worker",
@@ -342,7 +349,7 @@ class Pipeline:
             span.set_attribute("kvmesh.prompt_tokens", len(ids))
         req = check_context(req, len(ids), info.max_model_len)
         rid = req.request_id or uuid.uuid4().hex
-        return Job(rid, req, info, ids, int(time.time()))
+        return Job(rid, req, info, ids, int(time.time()), req.cache_salt)
 
     @staticmethod
     def mesh_request_id(job: Job, attempt: int) -> str:
@@ -400,7 +407,7 @@ class Pipeline:
                     route = await self._route(router, router_pb2.RouteRequest(
                         request_id=mesh_id, model=job.req.model,
                         token_ids=job.token_ids + generated, max_tokens=max_tokens - carried,
-                        exclude_instance_ids=failed), ctx)
+                        exclude_instance_ids=failed, cache_salt=job.cache_salt), ctx)
                 except ApiError as err:
                     if err.type == "overloaded_error":
                         outcome = "rejected"  # counted by observe_rejection
@@ -410,7 +417,7 @@ class Pipeline:
                 attempt_sampling.CopyFrom(sampling)
                 attempt_sampling.max_tokens = max_tokens - carried
                 plan = Request(mesh_id, job.req.model, job.token_ids + generated,
-                               attempt_sampling)
+                               attempt_sampling, job.cache_salt)
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None

@@ -3,7 +3,8 @@
 Contract:
 
 - ``FindMatches``: exactly one of ``token_ids`` (hashed with ``block_size`` > 0, kvmesh's
-  chained hashes) or ``block_hashes``; INVALID_ARGUMENT otherwise, and for more than
+  chained hashes, salted with ``cache_salt``: a tenant's query never matches another
+  tenant's blocks) or ``block_hashes``; INVALID_ARGUMENT otherwise, and for more than
   :data:`MAX_QUERY_TOKENS` token ids (ids must be >= 0), a ``block_size`` over
   :data:`MAX_BLOCK_SIZE` or more than :data:`MAX_QUERY_BLOCKS` hashes (a million tokens
   is far beyond any model's context; the limits only bound the work one query costs).
@@ -61,7 +62,8 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         if problem is not None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if request.token_ids:
-            hashes = block_hashes(request.token_ids, request.block_size)
+            hashes = block_hashes(request.token_ids, request.block_size,
+                                  salt=request.cache_salt)
         else:
             hashes = list(request.block_hashes)
         matches = self._index.find_matches(hashes)

@@ -11,7 +11,8 @@ Contract:
   live worker now (none left after ``exclude_instance_ids``, which the core never
   picks); otherwise the chosen worker with the policy
   name and reason, the predicted overlaps (blocks, per tier, block size, source). The
-  prompt is hashed once per distinct block size of the model's workers, and the overlap
+  prompt is hashed once per distinct block size of the model's workers (with the
+  request's ``cache_salt``: no overlap across tenants), and the overlap
   source (``overlaps.py``: none / remote indexer / embedded index) is asked before the
   core decides; no answer means the core's history. Records a ``router.route`` span:
   policy, worker id, reason, overlap source (and whether the indexer failed), predicted
@@ -60,6 +61,7 @@ from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
 from services.common.telemetry import tracer
+from services.common.tls import MeshTls
 from services.router.admission.core import AdmissionDecision
 from services.router.core import (
     AlreadyInFlight,
@@ -228,7 +230,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tokens = tuple(request.token_ids)
         workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
         hashes: Mapping[int, list[int]] = {
-            bs: block_hashes(tokens, bs) for bs in sorted({w.block_size for w in workers})}
+            bs: block_hashes(tokens, bs, salt=request.cache_salt)
+            for bs in sorted({w.block_size for w in workers})}
         overlaps = await self._overlaps.find(hashes, workers) if workers else None
         return RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
                             block_hashes=hashes,
@@ -350,10 +353,10 @@ def _routing_code(exc: RoutingError) -> grpc.StatusCode:
 class LoadPoller:
     """Polls GetLoad on every live worker and feeds the core."""
 
-    def __init__(self, core: RouterCore, period_s: float) -> None:
+    def __init__(self, core: RouterCore, period_s: float, tls: MeshTls | None = None) -> None:
         self._core = core
         self._period = period_s
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(tls)
         self._loop = Periodic("load-poller", self._poll_all, period_s)
 
     def start(self) -> None:

@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 from protos import worker_pb2
-from services.common.block_hash import block_hashes, local_block_hash
+from services.common.block_hash import block_hashes, local_block_hash, salt_root
 from services.common.kv_params import KvParamsError, from_dict, held_blocks, is_set, to_dict
 
 
@@ -159,3 +159,22 @@ def test_malformed_messages_are_refused_naming_the_key() -> None:
                        (shadow, "['remote_port']")):
         with pytest.raises(KvParamsError, match=re.escape(where)):
             to_dict(wire(msg))
+
+
+def test_salt_isolates_chains_and_empty_salt_is_the_unsalted_chain() -> None:
+    toks = list(range(96))
+    plain = block_hashes(toks, 32)
+    assert block_hashes(toks, 32, salt="") == plain  # "" = exactly today's hashes
+    assert salt_root("") is None
+    a, b = block_hashes(toks, 32, salt="aaaa"), block_hashes(toks, 32, salt="bbbb")
+    assert len(a) == len(b) == 3
+    assert not set(a) & set(b) and not set(a) & set(plain)  # no block shared across salts
+    # the salt is the first block's parent seed: the rest of the chain is the usual one
+    root = salt_root("aaaa")
+    assert root == xxhash.xxh3_64_intdigest(b"kvmesh-cache-salt\0aaaa", seed=1337)
+    assert a[0] == xxhash.xxh3_64_intdigest(
+        struct.pack("<QQ", root, local_block_hash(toks[:32])), seed=1337)
+    assert block_hashes(toks[32:], 32, parent=a[0]) == a[1:]
+    # with a parent the salt is ignored (the parent carries it already)
+    assert block_hashes(toks[32:], 32, parent=a[0], salt="bbbb") == a[1:]
+    assert block_hashes(toks[:10], 32, salt="aaaa") == []

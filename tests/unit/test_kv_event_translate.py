@@ -10,7 +10,8 @@ from protos import kv_events_pb2
 from services.common.block_hash import block_hashes
 from services.common.event_bus import BadEntry, decode_entry, encode_batch, encode_state
 from services.indexer.core import KvEvent, KvIndex
-from workers.kv.event_translate import EventTranslator, UnknownEvent, tier_of
+from workers.engines.mock.blocks import BlockManager
+from workers.kv.event_translate import EventTranslator, UnknownEvent, event_salt, tier_of
 
 BS = 4
 
@@ -120,3 +121,49 @@ def test_event_bus_entries_round_trip_and_reject_garbage() -> None:
                 {b"k": b"b", b"d": b""}):
         with pytest.raises(BadEntry):
             decode_entry(bad)
+
+
+def test_salted_events_give_the_salted_hashes_the_router_computes() -> None:
+    toks = list(range(200, 212))
+    salted = block_hashes(toks, BS, salt="tenant-a")
+    t = EventTranslator(BS)
+    # vLLM's form: extra_keys per block, the salt on the first block only
+    first = t.translate({**stored([b"s0", b"s1"], toks[:8]), "extra_keys": [["tenant-a"], None]})
+    rest = t.translate(stored([b"s2"], toks[8:], parent=b"s1"))
+    assert [e.block_hashes for e in first + rest] == [tuple(salted[:2]), tuple(salted[2:])]
+    # the same tokens unsalted (another engine hash) are other kvmesh blocks
+    (plain,) = t.translate(stored([b"p0"], toks[:4]))
+    assert plain.block_hashes == tuple(block_hashes(toks[:4], BS))
+    assert plain.block_hashes[0] not in salted
+
+
+@pytest.mark.parametrize(("extra", "lora", "salt"), [
+    (None, None, ""),
+    ([None], None, ""),
+    ([["s"]], None, "s"),
+    ([("lora-x", "s")], "lora-x", "s"),  # LoRA name first, then the salt
+    ([("lora-x",)], "lora-x", ""),  # a LoRA name alone is no salt
+    ([[["mm-hash", 0], "s", b"digest"]], None, "s"),  # mm pairs, salt, embeds digest
+    ([[["mm-hash", 0], b"digest"]], None, ""),
+])
+def test_event_salt_reads_vllms_untagged_extra_keys(extra: object, lora: str | None,
+                                                    salt: str) -> None:
+    raw = {**stored([1], [1, 2, 3, 4]), "extra_keys": extra, "lora_name": lora}
+    assert event_salt(raw) == salt
+
+
+def test_mock_engine_salted_blocks_translate_to_the_routers_hashes() -> None:
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    toks = list(range(300, 312))
+    for req, salt in (("a", "salt-a"), ("b", "salt-b"), ("c", "")):
+        hashes = bm.hash_blocks(toks, salt=salt)
+        assert bm.lookup(hashes) == 0  # nothing another salt computed is a hit
+        assert bm.allocate(req, len(toks))
+        bm.commit(req, toks, 8, salt)  # two blocks, then the third (parent = second)
+        bm.commit(req, toks, len(toks), salt)
+        assert bm.lookup(hashes) == 3
+    t = EventTranslator(BS)
+    out = [h for raw in bm.drain_events() for ev in t.translate(raw) for h in ev.block_hashes]
+    expected = [h for salt in ("salt-a", "salt-b", "") for h in block_hashes(toks, BS, salt=salt)]
+    assert out == expected and len(set(out)) == 9
+    bm.check()

@@ -13,6 +13,9 @@ Contract, method by method:
   and :class:`EngineDeadError` (in flight, or at once) once the engine has died.
   ``request.kv_transfer_params`` go to the engine's KV connector unchanged; the
   connector's answer comes back on the final output's ``kv_transfer_params``.
+  ``request.cache_salt`` (non-empty) isolates the request's prefix cache: its blocks
+  are hits only for requests with the same salt, and its KV events let the relay
+  compute the salted kvmesh hashes (vLLM: ``extra_keys`` of the first block).
 - ``abort(request_id)``: aborts a running request; returns False if unknown.
 - ``load()``: cheap, non-blocking snapshot of the engine's load.
 - ``counters()``: cumulative counters (prefix hits, KV transfers and bytes, ...).
@@ -115,6 +118,9 @@ class EngineRequest:
     # Opaque P/D handoff parameters for the engine's KV connector (vLLM:
     # ``kv_transfer_params``); see :mod:`workers.kv.nixl`. None: a plain request.
     kv_transfer_params: dict[str, Any] | None = None
+    # The tenant's prefix-cache salt ("" = none): blocks computed under one salt are never
+    # prefix hits for another (vLLM: the request's ``cache_salt``).
+    cache_salt: str = ""
 
 
 @dataclass

@@ -400,7 +400,9 @@ class VllmEngine(Engine):
         self._check(request)
         kv = self._handoff_params(request.kv_transfer_params)
         params = self.sampling_params(request.sampling, kv)
-        prompt = tokens_input(list(request.prompt_token_ids))  # rendered: no tokenizer call
+        # rendered: no tokenizer call; cache_salt isolates the tenant's prefix cache
+        prompt = tokens_input(list(request.prompt_token_ids),
+                              cache_salt=request.cache_salt or None)
         rid = request.request_id
         n_prompt = len(request.prompt_token_ids)
         completion = 0
@@ -499,7 +501,8 @@ class VllmEngine(Engine):
         from vllm.inputs import tokens_input
 
         local = self.sampling_params(request.sampling, None)
-        prompt = tokens_input(list(request.prompt_token_ids))
+        prompt = tokens_input(list(request.prompt_token_ids),
+                              cache_salt=request.cache_salt or None)
         async with contextlib.aclosing(llm.generate(prompt, local, rid)) as again:
             async for out in again:
                 yield out

@@ -13,10 +13,12 @@ Contract of :class:`EventTranslator`:
   :class:`TranslatedEvent` (kind ``stored`` / ``removed`` / ``cleared``, kvmesh hashes,
   tier), possibly none:
   - stored: the chain continues from the parent's kvmesh hash (the first block of a
-    prompt has no parent). Blocks whose parent is unknown (events missed before the
-    relay saw the engine) are counted in ``orphans`` and skipped. A kvmesh hash that is
-    already held in that tier (two engine blocks with equal tokens, e.g. different LoRA)
-    is reference-counted and emitted once.
+    prompt has no parent; it starts from the request's cache salt, :func:`event_salt`,
+    so a salted prompt gets exactly the hashes the router computes with that salt).
+    Blocks whose parent is unknown (events missed before the relay saw the engine) are
+    counted in ``orphans`` and skipped. A kvmesh hash that is already held in that tier
+    (two engine blocks with equal tokens, e.g. different LoRA) is reference-counted and
+    emitted once.
   - removed: only blocks this translator saw stored; the kvmesh hash is emitted when its
     last engine block in that tier goes.
   - cleared: everything is forgotten.
@@ -24,6 +26,13 @@ Contract of :class:`EventTranslator`:
 - ``state()`` is the worker's current state, tier → kvmesh hashes; after applying the
   emitted events to an empty index, the index holds exactly this.
 - ``reset()`` forgets everything (used after the engine's prefix cache was reset).
+- :func:`event_salt`: the cache salt of a BlockStored event without a parent, read
+  from vLLM's ``extra_keys`` of its first block. vLLM publishes them untagged, in the
+  order LoRA name (when ``lora_name``/``lora_id`` is set), ``(mm_identifier, offset)``
+  pairs (lists after msgpack), the cache salt (a string, first block only) and prompt
+  embedding digests (bytes); so the salt is the first string after the LoRA name. ""
+  when there is none (then the hashes are the unsalted ones, as before). A child event
+  needs no salt: its parent's kvmesh hash carries it.
 - Media map to tiers: GPU/None → device, CPU → host, anything with STORAGE/DISK → store.
 """
 
@@ -59,6 +68,17 @@ def tier_of(medium: str | None) -> str:
     if "STOR" in m or "DISK" in m:
         return "store"
     return "device"
+
+
+def event_salt(raw: Mapping[str, Any]) -> str:
+    """The cache salt of a parentless BlockStored event (see the module docstring)."""
+    extra = raw.get("extra_keys")
+    if not extra or not extra[0]:
+        return ""
+    keys = list(extra[0])
+    if raw.get("lora_name") is not None or raw.get("lora_id") is not None:
+        keys = keys[1:]
+    return next((k for k in keys if isinstance(k, str)), "")
 
 
 def _key(h: Any) -> Any:
@@ -104,7 +124,8 @@ class EventTranslator:
                 self.orphans += len(engine_hashes)
                 return []
             parent = found
-        ours = block_hashes(tokens, bs, parent=parent)[:len(engine_hashes)]
+        salt = event_salt(raw) if parent is None else ""
+        ours = block_hashes(tokens, bs, parent=parent, salt=salt)[:len(engine_hashes)]
         new: list[int] = []
         for eh, h in zip(engine_hashes, ours, strict=False):
             k = _key(eh)

@@ -14,13 +14,19 @@ Contract of :class:`BlockManager` (vLLM v1 ``KVCacheManager`` semantics):
   leaves the free queue). New blocks come from the head of the free queue; popping a
   cached block evicts it: its hash is dropped and a ``BlockRemoved`` event is queued.
   All or nothing: returns False, changing nothing, when the free queue is too short.
-- ``commit(req, token_ids, num_computed)``: the request's blocks that are now full
+- ``hash_blocks(token_ids, parent=None, salt="")``: kvmesh's chained hashes, the first
+  block salted with the request's cache salt (tenant isolation: a salted prefix never
+  hits another salt's blocks).
+- ``commit(req, token_ids, num_computed, salt="")``: the request's blocks that are now full
   (``num_computed // block_size``) and not yet cached become cached: their hashes are
   registered and one ``BlockStored`` event per contiguous run is queued, in vLLM's decoded
   form (``block_hashes``, ``parent_block_hash``, ``token_ids`` of those blocks,
-  ``block_size``, ``medium``). When a full block's hash is already cached in another block
-  (two requests computed the same prefix at once), the request switches to the cached
-  block and its own block goes back to the free queue (same content; no event). So every
+  ``block_size``, ``medium``, and, for a run starting at the first block of a salted
+  request, vLLM's ``extra_keys``: ``[(salt,), None, ...]``, one entry per block, so the
+  relay's translator finds the salt as it does in vLLM's events). When a full block's
+  hash is already cached in another block (two requests computed the same prefix at
+  once), the request switches to the cached block and its own block goes back to the
+  free queue (same content; no event). So every
   full block a live request holds is cached, and a new block's parent is always cached.
 - ``free(req)``: drops the request's references; blocks reaching ref 0 go to the tail of
   the free queue in reverse order (a request's last block is evicted first, as in vLLM),
@@ -104,9 +110,11 @@ class BlockManager:
             n += 1
         return n
 
-    def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None) -> list[int]:
-        """Chained hashes of the full blocks of ``token_ids`` (continuing ``parent``)."""
-        return block_hashes(token_ids, self.block_size, parent=parent)
+    def hash_blocks(self, token_ids: Sequence[int], parent: int | None = None,
+                    salt: str = "") -> list[int]:
+        """Chained hashes of the full blocks of ``token_ids`` (continuing ``parent``, else
+        from ``salt``'s root)."""
+        return block_hashes(token_ids, self.block_size, parent=parent, salt=salt)
 
     # -- changes -------------------------------------------------------------------------
 
@@ -153,7 +161,8 @@ class BlockManager:
             del self._free[b]
         self._ref[b] += 1
 
-    def commit(self, req: str, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, req: str, token_ids: Sequence[int], num_computed: int,
+               salt: str = "") -> None:
         """Caches the request's newly full blocks; see the module docstring."""
         if not self.enable_caching:
             return
@@ -165,7 +174,7 @@ class BlockManager:
         if full <= start:
             return
         parent = hashes[-1] if hashes else None
-        new = self.hash_blocks(token_ids[start * bs:full * bs], parent)
+        new = self.hash_blocks(token_ids[start * bs:full * bs], parent, salt)
         run: list[int] = []
         run_start = start
         for i, h in enumerate(new, start):
@@ -178,25 +187,28 @@ class BlockManager:
                     run_start = i
                 run.append(h)
             else:  # computed twice at once: share the cached block, give ours back
-                self._emit_stored(run, run_start, token_ids, hashes)
+                self._emit_stored(run, run_start, token_ids, hashes, salt)
                 run = []
                 self._touch(other)
                 held[i] = other
                 self._release(b)
             hashes.append(h)
-        self._emit_stored(run, run_start, token_ids, hashes)
+        self._emit_stored(run, run_start, token_ids, hashes, salt)
 
     def _emit_stored(self, run: list[int], start: int, token_ids: Sequence[int],
-                     hashes: list[int]) -> None:
+                     hashes: list[int], salt: str) -> None:
         if not run:
             return
         bs = self.block_size
-        self._events.append({
+        event: dict[str, Any] = {
             "type": "BlockStored", "block_hashes": list(run),
             "parent_block_hash": hashes[start - 1] if start else None,
             "token_ids": list(token_ids[start * bs:(start + len(run)) * bs]),
             "block_size": bs, "medium": self.medium,
-        })
+        }
+        if salt and not start:
+            event["extra_keys"] = [(salt,)] + [None] * (len(run) - 1)
+        self._events.append(event)
 
     def _release(self, b: int) -> None:
         self._ref[b] -= 1

@@ -283,7 +283,7 @@ class MockEngine(Engine):
             request_id=rid, prompt=list(request.prompt_token_ids), max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
             sampling_seed=s.seed, remote_prefill=bool(params.get("do_remote_prefill")),
-            remote_decode=bool(params.get("do_remote_decode")))
+            remote_decode=bool(params.get("do_remote_decode")), cache_salt=request.cache_salt)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._streams[rid] = queue
         done = False

@@ -22,9 +22,10 @@ Contract of :class:`Scheduler`:
      the front of the waiting queue) until the request fits or is itself the victim.
   3. If nobody was preempted, waiting requests are admitted in order while the budget
      lasts and fewer than ``max_num_seqs`` run: the prefix-cache hit is the leading cached
-     full blocks of its tokens, never counting the last token (so at least one token is
-     computed, as in vLLM); its first chunk is at most the remaining budget (chunked
-     prefill). Admission stops at the first request whose blocks do not fit.
+     full blocks of its tokens (hashed with its ``cache_salt``: no hit across salts),
+     never counting the last token (so at least one token is computed, as in vLLM); its
+     first chunk is at most the remaining budget (chunked prefill). Admission stops at
+     the first request whose blocks do not fit.
      A ``remote_prefill`` request is admitted by allocating blocks for its whole prompt
      and starting the simulated transfer of the blocks it does not hold: it stays waiting
      (``waiting_for_kv``, not running, not in the budget) until ``now + transfer`` where
@@ -137,6 +138,7 @@ class SimRequest:
     sampling_seed: int | None = None
     remote_prefill: bool = False  # decode side of a handoff: prompt KV is received
     remote_decode: bool = False  # prefill side: answer with handoff parameters
+    cache_salt: str = ""  # the tenant's prefix-cache salt (blocks hash with it)
     # state
     tokens: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -311,7 +313,7 @@ class Scheduler:
                 continue
             if not self.blocks.holds(req.request_id):  # fresh or preempted
                 limit = (len(req.tokens) - 1) // bs * bs
-                hashes = self.blocks.hash_blocks(req.tokens[:limit])
+                hashes = self.blocks.hash_blocks(req.tokens[:limit], salt=req.cache_salt)
                 hits = self.blocks.lookup(hashes)
                 computed = hits * bs
                 n = min(len(req.tokens) - computed, budget)
@@ -356,7 +358,8 @@ class Scheduler:
         cfg = self.config
         bs = cfg.block_size
         n_prompt = req.num_prompt
-        hashes = self.blocks.hash_blocks(req.prompt[:(n_prompt - 1) // bs * bs])
+        hashes = self.blocks.hash_blocks(req.prompt[:(n_prompt - 1) // bs * bs],
+                                         salt=req.cache_salt)
         hits = self.blocks.lookup(hashes)
         if not self.blocks.allocate(req.request_id, n_prompt, hashes[:hits]):
             return False
@@ -385,7 +388,7 @@ class Scheduler:
             self.receiving.remove(req)
             req.num_computed = req.num_prompt - 1
             req.cached_tokens = req.num_computed
-            self.blocks.commit(req.request_id, req.tokens, req.num_computed)
+            self.blocks.commit(req.request_id, req.tokens, req.num_computed, req.cache_salt)
             req.status = WAITING
             self.waiting.appendleft(req)
 
@@ -401,7 +404,7 @@ class Scheduler:
             if req.status != RUNNING:
                 continue  # aborted (or preempted) meanwhile
             req.num_computed += n
-            self.blocks.commit(req.request_id, req.tokens, req.num_computed)
+            self.blocks.commit(req.request_id, req.tokens, req.num_computed, req.cache_salt)
             if req.num_computed < len(req.tokens):
                 continue  # more prefill chunks to come
             tok = self._sample(req)

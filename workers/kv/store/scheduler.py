@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockStored
 
+from services.common.tls import tls_for
 from workers.kv.store.metadata import StoreMeta, StoreWorkerMeta
 from workers.kv.store.planner import StorePlanner, StoreSettings
 from workers.kv.store_client import StoreClient
@@ -60,8 +61,11 @@ if TYPE_CHECKING:
 
 def eligible(request: Request) -> bool:
     """Whether the request's KV is a function of its prompt's token ids alone (an empty
-    prompt is turned away by :meth:`StorePlanner.track`)."""
-    return (getattr(request, "lora_request", None) is None
+    prompt is turned away by :meth:`StorePlanner.track`). A salted request (a tenant's
+    ``cache_salt``) is not: the store's keys are unsalted, so it neither saves nor
+    loads, and no tenant ever matches another's blocks in the store."""
+    return (not getattr(request, "cache_salt", None)
+            and getattr(request, "lora_request", None) is None
             and not getattr(request, "mm_features", None)
             and getattr(request, "prompt_embeds", None) is None)
 
@@ -73,7 +77,8 @@ class StoreConnectorScheduler:
         self.block_size = block_size
         self.planner = StorePlanner.from_settings(settings, block_size, key_prefix)
         self.client: StoreClient | None = StoreClient(
-            settings.store_master, nixl=False, rpc_timeout_s=settings.rpc_timeout_s)
+            settings.store_master, nixl=False, rpc_timeout_s=settings.rpc_timeout_s,
+            tls=tls_for(settings, "worker") if settings.tls_dir else None)
         self._events: list[BlockStored] = []
 
     def _track(self, request: Request) -> str:
