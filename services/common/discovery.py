@@ -16,9 +16,10 @@ Contract:
 - :class:`InstanceWatcher` loads the current records under a component prefix, then follows
   etcd's watch from the next revision. ``instances()`` is the live set. A record whose lease
   expires disappears from it within the watch delay. After a watch error it reconnects and
-  resyncs from a fresh snapshot; a record the new snapshot lacks stays listed for
-  ``resync_grace_s`` (default 10 s) unless its key is put or deleted meanwhile, so an
-  etcd restarted without its data does not empty the set until the owners re-register.
+  resyncs from a fresh snapshot. When that snapshot is older than a revision already
+  seen (etcd lost its data), a record it lacks stays listed for ``resync_grace_s``
+  (default 10 s) unless its key is put or deleted meanwhile, so a wiped etcd does not
+  empty the set until the owners re-register.
   Listeners registered with ``on_change`` are called after every applied change.
 """
 
@@ -134,8 +135,8 @@ class Registration:
     async def _restore_key(self) -> None:
         """Puts the record again when its key is gone or no longer ours (value, lease)."""
         assert self._lease is not None
-        value = self._record.SerializeToString()
         kv = await self._client.get(self._key)
+        value = self._record.SerializeToString()  # after the GET: update() may have run
         if kv is not None and kv.value == value and kv.lease == self._lease.id:
             return
         log.warning("etcd key %s was %s while its lease %s lives; putting it back",
@@ -176,6 +177,8 @@ class InstanceWatcher:
         self._endpoint = endpoint
         self._grace = resync_grace_s
         self._stale: dict[str, float] = {}  # kept after a resync missed them: id → deadline
+        self._revision = 0  # the newest etcd revision seen (snapshot or event)
+        self._expiry: asyncio.TimerHandle | None = None
         self._prefix = instances_prefix(namespace, component).encode()
         self._instances: dict[str, discovery_pb2.InstanceRecord] = {}
         self._listeners: list[Listener] = []
@@ -233,7 +236,9 @@ class InstanceWatcher:
             self._instances.clear()
             for kv in snap:
                 self._apply(kv.key, kv.value)
-            self._keep_missing(previous)
+            if snap.header.revision < self._revision:  # etcd lost its data
+                self._keep_missing(previous)
+            self._revision = snap.header.revision
             self._notify()
             self._ready.set()
             self._settled.set()
@@ -243,6 +248,7 @@ class InstanceWatcher:
             )
             async for event in watch:
                 self._apply(event.kv.key, event.kv.value if event.kind == "PUT" else None)
+                self._revision = max(self._revision, event.kv.mod_revision)
                 self._notify()
         except Exception as exc:
             unreachable = isinstance(exc, grpc.RpcError | aetcd.exceptions.ClientError | OSError)
@@ -256,11 +262,13 @@ class InstanceWatcher:
                 await client.close()
 
     def _keep_missing(self, previous: dict[str, discovery_pb2.InstanceRecord]) -> None:
-        """After a resync, records the snapshot lacks stay listed for ``resync_grace_s``
-        (from when they first went missing) unless a watch event puts or deletes them
-        first: an etcd that lost its data (restarted wiped) has them back within one
-        keepalive of their owners, and a routing gap of a whole lease is worse than a
-        few calls to a dead worker, which callers report and skip."""
+        """After a resync from an etcd that lost its data (the snapshot's revision is
+        older than one already seen), records the snapshot lacks stay listed for
+        ``resync_grace_s`` (from when they first went missing) unless a watch event puts
+        or deletes them first: their owners put them back within one keepalive, and a
+        routing gap of a whole lease is worse than a few calls to a dead worker, which
+        callers report and skip. A resync from an etcd that kept its data applies the
+        snapshot as it is."""
         missing = {k: v for k, v in previous.items() if k not in self._instances}
         if not missing or self._grace <= 0:
             return
@@ -274,7 +282,13 @@ class InstanceWatcher:
         for k, rec in missing.items():
             self._instances[k] = rec
             self._stale.setdefault(k, now + self._grace)
-        loop.call_later(max(min(self._stale.values()) - now, 0.0), self._expire_stale)
+        self._arm_expiry(now)
+
+    def _arm_expiry(self, now: float) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_later(
+            max(min(self._stale.values()) - now, 0.0), self._expire_stale)
 
     def _expire_stale(self) -> None:
         now = asyncio.get_running_loop().time()
@@ -286,10 +300,13 @@ class InstanceWatcher:
             log.warning("%d record(s) under %s did not come back after the resync: %s",
                         len(gone), self._prefix.decode(), ", ".join(sorted(gone)[:5]))
             self._notify()
+        self._expiry = None
         if self._stale:
-            asyncio.get_running_loop().call_later(
-                max(min(self._stale.values()) - now, 0.0), self._expire_stale)
+            self._arm_expiry(now)
 
     async def close(self) -> None:
-        """Stops watching. Idempotent."""
+        """Stops watching (no listener is called after it). Idempotent."""
         await self._watch.stop()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None

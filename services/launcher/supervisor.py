@@ -76,6 +76,7 @@ class ChildState:
     name: str
     started_at: float
     restarts: int = 0
+    up: bool = True  # started and not exited since (a failed spawn never comes up)
     last_exit: str = ""
     restart_at: float | None = None
     crashloop: bool = False
@@ -114,6 +115,7 @@ class Supervisor:
             state.restarts += 1
             state.restart_at = None
             state.started_at = now
+        state.up = True
         return state
 
     def exited(self, name: str, how: str, now: float) -> Decision:
@@ -121,8 +123,9 @@ class Supervisor:
         why it could not start): when to restart it."""
         state = self._children[name]
         p = self.policy
-        if now - state.started_at >= p.reset_after_s:
-            state.backoff_step = 0
+        if state.up and now - state.started_at >= p.reset_after_s:
+            state.backoff_step = 0  # it ran long enough: a fresh failure
+        state.up = False
         state.exits.append(now)
         while state.exits and state.exits[0] <= now - p.crashloop_window_s:
             state.exits.popleft()

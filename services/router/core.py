@@ -272,7 +272,7 @@ class RouterCore:
     # Seconds a failure report keeps a worker unroutable (unless it re-registers), and
     # after which an in-flight request no one released is dropped.
     failure_hold_s: float = 5.0
-    inflight_ttl_s: float = 600.0
+    inflight_ttl_s: float = 1800.0
     _marks: dict[str, _Mark] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:

@@ -148,8 +148,9 @@ class RouterConfig(SeededConfig):
                                        "unroutable (unless it re-registers first)"}
     )
     inflight_ttl_s: float = dataclasses.field(
-        default=600.0, metadata={"help": "drop in-flight requests not released after this "
-                                         "many seconds (>= the frontend's longest request)"}
+        default=1800.0, metadata={"help": "drop in-flight requests not released after this "
+                                          "many seconds (>= the frontend's longest attempt: "
+                                          "P and D, 600 s each, plus routing)"}
     )
     metrics_port: int = dataclasses.field(
         default=0, metadata={"help": "Prometheus /metrics port (0 = any free, -1 = off)"}

@@ -149,9 +149,14 @@ async def start_store_master(cfg: StoreMasterConfig, clock: Clock = time.time) -
     if store is not None:
         try:
             segments, objects = await store.load()
+            _, marked = await store.epoch()
         except BaseException:
             await store.close()
             raise
+        if (segments or objects) and not marked:
+            log.warning("store metadata in Redis has no sentinel: written after a Redis "
+                        "reset that no master rewrote, so it may lack objects (each record "
+                        "restored is whole; the missing ones are simply unknown)")
         restored = master.restore(segments, objects)
         log.info("store metadata restored: %s", restored)
     persister = Persister(master, store)

@@ -43,6 +43,17 @@ def test_a_child_up_long_enough_starts_its_backoff_over() -> None:
     assert crash(sup, "router", 6.0 + 60.0) == 0.5  # up 60 s since 6.0: healthy again
 
 
+def test_restarts_that_cannot_even_spawn_keep_backing_off() -> None:
+    sup = Supervisor(POLICY)
+    sup.started("agg-0", 0.0)
+    now, delays = 100.0, []  # up 100 s, then every restart fails to spawn (no started())
+    for _ in range(4):
+        d = sup.exited("agg-0", "could not start", now)
+        delays.append(d.delay_s)
+        now = d.restart_at
+    assert delays == [0.5, 1.0, 2.0, 4.0]
+
+
 def test_a_crash_loop_is_retried_at_the_cap_forever() -> None:
     sup = Supervisor(RestartPolicy(initial_s=0.5, max_s=30.0, crashloop_exits=3,
                                    crashloop_window_s=120.0, reset_after_s=1000.0))
