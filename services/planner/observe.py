@@ -35,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.discovery import InstanceWatcher
 from services.common.grpc_client import ChannelPool
+from services.common.tls import MeshTls
 from services.planner.core import Observations, TrafficCounters, WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -90,12 +91,12 @@ class MeshObserver:
     """Reads workers' load and frontends' traffic; see the module docstring."""
 
     def __init__(self, etcd_endpoint: str, namespace: str, timeout_s: float = 2.0,
-                 metrics_urls: Sequence[str] = ()) -> None:
+                 metrics_urls: Sequence[str] = (), tls: MeshTls | None = None) -> None:
         self._workers = InstanceWatcher(etcd_endpoint, namespace, "worker")
         self._frontends = InstanceWatcher(etcd_endpoint, namespace, "frontend")
         self._timeout = timeout_s
         self._fixed_urls = list(metrics_urls)
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(tls)
         self._http = httpx.AsyncClient(timeout=timeout_s)
         self._last_traffic: dict[str, TrafficCounters] = {}
 

@@ -50,6 +50,7 @@ from services.common.config import SeededConfig, seeded_rng
 from services.common.discovery import InstanceWatcher
 from services.common.perf_model import PerfModel, load_perf_model
 from services.common.server import MeshServer, ServiceSpec, serve_main
+from services.common.tls import tls_for
 from services.router.admission.core import POLICIES as ADMISSION_POLICIES
 from services.router.admission.core import AdmissionSettings
 from services.router.admission.live import RouterAdmission
@@ -263,6 +264,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
                       clock=clock, failure_hold_s=cfg.failure_hold_s,
                       inflight_ttl_s=cfg.inflight_ttl_s)
     metrics = RouterMetrics(core)
+    tls = tls_for(cfg, "router")
     indexer_watcher: InstanceWatcher | None = None
     overlaps: OverlapSource
     if cfg.indexer == "embedded":
@@ -270,14 +272,14 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     elif cfg.indexer == "remote":
         indexer_watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "indexer")
         await indexer_watcher.start()
-        overlaps = RemoteSource(indexer_watcher.instances, cfg.indexer_timeout_s)
+        overlaps = RemoteSource(indexer_watcher.instances, cfg.indexer_timeout_s, tls=tls)
     else:
         overlaps = HistorySource()
     servicer = RouterServicer(core, {}, overlaps, metrics)
     watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker")
     watcher.on_change(servicer.set_records)
     await watcher.start()
-    poller = LoadPoller(core, cfg.load_poll_s)
+    poller = LoadPoller(core, cfg.load_poll_s, tls)
     poller.start()
     evictor = Evictor(core, cfg.evict_interval_s, clock)
     evictor.start()
@@ -318,7 +320,8 @@ async def _serve(cfg: RouterConfig) -> MeshServer:
 
     index = KvIndex()
     feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
-                     f"router-{os.getpid()}", clock=time.monotonic)
+                     f"router-{os.getpid()}", clock=time.monotonic,
+                     tls=tls_for(cfg, "router"))
     await feed.start()
     try:
         app = await start_router(cfg, embedded_index=index)

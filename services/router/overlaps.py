@@ -30,6 +30,7 @@ import grpc
 
 from protos import discovery_pb2, indexer_pb2, indexer_pb2_grpc
 from services.common.grpc_client import ChannelPool
+from services.common.tls import MeshTls
 from services.router.core import WorkerRecord
 from services.router.policies.base import WorkerOverlap
 
@@ -119,10 +120,11 @@ class RemoteSource:
 
     def __init__(self, instances: Callable[[], Mapping[str, discovery_pb2.InstanceRecord]],
                  timeout_s: float = 0.1,
-                 stub_factory: Callable[[str], Any] | None = None) -> None:
+                 stub_factory: Callable[[str], Any] | None = None,
+                 tls: MeshTls | None = None) -> None:
         self._instances = instances
         self._timeout = timeout_s
-        self._pool = ChannelPool()
+        self._pool = ChannelPool(tls)
         self._stub_factory = stub_factory or (
             lambda address: indexer_pb2_grpc.IndexerStub(self._pool.get(address)))
         self.fallbacks = 0

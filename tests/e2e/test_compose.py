@@ -42,3 +42,16 @@ def test_compose_redis_keeps_an_append_only_file_on_a_volume() -> None:
     data = cmd[cmd.index("--dir") + 1]
     volume = next(v for v in redis["volumes"] if v.endswith(":" + data))
     assert volume.split(":")[0] in doc["volumes"]
+
+
+def test_compose_makes_certificates_once_and_every_kvmesh_service_uses_them() -> None:
+    doc = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = doc["services"]
+    certs = services["certs"]
+    assert certs["command"] == ["kvmesh", "certs", "--out", "/certs"]
+    assert certs["volumes"] == ["mesh-certs:/certs"] and "mesh-certs" in doc["volumes"]
+    for name in ("indexer", "store-master", "router", "worker", "frontend"):
+        svc = services[name]
+        assert svc["environment"]["KVMESH_TLS_DIR"] == "/certs"
+        assert "mesh-certs:/certs:ro" in svc["volumes"]
+        assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"

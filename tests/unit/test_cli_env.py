@@ -30,6 +30,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "admission_ttft_slo_ms": ("900", 900.0),
     "admission_itl_slo_ms": ("12.5", 12.5),
     "planner": ("yes", True),
+    "insecure": ("yes", True),
 }
 
 

@@ -16,7 +16,7 @@ Contract:
   ``VllmEngineConfig.env``: the engine applies it only while it spawns its EngineCore,
   never to the worker process as a whole. Push mode also gets vLLM's
   ``push_registration_timeout`` = ``--kv-handoff-timeout-s`` (in vLLM 0.32 that watchdog
-  only logs; the worker's own bound is ``VllmEngineConfig.kv_handoff_timeout_s``). No
+  only logs; the worker bounds pull mode only, push waits for the frontend's timeout). No
   config and no environment without either connector; every call gets a fresh NIXL
   engine id.
 """
@@ -114,7 +114,10 @@ def worker_kv_transfer(cfg: WorkerConfig) -> KvTransferSetup:
 
     env = nixl_env(cfg.nixl_port or free_port())
     store_extra = {"l1_mib": cfg.store_l1_mib, "replicas": cfg.store_replicas,
-                   "async_load": cfg.store_async_load}
+                   "async_load": cfg.store_async_load,
+                   # mTLS to the store master, as the worker's identity
+                   **({"tls_dir": cfg.tls_dir, "tls_cert": cfg.tls_cert or "worker"}
+                      if cfg.tls_dir and not cfg.insecure else {})}
     if mode == "none":
         return KvTransferSetup(store_kv_transfer_config(
             cfg.store_master, kv_load_failure_policy=cfg.kv_load_failure_policy,
@@ -129,7 +132,7 @@ def worker_kv_transfer(cfg: WorkerConfig) -> KvTransferSetup:
         # keeps a core busy per idle engine on this 2-core machine (workers/kv/nixl_quiet).
         progress_thread=False,
         # vLLM's own D-side push watchdog: it logs and drops a registration P never
-        # fulfilled; the worker itself bounds the request (VllmEngineConfig).
+        # fulfilled; the frontend's PUSH_TIMEOUT_S bounds the request (VllmEngineConfig).
         extra={"push_registration_timeout": cfg.kv_handoff_timeout_s} if mode == "push"
         else None,
     )

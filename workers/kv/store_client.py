@@ -9,11 +9,12 @@ owner publishes its NIXL agent metadata in the segment's ``endpoint``
 Contract of :class:`StoreClient` (synchronous, thread-safe for gRPC; NIXL calls are
 serialised by one lock):
 
-- ``StoreClient(master_address, segment_bytes=0, client_id=None, ...)``: creates its NIXL
-  agent (UCX, progress thread off). With ``segment_bytes > 0`` it allocates and registers
-  a DRAM segment and mounts it under a fresh segment id (``<client_id>-<uuid>``: ids are
-  never reused across launches, as the master requires), then pings every
-  ``client_ttl_s / 3`` from a daemon thread and remounts when the master answers
+- ``StoreClient(master_address, segment_bytes=0, client_id=None, ..., tls=None)``: talks
+  to the master over mTLS with ``tls`` (a store_client or worker certificate), else
+  plaintext; creates its NIXL agent (UCX, progress thread off). With ``segment_bytes > 0``
+  it allocates and registers a DRAM segment and mounts it under a fresh segment id
+  (``<client_id>-<uuid>``: ids are never reused across launches, as the master requires),
+  then pings every ``client_ttl_s / 3`` from a daemon thread and remounts when the master answers
   ``known=false`` (declared dead, or a master without persisted metadata). A client with
   a segment is a NIXL *target*: its owner must call :meth:`progress` regularly (the store
   node does) so peers can connect.
@@ -60,6 +61,8 @@ import grpc
 import numpy as np
 
 from protos import store_pb2, store_pb2_grpc
+from services.common.grpc_client import sync_channel
+from services.common.tls import MeshTls
 
 log = logging.getLogger(__name__)
 
@@ -148,12 +151,13 @@ class StoreClient:
         nixl: bool = True,
         stub: Any = None,
         agent: Any = None,
+        tls: MeshTls | None = None,
     ) -> None:
         self.client_id = client_id or f"store-client-{uuid.uuid4().hex[:12]}"
         self.transfer_timeout_s = transfer_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = Counters()
-        self._channel = grpc.insecure_channel(master_address)
+        self._channel = sync_channel(master_address, tls)  # mTLS as store_client with tls
         # ``stub`` / ``agent``: injected fakes (unit tests); by default the real ones.
         self.stub = stub or store_pb2_grpc.StoreMasterStub(self._channel)
         self._lock = threading.RLock()  # NIXL agent calls

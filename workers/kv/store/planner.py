@@ -81,6 +81,9 @@ class StoreSettings:
     segment_bytes: int = 0
     rpc_timeout_s: float = 5.0
     transfer_timeout_s: float = 10.0
+    # mTLS to the master (services.common.tls.tls_for reads these): "" = plaintext
+    tls_dir: str = ""
+    tls_cert: str = "worker"
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any], kv_cache_groups: int = 1
@@ -101,6 +104,8 @@ class StoreSettings:
             segment_bytes=int(extra.get("segment_mib", 0)) << 20,
             rpc_timeout_s=float(extra.get("rpc_timeout_s", 5.0)),
             transfer_timeout_s=float(extra.get("transfer_timeout_s", 10.0)),
+            tls_dir=str(extra.get("tls_dir", "")),
+            tls_cert=str(extra.get("tls_cert", "worker")),
         )
 
 

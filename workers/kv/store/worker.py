@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
+from services.common.tls import tls_for
 from workers.kv.store.l1 import L1Pool
 from workers.kv.store.metadata import StoreMeta, StoreWorkerMeta
 from workers.kv.store.planner import (
@@ -86,7 +87,8 @@ class StoreConnectorWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         s = self.settings
         client = StoreClient(s.store_master, s.segment_bytes, rpc_timeout_s=s.rpc_timeout_s,
-                             transfer_timeout_s=s.transfer_timeout_s)
+                             transfer_timeout_s=s.transfer_timeout_s,
+                             tls=tls_for(s, "worker") if s.tls_dir else None)
         seen: set[int] = set()
         total = 0
         for name, kv in kv_caches.items():

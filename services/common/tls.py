@@ -1,0 +1,278 @@
+"""The mesh's certificates: a CA, per-role certificates, and gRPC credentials from them.
+
+Contract:
+
+- Roles (:data:`ROLES`): frontend, router, indexer, worker, store_client, store_master,
+  planner, admin. A certificate names its role twice: a SAN URI
+  ``spiffe://kvmesh/<role>/<name>`` (:func:`spiffe_id`) and the subject's OU. Every leaf
+  also carries the SANs that clients verify as the server name: DNS
+  :data:`MESH_SERVER_NAME`, ``localhost`` and IP 127.0.0.1 (clients dial any mesh
+  address with :data:`MESH_SERVER_NAME` as the TLS target name, so a certificate does not
+  depend on the host a process runs on; what a server proves is that the mesh CA signed
+  it).
+- :func:`make_ca` / :func:`issue` generate keys (EC P-256) and certificates offline with
+  ``cryptography``; :func:`write_mesh_certs` writes ``ca.pem``, ``ca-key.pem`` and, per
+  role, ``<role>.pem`` + ``<role>-key.pem`` (keys mode 0600) into a folder, reusing an
+  existing CA there (so new roles can be added) and never overwriting an existing role
+  certificate unless ``force``.
+- :func:`identity_of` reads (role, name) from a PEM certificate; a certificate without
+  exactly one kvmesh SPIFFE URI, or with an unknown role, raises :class:`CertError`.
+  :func:`verify_signed_by` checks a certificate against the CA (signature and validity).
+- :class:`MeshTls` is one process's material: CA, its role's certificate and key.
+  :meth:`MeshTls.load` reads them from a folder (a missing file raises CertError naming
+  it); ``server_credentials()`` requires and verifies client certificates;
+  ``channel_credentials()`` presents the role's certificate; :data:`CHANNEL_OPTIONS`
+  go with every TLS channel.
+- :func:`tls_for(cfg, role)` is what services use: None when ``cfg.tls_dir`` is empty or
+  ``cfg.insecure`` is set (the first such call logs one warning per process), else the
+  MeshTls of ``cfg.tls_cert`` (a file stem such as ``worker-decode-0``) or of ``role``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+log = logging.getLogger(__name__)
+
+ROLES = ("frontend", "router", "indexer", "worker", "store_client", "store_master",
+         "planner", "admin")
+SPIFFE_PREFIX = "spiffe://kvmesh/"
+MESH_SERVER_NAME = "kvmesh.mesh"
+CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", MESH_SERVER_NAME)]
+VALID_DAYS = 825
+CA_VALID_DAYS = 3650
+
+
+class CertError(ValueError):
+    """A certificate or key is missing, malformed, or not the mesh's."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a certificate names: its role and instance name."""
+
+    role: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.role}/{self.name}"
+
+
+def spiffe_id(role: str, name: str) -> str:
+    """``spiffe://kvmesh/<role>/<name>``."""
+    return f"{SPIFFE_PREFIX}{role}/{name}"
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _pem_cert(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def make_ca(common_name: str = "kvmesh mesh CA") -> tuple[bytes, bytes]:
+    """A self-signed CA: (certificate PEM, key PEM)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=CA_VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                       critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return _pem_cert(cert), _pem_key(key)
+
+
+def issue(ca_cert_pem: bytes, ca_key_pem: bytes, role: str, name: str = "") -> tuple[bytes,
+                                                                                    bytes]:
+    """A leaf for ``role`` (instance ``name``, default the role) signed by the CA, usable
+    as both server and client certificate: (certificate PEM, key PEM)."""
+    if role not in ROLES:
+        raise CertError(f"role: unknown {role!r}; one of {', '.join(ROLES)}")
+    name = name or role
+    if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise CertError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")
+    ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
+    ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([
+        x509.NameAttribute(NameOID.ORGANIZATION_NAME, "kvmesh"),
+        x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role),
+        x509.NameAttribute(NameOID.COMMON_NAME, name),
+    ])
+    sans: list[x509.GeneralName] = [
+        x509.UniformResourceIdentifier(spiffe_id(role, name)),
+        x509.DNSName(MESH_SERVER_NAME), x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+    ]
+    now = _now()
+    cert = (
+        x509.CertificateBuilder().subject_name(subject).issuer_name(ca_cert.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.ExtendedKeyUsage([x509.ExtendedKeyUsageOID.SERVER_AUTH,
+                                              x509.ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+            ca_cert.public_key()), critical=False)  # type: ignore[arg-type]
+        .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
+    )
+    return _pem_cert(cert), _pem_key(key)
+
+
+def identity_of(cert_pem: bytes) -> Identity:
+    """The (role, name) of a mesh certificate; CertError when it names none."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+    except ValueError as exc:
+        raise CertError(f"certificate: not PEM ({exc})") from exc
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound as exc:
+        raise CertError("certificate: no subjectAltName (no kvmesh role)") from exc
+    uris = [u for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+            if u.startswith(SPIFFE_PREFIX)]
+    if len(uris) != 1:
+        raise CertError(f"certificate: {len(uris)} kvmesh SPIFFE URIs, need exactly 1")
+    role, _, name = uris[0][len(SPIFFE_PREFIX):].partition("/")
+    if role not in ROLES or not name:
+        raise CertError(f"certificate: {uris[0]!r} names no known role")
+    return Identity(role, name)
+
+
+def verify_signed_by(cert_pem: bytes, ca_cert_pem: bytes) -> None:
+    """Raises CertError unless ``cert_pem`` is signed by the CA and valid now."""
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    ca = x509.load_pem_x509_certificate(ca_cert_pem)
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError) as exc:
+        raise CertError(f"certificate: not issued by this CA ({exc})") from exc
+    except Exception as exc:  # InvalidSignature
+        raise CertError(f"certificate: bad signature for this CA ({type(exc).__name__})") \
+            from exc
+    now = _now()
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise CertError("certificate: outside its validity period")
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def parse_role_spec(spec: str) -> tuple[str, str]:
+    """``role`` or ``role:name`` → (role, name); name "" means the role's own
+    certificate (file stem ``role``, else ``role-name``)."""
+    role, _, name = spec.partition(":")
+    return role, name
+
+
+def write_mesh_certs(out: Path, roles: tuple[str, ...] | list[str] = ROLES,
+                     force: bool = False) -> list[Path]:
+    """Writes the CA (if absent) and each role's certificate + key into ``out``; an entry
+    ``role:name`` makes an instance certificate ``<role>-<name>.pem``. Returns the files
+    written (existing ones are kept unless ``force``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    ca_path, ca_key_path = out / "ca.pem", out / "ca-key.pem"
+    written: list[Path] = []
+    if ca_path.exists() and ca_key_path.exists():
+        ca_cert, ca_key = ca_path.read_bytes(), ca_key_path.read_bytes()
+    else:
+        ca_cert, ca_key = make_ca()
+        _write(ca_key_path, ca_key, True)
+        _write(ca_path, ca_cert, False)
+        written += [ca_path, ca_key_path]
+    for spec in roles:
+        role, name = parse_role_spec(spec)
+        stem = f"{role}-{name}" if name else role
+        cert_path, key_path = out / f"{stem}.pem", out / f"{stem}-key.pem"
+        if cert_path.exists() and key_path.exists() and not force:
+            continue
+        cert, key = issue(ca_cert, ca_key, role, name)
+        _write(key_path, key, True)
+        _write(cert_path, cert, False)
+        written += [cert_path, key_path]
+    return written
+
+
+@dataclass(frozen=True)
+class MeshTls:
+    """One process's TLS material: the CA and its role's certificate and key."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+    identity: Identity
+
+    @classmethod
+    def load(cls, folder: Path | str, stem: str) -> MeshTls:
+        """Reads ``ca.pem``, ``<stem>.pem`` and ``<stem>-key.pem`` from ``folder``."""
+        base = Path(folder)
+        paths = [base / "ca.pem", base / f"{stem}.pem", base / f"{stem}-key.pem"]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise CertError(f"tls_dir: missing {', '.join(missing)} (run `kvmesh certs --out "
+                            f"{base}`)")
+        ca, cert, key = (p.read_bytes() for p in paths)
+        verify_signed_by(cert, ca)
+        return cls(ca, cert, key, identity_of(cert))
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Server side: present this certificate, require a client certificate signed by
+        the mesh CA."""
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=True)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Client side: trust only the mesh CA, present this certificate."""
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+
+_warned_insecure = False
+
+
+def tls_for(cfg: Any, role: str) -> MeshTls | None:
+    """The TLS material of ``role`` from ``cfg.tls_dir`` (a file ``<role>.pem``), or None
+    when it is empty (insecure: logs one warning per process)."""
+    global _warned_insecure
+    folder = getattr(cfg, "tls_dir", "")
+    if not folder or getattr(cfg, "insecure", False):
+        if not _warned_insecure:
+            _warned_insecure = True
+            log.warning("gRPC without TLS or authorization (--insecure or no --tls-dir): "
+                        "any local process can call every mesh service")
+        return None
+    return MeshTls.load(folder, getattr(cfg, "tls_cert", "") or role)
