@@ -19,6 +19,9 @@ Contract (``protos/store.proto`` documents each RPC):
 - Keys (and client ids, segment ids, endpoints) are at most ``max_key_bytes`` (4096)
   bytes of UTF-8 and not empty; segment geometry is checked against 64-bit addresses
   (see the core's ``mount_segment``). No request answers UNKNOWN.
+- With mTLS (:func:`services.common.authz.caller` known), a segment belongs to the
+  certificate identity that mounted it: Mount/UnmountSegment of it by another identity is
+  PERMISSION_DENIED (in memory: a restarted master learns owners from the next mounts).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import NoReturn, TypeVar
 import grpc
 
 from protos import store_pb2, store_pb2_grpc
+from services.common.authz import caller
 from services.store_master.core import (
     ErrorKind,
     Pin,
@@ -97,6 +101,17 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     def __init__(self, master: StoreMaster, persister: Persister) -> None:
         self._m = master
         self._p = persister
+        self._owners: dict[str, str] = {}  # segment id -> identity that mounted it (mTLS)
+
+    async def _owner_check(self, context: grpc.aio.ServicerContext, segment_id: str) -> str:
+        """The caller's identity ("" without mTLS); PERMISSION_DENIED when another
+        identity mounted ``segment_id``."""
+        who = str(caller() or "")
+        owner = self._owners.get(segment_id, who)
+        if owner != who:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"segment_id: {segment_id!r} belongs to {owner}, not {who}")
+        return who
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T],
                     mutates: bool = True) -> T:
@@ -186,17 +201,22 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     async def MountSegment(  # noqa: N802
         self, request: store_pb2.MountSegmentRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.MountSegmentResponse:
+        who = await self._owner_check(context, request.segment_id)
         mounted = await self._call(context, lambda: self._m.mount_segment(
             request.client_id, request.segment_id, request.base, request.size,
             request.endpoint))
+        if who:
+            self._owners[request.segment_id] = who
         return store_pb2.MountSegmentResponse(mounted=mounted,
                                               client_ttl_s=self._m.params.client_ttl_s)
 
     async def UnmountSegment(  # noqa: N802
         self, request: store_pb2.UnmountSegmentRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.UnmountSegmentResponse:
+        await self._owner_check(context, request.segment_id)
         rep = await self._call(context, lambda: self._m.unmount_segment(
             request.client_id, request.segment_id))
+        self._owners.pop(request.segment_id, None)
         return store_pb2.UnmountSegmentResponse(replicas_lost=rep.replicas_lost,
                                                 objects_lost=rep.objects_lost)
 
