@@ -17,15 +17,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+import grpc
 import openai
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from protos import discovery_pb2
+from protos import discovery_pb2, router_pb2, router_pb2_grpc
 from services.common.discovery import etcd_client, instances_prefix
+from services.common.grpc_client import channel
 from services.common.procs import free_port, port_open
+from services.common.tls import MeshTls
 from services.launcher.up import STATUS_FILE, health
 from tests.faults.table import FaultTable
 from tests.waiting import wait_for, wait_for_sync
@@ -307,6 +310,32 @@ async def test_redis_keeps_its_data_across_a_restart(supervised: Supervised) -> 
     assert value == b"kept"
     assert mesh.status()["redis"]["restarts"] == "1"
     assert mesh.proc.poll() is None
+
+
+async def test_the_launched_mesh_is_mtls_by_default(supervised: Supervised) -> None:
+    """The router of a default ``kvmesh up`` refuses a plaintext client and a worker's
+    certificate on Route; the certificates are where ``kvmesh up`` said."""
+    mesh = supervised
+    printed = next(line for line in mesh.out.read_text().splitlines()
+                   if "internal gRPC: mTLS, certificates in " in line)
+    certs = Path(printed.split("certificates in ", 1)[1].strip())
+    client = etcd_client(mesh.address("etcd"))
+    await client.connect()
+    try:
+        (kv,) = await client.get_prefix(instances_prefix("kvmesh", "router").encode())
+    finally:
+        await client.close()
+    rec = discovery_pb2.InstanceRecord()
+    rec.ParseFromString(kv.value)
+    route = router_pb2.RouteRequest(request_id="e2e-tls", model="tiny-llama", token_ids=[1])
+    async with grpc.aio.insecure_channel(rec.address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as plain:
+            await router_pb2_grpc.RouterStub(ch).Route(route, timeout=5)
+    assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with channel(rec.address, MeshTls.load(certs, "worker")) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await router_pb2_grpc.RouterStub(ch).Route(route, timeout=5)
+    assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 def test_children_die_with_a_sigkilled_kvmesh_up(supervised: Supervised,

@@ -1,0 +1,234 @@
+"""mTLS and authorization by role on real in-process servers (real etcd and Redis): a mock
+worker, a router, an indexer and a frontend, all with certificates of one mesh CA.
+
+A frontend-role client routes and generates; other roles get PERMISSION_DENIED naming the
+method and the role; a client without a certificate, or with one of another CA, does not
+get through the handshake; only an admin dumps the index; a worker registered in etcd
+with a certificate of another CA never receives a request (every handshake with it fails)
+while the frontend keeps answering; a store segment is unmounted only by the identity that
+mounted it, and RemoveAll is admin only."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from protos import (
+    common_pb2,
+    indexer_pb2,
+    indexer_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    store_pb2,
+    store_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.common.config import load_config
+from services.common.grpc_client import channel
+from services.common.procs import Child
+from services.common.tls import ROLES, MeshTls, write_mesh_certs
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
+from services.router.main import RouterApp, RouterConfig, start_router
+from services.store_master.main import StoreMasterConfig, start_store_master
+from tests.integration.conftest import base_args, wait_routable
+from tests.integration.test_router_validation import metrics
+from workers.fleet import Fleet, FleetConfig, start_fleet
+
+NS = "mtls"
+PROMPT = list(range(3, 67))
+
+
+@dataclass
+class Secured:
+    certs: Path
+    rogue: Path
+    fleet: Fleet
+    router: RouterApp
+    indexer: IndexerApp
+    frontend: FrontendApp
+
+    def tls(self, role: str) -> MeshTls:
+        return MeshTls.load(self.certs, role)
+
+
+def fleet_args(etcd: str, certs: Path, prefix: str, tiny_model: str) -> list[str]:
+    return [*base_args(etcd, NS), "--tls-dir", str(certs), "--workers", "1",
+            "--block-size", "16", "--num-blocks", "256", "--max-model-len", "512",
+            "--timing", "poly", "--speedup-ratio", "20", "--worker-id", prefix,
+            "--model-path", tiny_model, "--model-name", "mock"]
+
+
+@pytest.fixture(scope="module")
+async def secured(etcd: Child, redis_server: Child, tiny_model: str,
+                  tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Secured]:
+    certs, rogue = tmp_path_factory.mktemp("certs"), tmp_path_factory.mktemp("rogue")
+    write_mesh_certs(certs, ROLES)
+    write_mesh_certs(rogue, ROLES)  # a CA of its own
+    args = [*base_args(etcd.address, NS), "--tls-dir", str(certs)]
+    fleet = await start_fleet(load_config(FleetConfig, fleet_args(etcd.address, certs,
+                                                                  "mt-", tiny_model), {}))
+    router = await start_router(load_config(RouterConfig, [
+        *args, "--load-poll-s", "0.2", "--policy", "round_robin", "--failure-hold-s", "600"],
+        {}))
+    indexer = await start_indexer(load_config(IndexerConfig, [
+        *args, "--redis-url", f"redis://{redis_server.address}", "--group", "mt"], {}))
+    frontend = await start_frontend(load_config(FrontendConfig, [
+        *args, "--http-port", "0", "--router-address", router.server.address], {}))
+    try:
+        await wait_routable(router, 1, "the mTLS worker")
+        yield Secured(certs, rogue, fleet, router, indexer, frontend)
+    finally:
+        await frontend.server.stop()
+        await indexer.server.stop()
+        await router.server.stop()
+        await fleet.stop()
+
+
+async def refused(call: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await call  # type: ignore[misc]
+    return info.value
+
+
+def route_req(rid: str) -> router_pb2.RouteRequest:
+    return router_pb2.RouteRequest(request_id=rid, model="mock", token_ids=PROMPT)
+
+
+def gen_req(rid: str) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(request_id=rid, token_ids=PROMPT, model="mock",
+                                      sampling=common_pb2.SamplingParams(max_tokens=4))
+
+
+async def test_a_frontend_routes_and_generates(secured: Secured) -> None:
+    tls = secured.tls("frontend")
+    async with channel(secured.router.server.address, tls) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        route = await stub.Route(route_req("mt-ok"))
+        assert route.worker.instance_id == "mt-a0"
+        await stub.Release(router_pb2.ReleaseRequest(request_id="mt-ok"))
+    async with channel(secured.fleet.workers[0].address, tls) as ch:
+        chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(gen_req("mt-ok"))]
+    assert sum(len(c.token_ids) for c in chunks) == 4
+
+
+async def test_other_roles_get_permission_denied_naming_method_and_role(
+        secured: Secured) -> None:
+    async with channel(secured.router.server.address, secured.tls("worker")) as ch:
+        err = await refused(router_pb2_grpc.RouterStub(ch).Route(route_req("mt-w")))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "/kvmesh.router.Router/Route" in (err.details() or "")
+    assert "'worker'" in (err.details() or "")
+    assert (await metrics(secured.router))["kvmesh_router_inflight_requests"] == 0
+    worker = secured.fleet.workers[0]
+    before = worker.engine.counters()["finished_requests"]
+    async with channel(worker.address, secured.tls("router")) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        err = await refused(stub.Generate(gen_req("mt-r")).read())
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "'router'" in (err.details() or "")
+        err = await refused(stub.Abort(worker_pb2.AbortRequest(request_id="mt-ok")))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert (await stub.GetLoad(worker_pb2.GetLoadRequest())).worker_id == "mt-a0"
+    assert worker.engine.counters()["finished_requests"] == before
+    assert secured.router.server.authz is not None
+    assert secured.router.server.authz.refused[
+        ("/kvmesh.router.Router/Route", "worker", "PERMISSION_DENIED")] >= 1
+
+
+async def test_no_certificate_or_another_ca_fails_the_handshake(secured: Secured) -> None:
+    address = secured.router.server.address
+    mesh, rogue = secured.tls("frontend"), MeshTls.load(secured.rogue, "frontend")
+    attempts = {
+        "plaintext": grpc.aio.insecure_channel(address),
+        "no client certificate": grpc.aio.secure_channel(
+            address, grpc.ssl_channel_credentials(root_certificates=mesh.ca),
+            options=[("grpc.ssl_target_name_override", "kvmesh.mesh")]),
+        # trusts the mesh CA but presents a certificate of its own CA
+        "self-made CA": channel(address, MeshTls(mesh.ca, rogue.cert, rogue.key,
+                                                 rogue.identity)),
+    }
+    for what, ch in attempts.items():
+        async with ch:
+            err = await refused(router_pb2_grpc.RouterStub(ch).Route(route_req(what),
+                                                                     timeout=5))
+        assert err.code() in (grpc.StatusCode.UNAVAILABLE,
+                              grpc.StatusCode.UNAUTHENTICATED), (what, err)
+
+
+async def test_only_an_admin_dumps_the_index(secured: Secured) -> None:
+    address = secured.indexer.server.address
+    async with channel(address, secured.tls("admin")) as ch:
+        await indexer_pb2_grpc.IndexerStub(ch).Dump(indexer_pb2.DumpRequest())
+    async with channel(address, secured.tls("router")) as ch:
+        stub = indexer_pb2_grpc.IndexerStub(ch)
+        err = await refused(stub.Dump(indexer_pb2.DumpRequest()))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "/kvmesh.indexer.Indexer/Dump" in (err.details() or "")
+        await stub.FindMatches(indexer_pb2.FindMatchesRequest(token_ids=PROMPT,
+                                                              block_size=16))
+
+
+async def test_a_fake_worker_with_a_foreign_certificate_never_gets_a_request(
+        secured: Secured, etcd: Child, tiny_model: str) -> None:
+    fake = await start_fleet(load_config(FleetConfig, fleet_args(
+        etcd.address, secured.rogue, "fake-", tiny_model), {}))
+    try:
+        await wait_routable(secured.router, 2, "the real and the fake worker")
+        reports = (await metrics(secured.router))["kvmesh_router_failure_reports_total"]
+        async with httpx.AsyncClient(timeout=30) as client:
+            for i in range(6):  # round robin: the fake is picked about every other time
+                resp = await client.post(f"{secured.frontend.base_url}/v1/completions",
+                                         json={"model": "mock", "prompt": PROMPT,
+                                               "max_tokens": 3})
+                assert resp.status_code == 200, (i, resp.text)
+        counters = fake.workers[0].engine.counters()
+        assert counters.get("finished_requests", 0) == 0
+        assert counters.get("prefill_tokens", 0) == 0
+        # the frontend's failed handshake was reported: the router holds the fake back
+        after = await metrics(secured.router)
+        assert after["kvmesh_router_failure_reports_total"] > reports
+        assert after["kvmesh_router_unroutable_workers"] == 1
+    finally:
+        await fake.stop()
+
+
+async def test_the_store_master_keeps_segments_to_their_owner(
+        secured: Secured, etcd: Child) -> None:
+    write_mesh_certs(secured.certs, ["worker:a", "worker:b"])
+    app = await start_store_master(load_config(StoreMasterConfig, [
+        *base_args(etcd.address, "mtls-store"), "--tls-dir", str(secured.certs)], {}))
+    address = app.server.address
+    mount = store_pb2.MountSegmentRequest(client_id="c-a", segment_id="seg-a", base=4096,
+                                          size=1 << 20, endpoint="nixl:x")
+    unmount = store_pb2.UnmountSegmentRequest(client_id="c-a", segment_id="seg-a")
+    try:
+        async with channel(address, MeshTls.load(secured.certs, "worker-a")) as a, \
+                channel(address, MeshTls.load(secured.certs, "worker-b")) as b, \
+                channel(address, secured.tls("frontend")) as f, \
+                channel(address, secured.tls("admin")) as adm:
+            owner, other = store_pb2_grpc.StoreMasterStub(a), store_pb2_grpc.StoreMasterStub(b)
+            assert (await owner.MountSegment(mount)).mounted
+            err = await refused(other.UnmountSegment(unmount))  # the victim's ids, not cert
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "segment_id: 'seg-a' belongs to worker/a, not worker/b" in (
+                err.details() or "")
+            err = await refused(other.MountSegment(mount))  # nor take it over
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            err = await refused(store_pb2_grpc.StoreMasterStub(f).MountSegment(mount))
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            err = await refused(owner.RemoveAll(store_pb2.RemoveAllRequest()))
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            await store_pb2_grpc.StoreMasterStub(adm).RemoveAll(store_pb2.RemoveAllRequest())
+            health = await health_pb2_grpc.HealthStub(f).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            await owner.UnmountSegment(unmount)  # still mounted: its owner unmounts it
+    finally:
+        await app.server.stop()
