@@ -251,13 +251,17 @@ class FaultMesh:
             return await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
                                                                 timeout=5)
 
-    async def idle(self, names: list[str]) -> dict[str, tuple[int, int, int, float]]:
+    async def idle(self, names: list[str]) -> dict[str, tuple[int, int, int, float] | str]:
         """(running, waiting, active API requests, fraction of KV blocks held) of every
         worker in ``names`` that is not all zero: empty means no request and no KV block
         is held anywhere (cached blocks no request holds are free)."""
-        busy = {}
+        busy: dict[str, tuple[int, int, int, float] | str] = {}
         for name in names:
-            rep = await self.load(name)
+            try:
+                rep = await self.load(name)
+            except grpc.aio.AioRpcError as exc:  # e.g. restarting: not settled yet
+                busy[name] = f"unreachable: {exc.code().name}"
+                continue
             if rep.num_running or rep.num_waiting or rep.active_requests or rep.kv_usage:
                 busy[name] = (rep.num_running, rep.num_waiting, rep.active_requests,
                               rep.kv_usage)

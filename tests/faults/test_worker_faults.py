@@ -24,6 +24,11 @@ pytestmark = [pytest.mark.slow]
 LONG = " ".join(f"word{i}" for i in range(200)) + " "
 
 
+def fresh_long(tag: str) -> str:
+    """A long prompt no worker has cached (a cached LONG prefix is prefilled on D)."""
+    return " ".join(f"{tag}w{i}" for i in range(200))
+
+
 @pytest.fixture(scope="module")
 async def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: str,
                ) -> AsyncIterator[FaultMesh]:
@@ -279,3 +284,93 @@ async def test_a_client_request_id_used_twice_at_once(mesh: FaultMesh,
     observed = f"{codes.count(200)}/4 served"
     assert fault_table.record("4 concurrent requests with the same client request_id",
                               "4/4 served", observed, count=4), (observed, codes)
+
+
+async def frontend_metric(mesh: FaultMesh, sample: str) -> float:
+    """One sample (name with labels, as exposed) of the frontend's /metrics; 0 if absent."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(mesh.url + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[1])
+    return 0.0
+
+
+PREFILL_MIGRATIONS = 'kvmesh_frontend_migrations_total{stage="prefill"}'
+DECODE_MIGRATIONS = 'kvmesh_frontend_migrations_total{stage="decode"}'
+
+
+async def test_every_p_killed_inside_its_lease(mesh: FaultMesh,
+                                               fault_table: FaultTable) -> None:
+    """Both P die; until their leases end the router still picks them: each request's
+    P call fails, the frontend migrates, and with every P excluded D prefills locally."""
+    prefills = [n for n in mesh.workers() if n.startswith("prefill")]
+    done = await finished_requests(mesh, prefills)
+    assert (await tokens_of(mesh, fresh_long("warm"), 4))[1] is None
+    assert await finished_requests(mesh, prefills) != done, "the warm-up did not use a P"
+    before = await frontend_metric(mesh, PREFILL_MIGRATIONS)
+    for name in prefills:
+        mesh.kill(name)
+    assert set(prefills) <= await mesh.routable()  # still inside their leases
+    results = await asyncio.gather(*(tokens_of(mesh, fresh_long(f"np{i}"), 8)
+                                     for i in range(10)))
+    migrated = await frontend_metric(mesh, PREFILL_MIGRATIONS) - before
+    errors = [e for _, e in results if e is not None]
+    for name in prefills:
+        mesh.restart(name)
+    await asyncio.to_thread(mesh.wait_serving, 60)
+    await wait_for(lambda: _all_back(mesh, prefills), 30, "both P routable again")
+    observed = f"{len(errors)} errors of 10; P migrations {'> 0' if migrated else '0'}"
+    assert fault_table.record("kill -9 of every P, requests inside their leases",
+                              "0 errors of 10; P migrations > 0", observed, count=10,
+                              prefill_migrations=migrated), (observed, errors)
+    await settled(mesh, mesh.workers())
+
+
+async def _all_back(mesh: FaultMesh, names: list[str]) -> bool:
+    return set(names) <= await mesh.routable()
+
+
+async def test_kill_d_under_many_streams_and_new_requests(mesh: FaultMesh,
+                                                          fault_table: FaultTable) -> None:
+    """kill -9 of a D with 40 streams on the mesh, and 20 new requests sent at once
+    after it, inside its lease; then the D comes back on its port and serves at once."""
+    decodes = [n for n in mesh.workers() if n.startswith("decode")]
+    before = await frontend_metric(mesh, DECODE_MIGRATIONS)
+    started = asyncio.Event()
+    seen = 0
+
+    async def one(i: int) -> str | None:
+        nonlocal seen
+        texts: list[str] = []
+        async for ev in mesh.stream(LONG + f"crowd {i}", 400):
+            if "error" in ev:
+                return str(ev["error"])
+            texts.extend(c.get("text", "") for c in ev.get("choices", []) if c.get("text"))
+            if len(texts) == 4:
+                seen += 1
+                if seen == 40:
+                    started.set()
+            if ev.get("usage"):
+                return None if ev["usage"]["completion_tokens"] == 400 else f"usage {ev}"
+        return "stream ended without usage"
+
+    streams = [asyncio.ensure_future(one(i)) for i in range(40)]
+    await wait_for(started.is_set, 60, "40 streams under way")
+    busy = await running_on(mesh, decodes)
+    victim = busy[0]
+    mesh.kill(victim)
+    fresh = await asyncio.gather(*(mesh.completion(f"right after {i} " * 30, 4)
+                                   for i in range(20)))
+    errors = [e for e in await asyncio.gather(*streams) if e is not None]
+    fresh_bad = [r.status_code for r in fresh if r.status_code != 200]
+    migrated = await frontend_metric(mesh, DECODE_MIGRATIONS) - before
+    mesh.restart(victim)
+    await wait_for(lambda: _all_back(mesh, [victim]), 60, f"{victim} routable again")
+    await settled(mesh, mesh.workers())
+    observed = (f"{len(errors)} stream errors of 40, {len(fresh_bad)} failed new requests "
+                f"of 20")
+    assert fault_table.record("kill -9 of D under 40 streams, 20 new requests at once",
+                              "0 stream errors of 40, 0 failed new requests of 20",
+                              observed, count=60, decode_migrations=migrated), (
+        observed, errors[:3], fresh_bad)
