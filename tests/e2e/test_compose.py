@@ -55,3 +55,11 @@ def test_compose_makes_certificates_once_and_every_kvmesh_service_uses_them() ->
         assert svc["environment"]["KVMESH_TLS_DIR"] == "/certs"
         assert "mesh-certs:/certs:ro" in svc["volumes"]
         assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+
+
+def test_compose_restarts_a_service_that_exits() -> None:
+    """A worker whose engine died exits 3 for its supervisor: compose is that supervisor."""
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    long_running = {n for n in services if n not in ("certs", "jaeger")}
+    assert {n for n in long_running
+            if services[n].get("restart") != "unless-stopped"} == set()
