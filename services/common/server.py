@@ -61,11 +61,20 @@ class _Malformed:
         self.reason = reason
 
 
+async def _internal(context: Any, details: Any, exc: Exception) -> None:
+    """An exception a servicer let escape: logged once with its traceback and answered
+    INTERNAL naming it (grpc's default is UNKNOWN)."""
+    log.exception("%s failed", details.method)
+    await context.abort(grpc.StatusCode.INTERNAL,
+                        f"{details.method} failed: {type(exc).__name__}: {exc}"[:512])
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Answers requests whose protobuf cannot be parsed with INVALID_ARGUMENT (grpc's
-    default is UNKNOWN plus an error log) for unary-request methods. Server-streaming
-    handlers may be async generators or coroutines that ``context.write`` (as the health
-    service's ``Watch``)."""
+    default is UNKNOWN plus an error log) for unary-request methods, and an exception a
+    servicer lets escape with INTERNAL (logged; never UNKNOWN). Server-streaming handlers
+    may be async generators or coroutines that ``context.write`` (as the health service's
+    ``Watch``)."""
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
@@ -85,19 +94,29 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
                     if isinstance(request, _Malformed):
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                             f"malformed request: {request.reason}")
-                    result = behavior(request, context)
-                    if hasattr(result, "__aiter__"):  # an async generator handler
-                        async for item in result:
-                            yield item
-                    else:  # a coroutine that writes with context.write (health Watch)
-                        await result
+                    try:
+                        result = behavior(request, context)
+                        if hasattr(result, "__aiter__"):  # an async generator handler
+                            async for item in result:
+                                yield item
+                        else:  # a coroutine that writes with context.write (health Watch)
+                            await result
+                    except grpc.aio.AbortError:
+                        raise
+                    except Exception as exc:
+                        await _internal(context, details, exc)
                 return stream_behavior
 
             async def unary_behavior(request: Any, context: Any) -> Any:
                 if isinstance(request, _Malformed):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                         f"malformed request: {request.reason}")
-                return await behavior(request, context)
+                try:
+                    return await behavior(request, context)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:
+                    await _internal(context, details, exc)
             return unary_behavior
 
         if handler.response_streaming:
