@@ -15,11 +15,12 @@ Contract:
   when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
   the engine raised EngineDeadError) every in-flight and later call ends UNAVAILABLE
-  ``engine dead: <reason>``. A remote prefill that never came within the worker's
-  ``--kv-handoff-timeout-s`` (KvHandoffError, policy ``fail``) is UNAVAILABLE naming
-  the handoff. Any other engine failure is logged once and answered
-  INTERNAL (never UNKNOWN). When the client cancels, the engine generator is closed,
-  which aborts the request in the engine.
+  ``engine dead: <reason>``. A remote prefill whose KV never came (KvHandoffError,
+  policy ``fail``: the load failed, or, pull mode, ``--kv-handoff-timeout-s`` passed) is
+  UNAVAILABLE naming the handoff, with trailing metadata ``kvmesh-failed-role: prefill``
+  (:data:`FAILED_ROLE_KEY`): the fault is P's, this worker is alive. Any other engine
+  failure is logged once and answered INTERNAL (never UNKNOWN). When the client cancels,
+  the engine generator is closed, which aborts the request in the engine.
 - ``mark_dead(reason)``: from now on Generate answers UNAVAILABLE (the worker calls it
   when :meth:`Engine.wait_dead` returns).
   Records the spans ``worker.queue`` (arrival → first engine output of any kind),
@@ -57,6 +58,8 @@ log = logging.getLogger(__name__)
 # vLLM's own bounds on a cache salt (validate_cache_salt).
 MAX_CACHE_SALT_CHARS = 128
 CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
+# Trailing metadata naming the role whose fault a failure is (the frontend reads it).
+FAILED_ROLE_KEY = "kvmesh-failed-role"
 
 FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -181,7 +184,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 self.mark_dead(str(exc))
                 await self._abort_dead(context)
             except KvHandoffError as exc:  # the remote prefill never came (P gone?)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+                await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc),
+                                    ((FAILED_ROLE_KEY, "prefill"),))
             except kv_params.KvParamsError as exc:  # the engine's answer cannot travel
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine output: {exc}")
             except Exception as exc:  # an engine bug: say so once, never UNKNOWN

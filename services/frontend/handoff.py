@@ -68,18 +68,16 @@ class HandoffError(Exception):
 
     ``stage``: "agg", "prefill", "decode" or "timeout" (push: no first output from D in
     time; ``instance_id``/``address`` are D's). ``code``: the gRPC status when a call
-    failed, else None. ``tokens_sent``: token ids :func:`run_plan` had yielded before the
-    failure (0: nothing reached the client yet).
+    failed, else None; the call's AioRpcError, if any, is ``__cause__``.
     """
 
     def __init__(self, message: str, *, stage: str, instance_id: str, address: str,
-                 code: grpc.StatusCode | None = None, tokens_sent: int = 0) -> None:
+                 code: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.stage = stage
         self.instance_id = instance_id
         self.address = address
         self.code = code
-        self.tokens_sent = tokens_sent
 
 
 @dataclass
@@ -160,7 +158,6 @@ class _Run:
         self.events: asyncio.Queue[hm.Event] = asyncio.Queue()
         self.tasks: dict[str, asyncio.Task[None]] = {}  # the latest of each name
         self.started: list[asyncio.Task[None]] = []  # all, re-armed timers included
-        self.tokens_sent = 0
 
     async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         effects = self.machine.start()
@@ -168,9 +165,7 @@ class _Run:
             while True:
                 for effect in effects:
                     if isinstance(effect, hm.EmitChunk):
-                        resp = self._outgoing(effect)
-                        self.tokens_sent += len(resp.token_ids)
-                        yield resp
+                        yield self._outgoing(effect)
                     else:
                         self._execute(effect)
                 if self.machine.terminal is not None:
@@ -252,7 +247,7 @@ class _Run:
         err = fail.error
         code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
         out = HandoffError(message, stage=fail.stage, instance_id=choice.instance_id,
-                           address=choice.address, code=code, tokens_sent=self.tokens_sent)
+                           address=choice.address, code=code)
         if isinstance(err, BaseException):
             out.__cause__ = err
         return out

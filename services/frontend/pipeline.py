@@ -7,20 +7,30 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   length (ApiError 400). It never contacts a worker.
 - ``stream(job)`` asks the router for a worker, calls its ``Generate`` (through
   :func:`~services.frontend.handoff.run_plan`) and yields :class:`Chunk` deltas; the last
-  has ``finish_reason`` and ``usage``. Errors before the first chunk raise ApiError
-  (404/503 from routing, 400 from a worker's validation, naming the worker, P included;
-  502 when the worker fails). A worker that dies mid-stream never hangs the stream.
+  has ``finish_reason`` and ``usage``. Errors raise ApiError (404/503 from routing, 400
+  from a worker's validation, naming the worker, P included; 502 when the worker fails):
+  before the first chunk, and also after chunks were sent when a failure is not migrated
+  or a migration's re-Route fails (e.g. 503: no worker left). A worker that dies
+  mid-stream never hangs the stream.
 - **Migration** (Dynamo's ``migration_limit``): when a worker call fails in a way that
   is not the request's fault (:data:`MIGRATABLE` codes, a stream that ends without a
   finish, a handoff fault or timeout) the request moves on, up to ``migration_limit``
-  times: the router is told (``ReportFailure``, fire-and-forget) and the attempt's entry
-  released; a channel that answered UNAVAILABLE is dropped (so a worker restarted on the
-  same port is dialled afresh); the request is routed again with
+  times: the attempt's entry is released and the request is routed again with
   ``exclude_instance_ids`` = every worker that failed it, ``token_ids`` = prompt + the
   tokens generated so far and ``max_tokens`` reduced by them (the router decides where,
-  e.g. another P, or D prefilling itself). The client's stream continues without an
-  error, a repeated or a missing token (exact for greedy decoding; a sampled request
-  continues from a fresh sampler state). The finishing chunk's usage counts the
+  e.g. another P, or D prefilling itself). Only a worker that may be down (UNAVAILABLE,
+  or no status: a broken stream, a push timeout) is reported to the router
+  (``ReportFailure``, fire-and-forget), and a channel that answered UNAVAILABLE is
+  dropped (so a worker restarted on the same port is dialled afresh); a worker that
+  answered another status (INTERNAL, UNKNOWN, ...) is alive, so one poison request never
+  marks workers unroutable. A handoff failure is P's, not D's: D's UNAVAILABLE with
+  trailing metadata ``kvmesh-failed-role: prefill`` (P's KV never came) and a push
+  timeout exclude and report P (stages "prefill" and "timeout"). The client's stream
+  continues without an error, a repeated or a missing token (exact for greedy decoding,
+  except with presence/frequency/repetition penalties, as the carried tokens become
+  prompt tokens, and for a stop string straddling the migration boundary, which neither
+  attempt sees whole; a sampled request continues from a fresh sampler state). The
+  finishing chunk's usage counts the
   original prompt and every generated token; "length" means ``max_tokens`` across
   attempts. ``kvmesh_frontend_migrations_total{stage}`` counts migrations; once the
   limit is spent (0: at once) the client gets the failure's error (502/503).
@@ -34,9 +44,12 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   whatever ends it (finish, error, migration, the consumer closing the iterator or being
   cancelled at any point): its worker calls are cancelled (which aborts the request on
   the workers) and ``Release`` is sent by a task that the consumer's cancellation cannot
-  interrupt; :meth:`Pipeline.close` waits for those tasks. When an attempt's first token
-  arrives the router is told ``PrefillDone`` (fire-and-forget: the stream never waits for
-  it, and its failures, e.g. an older router without the RPC, are ignored).
+  interrupt; :meth:`Pipeline.close` waits for those tasks. A Route that failed on the
+  client's side after the router may have committed it (:data:`MAYBE_ROUTED` codes, or
+  the consumer's cancellation) gets a best-effort ``Release`` (idempotent). When an
+  attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
+  stream never waits for it, and its failures, e.g. an older router without the RPC, are
+  ignored).
 - Outcomes: a request the consumer abandoned before its finish counts
   ``outcome="cancelled"`` (not an error, no traceback); see :mod:`.metrics`.
 - Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
@@ -122,6 +135,9 @@ def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size:
 
 RETRY_AFTER_KEY = "retry-after"
 REASON_KEY = "kvmesh-admission-reason"
+# A worker's trailing metadata naming the role whose fault its failure is
+# (workers/service.py: "prefill" when P's KV never came).
+FAILED_ROLE_KEY = "kvmesh-failed-role"
 
 
 def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str | None:
@@ -165,6 +181,12 @@ MIGRATABLE = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL,
     grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED,
 })
+# Route errors after which the router may have committed the entry (the failure was on
+# our side of the call): a best-effort Release follows.
+MAYBE_ROUTED = frozenset({
+    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
+})
 # The longest part of a client's request id kept in the mesh's per-attempt ids.
 CLIENT_ID_CHARS = 200
 
@@ -183,6 +205,12 @@ class WorkerFailure:
     def migratable(self) -> bool:
         return self.code is None or self.code in MIGRATABLE
 
+    @property
+    def worker_down(self) -> bool:
+        """The worker may be dead or unreachable (UNAVAILABLE, or no status at all); one
+        that answered any other status is alive."""
+        return self.code is None or self.code == grpc.StatusCode.UNAVAILABLE
+
     def error(self) -> ApiError:
         """What the client gets when this failure is not migrated."""
         what = f"{'prefill worker' if self.stage == 'prefill' else 'worker'} {self.instance_id}"
@@ -191,28 +219,20 @@ class WorkerFailure:
         return _status_error(self.code, self.detail, what)
 
 
-def worker_failure(exc: BaseException, route: router_pb2.RouteResponse) -> (
-        WorkerFailure | None):
-    """``exc`` from :func:`run_plan` as a WorkerFailure (None: not a worker failure). Reads
-    HandoffError's ``stage``/``instance_id``/``address``/``code`` where it has them, else
-    its gRPC cause and the route."""
-    if isinstance(exc, HandoffError):
-        cause = exc.__cause__
-        code = getattr(exc, "code", None)
-        if code is None and isinstance(cause, grpc.aio.AioRpcError):
-            code = cause.code()
-        stage = getattr(exc, "stage", None) or "prefill"
-        target = (route.prefill if stage == "prefill" and route.HasField("prefill")
-                  else route.worker)
-        detail = (cause.details() or str(exc) if isinstance(cause, grpc.aio.AioRpcError)
-                  else str(exc))
-        return WorkerFailure(stage, getattr(exc, "instance_id", None) or target.instance_id,
-                             getattr(exc, "address", None) or target.address, code, detail)
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return WorkerFailure("decode" if route.disaggregated else "agg",
-                             route.worker.instance_id, route.worker.address, exc.code(),
-                             exc.details() or exc.code().name)
-    return None
+def worker_failure(exc: HandoffError, route: router_pb2.RouteResponse) -> WorkerFailure:
+    """``exc`` from :func:`run_plan` as a WorkerFailure: its stage, worker and code, the
+    detail of its gRPC cause. The failure is P's (P's id and address; stage "prefill", or
+    "timeout" as it was) when D says so (trailing ``kvmesh-failed-role: prefill``: P's KV
+    never came) or the push timer fired."""
+    rpc = exc.__cause__ if isinstance(exc.__cause__, grpc.aio.AioRpcError) else None
+    stage, instance_id, address = exc.stage, exc.instance_id, exc.address
+    p_fault = stage == "timeout" or (rpc is not None and stage == "decode"
+                                     and _trailer(rpc, FAILED_ROLE_KEY) == "prefill")
+    if p_fault and route.HasField("prefill"):
+        stage = "timeout" if stage == "timeout" else "prefill"
+        instance_id, address = route.prefill.instance_id, route.prefill.address
+    detail = (rpc.details() or str(exc)) if rpc is not None else str(exc)
+    return WorkerFailure(stage, instance_id, address, exc.code, detail)
 
 
 @contextlib.contextmanager
@@ -373,6 +393,8 @@ class Pipeline:
             self._spawn(self._release_when_routed(router, req.request_id, call))
             raise
         except grpc.aio.AioRpcError as exc:
+            if exc.code() in MAYBE_ROUTED:  # the router may hold the entry: free it
+                self._spawn(self._release(router, req.request_id))
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 err = rejection_error(exc)
                 self.metrics.observe_rejection(err.code or "")
@@ -460,7 +482,7 @@ class Pipeline:
                             yield chunk
                             return
                         yield chunk
-                except (HandoffError, grpc.aio.AioRpcError) as exc:
+                except HandoffError as exc:
                     failure, cause = worker_failure(exc, route), exc
                 finally:
                     await asyncio.shield(self._spawn(
@@ -472,7 +494,8 @@ class Pipeline:
                          "generated", job.request_id, failure.stage, failure.instance_id,
                          failure.detail, len(generated))
                 self.metrics.migrations.labels(failure.stage).inc()
-                self._report_failure(router, mesh_id, failure)
+                if failure.worker_down:
+                    self._report_failure(router, mesh_id, failure)
                 if failure.instance_id and failure.instance_id not in failed:
                     failed.append(failure.instance_id)
         except (GeneratorExit, asyncio.CancelledError):

@@ -1,6 +1,7 @@
 """``run_plan`` (the handoff driver) against mock workers over gRPC: agg, pull and push run
 to the end; every failing call surfaces as HandoffError with its stage, worker and gRPC
-code; closing the iterator or the push timer leaves no task running and the workers idle.
+code; closing the iterator or the push timer leaves no task running and the workers idle;
+the frontend blames a push timeout on P.
 
 Failures are real: a closed port (UNAVAILABLE), the worker's own validation
 (INVALID_ARGUMENT), and a simulated P→D link too slow for the push timer.
@@ -22,6 +23,7 @@ from services.common.procs import Child
 from services.frontend import handoff
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.pipeline import worker_failure
 from tests.integration.conftest import base_args
 from tests.waiting import wait_for
 from workers.fleet import Fleet, FleetConfig, start_fleet
@@ -126,8 +128,7 @@ async def test_an_unreachable_worker_is_a_handoff_error(
         await collect(pool, request(rid), route)
     e = err.value
     target = route.prefill if dead == "p" else route.worker
-    assert (e.stage, e.code, e.address, e.tokens_sent) == (
-        stage, grpc.StatusCode.UNAVAILABLE, addr, 0)
+    assert (e.stage, e.code, e.address) == (stage, grpc.StatusCode.UNAVAILABLE, addr)
     assert e.instance_id == target.instance_id and target.instance_id in str(e)
     assert isinstance(e.__cause__, grpc.aio.AioRpcError)
     assert not tasks_of(rid)
@@ -155,9 +156,13 @@ async def test_push_timeout_cancels_both_calls(etcd: Child, pool: ChannelPool,
         with pytest.raises(HandoffError) as err:
             await collect(pool, request("slow"), route)
         e = err.value
-        assert (e.stage, e.code, e.instance_id, e.tokens_sent) == (
-            "timeout", None, route.worker.instance_id, 0), str(e)
+        assert (e.stage, e.code, e.instance_id) == (
+            "timeout", None, route.worker.instance_id), str(e)
         assert "within 0.3s" in str(e) and route.prefill.instance_id in str(e)
+        # the frontend blames (excludes, reports) P, whose push never came, not D
+        failure = worker_failure(e, route)
+        assert (failure.stage, failure.instance_id, failure.address, failure.worker_down) == (
+            "timeout", route.prefill.instance_id, route.prefill.address, True)
         assert not tasks_of("slow")
         for w in slow.workers:
             await wait_idle(w.address)

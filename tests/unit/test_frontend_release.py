@@ -7,7 +7,10 @@ at every point of a request (routing, prefill, mid-stream, also anyio's level-tr
 cancellation as Starlette applies it), the router's in-flight count is back to 0 and the
 workers run nothing. Also row 9 of issue 12: two clients with the same ``request_id`` do
 not collide, a prefill worker's INVALID_ARGUMENT is a 400 naming P, an abandoned request
-counts ``outcome="cancelled"``.
+counts ``outcome="cancelled"``. And blame: a handoff failure D reports is P's (P is
+excluded and reported, D serves the retry), a worker that answered INTERNAL is not
+reported (a poison request marks nothing unroutable), and a Route whose answer was lost
+after the router committed it is released.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +35,7 @@ from services.router.disagg import DisaggConfig
 from services.router.policy_setup import default_registry
 from services.router.service import RouterServicer
 from tests.waiting import wait_for
+from workers.engines.base import EngineOutput, EngineRequest, KvHandoffError
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.service import WorkerServicer
 
@@ -55,10 +59,32 @@ async def serve(add: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> t
     return server, f"127.0.0.1:{port}"
 
 
-async def node(wid: str, role: int, model: str, num_blocks: int = 1024) -> Node:
-    engine = MockEngine(MockEngineConfig(
+POISON = 7  # a prompt starting with it hits FaultyEngine's bug
+
+
+class FaultyEngine(MockEngine):
+    """A mock engine with one fault the mock cannot produce itself: ``handoff``: a remote
+    prefill's KV never comes (P silent; vLLM with policy fail raises KvHandoffError);
+    ``poison``: a deterministic engine bug on prompts starting with :data:`POISON`."""
+
+    fault = ""
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self.fault == "handoff" and (request.kv_transfer_params or {}).get(
+                "do_remote_prefill"):
+            raise KvHandoffError(f"KV handoff failed: remote prefill of {request.request_id}")
+        if self.fault == "poison" and request.prompt_token_ids[0] == POISON:
+            raise RuntimeError("engine bug")
+        async for out in super().generate(request):
+            yield out
+
+
+async def node(wid: str, role: int, model: str, num_blocks: int = 1024,
+               fault: str = "") -> Node:
+    engine = FaultyEngine(MockEngineConfig(
         model_name=model, block_size=16, num_blocks=num_blocks, max_model_len=4096,
         timing="poly", handoff="" if role == discovery_pb2.WORKER_ROLE_AGG else "mock"))
+    engine.fault = fault
     await engine.start()
     server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server,
                                   WorkerServicer(engine, wid))
@@ -97,15 +123,27 @@ class Setup:
                                f"workers: {self.busy()})")
 
 
+class LostAnswerRouter(RouterServicer):
+    """Routes (the router commits the entry), then the answer is lost with ``code``, as
+    a deadline or a broken connection loses it on the caller's side."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    async def Route(self, request: Any, context: grpc.aio.ServicerContext) -> Any:  # noqa: N802
+        await super().Route(request, context)
+        await context.abort(self.code, "the answer was lost after the commit")
+
+
 @contextlib.asynccontextmanager
-async def mesh(nodes: list[Node]) -> AsyncIterator[Setup]:
+async def mesh(nodes: Sequence[Node],
+               servicer_cls: type[RouterServicer] = RouterServicer) -> AsyncIterator[Setup]:
     """A router over ``nodes`` and a pipeline using it; stopped with the nodes after."""
     registry = default_registry()
     core = RouterCore(policy=registry.create("kv", random.Random(0)),
                       prefill_policy=registry.create("kv", random.Random(1)),
                       disagg=DisaggConfig(conditional=False),
                       clock=asyncio.get_running_loop().time)
-    servicer = RouterServicer(core, {})
+    servicer = servicer_cls(core, {})
     records = {n.record.instance_id: n.record for n in nodes}
     servicer.set_records(records)
     router, router_address = await serve(router_pb2_grpc.add_RouterServicer_to_server,
@@ -114,7 +152,7 @@ async def mesh(nodes: list[Node]) -> AsyncIterator[Setup]:
     catalog.on_workers(records)
     pipeline = Pipeline(catalog, lambda: router_address)
     try:
-        yield Setup(core, pipeline, nodes)
+        yield Setup(core, pipeline, list(nodes))
     finally:
         await pipeline.close()
         await router.stop(0)
@@ -300,3 +338,51 @@ async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly() -> None:
             "length", len(PROMPT), 40)
         assert counter(s.pipeline, "kvmesh_frontend_migrations_total", stage="agg") == 1
         await s.settled()
+
+
+async def test_a_handoff_failure_d_reports_is_blamed_on_p() -> None:
+    """D's KvHandoffError (P's KV never came) excludes and reports P, not D: the retry
+    runs on D alone (it prefills itself) and no D is marked unroutable."""
+    async with mesh([await node("hp", discovery_pb2.WORKER_ROLE_PREFILL, "hpd"),
+                     await node("hd1", discovery_pb2.WORKER_ROLE_DECODE, "hpd", fault="handoff"),
+                     await node("hd2", discovery_pb2.WORKER_ROLE_DECODE, "hpd",
+                                fault="handoff")]) as s:
+        _, chunks = await s.pipeline.run(request(12, "hpd"))
+        out = [c async for c in chunks]
+        assert (out[-1].finish_reason, out[-1].completion_tokens) == ("length", 12)
+        assert counter(s.pipeline, "kvmesh_frontend_migrations_total", stage="prefill") == 1
+        assert counter(s.pipeline, "kvmesh_frontend_migrations_total") == 1
+        await wait_for(lambda: set(s.core.unroutable()) == {"hp"}, 10,
+                       lambda: f"only P reported (marked: {s.core.unroutable()})")
+        await s.settled()
+
+
+async def test_a_poison_request_marks_no_worker_unroutable() -> None:
+    """INTERNAL from a live worker's engine bug migrates, but reports nobody."""
+    async with mesh([await node("x1", discovery_pb2.WORKER_ROLE_AGG, "px", fault="poison"),
+                     await node("x2", discovery_pb2.WORKER_ROLE_AGG, "px",
+                                fault="poison")]) as s:
+        _, chunks = await s.pipeline.run(request(8, "px", prompt=(POISON, *PROMPT)))
+        with pytest.raises(ApiError):
+            async for _ in chunks:
+                pass
+        assert counter(s.pipeline, "kvmesh_frontend_migrations_total", stage="agg") == 2
+        await s.settled()
+        await s.pipeline.close()  # every fire-and-forget call has run
+        assert s.core.unroutable() == {}
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                                  grpc.StatusCode.UNKNOWN])
+async def test_a_route_lost_after_the_commit_is_released(code: grpc.StatusCode,
+                                                         monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    monkeypatch.setattr(LostAnswerRouter, "code", code)
+    async with mesh([await node("l1", discovery_pb2.WORKER_ROLE_AGG, "lost")],
+                    LostAnswerRouter) as s:
+        _, chunks = await s.pipeline.run(request(4, "lost"))
+        with pytest.raises(ApiError):
+            async for _ in chunks:
+                pass
+        await s.settled()  # the router's entry is gone (its TTL is far away)
