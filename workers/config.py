@@ -39,7 +39,7 @@ class WorkerConfig(BaseConfig):
         default="recompute", metadata={"help": "D when loading P's KV fails: recompute | fail"}
     )
     kv_handoff_timeout_s: float = dataclasses.field(
-        default=10.0, metadata={"help": "D: longest wait for a remote prefill's KV (until its "
+        default=10.0, metadata={"help": "D, pull mode: longest wait for P's KV (until its "
                                         "first token); then recompute or fail by "
                                         "--kv-load-failure-policy"}
     )

@@ -8,8 +8,10 @@ plausible block ids. Two decode workers, one engine start each:
 - pull, ``kv_load_failure_policy=recompute``, ``--kv-handoff-timeout-s 2`` (below vLLM's
   fixed 5 s NIXL handshake timeout, so the worker's own bound fires): the client gets the
   tokens of a local run;
-- push, ``fail``, the default 10 s bound (vLLM's handshake fails first): the request ends
-  with a status naming the handoff.
+- push, ``fail``, ``--kv-handoff-timeout-s 2``: the worker's bound is pull-only (an abort
+  would free D's receive blocks while P may still WRITE into them), so it does not fire;
+  vLLM's own 5 s handshake failure ends the request with UNAVAILABLE naming the handoff
+  and blaming P (trailing metadata ``kvmesh-failed-role: prefill``).
 
 Afterwards each D holds no request and no block (GetLoad) and serves a normal request.
 The asyncio timeouts are hang guards, larger than the bound; nothing asserts wall time.
@@ -119,7 +121,8 @@ async def test_pull_times_out_and_recomputes(decode_worker: str) -> None:
         await assert_idle(stub)
 
 
-@pytest.mark.parametrize("decode_worker", [("push", "fail")], indirect=True)
+@pytest.mark.parametrize("decode_worker", [("push", "fail", "--kv-handoff-timeout-s", "2")],
+                         indirect=True)
 async def test_push_fails_naming_the_handoff(decode_worker: str) -> None:
     async with grpc.aio.insecure_channel(decode_worker) as ch:
         stub = worker_pb2_grpc.WorkerStub(ch)
@@ -129,7 +132,9 @@ async def test_push_fails_naming_the_handoff(decode_worker: str) -> None:
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "KV handoff failed" in (err.value.details() or "")
         assert req.kv_transfer.remote_engine_id in (err.value.details() or "")
-        await assert_idle(stub)
+        assert ("kvmesh-failed-role", "prefill") in tuple(err.value.trailing_metadata() or ())
+        load = await assert_idle(stub)
+        assert load.counters["kv_handoff_timeouts"] == 0  # no local bound in push mode
         out = await generate(stub, plain(req))
         assert out[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert len(tokens(out)) == 6

@@ -32,17 +32,21 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   them (``SamplingParams.extra_args["kv_transfer_params"]``, a copy); the final output
   carries ``RequestOutput.kv_transfer_params`` (P: where D loads the prompt's KV from).
   Aborting a handoff request is vLLM's: P frees blocks at once, D tells P.
-  **D's wait for P is bounded**: a ``do_remote_prefill`` request that has no output within
-  ``config.kv_handoff_timeout_s`` (default 10 s, ``--kv-handoff-timeout-s``; counted from
-  submission, so it includes queueing) is cancelled (vLLM aborts it; a request waiting
-  for remote KV gets its blocks back once vLLM's connector reports the load finished or
-  failed, e.g. after its fixed 5 s NIXL handshake timeout) and then, by the
+  **D's wait for P is bounded in pull mode**: a ``do_remote_prefill`` request that has no
+  output within ``config.kv_handoff_timeout_s`` (default 10 s, ``--kv-handoff-timeout-s``;
+  counted from submission, so it includes queueing) is cancelled (vLLM aborts it; a
+  request waiting for remote KV gets its blocks back once vLLM's connector reports the
+  load finished or failed, e.g. after its fixed 5 s NIXL handshake timeout) and then, by the
   ``kv_load_failure_policy`` of ``kv_transfer_config`` (vLLM's default "fail"), run again
   here without the handoff ("recompute": the client gets the locally computed tokens) or
   ended with :class:`~workers.engines.base.KvHandoffError` naming P ("fail"), as is a
   remote prefill that vLLM itself ends with "error" before any token. Timeouts are
-  counted (``kv_handoff_timeouts``). A flat ``remote_block_ids`` is passed to vLLM as one
-  KV-cache group's list (vLLM 0.32's NIXL failure path needs one list per group).
+  counted (``kv_handoff_timeouts``). **Push mode has no such local bound** (until it is
+  shown safe): vLLM's push scheduler frees D's receive blocks at once on an abort while P
+  may still WRITE into them later, so D keeps waiting; the frontend's ``PUSH_TIMEOUT_S``
+  ends the request (its cancel aborts D), and vLLM ending it with "error" still raises
+  :class:`~workers.engines.base.KvHandoffError`. A flat ``remote_block_ids`` is passed
+  to vLLM as one KV-cache group's list (vLLM 0.32's NIXL failure path needs one list per group).
   Finish reasons map stop/repetition -> "stop", length -> "length", abort/error -> "abort".
   vLLM's validation errors (``ValueError``) become :class:`EngineError`. If the consumer stops early
   (``aclose()``, garbage collection, task cancellation) vLLM's stream is closed at once,
@@ -143,7 +147,7 @@ class VllmEngineConfig:
     # For this engine's EngineCore only (e.g. workers.kv.nixl.nixl_env): applied to
     # os.environ while start() spawns it, then restored; never left in this process.
     env: dict[str, str] = field(default_factory=dict)
-    # D: longest wait for a remote prefill's KV, until its first output (None: unbounded).
+    # D, pull mode: longest wait for P's KV, until its first output (None: unbounded).
     kv_handoff_timeout_s: float | None = 10.0
 
     @property
@@ -470,11 +474,13 @@ class VllmEngine(Engine):
         (recompute: the prompt is prefilled here) or :class:`KvHandoffError` is raised
         (fail). vLLM ending it with "error" before any token (its "fail" policy, e.g. P's
         side channel did not answer its 5 s handshake) raises :class:`KvHandoffError` too.
+        Push mode: no local bound (see the module docstring); only the "error" check.
         """
         rid = request.request_id
         where = (f"remote prefill of {rid!r} from {kv.get('remote_host')}:"
                  f"{kv.get('remote_port')} (engine {kv.get('remote_engine_id')})")
-        timeout = self.config.kv_handoff_timeout_s
+        push = self.info.handoff.get("mode") == "push"
+        timeout = None if push else self.config.kv_handoff_timeout_s
         async with contextlib.aclosing(outputs) as stream:
             try:
                 async with asyncio.timeout(timeout):
