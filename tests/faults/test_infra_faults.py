@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import aetcd
 import pytest
 
 from services.common.discovery import etcd_client, instances_prefix
@@ -39,6 +40,20 @@ async def served(mesh: FaultMesh, tag: str, n: int = 10) -> str:
         if resp.status_code != 200:
             bad.append(f"{resp.status_code} {resp.text[:200]}")
     return f"{n - len(bad)}/{n}" + (f" (others: {bad})" if bad else "")
+
+
+async def registered(mesh: FaultMesh) -> bool:
+    """Every worker's key is in etcd."""
+    client = etcd_client(mesh.etcd_address)
+    try:
+        await client.connect()
+        kvs = await client.get_prefix(instances_prefix(NS, "worker").encode())
+    except aetcd.exceptions.ClientError:
+        return False  # still starting
+    finally:
+        await client.close()
+    keys = {kv.key.decode().rsplit("/", 1)[1] for kv in kvs}
+    return set(mesh.workers()) <= keys
 
 
 async def all_routable(mesh: FaultMesh) -> bool:
@@ -75,6 +90,10 @@ async def test_etcd_restart(mesh: FaultMesh, fault_table: FaultTable, wipe: bool
     started = monotonic()
     await asyncio.to_thread(mesh.restart_etcd, wipe)
     seconds = await recovered(mesh, started)
+    # The routers' lists may still carry the records a wiped etcd lost (their grace):
+    # every worker must be back in etcd itself.
+    await wait_for(lambda: registered(mesh), 30, "every worker's key back in etcd")
+    seconds = monotonic() - started
     after = await served(mesh, f"after etcd wipe={wipe}")
     observed = f"every worker re-registered; {after} served after"
     what = "wiped" if wipe else "kept"
