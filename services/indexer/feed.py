@@ -16,7 +16,10 @@ core). Contract of :class:`IndexFeed`:
 - A full-state entry a worker published itself replaces that worker's state unless the
   index is already past it.
 - Workers whose etcd lease goes are removed from the index (also those found only in the
-  replayed stream once the first etcd snapshot shows them gone).
+  replayed stream once the first etcd snapshot shows them gone), and so is a worker whose
+  record comes back from a new process (pid or ``started_at_ms`` changed: a restart
+  within the lease); its new events, numbered from 0 again, then rebuild it (a gap
+  resyncs it from the worker).
 - Malformed entries are counted and skipped; the feed never stops on bad input.
 - Redis going away or restarting (see :meth:`IndexFeed._follow`): a failed read is counted
   (``read_failures``) and retried every ``retry_s``; the first failure of an outage logs
@@ -63,6 +66,11 @@ KIND_NAMES = {
     kv_events_pb2.KV_EVENT_KIND_REMOVED: "removed",
     kv_events_pb2.KV_EVENT_KIND_CLEARED: "cleared",
 }
+
+
+def _incarnation(rec: discovery_pb2.InstanceRecord) -> tuple[int, int]:
+    """What tells two processes under one worker id apart."""
+    return rec.pid, rec.started_at_ms
 
 
 @dataclass
@@ -161,12 +169,21 @@ class IndexFeed:
         return set(self._records)
 
     def _on_workers(self, records: Mapping[str, discovery_pb2.InstanceRecord]) -> None:
-        """An etcd snapshot: workers seen alive before and now gone lose their blocks."""
-        self._records = dict(records)
+        """An etcd snapshot: workers seen alive before and now gone lose their blocks, and
+        so does a worker that came back as a new process (new pid or start time: it
+        restarted within its lease, and numbers its events from 0 again, which would
+        otherwise read as redeliveries and be ignored)."""
+        previous, self._records = self._records, dict(records)
         gone = self._seen_alive - set(records)
         self._seen_alive = set(records)
         for w in sorted(gone):
             self._drop(w)
+        for w, rec in sorted(records.items()):
+            old = previous.get(w)
+            if old is not None and _incarnation(old) != _incarnation(rec):
+                log.info("%s restarted (pid %d -> %d); its index entry starts over", w,
+                         old.pid, rec.pid)
+                self._drop(w)
 
     def _drop_dead_after_replay(self) -> None:
         alive = set(self._watcher.instances())

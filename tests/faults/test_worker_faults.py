@@ -14,7 +14,14 @@ import grpc
 import httpx
 import pytest
 
-from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos import (
+    common_pb2,
+    kv_events_pb2,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from tests.faults.mesh import MODEL, FaultMesh, monotonic
 from tests.faults.table import FaultTable
 from tests.waiting import wait_for
@@ -32,7 +39,10 @@ def fresh_long(tag: str) -> str:
 @pytest.fixture(scope="module")
 async def mesh(tmp_path_factory: pytest.TempPathFactory, tiny_model: str,
                ) -> AsyncIterator[FaultMesh]:
-    m = FaultMesh(tmp_path_factory.mktemp("faults-workers"), tiny_model)
+    # decode-1's long lease lets a restart land inside it (a fresh process takes longer
+    # than 2 s to register): test_a_worker_restarted_inside_its_lease.
+    m = FaultMesh(tmp_path_factory.mktemp("faults-workers"), tiny_model,
+                  extra={"decode-1": ["--lease-ttl", "30"]})
     await asyncio.to_thread(m.start)
     try:
         yield m
@@ -374,3 +384,30 @@ async def test_kill_d_under_many_streams_and_new_requests(mesh: FaultMesh,
                               "0 stream errors of 40, 0 failed new requests of 20",
                               observed, count=60, decode_migrations=migrated), (
         observed, errors[:3], fresh_bad)
+
+
+async def test_a_worker_restarted_inside_its_lease(mesh: FaultMesh,
+                                                   fault_table: FaultTable) -> None:
+    """The new process registers under the same id before the old lease ends and numbers
+    its KV events from 0 again: the index must follow it, not keep the old blocks."""
+    victim = "decode-1"
+    async with grpc.aio.insecure_channel(mesh.address(victim)) as ch:  # blocks on it
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        req = worker_pb2.GenerateRequest(request_id="before-restart", model=MODEL,
+                                         token_ids=list(range(1, 200)),
+                                         sampling=common_pb2.SamplingParams(max_tokens=2))
+        [r async for r in stub.Generate(req, timeout=30)]
+        held = await stub.GetKvState(kv_events_pb2.KvStateRequest(), timeout=10)
+    assert any(t.block_hashes for t in held.tiers)
+    async def indexed() -> bool:
+        return not await mesh.index_mismatch([victim])
+    await wait_for(indexed, 30, f"the index to hold {victim}'s blocks")
+    mesh.kill(victim)
+    mesh.restart(victim)  # at once: well inside its 30 s lease
+    await wait_for(lambda: _all_back(mesh, [victim]), 60, f"{victim} routable again")
+    served = [(await tokens_of(mesh, fresh_long(f"after restart {i}"), 4))[1] is None
+              for i in range(6)]
+    await settled(mesh, mesh.workers())  # incl. the index equal to every worker's state
+    observed = f"{sum(served)}/6 served; index matches the new process"
+    assert fault_table.record("a worker killed and restarted inside its lease",
+                              "6/6 served; index matches the new process", observed), observed
