@@ -64,6 +64,7 @@ class Registration:
     def __init__(
         self, endpoint: str, namespace: str, record: discovery_pb2.InstanceRecord, ttl: int
     ) -> None:
+        self._endpoint = endpoint
         self._client = etcd_client(endpoint)
         self._key = instance_key(namespace, record).encode()
         self._record = record
@@ -86,8 +87,9 @@ class Registration:
 
     async def start(self, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Grants the lease, writes the record and starts the keepalive task. While etcd
-        is unreachable (e.g. restarting) it retries, 0.2 s apart doubling to 2 s and
-        logging each failure, for ``startup_timeout_s``; then it raises the last error."""
+        is unreachable (e.g. restarting) it retries on a fresh channel, 0.2 s apart
+        doubling to 2 s and logging each failure, for ``startup_timeout_s``; then it
+        raises the last error."""
         await self._client.connect()
         loop = asyncio.get_running_loop()
         deadline, delay, attempt = loop.time() + startup_timeout_s, 0.2, 0
@@ -96,14 +98,22 @@ class Registration:
             try:
                 await self._grant_and_put()
                 break
-            except aetcd.exceptions.ConnectionFailedError as exc:
+            except (aetcd.exceptions.ConnectionFailedError,
+                    aetcd.exceptions.ConnectionTimeoutError) as exc:  # down, or not ready
                 if loop.time() + delay > deadline:
                     raise
                 log.warning("etcd registration of %s failed (try %d): %s; retrying in %.1fs",
                             self.key, attempt, exc, delay)
                 await asyncio.sleep(delay)
+                await self._new_client()  # a channel that failed may stay stuck
                 delay = min(delay * 2, 2.0)
         self._keepalive.start()
+
+    async def _new_client(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._client.close()
+        self._client = etcd_client(self._endpoint)
+        await self._client.connect()
 
     async def update(self, record: discovery_pb2.InstanceRecord) -> None:
         """Replaces the published record (same key, same lease)."""

@@ -105,31 +105,6 @@ async def test_registration_puts_a_deleted_key_back(etcd: Child) -> None:
         await client.close()
 
 
-async def test_registration_waits_out_a_short_etcd_restart(own_etcd: tuple[Child, Path],
-                                                           log_dir: Path) -> None:
-    child, work = own_etcd
-    port, peer = int(child.address.split(":")[1]), _peer_port(child)
-    child.stop()
-    rec = discovery_pb2.InstanceRecord(instance_id="early", component="worker",
-                                       address="127.0.0.1:1")
-    reg = Registration(child.address, NS, rec, ttl=3)
-    # Its first tries find no etcd; the timeout only bounds a loaded host's etcd start.
-    starting = asyncio.ensure_future(reg.start(startup_timeout_s=120))
-    restarted = await asyncio.to_thread(start_etcd, work, log_dir, port, peer)
-    try:
-        await starting
-        client = etcd_client(restarted.address)
-        await client.connect()
-        try:
-            kv = await client.get(reg.key.encode())
-            assert kv is not None and kv.lease == reg.lease_id
-        finally:
-            await client.close()
-    finally:
-        await reg.close()
-        restarted.stop()
-
-
 async def test_records_a_wiped_etcd_lost_stay_until_the_grace_ends(
         own_etcd: tuple[Child, Path], log_dir: Path) -> None:
     child, work = own_etcd
