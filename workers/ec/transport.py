@@ -25,6 +25,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -63,8 +64,10 @@ def sweep_stale(region_dir: str) -> list[str]:
             try:
                 path.unlink()
                 removed.append(str(path))
-            except OSError:
-                pass
+            except FileNotFoundError:
+                continue  # another process swept it first: the goal is reached
+            except OSError as exc:
+                log.warning("EC region %s of a dead process not removed: %s", path, exc)
     return removed
 
 
@@ -112,10 +115,8 @@ class Region:
         except BufferError:  # a view still exported: the mapping lives until it is gone
             log.debug("EC region %s still has views", self.path)
         if unlink:
-            try:
+            with contextlib.suppress(FileNotFoundError):  # already gone: the goal is reached
                 os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class Endpoint:
