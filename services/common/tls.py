@@ -3,7 +3,8 @@
 Contract:
 
 - Roles (:data:`ROLES`): frontend, router, indexer, worker, store_client, store_master,
-  planner, admin. A certificate names its role twice: a SAN URI
+  planner, admin, and the infrastructure servers etcd and redis (their server
+  certificates; :mod:`services.common.authz` grants them no kvmesh method). A certificate names its role twice: a SAN URI
   ``spiffe://kvmesh/<role>/<name>`` (:func:`spiffe_id`) and the subject's OU. Every leaf
   also carries the SANs that clients verify as the server name: DNS
   :data:`MESH_SERVER_NAME`, ``localhost`` and IP 127.0.0.1 (clients dial any mesh
@@ -47,7 +48,7 @@ from cryptography.x509.oid import NameOID
 log = logging.getLogger(__name__)
 
 ROLES = ("frontend", "router", "indexer", "worker", "store_client", "store_master",
-         "planner", "admin")
+         "planner", "admin", "etcd", "redis")
 SPIFFE_PREFIX = "spiffe://kvmesh/"
 MESH_SERVER_NAME = "kvmesh.mesh"
 CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", MESH_SERVER_NAME)]
