@@ -86,12 +86,13 @@ def create_scheduler(vllm_config: VllmConfig, num_blocks: int = 256) -> Schedule
 
 
 def create_request(request_id: str, token_ids: Sequence[int], *, block_size: int = 32,
-                   max_tokens: int = 4, lora: Any = None) -> Request:
+                   max_tokens: int = 4, lora: Any = None,
+                   cache_salt: str | None = None) -> Request:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     params.update_from_generation_config({}, EOS_ID)
     return Request(request_id=request_id, prompt_token_ids=list(token_ids),
                    sampling_params=params, pooling_params=None, lora_request=lora,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+                   cache_salt=cache_salt, block_hasher=get_request_block_hasher(block_size, sha256))
 
 
 def runner_output(scheduler: Scheduler, out: SchedulerOutput, *,

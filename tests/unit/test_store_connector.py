@@ -257,6 +257,36 @@ def test_stored_blocks_become_store_tier_events(make: Any) -> None:
     assert isinstance(merged, StoreWorkerMeta) and len(merged.done) == 2
 
 
+def test_a_tenant_s_salted_prompt_has_its_own_store_keys(make: Any) -> None:
+    sched, conn, store = make()
+    recorder = EventRecorder()
+    sched.kv_event_publisher = recorder  # type: ignore[assignment]
+    toks = tokens(3 * BS + 1)
+    planner = conn.connector_scheduler.planner
+    a_keys = planner.keys_of(toks, "tenant-a")
+    assert a_keys[0] != keys_of(conn, toks)[0] != planner.keys_of(toks, "tenant-b")[0]
+    store.put(a_keys)
+    hit = create_request("a", toks, cache_salt="tenant-a")
+    assert conn.get_num_new_matched_tokens(hit, 0) == (3 * BS, False)
+    for name, salt in (("b", "tenant-b"), ("plain", None)):  # B's guess and no tenant: miss
+        assert conn.get_num_new_matched_tokens(create_request(name, toks, cache_salt=salt),
+                                               0) == (0, False)
+    # A's save is announced with A's salt, so the indexer's hashes are A's salted ones.
+    saver = create_request("s", tokens(2 * BS + 1, seed=4), cache_salt="tenant-a")
+    sched.add_request(saver)
+    out, _ = step_meta(sched)
+    sched.update_from_output(out, runner_output(sched, out, kv_connector_output=KVConnectorOutput(
+        kv_connector_worker_meta=StoreWorkerMeta([("s", 0, 2)]))))
+    (ev,) = recorder.take()
+    assert isinstance(ev, BlockStored) and ev.extra_keys == [("tenant-a",), None]
+    translated = EventTranslator(BS).translate(
+        {"type": "BlockStored", "block_hashes": ev.block_hashes, "parent_block_hash": None,
+         "token_ids": ev.token_ids, "block_size": BS, "medium": ev.medium,
+         "extra_keys": ev.extra_keys})
+    assert list(translated[0].block_hashes) == block_hashes(ev.token_ids, BS, salt="tenant-a")
+    assert list(translated[0].block_hashes) == list(ev.block_hashes)
+
+
 def queued_hit(make: Any, **extra: Any) -> tuple[list[StoreMeta], list[str], Store]:
     """A request whose lookup hits the store but that waits for free blocks, two steps."""
     sched, conn, store = make(num_blocks=8, **extra)  # 7 usable blocks

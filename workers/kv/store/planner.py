@@ -135,10 +135,12 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class StoredPrefix:
-    """A prompt prefix now available from the store: its chained block hashes and tokens."""
+    """A prompt prefix now available from the store: its chained block hashes and tokens,
+    and the tenant's cache salt its hashes start from ("" = unsalted)."""
 
     block_hashes: list[int]
     token_ids: list[int]
+    salt: str = ""
 
 
 @dataclass
@@ -149,6 +151,7 @@ class _ReqState:
     tokens: Sequence[int]  # the prompt's token ids
     keys: list[str]
     hashes: list[int]  # keys[i] ends with hashes[i] (chained block hashes of the prompt)
+    salt: str = ""  # the tenant's cache salt the hashes start from
     eligible: bool = True
     saved_upto: int = -1  # prompt blocks [0, saved_upto) are in the store or need no save
     load_from: int = 0  # planned load: blocks [load_from, load_to)
@@ -180,7 +183,7 @@ class StorePlanner:
         self._prefetch_wanted: set[str] = set()
         self._load_jobs: dict[tuple[str, int], int] = {}  # (req_id, first) → blocks
         # (req_id, first) → (prompt token ids, prompt block hashes), until reported
-        self._jobs: dict[tuple[str, int], tuple[Sequence[int], list[int]]] = {}
+        self._jobs: dict[tuple[str, int], tuple[Sequence[int], list[int], str]] = {}
 
     @classmethod
     def from_settings(cls, settings: StoreSettings, block_size: int,
@@ -191,22 +194,24 @@ class StorePlanner:
 
     # -- keys ---------------------------------------------------------------------------
 
-    def keys_of(self, token_ids: Sequence[int]) -> list[str]:
-        """The store keys of every full block of ``token_ids``."""
-        return self._keys(block_hashes(token_ids, self.block_size))
+    def keys_of(self, token_ids: Sequence[int], salt: str = "") -> list[str]:
+        """The store keys of every full block of ``token_ids`` (a tenant's with its cache
+        ``salt``: salted hashes, so tenants never share a store object)."""
+        return self._keys(block_hashes(token_ids, self.block_size, salt=salt))
 
     def _keys(self, hashes: Sequence[int]) -> list[str]:
         return [f"{self.key_prefix}{h:016x}" for h in hashes]
 
     # -- lookups and loads --------------------------------------------------------------
 
-    def track(self, req_id: str, prompt_token_ids: Sequence[int], eligible: bool) -> None:
+    def track(self, req_id: str, prompt_token_ids: Sequence[int], eligible: bool,
+              salt: str = "") -> None:
         if req_id in self.requests:
             return
         ok = eligible and bool(prompt_token_ids)
-        hashes = block_hashes(prompt_token_ids, self.block_size) if ok else []
+        hashes = block_hashes(prompt_token_ids, self.block_size, salt=salt) if ok else []
         self.requests[req_id] = _ReqState(req_id, prompt_token_ids, self._keys(hashes),
-                                          hashes, eligible=ok)
+                                          hashes, eligible=ok, salt=salt)
 
     def lookup(self, req_id: str, num_computed_tokens: int) -> list[str]:
         st = self.requests[req_id]
@@ -280,7 +285,7 @@ class StorePlanner:
             return
         _trim(self._jobs)
         # references, sliced when the job is reported (no per-step copy of the prompt)
-        self._jobs[(st.req_id, first)] = (st.tokens, st.hashes)
+        self._jobs[(st.req_id, first)] = (st.tokens, st.hashes, st.salt)
 
     # -- reports ------------------------------------------------------------------------
 
@@ -301,10 +306,10 @@ class StorePlanner:
             job = self._jobs.pop((req_id, first), None)
             if job is None or n <= 0:
                 continue
-            tokens, hashes = job
+            tokens, hashes, salt = job
             upto = first + n  # the whole prefix up to here is available from the store
             stored.append(StoredPrefix(list(hashes[:upto]),
-                                       list(tokens[:upto * self.block_size])))
+                                       list(tokens[:upto * self.block_size]), salt))
         return stored
 
     def finished(self, req_id: str) -> None:

@@ -27,7 +27,8 @@ the vLLM-free :class:`~workers.kv.store.planner.StorePlanner` and asks the store
 - ``update_connector_output`` / ``take_events`` (tier ``store`` for the indexer): for each
   job the worker reports (:class:`StoreWorkerMeta`: the leading blocks now in the store),
   one vLLM ``BlockStored`` event with ``medium="STORAGE"`` covering the request's prefix
-  up to that block, block hashes = kvmesh's chained hashes, no parent; vLLM publishes it
+  up to that block, block hashes = kvmesh's chained hashes (salted for a tenant, the salt
+  in the first block's ``extra_keys`` as vLLM writes it), no parent; vLLM publishes it
   with its own KV events, and the worker's relay maps STORAGE to tier ``store``. Loaded
   prefixes are announced too (this worker can load them). The store does not report
   evictions, so tier ``store`` entries can go stale (approximate, like Dynamo's
@@ -60,14 +61,18 @@ if TYPE_CHECKING:
 
 
 def eligible(request: Request) -> bool:
-    """Whether the request's KV is a function of its prompt's token ids alone (an empty
-    prompt is turned away by :meth:`StorePlanner.track`). A salted request (a tenant's
-    ``cache_salt``) is not: the store's keys are unsalted, so it neither saves nor
-    loads, and no tenant ever matches another's blocks in the store."""
-    return (not getattr(request, "cache_salt", None)
-            and getattr(request, "lora_request", None) is None
+    """Whether the request's KV is a function of its prompt's token ids (and its tenant's
+    cache salt) alone; an empty prompt is turned away by :meth:`StorePlanner.track`. A
+    salted request (a tenant's ``cache_salt``) has salted store keys (:func:`salt_of`), so
+    no tenant ever matches another's blocks in the store."""
+    return (getattr(request, "lora_request", None) is None
             and not getattr(request, "mm_features", None)
             and getattr(request, "prompt_embeds", None) is None)
+
+
+def salt_of(request: Request) -> str:
+    """The request's cache salt ("" when it has none)."""
+    return getattr(request, "cache_salt", None) or ""
 
 
 class StoreConnectorScheduler:
@@ -83,7 +88,8 @@ class StoreConnectorScheduler:
 
     def _track(self, request: Request) -> str:
         req_id = request.request_id
-        self.planner.track(req_id, request.prompt_token_ids or [], eligible(request))
+        self.planner.track(req_id, request.prompt_token_ids or [], eligible(request),
+                           salt_of(request))
         return req_id
 
     def get_num_new_matched_tokens(self, request: Request,
@@ -115,10 +121,13 @@ class StoreConnectorScheduler:
         meta = connector_output.kv_connector_worker_meta
         done = meta.done if isinstance(meta, StoreWorkerMeta) else []
         for prefix in self.planner.reported(connector_output.finished_recving or (), done):
+            # a salted prefix names its salt the way vLLM does (first block's extra keys)
+            extra = ([(prefix.salt,)] + [None] * (len(prefix.block_hashes) - 1)
+                     if prefix.salt else None)
             self._events.append(BlockStored(
                 block_hashes=list[Any](prefix.block_hashes), parent_block_hash=None,
                 token_ids=prefix.token_ids, block_size=self.block_size, lora_id=None,
-                medium=MEDIUM_STORAGE, lora_name=None))
+                medium=MEDIUM_STORAGE, lora_name=None, extra_keys=extra))
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         out, self._events = self._events, []
