@@ -20,8 +20,9 @@ Contract (``protos/store.proto`` documents each RPC):
   bytes of UTF-8 and not empty; segment geometry is checked against 64-bit addresses
   (see the core's ``mount_segment``). No request answers UNKNOWN.
 - With mTLS (:func:`services.common.authz.caller` known), a segment belongs to the
-  certificate identity that mounted it: Mount/UnmountSegment of it by another identity is
-  PERMISSION_DENIED (in memory: a restarted master learns owners from the next mounts).
+  certificate identity that mounted it (the core's ``principal``, persisted with the
+  segment, so a restarted master keeps it): Mount/UnmountSegment of it by another identity
+  is PERMISSION_DENIED naming the owner.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ STATUS: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.NOT_READY: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.WRONG_STATE: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorKind.NO_SPACE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorKind.FORBIDDEN: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -101,17 +103,6 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     def __init__(self, master: StoreMaster, persister: Persister) -> None:
         self._m = master
         self._p = persister
-        self._owners: dict[str, str] = {}  # segment id -> identity that mounted it (mTLS)
-
-    async def _owner_check(self, context: grpc.aio.ServicerContext, segment_id: str) -> str:
-        """The caller's identity ("" without mTLS); PERMISSION_DENIED when another
-        identity mounted ``segment_id``."""
-        who = str(caller() or "")
-        owner = self._owners.get(segment_id, who)
-        if owner != who:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                f"segment_id: {segment_id!r} belongs to {owner}, not {who}")
-        return who
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[[], T],
                     mutates: bool = True) -> T:
@@ -201,22 +192,19 @@ class StoreMasterServicer(store_pb2_grpc.StoreMasterServicer):
     async def MountSegment(  # noqa: N802
         self, request: store_pb2.MountSegmentRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.MountSegmentResponse:
-        who = await self._owner_check(context, request.segment_id)
+        who = str(caller() or "")
         mounted = await self._call(context, lambda: self._m.mount_segment(
             request.client_id, request.segment_id, request.base, request.size,
-            request.endpoint))
-        if who:
-            self._owners[request.segment_id] = who
+            request.endpoint, who))
         return store_pb2.MountSegmentResponse(mounted=mounted,
                                               client_ttl_s=self._m.params.client_ttl_s)
 
     async def UnmountSegment(  # noqa: N802
         self, request: store_pb2.UnmountSegmentRequest, context: grpc.aio.ServicerContext
     ) -> store_pb2.UnmountSegmentResponse:
-        await self._owner_check(context, request.segment_id)
+        who = str(caller() or "")
         rep = await self._call(context, lambda: self._m.unmount_segment(
-            request.client_id, request.segment_id))
-        self._owners.pop(request.segment_id, None)
+            request.client_id, request.segment_id, who))
         return store_pb2.UnmountSegmentResponse(replicas_lost=rep.replicas_lost,
                                                 objects_lost=rep.objects_lost)
 

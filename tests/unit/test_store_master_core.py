@@ -14,6 +14,7 @@ from services.store_master.core import (
     AlreadyExists,
     Changes,
     ErrorKind,
+    Forbidden,
     IllegalTransition,
     InvalidInput,
     Leased,
@@ -543,6 +544,32 @@ def test_restart_restores_metadata_allocations_and_conservative_leases() -> None
     clock.advance(10)
     m2.remove("hard")
     assert "a" in m2.keys() and set(m2.keys()) <= {"a", "soft"}
+
+
+def test_a_segment_belongs_to_its_principal_across_a_restart() -> None:
+    clock = Clock()
+    m = make(clock, segments=0)
+    m.mount_segment("ca", "sa", base=1 << 20, size=100, principal="worker/a")
+    with pytest.raises(Forbidden, match="segment_id: 'sa' belongs to worker/a, not worker/b"):
+        m.unmount_segment("ca", "sa", principal="worker/b")
+    with pytest.raises(Forbidden):  # nor a remount of it, even with its geometry
+        m.mount_segment("ca", "sa", base=1 << 20, size=100, principal="worker/b")
+    with pytest.raises(Forbidden, match="not an unauthenticated caller"):
+        m.unmount_segment("ca", "sa")
+    kv = FakeKv()
+    kv.apply(m.drain_changes())
+    m2 = make(clock, segments=0)
+    kv.restore_into(m2)  # the principal is durable
+    with pytest.raises(Forbidden):
+        m2.unmount_segment("ca", "sa", principal="worker/b")
+    assert m2.mount_segment("ca", "sa", base=1 << 20, size=100, principal="worker/a") is False
+    assert m2.unmount_segment("ca", "sa", principal="worker/a").replicas_lost == 0
+    # a segment recorded without one (mounted without mTLS) is claimed by the first remount
+    m2.mount_segment("cb", "sb", base=1 << 21, size=100)
+    m2.mount_segment("cb", "sb", base=1 << 21, size=100, principal="worker/c")
+    with pytest.raises(Forbidden):
+        m2.unmount_segment("cb", "sb", principal="worker/a")
+    assert ErrorKind.FORBIDDEN is Forbidden.kind
 
 
 def test_restore_drops_what_no_longer_fits() -> None:

@@ -39,6 +39,7 @@ from services.store_master.core.records import Changes, decode, encode
 from services.store_master.core.states import (
     AlreadyExists,
     ErrorKind,
+    Forbidden,
     IllegalTransition,
     InvalidInput,
     Leased,
@@ -56,7 +57,7 @@ from services.store_master.core.states import (
 
 __all__ = [
     "POLICIES", "STRATEGIES", "AllocationStrategy", "AlreadyExists", "Candidate", "Changes",
-    "Clock", "Counters", "ErrorKind", "EvictionPolicy", "FreeRatioFirstStrategy",
+    "Clock", "Counters", "ErrorKind", "EvictionPolicy", "Forbidden", "FreeRatioFirstStrategy",
     "IllegalTransition", "InvalidInput", "Leased", "LossReport", "LruPolicy", "MasterParams",
     "NoSpace", "NotFound", "NotReady", "ObjectMeta", "Pin", "RandomStrategy",
     "RangeAllocator", "Replica", "ReplicaDescriptor", "ReplicaState", "RestoreReport", "Rng",

@@ -130,6 +130,7 @@ class Segment:
     base: int
     size: int
     endpoint: str = ""
+    principal: str = ""  # the certificate identity that mounted it ("" without mTLS)
     space: RangeAllocator = field(init=False)
 
     def __post_init__(self) -> None:

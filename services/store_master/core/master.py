@@ -14,18 +14,23 @@ Contract of :class:`StoreMaster` (states and errors are in ``states.py``):
 
 Store clients and segments
 
-- ``mount_segment(client_id, segment_id, base, size, endpoint)``: adds a segment of ``size``
-  bytes at address ``base``, owned by ``client_id`` (which counts as alive from now on).
+- ``mount_segment(client_id, segment_id, base, size, endpoint, principal)``: adds a segment
+  of ``size`` bytes at address ``base``, owned by ``client_id`` (which counts as alive from
+  now on) and by ``principal``, the caller's certificate identity ("" without mTLS; it is
+  durable, so a restarted master keeps it).
   InvalidInput (naming the field) for an empty id, an id or endpoint longer than
   ``max_key_bytes``, ``size <= 0``, ``base < 0``, ``base + size > 2^64`` or a total
   capacity that would reach 2^64 (addresses and sizes are 64-bit on the wire).
   Mounting the same segment again with the same owner, base and size is a no-op returning
   False (a client remounting after a master restart); a different owner or geometry is
-  AlreadyExists. Returns True when newly mounted. A remount trusts the bytes already
-  recorded in that segment, so clients must use a fresh segment id per launch.
-- ``unmount_segment(client_id, segment_id)``: drops the segment; every replica on it goes
-  to FAILED and is dropped; objects left without replicas are deleted (even leased ones: the
-  bytes are gone). NotFound unless ``client_id`` owns that segment.
+  AlreadyExists; another principal than the recorded one is Forbidden (a segment recorded
+  without a principal is claimed by the first principal that remounts it). Returns True
+  when newly mounted. A remount trusts the bytes already recorded in that segment, so
+  clients must use a fresh segment id per launch.
+- ``unmount_segment(client_id, segment_id, principal)``: drops the segment; every replica
+  on it goes to FAILED and is dropped; objects left without replicas are deleted (even
+  leased ones: the bytes are gone). NotFound unless ``client_id`` owns that segment;
+  Forbidden when it was mounted by another principal than ``principal``.
 - ``ping(client_id)`` → True when the client is known (owns segments) and refreshes its
   liveness; False tells the client to remount. A client not pinging for ``client_ttl_s``
   is lost on the next ``tick``: as if it unmounted all its segments.
@@ -115,6 +120,7 @@ from services.store_master.core.records import (
 )
 from services.store_master.core.states import (
     AlreadyExists,
+    Forbidden,
     InvalidInput,
     Leased,
     NoSpace,
@@ -245,7 +251,7 @@ class StoreMaster:
     # -- store clients and segments ----------------------------------------------------
 
     def mount_segment(self, client_id: str, segment_id: str, base: int, size: int,
-                      endpoint: str = "") -> bool:
+                      endpoint: str = "", principal: str = "") -> bool:
         for name, value in (("client_id", client_id), ("segment_id", segment_id)):
             if not value:
                 raise InvalidInput(f"{name} must not be empty")
@@ -263,6 +269,10 @@ class StoreMaster:
         now = self._clock()
         old = self._segments.get(segment_id)
         if old is not None:
+            self._check_principal(old, principal)
+            if not old.principal and principal:
+                old.principal = principal
+                self._dirty_segments.add(segment_id)
             if (old.client_id, old.base, old.size) != (client_id, base, size):
                 raise AlreadyExists(
                     f"segment {segment_id!r} is mounted by {old.client_id!r} at base "
@@ -274,7 +284,8 @@ class StoreMaster:
             return False
         if self.capacity() + size >= ADDRESS_SPACE:
             raise InvalidInput(f"size {size}: the total capacity would reach 2^64 bytes")
-        self._segments[segment_id] = Segment(segment_id, client_id, base, size, endpoint)
+        self._segments[segment_id] = Segment(segment_id, client_id, base, size, endpoint,
+                                             principal)
         self._by_segment[segment_id] = set()
         client = self._clients.setdefault(client_id, _Client(now))
         client.last_seen = now
@@ -282,11 +293,19 @@ class StoreMaster:
         self._dirty_segments.add(segment_id)
         return True
 
-    def unmount_segment(self, client_id: str, segment_id: str) -> LossReport:
+    def unmount_segment(self, client_id: str, segment_id: str,
+                        principal: str = "") -> LossReport:
         seg = self._segments.get(segment_id)
         if seg is None or seg.client_id != client_id:
             raise NotFound(f"segment {segment_id!r} is not mounted by {client_id!r}")
+        self._check_principal(seg, principal)
         return self._drop_segments([segment_id])
+
+    @staticmethod
+    def _check_principal(seg: Segment, principal: str) -> None:
+        if seg.principal and seg.principal != principal:
+            raise Forbidden(f"segment_id: {seg.segment_id!r} belongs to {seg.principal}, "
+                            f"not {principal or 'an unauthenticated caller'}")
 
     def ping(self, client_id: str) -> bool:
         if not client_id:
@@ -580,7 +599,8 @@ class StoreMaster:
             try:
                 self.mount_segment(str(rec["client_id"]), str(rec["segment_id"]),
                                    int(rec["base"]), int(rec["size"]),
-                                   str(rec.get("endpoint", "")))
+                                   str(rec.get("endpoint", "")),
+                                   str(rec.get("principal", "")))
             except (StoreError, KeyError, TypeError, ValueError):
                 segments_dropped += 1
                 bad_segments.add(str(rec.get("segment_id", "")))

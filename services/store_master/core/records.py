@@ -5,11 +5,11 @@ Contract:
 - :func:`segment_record` / :func:`object_record` turn a mounted segment / an object into a
   JSON-ready dict; :func:`encode` / :func:`decode` turn records into bytes and back.
 - :func:`object_from_record` parses an object record (raises ValueError when malformed).
-- What is durable: segments (owner, base, size, endpoint) and objects (size, replicas with
-  their ranges and states, put start/completion times, pin and soft-pin deadline, wanted
-  replica count, last access at the last write). What is not: read leases, client ping
-  times and access times refreshed by reads; the master re-derives them conservatively on
-  restore (see :meth:`StoreMaster.restore`).
+- What is durable: segments (owner, principal, base, size, endpoint) and objects (size,
+  replicas with their ranges and states, put start/completion times, pin and soft-pin
+  deadline, wanted replica count, last access at the last write). What is not: read
+  leases, client ping times and access times refreshed by reads; the master re-derives
+  them conservatively on restore (see :meth:`StoreMaster.restore`).
 - :class:`Changes`: records written (dict) or deleted (None) since the last drain, keyed by
   object key / segment id; applying every drain in order to a key-value store keeps it
   equal to :meth:`StoreMaster.snapshot`.
@@ -43,7 +43,7 @@ class Changes:
 
 def segment_record(seg: Segment) -> Record:
     return {"segment_id": seg.segment_id, "client_id": seg.client_id, "base": seg.base,
-            "size": seg.size, "endpoint": seg.endpoint}
+            "size": seg.size, "endpoint": seg.endpoint, "principal": seg.principal}
 
 
 def object_record(obj: ObjectMeta) -> Record:

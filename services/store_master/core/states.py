@@ -80,6 +80,7 @@ class ErrorKind(enum.Enum):
     NOT_READY = "not_ready"  # the object is not complete yet
     WRONG_STATE = "wrong_state"  # the operation does not apply to the object's state
     NO_SPACE = "no_space"  # no segment can hold the object
+    FORBIDDEN = "forbidden"  # the segment belongs to another principal
 
 
 class StoreError(Exception):
@@ -116,6 +117,12 @@ class WrongState(StoreError):
     """The operation does not apply to the object's state (e.g. revoking a complete put)."""
 
     kind = ErrorKind.WRONG_STATE
+
+
+class Forbidden(StoreError):
+    """The segment was mounted by another principal (certificate identity)."""
+
+    kind = ErrorKind.FORBIDDEN
 
 
 class NoSpace(StoreError):
