@@ -4,8 +4,11 @@ Contract:
 
 - Keys come from ``--api-keys``/``KVMESH_API_KEYS`` (comma-separated; ``--api-key K`` may
   be repeated, see :func:`merge_api_key_flags`) and from ``--api-key-file``: one
-  ``key [tenant]`` per line, ``#`` starts a comment, blank lines are skipped
-  (:func:`parse_key_file`, :class:`KeyFileError` naming the line). A key without a
+  ``key [tenant]`` per line, a field starting with ``#`` starts a comment (a ``#`` inside
+  a key is part of it), blank lines are skipped (:func:`parse_key_file`,
+  :class:`KeyFileError` naming the line). Nothing given fails open to a weaker setting:
+  an empty ``--api-key``, one holding a comma, an empty item in a non-empty list, and a
+  key file without any key are errors (the API would otherwise be open). A key without a
   tenant (every ``--api-keys`` key) is its own tenant, named
   :func:`key_tenant` (the first 16 hex digits of its SHA-256), so isolation per key is
   the default. A key listed twice is an error, even with the same tenant.
@@ -71,39 +74,54 @@ def merge_api_key_flags(argv: Sequence[str]) -> list[str]:
     """``argv`` with every ``--api-key K`` / ``--api-key=K`` (repeatable) folded, with any
     ``--api-keys``, into one ``--api-keys K1,K2,...`` (the config parser takes one value
     per flag). Other arguments keep their order. A ``--api-key`` without a value is left
-    for the parser to refuse."""
+    for the parser to refuse; an empty ``--api-key`` value or one holding a comma raises
+    KeyFileError (one key per flag: "a,b" would silently make "b" a key)."""
     out: list[str] = []
     keys: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         for flag in (FLAG_ONE, FLAG_MANY):
+            value: str | None = None
             if arg == flag and i + 1 < len(argv):
-                keys.append(argv[i + 1])
-                i += 2
-                break
-            if arg.startswith(flag + "="):
-                keys.append(arg[len(flag) + 1:])
-                i += 1
-                break
+                value, i = argv[i + 1], i + 2
+            elif arg.startswith(flag + "="):
+                value, i = arg[len(flag) + 1:], i + 1
+            if value is None:
+                continue
+            if flag == FLAG_ONE and (not value.strip() or "," in value):
+                raise KeyFileError(f"{FLAG_ONE}: one non-empty key per flag, without commas "
+                                   "(use --api-keys K1,K2 for a list)")
+            keys.append(value)
+            break
         else:
             out.append(arg)
             i += 1
     if keys:
-        out += [FLAG_MANY, ",".join(k for k in keys if k)]
+        out += [FLAG_MANY, ",".join(keys)]
     return out
 
 
 def split_keys(text: str) -> list[str]:
-    """The keys of a comma-separated list (surrounding blanks stripped, empty skipped)."""
-    return [k.strip() for k in text.split(",") if k.strip()]
+    """The keys of a comma-separated list (surrounding blanks stripped); "" (not given)
+    has none; an empty item in a non-empty list raises KeyFileError naming its position
+    (a list of blanks would otherwise leave the API open)."""
+    if not text:
+        return []
+    items = [k.strip() for k in text.split(",")]
+    for n, k in enumerate(items, 1):
+        if not k:
+            raise KeyFileError(f"item #{n} of the key list is empty")
+    return items
 
 
 def parse_key_file(text: str) -> list[tuple[str, str | None]]:
     """``(key, tenant or None)`` per line of an API key file (see the module docstring)."""
     out: list[tuple[str, str | None]] = []
     for n, line in enumerate(text.splitlines(), 1):
-        fields = line.split("#", 1)[0].split()
+        fields = line.split()
+        comment = next((i for i, f in enumerate(fields) if f.startswith("#")), len(fields))
+        fields = fields[:comment]
         if not fields:
             continue
         if len(fields) > 2:
@@ -142,7 +160,10 @@ class ApiKeys:
         """Keys from a comma-separated list and the text of a key file (None: no file)."""
         entries: list[tuple[str, str | None]] = [(k, None) for k in split_keys(keys)]
         if file_text is not None:
-            entries += parse_key_file(file_text)
+            in_file = parse_key_file(file_text)
+            if not in_file:
+                raise KeyFileError("no key in the file (the API would be open)")
+            entries += in_file
         return cls(entries, shared=shared)
 
     @property

@@ -138,9 +138,10 @@ class FrontendApp:
 async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     """Builds and starts the frontend; stop it with ``app.server.stop()``."""
     catalog = ModelCatalog()
-    workers = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker")
+    tls = tls_for(cfg, "frontend")
+    workers = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker", tls=tls)
     workers.on_change(catalog.on_workers)
-    routers = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "router")
+    routers = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "router", tls=tls)
     await workers.start()
     await routers.start()
 
@@ -155,7 +156,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         log.warning("no API key configured (--api-key, KVMESH_API_KEYS, --api-key-file): "
                     "the frontend's HTTP and gRPC APIs are open to anyone who reaches them")
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
-                        tls=tls_for(cfg, "frontend"))
+                        tls=tls)
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
     # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -197,5 +198,9 @@ async def _serve(cfg: FrontendConfig) -> MeshServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = merge_api_key_flags(sys.argv[1:] if argv is None else argv)
+    try:
+        args = merge_api_key_flags(sys.argv[1:] if argv is None else argv)
+    except KeyFileError as exc:
+        print(f"api_keys: {exc}", file=sys.stderr)
+        return 2
     return serve_main(FrontendConfig, args, "frontend", _serve)

@@ -35,6 +35,7 @@ KEY_FILE = """
 # team keys
 sk-alice-1 alice
 sk-alice-2 alice   # a second key of the same tenant
+sk-hash#1 carol
 sk-bob bob
 
 sk-solo
@@ -43,7 +44,8 @@ sk-solo
 
 def test_key_file_lines_comments_and_errors() -> None:
     assert parse_key_file(KEY_FILE) == [("sk-alice-1", "alice"), ("sk-alice-2", "alice"),
-                                        ("sk-bob", "bob"), ("sk-solo", None)]
+                                        ("sk-hash#1", "carol"), ("sk-bob", "bob"),
+                                        ("sk-solo", None)]
     with pytest.raises(KeyFileError, match="line 2: expected 'key \\[tenant\\]'"):
         parse_key_file("k t\nk2 t x\n")
     with pytest.raises(KeyFileError, match="#2 is listed twice") as exc:
@@ -52,8 +54,8 @@ def test_key_file_lines_comments_and_errors() -> None:
 
 
 def test_tenants_and_salts() -> None:
-    keys = ApiKeys.from_sources(" sk-x , ,sk-y", KEY_FILE)
-    assert len(keys) == 6 and keys.enabled
+    keys = ApiKeys.from_sources(" sk-x , sk-y", KEY_FILE)
+    assert len(keys) == 7 and keys.enabled
     alice1, alice2 = keys.check("Bearer sk-alice-1"), keys.check("Bearer sk-alice-2")
     assert alice1 == alice2 and alice1.name == "alice"
     assert alice1.cache_salt == hashlib.sha256(b"kvmesh-tenant\0alice").hexdigest()[:16]
@@ -108,13 +110,32 @@ def test_repeated_api_key_flags_fold_into_one_list() -> None:
     assert merge_api_key_flags(["--port", "1"]) == ["--port", "1"]
 
 
+@pytest.mark.parametrize("argv", [["--api-key", ""], ["--api-key= "], ["--api-key", "a,b"]])
+def test_an_empty_or_comma_api_key_flag_is_an_error(argv: list[str]) -> None:
+    with pytest.raises(KeyFileError, match="--api-key: one non-empty key per flag"):
+        merge_api_key_flags(argv)
+
+
+@pytest.mark.parametrize("keys", [" , ", "a,,b", "a,"])
+def test_a_key_list_with_an_empty_item_is_an_error(keys: str) -> None:
+    with pytest.raises(ConfigError, match="api_keys: item #. of the key list is empty"):
+        load_config(FrontendConfig, [], {"KVMESH_API_KEYS": keys})
+
+
+def test_a_key_file_without_keys_is_an_error(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# nothing yet\n\n")
+    with pytest.raises(ConfigError, match="api_key_file .*no key in the file"):
+        load_config(FrontendConfig, ["--api-key-file", str(f)], {})
+
+
 def test_config_flags_env_and_file(tmp_path: Path) -> None:
     f = tmp_path / "keys"
     f.write_text(KEY_FILE)
     cfg = load_config(FrontendConfig, merge_api_key_flags(
         ["--api-key", "sk-x", "--api-key", "sk-y", "--api-key-file", str(f),
          "--metrics-auth"]), {})
-    assert len(cfg.load_api_keys()) == 6 and cfg.metrics_auth
+    assert len(cfg.load_api_keys()) == 7 and cfg.metrics_auth
     env = load_config(FrontendConfig, [], {"KVMESH_API_KEYS": "a,b",
                                            "KVMESH_SHARED_PREFIX_CACHE": "1"})
     keys = env.load_api_keys()
