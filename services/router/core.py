@@ -232,7 +232,8 @@ class _Prompt:
 
     def hashes(self, block_size: int) -> Sequence[int]:
         if block_size not in self._hashes:
-            self._hashes[block_size] = block_hashes(self.ctx.token_ids, block_size)
+            self._hashes[block_size] = block_hashes(self.ctx.token_ids, block_size,
+                                                    salt=self.ctx.cache_salt)
         return self._hashes[block_size]
 
     def overlap(self, w: WorkerRecord) -> WorkerOverlap:

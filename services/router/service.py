@@ -234,7 +234,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             for bs in sorted({w.block_size for w in workers})}
         overlaps = await self._overlaps.find(hashes, workers) if workers else None
         return RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
-                            block_hashes=hashes,
+                            block_hashes=hashes, cache_salt=request.cache_salt,
                             tree_blocks=self._overlaps.tree_blocks() if overlaps is not None
                             else None)
 

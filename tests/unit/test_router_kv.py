@@ -92,6 +92,18 @@ def test_core_falls_back_to_history_without_overlaps() -> None:
     assert fresh.overlap_blocks == 0 and fresh.overlap_source == "indexer"
 
 
+def test_history_is_per_tenant_salt() -> None:
+    c = kv_core()
+    prompt = tuple(range(40))
+    c.route(RouteContext("a", "m", prompt, cache_salt="tenant-a"))
+    c.release("a")
+    guess = c.route(RouteContext("b", "m", prompt, cache_salt="tenant-b"))
+    assert guess.overlap_source == "history" and guess.overlap_blocks == 0
+    c.release("b")
+    again = c.route(RouteContext("c", "m", prompt, cache_salt="tenant-a"))
+    assert again.overlap_blocks == 10
+
+
 def test_precomputed_hashes_are_used() -> None:
     c = kv_core()
     fake = {BS: [1, 2, 3]}

@@ -188,6 +188,19 @@ def test_approx_cache_threshold_and_smallest_tree() -> None:
     assert d.worker_id == "w2"
 
 
+def test_approx_never_matches_across_tenants() -> None:
+    p = ApproxPolicy(cache_threshold=0.3, clock=Clock(0.0))
+    cands = [state("w1"), state("w2")]
+    a = toks(0, 64)
+    assert p.select(RouteContext("1", "m", a, cache_salt="tenant-a"), cands).worker_id == "w1"
+    assert p.match("w1", a, "tenant-a") == 64
+    assert p.match("w1", a) == p.match("w1", a, "tenant-b") == 0
+    d = p.select(RouteContext("2", "m", a, cache_salt="tenant-b"), cands)  # B's guess
+    assert d.worker_id == "w2" and "cache hit" not in d.reason
+    d = p.select(RouteContext("3", "m", a, cache_salt="tenant-a"), cands)  # A's repeat
+    assert d.worker_id == "w1" and "cache hit" in d.reason
+
+
 def test_approx_imbalance_switches_to_shortest_queue() -> None:
     p = ApproxPolicy(clock=Clock(0.0))  # 0.3 / 64 / 1.5
     a = toks(0, 64)

@@ -3,6 +3,8 @@
 No engine events: the router remembers which prompts it sent where. Prompts are cut into
 pages of ``page_size`` tokens and each page is identified by its chained hash (so a page
 hash names a whole prefix and the tree collapses to a set of page hashes per worker).
+The chain starts from the request's ``cache_salt`` (its tenant's), so tenants never match
+each other's pages.
 
 Contract of :class:`ApproxPolicy` (``name = "approx"``):
 
@@ -19,7 +21,7 @@ Contract of :class:`ApproxPolicy` (``name = "approx"``):
   first, so a surviving page's prefix survives too. Inserts also trim a tree that grew
   past twice the cap. Returns the number of pages evicted.
 - ``keep_only(worker_ids)`` drops the trees of vanished workers.
-- ``match(worker, token_ids)`` / ``tree_size(worker)`` expose the tree for tests and traces.
+- ``match(worker, token_ids, salt)`` / ``tree_size(worker)`` expose the tree for tests and traces.
 The clock used to stamp page accesses is injected (``clock``, keyword-only and required:
 the live router passes its monotonic clock, the offline replay its virtual one, tests a
 fake one).
@@ -57,8 +59,8 @@ class ApproxPolicy:
         # worker → page hash → last access time; order = eviction order (oldest first).
         self._trees: dict[str, OrderedDict[int, float]] = {}
 
-    def _pages(self, token_ids: Sequence[int]) -> list[int]:
-        return block_hashes(token_ids, self.page_size)
+    def _pages(self, token_ids: Sequence[int], salt: str) -> list[int]:
+        return block_hashes(token_ids, self.page_size, salt=salt)
 
     def _match_pages(self, worker: str, pages: Sequence[int]) -> int:
         tree = self._trees.get(worker)
@@ -71,9 +73,10 @@ class ApproxPolicy:
             n += 1
         return n
 
-    def match(self, worker: str, token_ids: Sequence[int]) -> int:
-        """Leading tokens of ``token_ids`` in ``worker``'s tree (whole pages)."""
-        return self._match_pages(worker, self._pages(token_ids)) * self.page_size
+    def match(self, worker: str, token_ids: Sequence[int], salt: str = "") -> int:
+        """Leading tokens of ``token_ids`` (a tenant's with its ``salt``) in ``worker``'s
+        tree (whole pages)."""
+        return self._match_pages(worker, self._pages(token_ids, salt)) * self.page_size
 
     def tree_size(self, worker: str) -> int:
         """Pages in ``worker``'s tree."""
@@ -100,7 +103,7 @@ class ApproxPolicy:
         """See the module docstring."""
         loads = {w.instance_id: queue_of(w) for w in candidates}
         lo, hi = min(loads.values()), max(loads.values())
-        pages = self._pages(ctx.token_ids)
+        pages = self._pages(ctx.token_ids, ctx.cache_salt)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             w = min(candidates, key=lambda c: (loads[c.instance_id], c.instance_id))
             reason = (f"approx: imbalanced (queues {lo}..{hi}), "

@@ -52,7 +52,8 @@ class WorkerOverlap:
 class RouteContext:
     """One request as the router sees it.
 
-    Inputs from the service: ``request_id``, ``model``, ``token_ids``; optionally
+    Inputs from the service: ``request_id``, ``model``, ``token_ids``, ``cache_salt`` (the
+    tenant's: every hash of the prompt, here and in policies, starts from it); optionally
     ``overlaps`` (the indexer's per-worker overlap; workers absent hold nothing; None means
     "no indexer answer": the core falls back to its history), ``block_hashes`` (the
     prompt's chained hashes per block size, so the prompt is hashed once per size) and
@@ -67,6 +68,7 @@ class RouteContext:
     overlaps: Mapping[str, WorkerOverlap] | None = None
     block_hashes: Mapping[int, Sequence[int]] | None = None
     tree_blocks: Mapping[str, int] | None = None
+    cache_salt: str = ""
     prompt_blocks: int = 0
     overlap_source: str = ""
 
