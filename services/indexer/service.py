@@ -34,6 +34,9 @@ def query_problem(request: indexer_pb2.FindMatchesRequest) -> str | None:
     if bool(request.token_ids) == bool(request.block_hashes):
         return "give exactly one of token_ids or block_hashes"
     if request.block_hashes:
+        if request.cache_salt:
+            return ("cache_salt applies to token_ids only: block_hashes are hashed already "
+                    "(start them from the salt with services.common.block_hash)")
         if len(request.block_hashes) > MAX_QUERY_BLOCKS:
             return (f"block_hashes: at most {MAX_QUERY_BLOCKS} hashes, "
                     f"got {len(request.block_hashes)}")

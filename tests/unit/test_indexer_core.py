@@ -242,6 +242,7 @@ def test_find_matches_requests_are_bounded_and_name_the_field() -> None:
         "token_ids: at most": req(token_ids=[1] * (MAX_QUERY_TOKENS + 1), block_size=16),
         "block_size in 1..": req(token_ids=[1], block_size=MAX_BLOCK_SIZE + 1),
         "token_ids[1] must be >= 0": req(token_ids=[1, -5], block_size=1),
+        "cache_salt applies to token_ids only": req(block_hashes=[1], cache_salt="t"),
     }
     for text, r in refused.items():
         problem = query_problem(r)
