@@ -566,6 +566,8 @@ def test_a_segment_belongs_to_its_principal_across_a_restart() -> None:
     assert m2.unmount_segment("ca", "sa", principal="worker/a").replicas_lost == 0
     # a segment recorded without one (mounted without mTLS) is claimed by the first remount
     m2.mount_segment("cb", "sb", base=1 << 21, size=100)
+    with pytest.raises(AlreadyExists):  # a remount that does not match claims nothing
+        m2.mount_segment("cx", "sb", base=1 << 21, size=100, principal="worker/x")
     m2.mount_segment("cb", "sb", base=1 << 21, size=100, principal="worker/c")
     with pytest.raises(Forbidden):
         m2.unmount_segment("cb", "sb", principal="worker/a")

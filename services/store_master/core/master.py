@@ -270,13 +270,13 @@ class StoreMaster:
         old = self._segments.get(segment_id)
         if old is not None:
             self._check_principal(old, principal)
-            if not old.principal and principal:
-                old.principal = principal
-                self._dirty_segments.add(segment_id)
             if (old.client_id, old.base, old.size) != (client_id, base, size):
                 raise AlreadyExists(
                     f"segment {segment_id!r} is mounted by {old.client_id!r} at base "
                     f"{old.base} with size {old.size}")
+            if not old.principal and principal:  # claimed only by a matching remount
+                old.principal = principal
+                self._dirty_segments.add(segment_id)
             self._clients[client_id].last_seen = now
             if endpoint and endpoint != old.endpoint:
                 old.endpoint = endpoint
