@@ -35,7 +35,7 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -50,6 +50,7 @@ from services.frontend.openai_schema import (
     error_body,
     parse_chat,
     parse_completion,
+    with_tenant,
 )
 from services.frontend.pipeline import Chunk, Job, Pipeline
 
@@ -239,7 +240,7 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         ]}
 
     async def _serve(req: ParsedRequest, who: Tenant) -> Response:
-        job, chunks = await pipeline.run(replace(req, cache_salt=who.cache_salt))
+        job, chunks = await pipeline.run(with_tenant(req, who.cache_salt))
         shapes = _Shapes(job)
         if req.stream:
             # Pull the first chunk before answering so early errors get a real status code.

@@ -5,6 +5,10 @@ Pure: no I/O. Contract:
 - :func:`parse_completion` / :func:`parse_chat` take the decoded JSON body and return a
   :class:`ParsedRequest`, or raise :class:`ApiError` (status 400, ``invalid_request_error``)
   naming the offending parameter. Unknown extra fields are ignored, as OpenAI does.
+- ``cache_salt`` in the body (vLLM's extension: a non-empty string) is the client's own
+  salt (``ParsedRequest.client_salt``). :func:`with_tenant` gives the salt the mesh uses:
+  the tenant's (from the API key) when the client sent none, else a digest of both, so a
+  client can split its tenant's cache further but never reach another tenant's.
 - :func:`check_context` raises ApiError 400 when prompt + max_tokens exceed the model's
   context length (the same rule and wording style vLLM uses), and fills a missing
   max_tokens with what is left of the context (chat).
@@ -19,6 +23,7 @@ Pure: no I/O. Contract:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -82,8 +87,17 @@ class ParsedRequest:
     messages: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     request_id: str | None = None
     # The caller's tenant's prefix-cache salt, set by the API from the API key (never from
-    # the body: a client cannot pick another tenant's cache). "": unsalted.
+    # the body: a client cannot pick another tenant's cache), see with_tenant. "": unsalted.
     cache_salt: str = ""
+    client_salt: str = ""  # the body's cache_salt (vLLM's extension), "" when absent
+
+
+def with_tenant(req: ParsedRequest, tenant_salt: str) -> ParsedRequest:
+    """``req`` with the salt the mesh uses (see the module docstring)."""
+    salt = tenant_salt
+    if req.client_salt:
+        salt = hashlib.sha256(f"{tenant_salt}\0{req.client_salt}".encode()).hexdigest()[:16]
+    return replace(req, cache_salt=salt)
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -238,6 +252,15 @@ def _request_id(body: dict[str, Any]) -> str | None:
     return rid if isinstance(rid, str) and rid else None
 
 
+def _client_salt(body: dict[str, Any]) -> str:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return ""
+    if not isinstance(salt, str) or not salt:
+        raise _bad("'cache_salt' must be a non-empty string if provided", "cache_salt")
+    return salt
+
+
 def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", None)
@@ -276,7 +299,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         kind="completion", model=model,
         sampling=replace(sampling, max_tokens=sampling.max_tokens or 16),
         stream=stream, include_usage=include_usage, prompt=text, prompt_token_ids=ids,
-        request_id=_request_id(body),
+        request_id=_request_id(body), client_salt=_client_salt(body),
     )
 
 
@@ -322,7 +345,7 @@ def parse_chat(body: Any) -> ParsedRequest:
         kind="chat", model=model,
         sampling=_sampling(body, ("max_completion_tokens", "max_tokens")),
         stream=stream, include_usage=include_usage, messages=tuple(out),
-        request_id=_request_id(body),
+        request_id=_request_id(body), client_salt=_client_salt(body),
     )
 
 

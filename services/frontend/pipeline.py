@@ -377,7 +377,7 @@ class Pipeline:
         per attempt even when clients choose equal ids (the response keeps the client's)."""
         if job.req.request_id is None:  # job.request_id is a fresh uuid
             return job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
-        return f"{job.request_id[:CLIENT_ID_CHARS]}-{uuid.uuid4().hex[:8]}"
+        return f"{job.request_id[:CLIENT_ID_CHARS]}-{uuid.uuid4().hex}"
 
     async def _route(self, router: router_pb2_grpc.RouterStub, req: router_pb2.RouteRequest,
                      ctx: Context | None) -> router_pb2.RouteResponse:

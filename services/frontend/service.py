@@ -16,14 +16,13 @@ with the request. No keys: open.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncIterator
 
 import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
-from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec
+from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec, with_tenant
 from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -103,7 +102,7 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         who = await self._tenant(context)
         try:
             job, chunks = await self._pipeline.run(
-                dataclasses.replace(parse_proto(request), cache_salt=who.cache_salt))
+                with_tenant(parse_proto(request), who.cache_salt))
             try:
                 async for c in chunks:
                     out = frontend_pb2.CompletionChunk(

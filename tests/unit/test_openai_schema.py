@@ -6,6 +6,7 @@ from services.frontend.openai_schema import (
     error_body,
     parse_chat,
     parse_completion,
+    with_tenant,
 )
 
 
@@ -68,3 +69,20 @@ def test_error_body_shape() -> None:
     body = error_body(ApiError(404, "no such model", param="model", code="model_not_found"))
     assert body == {"error": {"message": "no such model", "type": "invalid_request_error",
                               "param": "model", "code": "model_not_found"}}
+
+
+def test_a_client_cache_salt_splits_its_tenant_s_cache_but_never_reaches_another() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    plain = parse_chat(body)
+    assert plain.client_salt == "" and with_tenant(plain, "ta").cache_salt == "ta"
+    salted = parse_chat({**body, "cache_salt": "s1"})
+    assert salted.client_salt == "s1"
+    a1, b1 = with_tenant(salted, "ta").cache_salt, with_tenant(salted, "tb").cache_salt
+    assert len({a1, b1, "ta", "tb", "s1"}) == 5  # per tenant and per client salt
+    assert with_tenant(parse_completion({"model": "m", "prompt": "x", "cache_salt": "s1"}),
+                       "ta").cache_salt == a1
+    assert with_tenant(salted, "").cache_salt not in ("", "s1")  # open mesh: still split
+    for bad in ("", 3):
+        with pytest.raises(ApiError) as exc:
+            parse_chat({**body, "cache_salt": bad})
+        assert exc.value.param == "cache_salt" and "non-empty string" in str(exc.value)
