@@ -20,12 +20,12 @@ Contract:
   method                            roles
   ================================  =============================================
   Worker.Generate / Abort           frontend
-  Worker.GetLoad                    router, planner, frontend
-  Worker.GetKvState                 router, indexer
+  Worker.GetLoad                    router, planner, admin
+  Worker.GetKvState                 router, indexer, admin
   Router.Route / Release /          frontend
   PrefillDone / ReportFailure
   Router.ListWorkers                frontend, planner, admin
-  Indexer.FindMatches               router, frontend
+  Indexer.FindMatches               router
   Indexer.Stats                     router, planner, admin
   Indexer.Dump                      admin
   StoreMaster.Put* / Get* / Exist*  worker, store_client (Batch* alike)
@@ -59,14 +59,14 @@ _STORE_DATA = ("worker", "store_client")
 POLICY: dict[str, tuple[str, ...]] = {
     "/kvmesh.worker.Worker/Generate": ("frontend",),
     "/kvmesh.worker.Worker/Abort": ("frontend",),
-    "/kvmesh.worker.Worker/GetLoad": ("router", "planner", "frontend"),
-    "/kvmesh.worker.Worker/GetKvState": ("router", "indexer"),
+    "/kvmesh.worker.Worker/GetLoad": ("router", "planner", "admin"),
+    "/kvmesh.worker.Worker/GetKvState": ("router", "indexer", "admin"),
     "/kvmesh.router.Router/Route": ("frontend",),
     "/kvmesh.router.Router/Release": ("frontend",),
     "/kvmesh.router.Router/PrefillDone": ("frontend",),
     "/kvmesh.router.Router/ReportFailure": ("frontend",),
     "/kvmesh.router.Router/ListWorkers": ("frontend", "planner", "admin"),
-    "/kvmesh.indexer.Indexer/FindMatches": ("router", "frontend"),
+    "/kvmesh.indexer.Indexer/FindMatches": ("router",),
     "/kvmesh.indexer.Indexer/Stats": ("router", "planner", "admin"),
     "/kvmesh.indexer.Indexer/Dump": ("admin",),
     **{f"/kvmesh.store.StoreMaster/{m}": _STORE_DATA for m in (
