@@ -2,13 +2,14 @@
 
 Contract:
 
-- A caller's role is read from its verified client certificate (the TLS layer has already
-  checked it against the mesh CA): the SAN URI ``spiffe://kvmesh/<role>/<name>``
-  (:func:`services.common.tls.identity_of`). No certificate, or one naming no kvmesh role:
-  UNAUTHENTICATED. A role the method's entry does not list: PERMISSION_DENIED with the
-  method and the role in the message. A method missing from :data:`POLICY`:
-  PERMISSION_DENIED (fail closed). Every refusal is logged (once per method, role and
-  code) and counted in :attr:`AuthzInterceptor.refused`.
+- A caller's role is read from its verified client certificate (the TLS layer has
+  already checked it against the mesh CA): the SAN URI ``spiffe://kvmesh/<role>/<name>``
+  (:func:`services.common.tls.identity_of`). A method whose entry is ``public`` needs
+  none (the servicer authenticates the user: the Frontend API's API keys). Otherwise no
+  certificate, or one naming no kvmesh role: UNAUTHENTICATED. A role the method's entry
+  does not list: PERMISSION_DENIED with the method and the role in the message. A method
+  missing from :data:`POLICY`: PERMISSION_DENIED (fail closed). Every refusal is logged
+  (once per method, role and code) and counted in :attr:`AuthzInterceptor.refused`.
 - During an allowed call, :func:`caller` returns the caller's :class:`Identity` (a
   contextvar the interceptor sets), so a servicer can check ownership (the store master
   binds a segment to the identity that mounted it). Without the interceptor (insecure
@@ -34,7 +35,7 @@ Contract:
   StoreMaster.UnmountSegment        worker, store_client (owner only, in servicer)
   StoreMaster.Stats                 worker, store_client, planner, admin
   StoreMaster.Remove / RemoveAll    admin
-  Frontend.*                        *  (users come through HTTP + API keys)
+  Frontend.*                        public (users: API keys, checked by the servicer)
   health, reflection                *
   ================================  =============================================
 """
@@ -54,6 +55,7 @@ from services.common.tls import CertError, Identity, identity_of
 log = logging.getLogger(__name__)
 
 ANY = "*"
+PUBLIC = "public"  # no certificate needed: the servicer authenticates (API keys)
 _STORE_DATA = ("worker", "store_client")
 
 POLICY: dict[str, tuple[str, ...]] = {
@@ -76,8 +78,8 @@ POLICY: dict[str, tuple[str, ...]] = {
     "/kvmesh.store.StoreMaster/Stats": (*_STORE_DATA, "planner", "admin"),
     "/kvmesh.store.StoreMaster/Remove": ("admin",),
     "/kvmesh.store.StoreMaster/RemoveAll": ("admin",),
-    "/kvmesh.frontend.Frontend/Generate": (ANY,),
-    "/kvmesh.frontend.Frontend/ListModels": (ANY,),
+    "/kvmesh.frontend.Frontend/Generate": (PUBLIC,),
+    "/kvmesh.frontend.Frontend/ListModels": (PUBLIC,),
 }
 # Services open to any authenticated caller.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
@@ -103,10 +105,12 @@ def allowed_roles(method: str, policy: Mapping[str, tuple[str, ...]] = POLICY) -
 def decide(method: str, identity: Identity | None,
            policy: Mapping[str, tuple[str, ...]] = POLICY) -> tuple[grpc.StatusCode, str] | None:
     """None when ``identity`` may call ``method``, else (status, message)."""
+    roles = allowed_roles(method, policy)
+    if PUBLIC in roles:
+        return None
     if identity is None:
         return (grpc.StatusCode.UNAUTHENTICATED,
                 f"{method}: no kvmesh client certificate (role unknown)")
-    roles = allowed_roles(method, policy)
     if ANY in roles or identity.role in roles:
         return None
     allowed = ", ".join(roles) or "nobody"

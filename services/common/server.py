@@ -6,10 +6,11 @@ Contract of :class:`MeshServer`:
   adds the service's servicers, the standard health service (every service starts
   NOT_SERVING) and reflection, binds ``host:port`` (port 0 picks a free one; ``address``
   tells which; with ``cfg.tls_dir`` set the port is TLS with the ``component`` role's
-  certificate, client certificates are required and :class:`AuthzInterceptor` checks
-  every call's role, see :mod:`services.common.authz`; without it the port is plaintext
-  and open), then registers the instance record in etcd under a lease with keepalive,
-  and only then marks every service SERVING.
+  certificate, client certificates are required (unless ``client_auth`` is False: a
+  user-facing port, the frontend's, where users present API keys instead) and
+  :class:`AuthzInterceptor` checks every call's role, see :mod:`services.common.authz`;
+  without it the port is plaintext and open), then registers the instance record in
+  etcd under a lease with keepalive, and only then marks every service SERVING.
 - ``stop()``: marks every service NOT_SERVING, revokes the etcd lease (watchers drop the
   instance at once), runs the ``on_stop`` hooks and stops the server with the configured
   grace period. Idempotent.
@@ -145,6 +146,8 @@ class MeshServer:
     # Builds the record to publish, given the bound address; None = do not register.
     record_factory: Callable[[str], discovery_pb2.InstanceRecord] | None = None
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # False: TLS without a required client certificate (methods the policy marks public)
+    client_auth: bool = True
 
     def __post_init__(self) -> None:
         self._server: grpc.aio.Server | None = None
@@ -191,7 +194,8 @@ class MeshServer:
         await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         bind = f"{self.cfg.host}:{self.cfg.port}"
         self.port = (server.add_insecure_port(bind) if tls is None
-                     else server.add_secure_port(bind, tls.server_credentials()))
+                     else server.add_secure_port(bind, tls.server_credentials(
+                         self.client_auth)))
         if self.port == 0:
             raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
         await server.start()

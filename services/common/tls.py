@@ -250,11 +250,12 @@ class MeshTls:
         verify_signed_by(cert, ca)
         return cls(ca, cert, key, identity_of(cert))
 
-    def server_credentials(self) -> grpc.ServerCredentials:
-        """Server side: present this certificate, require a client certificate signed by
-        the mesh CA."""
+    def server_credentials(self, client_auth: bool = True) -> grpc.ServerCredentials:
+        """Server side: present this certificate; require a client certificate signed by
+        the mesh CA (``client_auth``), or verify one only when the client presents it
+        (a user-facing port: callers prove themselves with API keys)."""
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
-                                           require_client_auth=True)
+                                           require_client_auth=client_auth)
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         """Client side: trust only the mesh CA, present this certificate."""

@@ -185,8 +185,9 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     spec = ServiceSpec(frontend_pb2_grpc.add_FrontendServicer_to_server,
                        FrontendServicer(pipeline, keys),
                        frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name)
+    # users reach the gRPC Frontend API with an API key, not a mesh certificate
     server = MeshServer(cfg, "frontend", [spec], record_factory=record,
-                        on_stop=[stop_http, workers.close, routers.close])
+                        on_stop=[stop_http, workers.close, routers.close], client_auth=False)
     await server.start()
     return FrontendApp(server, pipeline, http, http_port, http_task)
 

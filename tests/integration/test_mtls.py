@@ -21,6 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from protos import (
     common_pb2,
+    frontend_pb2,
+    frontend_pb2_grpc,
     indexer_pb2,
     indexer_pb2_grpc,
     router_pb2,
@@ -161,6 +163,27 @@ async def test_no_certificate_or_another_ca_fails_the_handshake(secured: Secured
                                                                      timeout=5))
         assert err.code() in (grpc.StatusCode.UNAVAILABLE,
                               grpc.StatusCode.UNAUTHENTICATED), (what, err)
+
+
+async def test_users_reach_the_frontend_api_without_a_mesh_certificate(
+        secured: Secured) -> None:
+    """The Frontend gRPC port is TLS (the mesh CA) without a required client certificate:
+    users prove themselves with API keys; every other method there still needs a role."""
+    mesh = secured.tls("frontend")
+    user = grpc.ssl_channel_credentials(root_certificates=mesh.ca)
+    address = secured.frontend.server.address
+    async with grpc.aio.secure_channel(
+            address, user, options=[("grpc.ssl_target_name_override", "kvmesh.mesh")]) as ch:
+        models = await frontend_pb2_grpc.FrontendStub(ch).ListModels(
+            frontend_pb2.ListModelsRequest(), timeout=10)
+        assert [m.id for m in models.models] == ["mock"]
+        err = await refused(health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(), timeout=10))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED
+    async with grpc.aio.insecure_channel(address) as ch:  # TLS all the same
+        err = await refused(frontend_pb2_grpc.FrontendStub(ch).ListModels(
+            frontend_pb2.ListModelsRequest(), timeout=10))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
 
 
 async def test_only_an_admin_dumps_the_index(secured: Secured) -> None:

@@ -128,6 +128,14 @@ def test_every_mesh_method_has_an_entry() -> None:
             assert POLICY[method], method
 
 
+def test_the_frontend_api_is_public_everything_else_needs_a_certificate() -> None:
+    assert decide("/kvmesh.frontend.Frontend/Generate", None) is None
+    assert decide("/kvmesh.frontend.Frontend/ListModels", _who("worker")) is None
+    for method in ("/grpc.health.v1.Health/Check", "/kvmesh.router.Router/Route"):
+        verdict = decide(method, None)
+        assert verdict is not None and verdict[0] == grpc.StatusCode.UNAUTHENTICATED
+
+
 @pytest.mark.parametrize("method,allowed", [
     ("/kvmesh.worker.Worker/Generate", {"frontend"}),
     ("/kvmesh.worker.Worker/Abort", {"frontend"}),
