@@ -62,10 +62,11 @@ def _up(args: argparse.Namespace) -> int:
           f"{spec.log_dir}", flush=True)
     try:
         url = mesh.start()
-    except RuntimeError as exc:
+        model = _first_model(url, _client_key(""))
+    except (RuntimeError, OSError) as exc:  # urllib's HTTPError/URLError are OSErrors
         print(f"kvmesh up failed: {exc}", file=sys.stderr)
+        mesh.stop()
         return 1
-    model = _first_model(url)
     grpc_mode = (f"mTLS, certificates in {mesh.tls_dir}" if mesh.tls_dir else
                  "INSECURE (--insecure)")
     print(f"\nkvmesh is serving {model} at {url}\n\n"
@@ -99,8 +100,17 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _first_model(url: str) -> str:
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as resp:
+def _client_key(given: str) -> str:
+    """The API key a client command sends: ``given``, else ``KVMESH_API_KEY``, else the
+    first of ``KVMESH_API_KEYS`` (what the frontend was given), else "" (none)."""
+    keys = os.environ.get("KVMESH_API_KEYS", "").split(",")
+    return given or os.environ.get("KVMESH_API_KEY", "") or keys[0].strip()
+
+
+def _first_model(url: str, key: str = "") -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    req = urllib.request.Request(url + "/v1/models", headers=headers)
+    with urllib.request.urlopen(req, timeout=10) as resp:
         data = json.loads(resp.read())["data"]
     if not data:
         raise RuntimeError("no model is served")
@@ -111,8 +121,9 @@ def _chat(args: argparse.Namespace) -> int:
     from openai import OpenAI, OpenAIError
 
     try:
-        model = args.model or _first_model(args.url)
-        client = OpenAI(base_url=args.url + "/v1", api_key="kvmesh")
+        key = _client_key(args.api_key)
+        model = args.model or _first_model(args.url, key)
+        client = OpenAI(base_url=args.url + "/v1", api_key=key or "none")
         stream = client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": args.question}],
             max_tokens=args.max_tokens, temperature=args.temperature, stream=True,
@@ -160,6 +171,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     chat.add_argument("question")
     chat.add_argument("--url", default="http://127.0.0.1:8000")
     chat.add_argument("--model", default="")
+    chat.add_argument("--api-key", default="", help="the frontend's API key (default: "
+                      "KVMESH_API_KEY, else the first of KVMESH_API_KEYS)")
     chat.add_argument("--max-tokens", type=int, default=128)
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.set_defaults(fn=_chat)

@@ -1,0 +1,54 @@
+"""The launcher CLI's client side: which API key it sends, and that it sends it."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from services.launcher.cli import _client_key, _first_model
+
+
+def test_the_client_key_comes_from_the_flag_then_the_environment(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVMESH_API_KEY", raising=False)
+    monkeypatch.delenv("KVMESH_API_KEYS", raising=False)
+    assert _client_key("") == ""
+    monkeypatch.setenv("KVMESH_API_KEYS", " k1 ,k2")
+    assert _client_key("") == "k1"
+    monkeypatch.setenv("KVMESH_API_KEY", "solo")
+    assert _client_key("") == "solo" and _client_key("flag") == "flag"
+
+
+class _Models(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802
+        ok = self.headers.get("Authorization") == "Bearer sk-1"
+        body = json.dumps({"data": [{"id": "m"}]} if ok else {"error": {}}).encode()
+        self.send_response(200 if ok else 401)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def models_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Models)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+
+
+def test_the_first_model_is_asked_with_the_key(models_url: str) -> None:
+    assert _first_model(models_url, "sk-1") == "m"
+    with pytest.raises(OSError, match="401"):  # urllib's HTTPError: an OSError
+        _first_model(models_url, "")
