@@ -29,6 +29,8 @@ Contract:
   Indexer.FindMatches               router
   Indexer.Stats                     router, planner, admin
   Indexer.Dump                      admin
+  Encoder.Encode                    frontend, router
+  Encoder.Stats                     frontend, router, admin
   StoreMaster.Put* / Get* / Exist*  worker, store_client (Batch* alike)
   / SetPin / Ping / Batch*
   StoreMaster.MountSegment          worker, store_client (owner recorded)
@@ -71,6 +73,8 @@ POLICY: dict[str, tuple[str, ...]] = {
     "/kvmesh.indexer.Indexer/FindMatches": ("router",),
     "/kvmesh.indexer.Indexer/Stats": ("router", "planner", "admin"),
     "/kvmesh.indexer.Indexer/Dump": ("admin",),
+    "/kvmesh.encoder.Encoder/Encode": ("frontend", "router"),
+    "/kvmesh.encoder.Encoder/Stats": ("frontend", "router", "admin"),
     **{f"/kvmesh.store.StoreMaster/{m}": _STORE_DATA for m in (
         "PutStart", "PutEnd", "PutRevoke", "GetReplicaList", "ExistKey", "BatchExistKey",
         "SetPin", "Ping", "BatchPutStart", "BatchPutEnd", "BatchPutRevoke",
@@ -81,7 +85,8 @@ POLICY: dict[str, tuple[str, ...]] = {
     "/kvmesh.frontend.Frontend/Generate": (PUBLIC,),
     "/kvmesh.frontend.Frontend/ListModels": (PUBLIC,),
 }
-# Services open to any authenticated caller.
+# Services open to any authenticated caller (to anyone on a user-facing port, whose TLS
+# asks for no client certificate: the frontend's).
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
                  "/grpc.reflection.v1.ServerReflection/")
 
@@ -94,18 +99,21 @@ def caller() -> Identity | None:
     return _caller.get()
 
 
-def allowed_roles(method: str, policy: Mapping[str, tuple[str, ...]] = POLICY) -> tuple[str,
-                                                                                        ...]:
-    """The roles that may call ``method`` (``("*",)`` for any); empty = nobody."""
+def allowed_roles(method: str, policy: Mapping[str, tuple[str, ...]] = POLICY,
+                  user_facing: bool = False) -> tuple[str, ...]:
+    """The roles that may call ``method`` (``("*",)`` for any authenticated caller,
+    ``("public",)`` for anyone); empty = nobody. On a ``user_facing`` port health and
+    reflection are public."""
     if method.startswith(OPEN_PREFIXES):
-        return (ANY,)
+        return (PUBLIC,) if user_facing else (ANY,)
     return policy.get(method, ())
 
 
 def decide(method: str, identity: Identity | None,
-           policy: Mapping[str, tuple[str, ...]] = POLICY) -> tuple[grpc.StatusCode, str] | None:
+           policy: Mapping[str, tuple[str, ...]] = POLICY,
+           user_facing: bool = False) -> tuple[grpc.StatusCode, str] | None:
     """None when ``identity`` may call ``method``, else (status, message)."""
-    roles = allowed_roles(method, policy)
+    roles = allowed_roles(method, policy, user_facing)
     if PUBLIC in roles:
         return None
     if identity is None:
@@ -147,8 +155,10 @@ def _identity_cached(pem: bytes) -> Identity:
 class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Checks every call against :data:`POLICY`; see the module docstring."""
 
-    def __init__(self, policy: Mapping[str, tuple[str, ...]] = POLICY) -> None:
+    def __init__(self, policy: Mapping[str, tuple[str, ...]] = POLICY,
+                 user_facing: bool = False) -> None:
         self._policy = policy
+        self._user_facing = user_facing
         self.refused: Counter[tuple[str, str, str]] = Counter()
 
     def _refuse(self, method: str, identity: Identity | None, code: grpc.StatusCode,
@@ -160,7 +170,7 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _check(self, method: str, context: Any) -> None:
         identity = identity_from_auth_context(context.auth_context())
-        verdict = decide(method, identity, self._policy)
+        verdict = decide(method, identity, self._policy, self._user_facing)
         if verdict is not None:
             self._refuse(method, identity, *verdict)
             await context.abort(*verdict)

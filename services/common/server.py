@@ -172,7 +172,7 @@ class MeshServer:
         tls = tls_for(self.cfg, self.component)
         interceptors = [aio_server_interceptor(), MalformedRequestInterceptor()]
         if tls is not None:
-            self.authz = AuthzInterceptor()
+            self.authz = AuthzInterceptor(user_facing=not self.client_auth)
             interceptors.insert(1, self.authz)
         server = grpc.aio.server(
             interceptors=interceptors,

@@ -134,6 +134,10 @@ def test_the_frontend_api_is_public_everything_else_needs_a_certificate() -> Non
     for method in ("/grpc.health.v1.Health/Check", "/kvmesh.router.Router/Route"):
         verdict = decide(method, None)
         assert verdict is not None and verdict[0] == grpc.StatusCode.UNAUTHENTICATED
+    # a user-facing port (no client certificates asked): health is public, the rest is not
+    assert decide("/grpc.health.v1.Health/Check", None, user_facing=True) is None
+    verdict = decide("/kvmesh.router.Router/Route", None, user_facing=True)
+    assert verdict is not None and verdict[0] == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize("method,allowed", [
