@@ -72,6 +72,9 @@ class StoreMasterConfig(SeededConfig):
         default=0.05, metadata={"help": "fraction of capacity one eviction round frees"})
     max_replicas: int = dataclasses.field(
         default=8, metadata={"help": "most replicas one PutStart may ask for"})
+    max_client_gib: float = dataclasses.field(
+        default=4096.0, metadata={"help": "most memory one client (certificate identity) "
+                                          "may mount, GiB"})
     allocation_strategy: str = dataclasses.field(
         default="random", metadata={"help": "replica placement: " + ", ".join(STRATEGIES)})
     eviction_policy: str = dataclasses.field(
@@ -89,7 +92,8 @@ class StoreMasterConfig(SeededConfig):
             lease_ttl_s=self.read_lease_ttl_s, soft_pin_ttl_s=self.soft_pin_ttl_s,
             client_ttl_s=self.client_ttl_s, put_timeout_s=self.put_timeout_s,
             high_watermark=self.high_watermark, eviction_ratio=self.eviction_ratio,
-            max_replicas=self.max_replicas)
+            max_replicas=self.max_replicas,
+            max_client_bytes=int(self.max_client_gib * (1 << 30)))
 
     def persist_to_redis(self) -> bool:
         return self.persist == "redis" or (self.persist == "auto" and bool(self.redis_url))

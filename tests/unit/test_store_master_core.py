@@ -574,6 +574,18 @@ def test_a_segment_belongs_to_its_principal_across_a_restart() -> None:
     assert ErrorKind.FORBIDDEN is Forbidden.kind
 
 
+def test_one_client_mounts_at_most_max_client_bytes() -> None:
+    m = make(Clock(), segments=0, max_client_bytes=1000)
+    m.mount_segment("ca", "s1", base=1 << 20, size=600, principal="worker/a")
+    with pytest.raises(InvalidInput, match="size: worker/a would mount 1600 bytes"):
+        m.mount_segment("ca2", "s2", base=1 << 30, size=1000, principal="worker/a")
+    m.mount_segment("cb", "s3", base=1 << 31, size=1000, principal="worker/b")  # its own
+    m.mount_segment("cc", "s4", base=1 << 32, size=400)  # no mTLS: counted per client id
+    with pytest.raises(InvalidInput, match="cc would mount"):
+        m.mount_segment("cc", "s5", base=1 << 33, size=601)
+    assert m.mount_segment("ca", "s1", base=1 << 20, size=600, principal="worker/a") is False
+
+
 def test_restore_drops_what_no_longer_fits() -> None:
     clock = Clock()
     m = make(clock, segments=2, size=100)

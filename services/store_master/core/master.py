@@ -19,8 +19,10 @@ Store clients and segments
   now on) and by ``principal``, the caller's certificate identity ("" without mTLS; it is
   durable, so a restarted master keeps it).
   InvalidInput (naming the field) for an empty id, an id or endpoint longer than
-  ``max_key_bytes``, ``size <= 0``, ``base < 0``, ``base + size > 2^64`` or a total
-  capacity that would reach 2^64 (addresses and sizes are 64-bit on the wire).
+  ``max_key_bytes``, ``size <= 0``, ``base < 0``, ``base + size > 2^64``, a total
+  capacity that would reach 2^64 (addresses and sizes are 64-bit on the wire), or more
+  than ``max_client_bytes`` mounted by one principal (the client id without one), so a
+  client cannot attract puts with a fake huge segment.
   Mounting the same segment again with the same owner, base and size is a no-op returning
   False (a client remounting after a master restart); a different owner or geometry is
   AlreadyExists; another principal than the recorded one is Forbidden (a segment recorded
@@ -150,6 +152,8 @@ class MasterParams:
     eviction_ratio: float = 0.05
     max_replicas: int = 8
     max_key_bytes: int = 4096
+    # most bytes one principal (certificate identity; the client id without mTLS) mounts
+    max_client_bytes: int = 4 << 40
 
     def problems(self) -> list[str]:
         out = []
@@ -164,6 +168,8 @@ class MasterParams:
             out.append("max_replicas must be >= 1")
         if self.max_key_bytes < 1:
             out.append("max_key_bytes must be >= 1")
+        if self.max_client_bytes < 1:
+            out.append("max_client_bytes must be >= 1")
         return out
 
 
@@ -284,6 +290,13 @@ class StoreMaster:
             return False
         if self.capacity() + size >= ADDRESS_SPACE:
             raise InvalidInput(f"size {size}: the total capacity would reach 2^64 bytes")
+        owner = principal or client_id
+        mounted = sum(s.size for s in self._segments.values()
+                      if (s.principal or s.client_id) == owner)
+        if mounted + size > self.params.max_client_bytes:
+            raise InvalidInput(
+                f"size: {owner} would mount {mounted + size} bytes, over the limit of "
+                f"{self.params.max_client_bytes} per client (max_client_bytes)")
         self._segments[segment_id] = Segment(segment_id, client_id, base, size, endpoint,
                                              principal)
         self._by_segment[segment_id] = set()
