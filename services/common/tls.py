@@ -4,24 +4,45 @@ Contract:
 
 - Roles (:data:`ROLES`): frontend, router, indexer, worker, store_client, store_master,
   planner, admin, and the infrastructure servers etcd and redis (their server
-  certificates; :mod:`services.common.authz` grants them no kvmesh method). A certificate names its role twice: a SAN URI
-  ``spiffe://kvmesh/<role>/<name>`` (:func:`spiffe_id`) and the subject's OU. Every leaf
-  also carries the SANs that clients verify as the server name: DNS
-  :data:`MESH_SERVER_NAME`, ``localhost`` and IP 127.0.0.1 (clients dial any mesh
-  address with :data:`MESH_SERVER_NAME` as the TLS target name, so a certificate does not
-  depend on the host a process runs on; what a server proves is that the mesh CA signed
-  it).
+  certificates; :mod:`services.common.authz` grants them no kvmesh method). A
+  certificate names its role twice: a SAN URI ``spiffe://kvmesh/<role>/<name>``
+  (:func:`spiffe_id`) and the subject's OU. Every leaf also carries the SANs that clients
+  verify as the server name: DNS ``<role>.kvmesh.mesh`` (:func:`server_name`),
+  :data:`MESH_SERVER_NAME`, ``localhost`` and IP 127.0.0.1. Clients dial a mesh address
+  with the expected server's role name as the TLS target name
+  (:func:`channel_options`), so a certificate does not depend on the host a process runs
+  on, and a server proves both that the mesh CA signed it and that it holds the role the
+  client expects (a worker's certificate cannot pose as a router, nor the redis
+  certificate as a worker). :data:`CHANNEL_OPTIONS` (plain :data:`MESH_SERVER_NAME`)
+  accepts any mesh server, for tools.
 - :func:`make_ca` / :func:`issue` generate keys (EC P-256) and certificates offline with
   ``cryptography``; :func:`write_mesh_certs` writes ``ca.pem``, ``ca-key.pem`` and, per
   role, ``<role>.pem`` + ``<role>-key.pem`` (keys mode 0600) into a folder, reusing an
   existing CA there (so new roles can be added) and never overwriting an existing role
-  certificate unless ``force``.
+  certificate unless ``force`` (or unless it lacks its role's server name: one issued
+  before those existed is reissued).
+- :func:`export_identity` copies one identity's files into a folder of its own: the CA
+  certificate (never its key), the identity's certificate and key and the secrets its
+  role reads (:data:`ROLE_SECRETS`), so a process is given only what it needs.
+- Secrets, written by :func:`write_mesh_certs` next to the certificates (mode 0600):
+  ``events.key`` (:data:`EVENTS_KEY`: the mesh's KV event secret, 32 random bytes, written
+  once like the CA and read only by event consumers: the indexer, a router's embedded
+  index); for each spec of a role in :data:`REDIS_ROLES` ``redis-<role>.pass``
+  (:func:`redis_password_file`: that Redis ACL user's password, 64 hex characters, kept
+  unless ``force``); and for each worker certificate (``worker`` or ``worker:<name>``)
+  ``<stem>.evkey``, the worker's event signing key
+  :func:`derive_event_key` (events secret, name) = HMAC-SHA256(secret,
+  ``b"kvmesh-events/" + name``), so a consumer recomputes any worker's key from the
+  secret and a worker holds only its own. An evkey is rewritten whenever it no longer
+  matches the secret (it is derived, so this is idempotent).
 - :func:`identity_of` reads (role, name) from a PEM certificate; a certificate without
   exactly one kvmesh SPIFFE URI, or with an unknown role, raises :class:`CertError`.
   :func:`verify_signed_by` checks a certificate against the CA (signature and validity).
-- :class:`MeshTls` is one process's material: CA, its role's certificate and key.
+- :class:`MeshTls` is one process's material: CA, its role's certificate and key, and
+  where they came from (``folder``, ``stem``: its certificate is ``<stem>.pem``).
   :meth:`MeshTls.load` reads them from a folder (a missing file raises CertError naming
-  it); ``server_credentials()`` requires and verifies client certificates;
+  it); :meth:`MeshTls.secret` reads a secret file of that folder (CertError naming a
+  missing one); ``server_credentials()`` requires and verifies client certificates;
   ``channel_credentials()`` presents the role's certificate; :data:`CHANNEL_OPTIONS`
   go with every TLS channel.
 - :func:`tls_for(cfg, role)` is what services use: None when ``cfg.tls_dir`` is empty or
@@ -32,9 +53,12 @@ Contract:
 from __future__ import annotations
 
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import logging
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,8 +76,21 @@ ROLES = ("frontend", "router", "indexer", "worker", "store_client", "store_maste
 SPIFFE_PREFIX = "spiffe://kvmesh/"
 MESH_SERVER_NAME = "kvmesh.mesh"
 CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", MESH_SERVER_NAME)]
+# The secrets each role reads (export_identity); "{stem}" is the identity's file stem.
+ROLE_SECRETS: dict[str, tuple[str, ...]] = {
+    "worker": ("{stem}.evkey", "redis-worker.pass"),
+    "indexer": ("events.key", "redis-indexer.pass"),
+    "router": ("events.key", "redis-router.pass"),
+    "store_master": ("redis-store_master.pass",),
+    "admin": ("redis-admin.pass",),
+}
 VALID_DAYS = 825
 CA_VALID_DAYS = 3650
+# Roles that talk to Redis, each as an ACL user of its own (services.common.redis_acl).
+REDIS_ROLES = ("worker", "indexer", "router", "store_master", "admin")
+EVENTS_KEY = "events.key"
+EVENT_KEY_SUFFIX = ".evkey"
+EVENT_KEY_CONTEXT = b"kvmesh-events/"
 
 
 class CertError(ValueError):
@@ -69,6 +106,18 @@ class Identity:
 
     def __str__(self) -> str:
         return f"{self.role}/{self.name}"
+
+
+def server_name(role: str) -> str:
+    """The DNS name a ``role`` server's certificate carries and its clients verify."""
+    return f"{role}.{MESH_SERVER_NAME}"
+
+
+def channel_options(server_role: str = "") -> list[tuple[str, str]]:
+    """Channel options for a TLS channel to a ``server_role`` server (any mesh server
+    when empty)."""
+    return [("grpc.ssl_target_name_override",
+             server_name(server_role) if server_role else MESH_SERVER_NAME)]
 
 
 def spiffe_id(role: str, name: str) -> str:
@@ -130,7 +179,8 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, role: str, name: str = "") -> t
     ])
     sans: list[x509.GeneralName] = [
         x509.UniformResourceIdentifier(spiffe_id(role, name)),
-        x509.DNSName(MESH_SERVER_NAME), x509.DNSName("localhost"),
+        x509.DNSName(server_name(role)), x509.DNSName(MESH_SERVER_NAME),
+        x509.DNSName("localhost"),
         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
     ]
     now = _now()
@@ -188,8 +238,10 @@ def verify_signed_by(cert_pem: bytes, ca_cert_pem: bytes) -> None:
 
 
 def _write(path: Path, data: bytes, private: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    mode = 0o600 if private else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)  # an existing file keeps its mode through O_CREAT
         f.write(data)
 
 
@@ -200,11 +252,48 @@ def parse_role_spec(spec: str) -> tuple[str, str]:
     return role, name
 
 
+def redis_password_file(role: str) -> str:
+    """The file (in a tls folder) holding the Redis ACL password of ``role``."""
+    return f"redis-{role}.pass"
+
+
+def derive_event_key(events_secret: bytes, name: str) -> bytes:
+    """The event signing key of worker ``name``: HMAC-SHA256(secret, b"kvmesh-events/" +
+    name as UTF-8)."""
+    return hmac.new(events_secret, EVENT_KEY_CONTEXT + name.encode(), hashlib.sha256).digest()
+
+
+def _write_secrets(out: Path, specs: list[tuple[str, str]], force: bool) -> list[Path]:
+    """``events.key`` (if absent), the Redis passwords and worker event keys of ``specs``
+    (module docstring); returns the files written."""
+    written: list[Path] = []
+    events_path = out / EVENTS_KEY
+    if not events_path.exists():
+        _write(events_path, secrets.token_bytes(32), True)
+        written.append(events_path)
+    events_secret = events_path.read_bytes()
+    for role, name in specs:
+        if role in REDIS_ROLES:
+            pw = out / redis_password_file(role)
+            if force or not pw.exists():
+                _write(pw, secrets.token_hex(32).encode(), True)
+                written.append(pw)
+        if role == "worker":
+            stem = f"{role}-{name}" if name else role
+            evkey = out / f"{stem}{EVENT_KEY_SUFFIX}"
+            want = derive_event_key(events_secret, name or role)
+            if not evkey.exists() or evkey.read_bytes() != want:
+                _write(evkey, want, True)
+                written.append(evkey)
+    return list(dict.fromkeys(written))
+
+
 def write_mesh_certs(out: Path, roles: tuple[str, ...] | list[str] = ROLES,
                      force: bool = False) -> list[Path]:
     """Writes the CA (if absent) and each role's certificate + key into ``out``; an entry
-    ``role:name`` makes an instance certificate ``<role>-<name>.pem``. Returns the files
-    written (existing ones are kept unless ``force``)."""
+    ``role:name`` makes an instance certificate ``<role>-<name>.pem``; then the secrets of
+    the module docstring. Returns the files written (existing ones are kept unless
+    ``force``)."""
     out.mkdir(parents=True, exist_ok=True)
     ca_path, ca_key_path = out / "ca.pem", out / "ca-key.pem"
     written: list[Path] = []
@@ -215,17 +304,47 @@ def write_mesh_certs(out: Path, roles: tuple[str, ...] | list[str] = ROLES,
         _write(ca_key_path, ca_key, True)
         _write(ca_path, ca_cert, False)
         written += [ca_path, ca_key_path]
-    for spec in roles:
-        role, name = parse_role_spec(spec)
+    specs = [parse_role_spec(spec) for spec in roles]
+    for role, name in specs:
         stem = f"{role}-{name}" if name else role
         cert_path, key_path = out / f"{stem}.pem", out / f"{stem}-key.pem"
-        if cert_path.exists() and key_path.exists() and not force:
+        if (cert_path.exists() and key_path.exists() and not force
+                and _has_server_name(cert_path.read_bytes(), role)):
             continue
         cert, key = issue(ca_cert, ca_key, role, name)
         _write(key_path, key, True)
         _write(cert_path, cert, False)
         written += [cert_path, key_path]
-    return written
+    return written + _write_secrets(out, specs, force)
+
+
+def _has_server_name(cert_pem: bytes, role: str) -> bool:
+    cert = x509.load_pem_x509_certificate(cert_pem)
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return False
+    return server_name(role) in sans.get_values_for_type(x509.DNSName)
+
+
+def export_identity(source: Path, dest: Path, stem: str) -> Path:
+    """Copies identity ``stem`` from ``source`` (a folder :func:`write_mesh_certs` wrote)
+    into ``dest``: ``ca.pem``, ``<stem>.pem``, ``<stem>-key.pem`` and its role's secrets
+    (:data:`ROLE_SECRETS`); never the CA key nor another identity's files. Returns
+    ``dest``; CertError naming a missing source file."""
+    role = identity_of((source / f"{stem}.pem").read_bytes()).role if (
+        source / f"{stem}.pem").is_file() else ""
+    names = ["ca.pem", f"{stem}.pem", f"{stem}-key.pem",
+             *(n.format(stem=stem) for n in ROLE_SECRETS.get(role, ()))]
+    missing = [n for n in names if not (source / n).is_file()]
+    if missing:
+        raise CertError(f"tls_dir: {source} lacks {', '.join(missing)} for {stem!r}")
+    dest.mkdir(parents=True, exist_ok=True)
+    os.chmod(dest, 0o700)
+    for n in names:
+        public = n.endswith(".pem") and not n.endswith("-key.pem")  # certificates
+        _write(dest / n, (source / n).read_bytes(), private=not public)
+    return dest
 
 
 @dataclass(frozen=True)
@@ -236,6 +355,8 @@ class MeshTls:
     cert: bytes
     key: bytes
     identity: Identity
+    folder: Path | None = None  # where load() read them (None: built in memory)
+    stem: str = ""  # the certificate's file stem there
 
     @classmethod
     def load(cls, folder: Path | str, stem: str) -> MeshTls:
@@ -248,7 +369,22 @@ class MeshTls:
                             f"{base}`)")
         ca, cert, key = (p.read_bytes() for p in paths)
         verify_signed_by(cert, ca)
-        return cls(ca, cert, key, identity_of(cert))
+        return cls(ca, cert, key, identity_of(cert), base, stem)
+
+    def path(self, filename: str) -> Path:
+        """``filename`` in the folder this material was loaded from."""
+        if self.folder is None:
+            raise CertError(f"tls: {filename} needs material loaded from a tls_dir")
+        return self.folder / filename
+
+    def secret(self, filename: str) -> bytes:
+        """The bytes of secret ``filename`` in that folder; CertError naming it when
+        missing."""
+        path = self.path(filename)
+        if not path.is_file():
+            raise CertError(f"tls_dir: missing {path} (run `kvmesh certs --out "
+                            f"{self.folder}` with this role)")
+        return path.read_bytes()
 
     def server_credentials(self, client_auth: bool = True) -> grpc.ServerCredentials:
         """Server side: present this certificate; require a client certificate signed by

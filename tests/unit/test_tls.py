@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 
 from protos import (
     frontend_pb2,
@@ -17,7 +18,7 @@ from protos import (
     store_pb2,
     worker_pb2,
 )
-from services.common import authz
+from services.common import authz, tls
 from services.common.authz import POLICY, decide
 from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.tls import (
@@ -25,6 +26,8 @@ from services.common.tls import (
     CertError,
     Identity,
     MeshTls,
+    channel_options,
+    export_identity,
     identity_of,
     issue,
     make_ca,
@@ -72,12 +75,13 @@ def test_write_mesh_certs_keeps_the_ca_and_existing_certificates(tmp_path: Path)
     written = write_mesh_certs(tmp_path, ["router", "worker:decode-0"])
     names = {p.name for p in written}
     assert names == {"ca.pem", "ca-key.pem", "router.pem", "router-key.pem",
-                     "worker-decode-0.pem", "worker-decode-0-key.pem"}
+                     "worker-decode-0.pem", "worker-decode-0-key.pem", "events.key",
+                     "redis-router.pass", "redis-worker.pass", "worker-decode-0.evkey"}
     assert stat.S_IMODE((tmp_path / "router-key.pem").stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "ca-key.pem").stat().st_mode) == 0o600
     ca_before = (tmp_path / "ca.pem").read_bytes()
     again = write_mesh_certs(tmp_path, ["router", "admin"])
-    assert {p.name for p in again} == {"admin.pem", "admin-key.pem"}
+    assert {p.name for p in again} == {"admin.pem", "admin-key.pem", "redis-admin.pass"}
     assert (tmp_path / "ca.pem").read_bytes() == ca_before
     tls = MeshTls.load(tmp_path, "worker-decode-0")
     assert tls.identity == Identity("worker", "decode-0")
@@ -126,6 +130,50 @@ def test_every_mesh_method_has_an_entry() -> None:
             method = f"/{desc.full_name}/{m.name}"
             assert method in POLICY, method
             assert POLICY[method], method
+
+
+def test_a_certificate_names_its_role_as_a_server_and_old_ones_are_reissued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_mesh_certs(tmp_path, ["router"])
+    cert = x509.load_pem_x509_certificate((tmp_path / "router.pem").read_bytes())
+    names = cert.extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert names[:2] == ["router.kvmesh.mesh", "kvmesh.mesh"]
+    assert channel_options("router") == [("grpc.ssl_target_name_override",
+                                          "router.kvmesh.mesh")]
+    assert channel_options() == [("grpc.ssl_target_name_override", "kvmesh.mesh")]
+    assert write_mesh_certs(tmp_path, ["router"]) == []  # kept
+    # a certificate issued before role server names existed is reissued
+    with monkeypatch.context() as m:
+        m.setattr(tls, "server_name", lambda role: "old.invalid")
+        write_mesh_certs(tmp_path, ["indexer"])
+    assert {p.name for p in write_mesh_certs(tmp_path, ["indexer"])} == {
+        "indexer.pem", "indexer-key.pem"}
+
+
+def test_an_identity_folder_holds_only_its_own_files(tmp_path: Path) -> None:
+    root, mine = tmp_path / "root", tmp_path / "w0"
+    write_mesh_certs(root, ["worker:w0", "worker:w1", "indexer"])
+    export_identity(root, mine, "worker-w0")
+    assert {p.name for p in mine.iterdir()} == {
+        "ca.pem", "worker-w0.pem", "worker-w0-key.pem", "worker-w0.evkey",
+        "redis-worker.pass"}
+    assert stat.S_IMODE(mine.stat().st_mode) == 0o700
+    assert stat.S_IMODE((mine / "worker-w0-key.pem").stat().st_mode) == 0o600
+    assert stat.S_IMODE((mine / "ca.pem").stat().st_mode) == 0o644
+    assert MeshTls.load(mine, "worker-w0").identity == Identity("worker", "w0")
+    export_identity(root, tmp_path / "ix", "indexer")
+    assert (tmp_path / "ix" / "events.key").read_bytes() == (root / "events.key").read_bytes()
+    with pytest.raises(CertError, match="lacks worker-w9.pem"):
+        export_identity(root, tmp_path / "x", "worker-w9")
+
+
+def test_a_rewritten_key_file_is_private_whatever_its_old_mode(tmp_path: Path) -> None:
+    write_mesh_certs(tmp_path, ["router"])
+    key = tmp_path / "router-key.pem"
+    key.chmod(0o644)
+    write_mesh_certs(tmp_path, ["router"], force=True)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
 
 
 def test_the_frontend_api_is_public_everything_else_needs_a_certificate() -> None:
