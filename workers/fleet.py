@@ -45,6 +45,7 @@ from protos import discovery_pb2
 from services.common.config import BaseConfig
 from services.common.event_bus import stream_name
 from services.common.server import MeshServer, serve_main
+from services.common.tls import tls_for
 from workers.config import WorkerConfig
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.mock.timing import make_timing
@@ -194,7 +195,7 @@ async def _start_one(wcfg: FleetConfig, model_path: str, model_name: str,
         relay = KvEventRelay(worker_id, wcfg.block_size, wcfg.redis_url,
                              stream_name(wcfg.namespace), _no_endpoints(),
                              reset_cache=engine.reset_prefix_cache,
-                             maxlen=wcfg.kv_events_maxlen)
+                             maxlen=wcfg.kv_events_maxlen, tls=tls_for(wcfg, "worker"))
     try:
         if relay is not None:
             await relay.start(zmq_input=False)

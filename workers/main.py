@@ -18,6 +18,7 @@ from pathlib import Path
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.event_bus import stream_name
 from services.common.server import MeshServer, ServiceSpec, serve_main
+from services.common.tls import tls_for
 from workers.config import WorkerConfig
 from workers.engines import create_engine
 from workers.engines.base import Engine
@@ -84,7 +85,8 @@ def build_relay(cfg: WorkerConfig, engine: Engine,
     """The relay of the engine's KV events to the namespace's stream (not started)."""
     return KvEventRelay(cfg.resolved_worker_id(), cfg.block_size, cfg.redis_url,
                         stream_name(cfg.namespace), events,
-                        reset_cache=engine.reset_prefix_cache, maxlen=cfg.kv_events_maxlen)
+                        reset_cache=engine.reset_prefix_cache, maxlen=cfg.kv_events_maxlen,
+                        tls=tls_for(cfg, "worker"))
 
 
 def build_server(cfg: WorkerConfig, engine: Engine,

@@ -36,6 +36,7 @@ from protos import discovery_pb2, store_pb2, store_pb2_grpc
 from services.common.config import SeededConfig, seeded_rng
 from services.common.periodic import Periodic
 from services.common.server import MeshServer, ServiceSpec, serve_main
+from services.common.tls import tls_for
 from services.store_master.core import (
     POLICIES,
     STRATEGIES,
@@ -148,7 +149,8 @@ async def start_store_master(cfg: StoreMasterConfig, clock: Clock = time.time) -
                          strategy=make_strategy(cfg.allocation_strategy, rng),
                          eviction=make_eviction_policy(cfg.eviction_policy, rng,
                                                        cfg.eviction_sample))
-    store = RedisMetadata(cfg.redis_url, cfg.namespace) if cfg.persist_to_redis() else None
+    store = (RedisMetadata(cfg.redis_url, cfg.namespace, tls_for(cfg, "store_master"))
+             if cfg.persist_to_redis() else None)
     restored = None
     if store is not None:
         try:

@@ -9,7 +9,11 @@ dataset.
 
 Contract:
 
-- :class:`RedisMetadata`: ``load()`` → (segment records, object records); ``write(changes)``
+- :class:`RedisMetadata` (url, namespace, tls): the client comes from
+  :func:`services.common.redis_conn.redis_client`; with mesh TLS material and a
+  ``rediss://`` URL it logs in as the ACL user ``store_master``, which owns
+  ``kvmesh:<ns>:store:*`` and nothing else (:mod:`services.common.redis_acl`).
+  ``load()`` → (segment records, object records); ``write(changes)``
   applies one :class:`Changes` (HSET written records, HDEL deleted ones) in a single
   MULTI/EXEC transaction; ``rewrite(snapshot)`` replaces both hashes by a whole
   snapshot and sets the sentinel, in one transaction; ``epoch()`` → (the server's
@@ -42,6 +46,8 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.redis_conn import redis_client
+from services.common.tls import MeshTls
 from services.store_master.core import Changes, StoreMaster, decode, encode
 from services.store_master.core.records import Record
 
@@ -60,8 +66,8 @@ def _puts(updates: dict[str, Record | None]) -> dict[Any, Any]:
 class RedisMetadata:
     """The two Redis hashes holding a namespace's store metadata."""
 
-    def __init__(self, redis_url: str, namespace: str) -> None:
-        self._redis: aioredis.Redis = aioredis.Redis.from_url(redis_url)
+    def __init__(self, redis_url: str, namespace: str, tls: MeshTls | None = None) -> None:
+        self._redis: aioredis.Redis = redis_client(redis_url, tls, "store_master")
         self.segments_key, self.objects_key = hash_names(namespace)
         self.sentinel_key = f"kvmesh:{namespace}:store:sentinel"
 

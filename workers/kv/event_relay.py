@@ -41,6 +41,13 @@ Contract of :class:`KvEventRelay`:
 - ``close()`` stops relaying, flushes what is pending, closes sockets and Redis; a
   relaying run that goes on after its cancel was lost in a Redis call ends at its next
   loop turn.
+- Signed events: with mesh TLS material (``tls``) every entry carries the worker's MAC
+  (:mod:`services.common.event_bus`), made with its event key ``<stem>.evkey`` next to
+  its certificate ``<stem>.pem`` (a missing key raises CertError at construction). The
+  key is derived from the worker's certificate name, which equals its worker id, so an
+  indexer drops entries this relay would publish for another worker id. Redis is reached
+  through :func:`services.common.redis_conn.redis_client` as the ACL user ``worker``
+  (``rediss://``), which may only XADD to the event stream.
 - A Redis restart (data wiped or kept) needs nothing from the relay: its next XADD
   reconnects and recreates the stream if it is gone; events an indexer missed are
   repaired from ``state()`` (the indexer resyncs every worker when it notices the
@@ -68,6 +75,8 @@ from redis.exceptions import RedisError
 from protos import kv_events_pb2
 from services.common.event_bus import encode_batch, encode_state
 from services.common.periodic import Periodic
+from services.common.redis_conn import redis_client
+from services.common.tls import EVENT_KEY_SUFFIX, MeshTls
 from workers.kv.event_translate import EventTranslator, TranslatedEvent, UnknownEvent
 
 log = logging.getLogger(__name__)
@@ -136,8 +145,11 @@ class KvEventRelay:
                  endpoints: EventEndpoints, *,
                  reset_cache: Callable[[], Awaitable[bool]] | None = None,
                  max_batch_events: int = 1024, maxlen: int = 1_000_000,
-                 replay_timeout_s: float = 2.0, max_pending: int = 200_000) -> None:
+                 replay_timeout_s: float = 2.0, max_pending: int = 200_000,
+                 tls: MeshTls | None = None) -> None:
         self.worker_id = worker_id
+        self._tls = tls
+        self._key = tls.secret(f"{tls.stem}{EVENT_KEY_SUFFIX}") if tls is not None else None
         self.block_size = block_size
         self.stream = stream
         self.endpoints = endpoints
@@ -169,7 +181,7 @@ class KvEventRelay:
     async def start(self, zmq_input: bool = True) -> None:
         """Connects Redis (and the engine's sockets unless ``zmq_input`` is False) and
         starts the relay task."""
-        self._redis = aioredis.Redis.from_url(self._redis_url)
+        self._redis = redis_client(self._redis_url, self._tls, "worker")
         try:
             await self._redis.ping()
         except (RedisError, OSError) as exc:
@@ -303,7 +315,8 @@ class KvEventRelay:
         await self._flush()
         assert self._redis is not None
         try:
-            await self._redis.xadd(self.stream, encode_state(self.state()),  # type: ignore[arg-type]
+            entry = encode_state(self.state(), self._key)
+            await self._redis.xadd(self.stream, entry,  # type: ignore[arg-type]
                                    maxlen=self._maxlen, approximate=True)
             self.stats.resyncs_published += 1
         except (RedisError, OSError) as exc:  # the indexer will ask for state() on the gap
@@ -356,7 +369,7 @@ class KvEventRelay:
                     batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
                                                        events=pending[i:i + self._max_batch],
                                                        block_size=self.block_size)
-                    pipe.xadd(self.stream, encode_batch(batch),  # type: ignore[arg-type]
+                    pipe.xadd(self.stream, encode_batch(batch, self._key),  # type: ignore[arg-type]
                               maxlen=self._maxlen, approximate=True)
                     entries += 1
                 await pipe.execute()

@@ -1,0 +1,169 @@
+"""Redis credentials and signed KV events without a server: the ACL builder
+(:mod:`services.common.redis_acl`), the secrets next to the mesh certificates
+(:func:`services.common.tls.write_mesh_certs`), and the entry MAC of
+:mod:`services.common.event_bus`."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import stat
+from pathlib import Path
+
+import pytest
+
+from protos import kv_events_pb2
+from services.common.event_bus import (
+    BATCH,
+    FORGED,
+    STATE,
+    UNSIGNED,
+    BadEntry,
+    BadSignature,
+    decode_entry,
+    encode_batch,
+    encode_state,
+    mac_input,
+)
+from services.common.redis_acl import ACL_FILE, acl_lines, write_acl_file
+from services.common.tls import (
+    EVENTS_KEY,
+    ROLES,
+    CertError,
+    MeshTls,
+    derive_event_key,
+    redis_password_file,
+    write_mesh_certs,
+)
+
+NS = "ns1"
+STREAM = "kvmesh:ns1:kv-events"
+
+
+def user_line(lines: list[str], user: str) -> list[str]:
+    return next(line for line in lines if line.startswith(f"user {user} ")).split()
+
+
+def test_acl_lines_one_user_per_role_default_off_passwords_hashed() -> None:
+    pw = {r: f"pw-{r}" for r in ("worker", "indexer", "router", "store_master", "admin")}
+    lines = acl_lines(NS, pw)
+    assert lines[0] == "user default reset off"
+    assert len(lines) == 6
+    for role, password in pw.items():
+        words = user_line(lines, role)
+        assert words[2:4] == ["reset", "on"]
+        assert f"#{hashlib.sha256(password.encode()).hexdigest()}" in words
+        assert not any(password in w for w in words)  # only the hash
+    worker = user_line(lines, "worker")
+    assert worker[5:] == ["-@all", "+ping", "+xadd", f"%W~{STREAM}"]
+    for reader in ("indexer", "router"):
+        words = user_line(lines, reader)
+        assert f"~{STREAM}" in words and "+xreadgroup" in words and "+info" in words
+        assert "+xadd" not in words and not any(w.startswith("+@") for w in words)
+    store = user_line(lines, "store_master")
+    assert "~kvmesh:ns1:store:*" in store and "-@dangerous" in store
+    assert store.index("-@dangerous") > store.index("+@write")  # dangerous removed after
+    assert "-scan" in store and "~*" not in store
+    assert user_line(lines, "admin")[5:] == ["+@all", "~*", "&*"]
+
+
+def test_acl_lines_refuse_unknown_roles_bad_namespaces_and_empty_passwords() -> None:
+    assert acl_lines(NS, {}) == ["user default reset off"]
+    with pytest.raises(ValueError, match="role: no Redis ACL rules for 'frontend'"):
+        acl_lines(NS, {"frontend": "x"})
+    with pytest.raises(ValueError, match="namespace: "):
+        acl_lines("a*b", {"worker": "x"})
+    with pytest.raises(ValueError, match=r"passwords\['worker'\]: empty"):
+        acl_lines(NS, {"worker": ""})
+
+
+def test_mesh_secrets_next_to_the_certificates(tmp_path: Path) -> None:
+    written = {p.name for p in write_mesh_certs(tmp_path, ["worker:wa", "indexer", "redis"])}
+    assert {EVENTS_KEY, "redis-worker.pass", "redis-indexer.pass", "worker-wa.evkey"} <= written
+    assert "redis-redis.pass" not in written  # redis is the server, not an ACL user
+    for name in (EVENTS_KEY, "redis-worker.pass", "worker-wa.evkey"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o600
+    secret = (tmp_path / EVENTS_KEY).read_bytes()
+    assert len(secret) == 32
+    assert (tmp_path / "worker-wa.evkey").read_bytes() == derive_event_key(secret, "wa")
+    assert derive_event_key(secret, "wa") != derive_event_key(secret, "wb")
+    password = (tmp_path / redis_password_file("worker")).read_bytes()
+    assert len(password) == 64 and int(password, 16) >= 0
+    # idempotent: nothing is rewritten; force renews passwords, never the events secret
+    assert write_mesh_certs(tmp_path, ["worker:wa", "indexer"]) == []
+    again = {p.name for p in write_mesh_certs(tmp_path, ["worker:wa"], force=True)}
+    assert again == {"worker-wa.pem", "worker-wa-key.pem", "redis-worker.pass"}
+    assert (tmp_path / EVENTS_KEY).read_bytes() == secret
+    assert (tmp_path / redis_password_file("worker")).read_bytes() != password
+    tls = MeshTls.load(tmp_path, "worker-wa")
+    assert (tls.folder, tls.stem) == (tmp_path, "worker-wa")
+    assert tls.secret("worker-wa.evkey") == derive_event_key(secret, "wa")
+    with pytest.raises(CertError, match=r"missing .*redis-admin\.pass"):
+        tls.secret(redis_password_file("admin"))
+
+
+def test_write_acl_file_uses_the_passwords_found(tmp_path: Path) -> None:
+    write_mesh_certs(tmp_path, ROLES)
+    path = write_acl_file(tmp_path, NS)
+    assert path == tmp_path / ACL_FILE and stat.S_IMODE(path.stat().st_mode) == 0o600
+    users = [line.split()[1] for line in path.read_text().splitlines()]
+    assert users == ["default", "admin", "indexer", "router", "store_master", "worker"]
+    assert write_acl_file(tmp_path, NS).read_text() == path.read_text()
+
+
+def batch(worker: str, first: int = 0) -> kv_events_pb2.KvEventBatch:
+    return kv_events_pb2.KvEventBatch(worker_id=worker, block_size=16, events=[
+        kv_events_pb2.KvEvent(event_id=first, kind=kv_events_pb2.KV_EVENT_KIND_STORED,
+                              block_hashes=[7, 8])])
+
+
+def state(worker: str, event_id: int = 99) -> kv_events_pb2.KvState:
+    return kv_events_pb2.KvState(worker_id=worker, event_id=event_id, tiers=[
+        kv_events_pb2.TierBlocks(tier="device", block_hashes=[1, 2, 3])])
+
+
+SECRET = b"s" * 32
+
+
+def keys(worker: str) -> bytes:
+    return derive_event_key(SECRET, worker)
+
+
+def test_signed_entries_round_trip_and_name_their_sender() -> None:
+    for msg, enc in ((batch("wa"), encode_batch), (state("wa"), encode_state)):
+        fields = enc(msg, keys("wa"))  # type: ignore[operator]
+        assert set(fields) == {b"w", b"k", b"d", b"m"}
+        assert decode_entry(fields, keys) == msg
+        assert decode_entry(fields) == msg  # a mesh without certificates ignores m
+    assert mac_input(b"wa", BATCH, b"xy") == b"kvmesh-ev1\x00\x00\x00\x02wabxy"
+
+
+def reason(fields: dict[bytes, bytes]) -> str:
+    with pytest.raises(BadSignature) as info:
+        decode_entry(fields, keys)
+    return f"{info.value.reason} {info.value.worker_id}"
+
+
+def test_unsigned_and_forged_entries_are_refused_with_keys() -> None:
+    assert reason(encode_state(state("wb"))) == f"{UNSIGNED} wb"
+    assert decode_entry(encode_state(state("wb"))) == state("wb")  # no keys: as before
+    assert reason(encode_state(state("wb"), keys("wa"))) == f"{FORGED} wb"  # A's key
+    assert reason(encode_batch(batch("wb"), keys("wa"))) == f"{FORGED} wb"
+    tampered = encode_batch(batch("wb"), keys("wb"))
+    tampered[b"d"] = batch("wb", first=5).SerializeToString()
+    assert reason(tampered) == f"{FORGED} wb"
+    relabelled = encode_state(state("wb"), keys("wb"))
+    relabelled[b"k"] = BATCH
+    assert reason(relabelled) == f"{FORGED} wb"
+    # A signs, as itself, an entry whose message carries B's events
+    data = state("wb").SerializeToString()
+    mixed = {b"w": b"wa", b"k": STATE, b"d": data,
+             b"m": hmac.new(keys("wa"), mac_input(b"wa", STATE, data), "sha256").digest()}
+    with pytest.raises(BadSignature, match="carries events of 'wb'") as info:
+        decode_entry(mixed, keys)
+    assert info.value.reason == FORGED
+    with pytest.raises(BadSignature, match="no event key"):
+        decode_entry(encode_batch(batch("wa"), keys("wa")), lambda w: None)
+    assert isinstance(BadSignature(FORGED, "w", "x"), BadEntry)
+    with pytest.raises(BadEntry, match="not a KV event entry"):
+        decode_entry({b"w": b"wa"}, keys)
