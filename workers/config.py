@@ -1,11 +1,21 @@
-"""Worker configuration (flags + ``KVMESH_*`` env vars)."""
+"""Worker configuration (flags + ``KVMESH_*`` env vars).
+
+Worker id and certificate: with TLS on and ``tls_cert`` naming a worker *instance*
+certificate (``worker:<name>``, file stem ``worker-<name>``; :mod:`services.common.tls`),
+the worker id is that name: the default worker id becomes it, and another configured
+``worker_id`` is refused by ``problems()`` naming both fields (etcd's auth lets that
+certificate write only ``/<ns>/instances/worker/<name>``; see
+:mod:`services.common.etcd_auth`). The shared role certificate ``worker`` binds no id.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import uuid
+from pathlib import Path
 
 from services.common.config import BaseConfig
+from services.common.tls import CertError, identity_of
 
 ROLES = ("agg", "prefill", "decode")
 
@@ -73,6 +83,16 @@ class WorkerConfig(BaseConfig):
 
     def problems(self) -> list[str]:
         out = super().problems()
+        try:
+            bound = self.certificate_worker_id()
+        except CertError as exc:
+            out.append(f"tls_cert: {exc}")
+        else:
+            if bound and self.worker_id and self.worker_id != bound:
+                out.append(f"worker_id {self.worker_id!r} differs from the instance name "
+                           f"{bound!r} in tls_cert {self.tls_cert!r}: a worker registers "
+                           f"only under its certificate's name (drop --worker-id or use "
+                           f"the certificate worker-{self.worker_id})")
         if self.role not in ROLES:
             out.append(f"role must be one of {ROLES}, got {self.role!r}")
         vllm = self.engine == "vllm"
@@ -121,8 +141,24 @@ class WorkerConfig(BaseConfig):
             return self.handoff
         return "none" if self.role == "agg" else "pull"
 
+    def certificate_worker_id(self) -> str:
+        """The worker id the TLS certificate binds (module docstring), or "" (no TLS, no
+        ``tls_cert``, or a role certificate). CertError when it cannot be read."""
+        if not self.tls_dir or self.insecure or not self.tls_cert:
+            return ""
+        path = Path(self.tls_dir, f"{self.tls_cert}.pem")
+        try:
+            ident = identity_of(path.read_bytes())
+        except OSError as exc:
+            raise CertError(f"cannot read {path}: {exc.strerror}") from exc
+        if ident.role != "worker" or ident.name == ident.role:
+            return ""
+        return ident.name
+
     def resolved_worker_id(self) -> str:
-        """The instance id: the configured one, or a fresh random one per launch."""
+        """The instance id: the configured one, else the certificate's instance name,
+        else a fresh random one per launch."""
         if not self.worker_id:
-            self.worker_id = f"worker-{uuid.uuid4().hex[:12]}"
+            self.worker_id = (self.certificate_worker_id()
+                              or f"worker-{uuid.uuid4().hex[:12]}")
         return self.worker_id

@@ -73,7 +73,8 @@ async def discover_master(cfg: StoreNodeConfig, timeout_s: float = 30.0) -> str:
     waits for the watcher to report one, up to ``timeout_s``; then ConfigError."""
     from services.common.discovery import InstanceWatcher
 
-    watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "store_master")
+    watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "store_master",
+                              tls=tls_for(cfg, "store_client"))
     changed = asyncio.Event()
     watcher.on_change(lambda _: changed.set())
     await watcher.start()

@@ -21,6 +21,14 @@ Contract:
   (default 10 s) unless its key is put or deleted meanwhile, so a wiped etcd does not
   empty the set until the owners re-register.
   Listeners registered with ``on_change`` are called after every applied change.
+- Security (:mod:`services.common.etcd_auth`): both take ``tls`` (the process's
+  :class:`MeshTls`, or None). An ``https://host:port`` endpoint is dialled over mTLS with
+  it (None there is a ValueError naming ``etcd_endpoint``); with etcd's auth on, the
+  certificate's CN is the etcd user, so a process may write only the keys its identity
+  was granted. A ``host:port`` endpoint stays plaintext (``tls`` then only logs one
+  warning per process: discovery is unprotected). A registration that etcd refuses
+  (PERMISSION_DENIED) raises :class:`EtcdPermissionError` naming the key and the identity
+  at once, without retries.
 """
 
 from __future__ import annotations
@@ -34,8 +42,10 @@ import aetcd
 import grpc
 
 from protos import discovery_pb2
+from services.common.etcd_auth import SecureEtcdClient, parse_endpoint, permission_denied
 from services.common.grpc_client import RECONNECT_OPTIONS
 from services.common.periodic import Periodic
+from services.common.tls import MeshTls
 
 log = logging.getLogger(__name__)
 
@@ -51,21 +61,42 @@ def instance_key(namespace: str, record: discovery_pb2.InstanceRecord) -> str:
     return instances_prefix(namespace, record.component) + record.instance_id
 
 
-def etcd_client(endpoint: str) -> aetcd.Client:
-    """An (unconnected) aetcd client for ``host:port``, which redials a restarted etcd
-    within a second (gRPC's default backoff grows to two minutes)."""
-    host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=5, options=dict(RECONNECT_OPTIONS))
+class EtcdPermissionError(PermissionError):
+    """etcd refused a write: this identity may not write that key."""
+
+
+_warned_plain = False
+
+
+def etcd_client(endpoint: str, tls: MeshTls | None = None) -> aetcd.Client:
+    """An (unconnected) aetcd client for ``[https://]host:port`` (module docstring: mTLS
+    with ``tls`` for https), which redials a restarted etcd within a second (gRPC's
+    default backoff grows to two minutes)."""
+    global _warned_plain
+    host, port, secure = parse_endpoint(endpoint)
+    opts = dict(RECONNECT_OPTIONS)
+    if secure:
+        if tls is None:
+            raise ValueError(f"etcd_endpoint {endpoint!r} is https: it needs --tls-dir "
+                             f"(a client certificate), not --insecure")
+        return SecureEtcdClient(host, port, tls, timeout=5, options=opts)
+    if tls is not None and not _warned_plain:
+        _warned_plain = True
+        log.warning("etcd at %s is plaintext (no https:// endpoint): any process that reaches "
+                    "it can read and write discovery records", endpoint)
+    return aetcd.Client(host=host, port=port, timeout=5, options=opts)
 
 
 class Registration:
     """Keeps one instance record alive in etcd under a lease."""
 
     def __init__(
-        self, endpoint: str, namespace: str, record: discovery_pb2.InstanceRecord, ttl: int
+        self, endpoint: str, namespace: str, record: discovery_pb2.InstanceRecord, ttl: int,
+        tls: MeshTls | None = None,
     ) -> None:
         self._endpoint = endpoint
-        self._client = etcd_client(endpoint)
+        self._tls = tls
+        self._client = etcd_client(endpoint, tls)
         self._key = instance_key(namespace, record).encode()
         self._record = record
         self._ttl = ttl
@@ -83,13 +114,19 @@ class Registration:
     def lease_id(self) -> int | None:
         return self._lease.id if self._lease else None
 
+    @property
+    def keepalives(self) -> tuple[int, int]:
+        """(keepalive rounds run, rounds that failed) so far."""
+        return self._keepalive.calls, self._keepalive.failures_total
+
     STARTUP_TIMEOUT_S = 30.0
 
     async def start(self, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         """Grants the lease, writes the record and starts the keepalive task. While etcd
         is unreachable (e.g. restarting) it retries on a fresh channel, 0.2 s apart
         doubling to 2 s and logging each failure, for ``startup_timeout_s``; then it
-        raises the last error."""
+        raises the last error. A refusal by etcd's auth raises EtcdPermissionError at
+        once."""
         await self._client.connect()
         loop = asyncio.get_running_loop()
         deadline, delay, attempt = loop.time() + startup_timeout_s, 0.2, 0
@@ -107,12 +144,22 @@ class Registration:
                 await asyncio.sleep(delay)
                 await self._new_client()  # a channel that failed may stay stuck
                 delay = min(delay * 2, 2.0)
+            except aetcd.exceptions.ClientError as exc:
+                if not permission_denied(exc):
+                    raise
+                who = self._tls.identity if self._tls is not None else "no certificate"
+                hint = (" (with etcd auth on, a worker needs the instance certificate "
+                        f"worker:{self._record.instance_id})"
+                        if self._record.component == "worker" else "")
+                raise EtcdPermissionError(
+                    f"etcd refused to register {self.key} for {who}: permission denied"
+                    f"{hint}; see services.common.etcd_auth") from exc
         self._keepalive.start()
 
     async def _new_client(self) -> None:
         with contextlib.suppress(Exception):
             await self._client.close()
-        self._client = etcd_client(self._endpoint)
+        self._client = etcd_client(self._endpoint, self._tls)
         await self._client.connect()
 
     async def update(self, record: discovery_pb2.InstanceRecord) -> None:
@@ -183,8 +230,10 @@ class InstanceWatcher:
     RESYNC_GRACE_S = 10.0
 
     def __init__(self, endpoint: str, namespace: str, component: str,
-                 resync_grace_s: float = RESYNC_GRACE_S) -> None:
+                 resync_grace_s: float = RESYNC_GRACE_S, tls: MeshTls | None = None) -> None:
         self._endpoint = endpoint
+        self._tls = tls
+        etcd_client(endpoint, tls)  # a bad endpoint fails here, not in the first watch
         self._grace = resync_grace_s
         self._stale: dict[str, float] = {}  # kept after a resync missed them: id → deadline
         self._revision = 0  # the newest etcd revision seen (snapshot or event)
@@ -238,7 +287,7 @@ class InstanceWatcher:
 
     async def _watch_once(self) -> None:
         """One snapshot, then the changes after it until the watch ends or fails."""
-        client = etcd_client(self._endpoint)
+        client = etcd_client(self._endpoint, self._tls)
         try:
             await client.connect()
             snap = await client.get_prefix(self._prefix)

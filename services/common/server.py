@@ -206,7 +206,7 @@ class MeshServer:
             if not record.started_at_ms:
                 record.started_at_ms = int(time.time() * 1000)
             self._registration = Registration(
-                self.cfg.etcd_endpoint, self.cfg.namespace, record, self.cfg.lease_ttl
+                self.cfg.etcd_endpoint, self.cfg.namespace, record, self.cfg.lease_ttl, tls=tls
             )
             await self._registration.start()
         await self._set_all(health_pb2.HealthCheckResponse.SERVING)

@@ -16,6 +16,10 @@ Implementations:
   ``Child.stop`` — only children it started itself, newest first. It owns
   ``desired − external`` workers per pool, where ``external`` counts workers it did not
   start (e.g. those ``kvmesh up`` launched). Dead children are forgotten (and so replaced).
+  ``prepare(name)``, when given, runs (in a thread) before each spawn and returns extra env
+  for that child: in a mesh with certificates, its instance certificate, etcd user and
+  worker id (:func:`services.common.etcd_auth.enroll_worker`); when it fails, the error is
+  logged with the child's name and re-raised, and nothing is spawned.
 - :class:`ComposeActuator`: runs ``docker compose [-f FILE] [-p PROJECT] up -d
   --no-recreate --scale SERVICE=N ... SERVICE ...`` through an injectable runner
   (:meth:`ComposeActuator.command` builds the argv).
@@ -76,8 +80,10 @@ class LocalActuator:
                  external: Mapping[str, int] | None = None,
                  argv: Sequence[str] = (sys.executable, "-m", "workers"),
                  spawn_fn: SpawnFn = spawn, stop_timeout_s: float = 30.0,
-                 name_prefix: str = "planner") -> None:
+                 name_prefix: str = "planner",
+                 prepare: Callable[[str], Mapping[str, str]] | None = None) -> None:
         self._log_dir = log_dir
+        self._prepare = prepare
         self._env = dict(env)
         self.external = dict(external or {})
         self._argv = list(argv)
@@ -105,6 +111,12 @@ class LocalActuator:
                 self._seq += 1
                 name = f"{self._prefix}-{pool}-{self._seq}"
                 env = {**self._env, "KVMESH_ROLE": pool}
+                if self._prepare is not None:
+                    try:
+                        env.update(await asyncio.to_thread(self._prepare, name))
+                    except Exception as exc:
+                        log.error("cannot start %s: %s", name, exc)
+                        raise
                 child = await asyncio.to_thread(self._spawn, name, self._argv, self._log_dir,
                                                 env)
                 log.info("started %s (pid %d)", name, child.pid)

@@ -19,6 +19,7 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -149,14 +150,22 @@ class PlannerConfig(BaseConfig):
 
 def build_actuator(cfg: PlannerConfig) -> Actuator:
     """The configured actuator. The local one gives workers the mesh's etcd, namespace,
-    Redis and lease TTL plus ``worker_env``, and none of the planner's other KVMESH_*."""
+    Redis and lease TTL plus ``worker_env``, and none of the planner's other KVMESH_*;
+    with a tls dir, each worker also its own instance certificate, etcd user and worker
+    id (:func:`services.common.etcd_auth.enroll_worker`)."""
     if cfg.actuator == "local":
         env = {"KVMESH_ETCD_ENDPOINT": cfg.etcd_endpoint, "KVMESH_NAMESPACE": cfg.namespace,
                "KVMESH_REDIS_URL": cfg.redis_url, "KVMESH_LEASE_TTL": str(cfg.lease_ttl),
                **cfg.worker_env_dict()}
         # the planner's own KVMESH_* settings (port, host, ...) must not leak into workers
         inherited = {k: v for k, v in os.environ.items() if not k.startswith("KVMESH_")}
-        return LocalActuator(Path(cfg.worker_log_dir), {**inherited, **env})
+        prepare = None
+        if cfg.tls_dir and not cfg.insecure:  # each worker its certificate and etcd user
+            from services.common.etcd_auth import enroll_worker
+
+            prepare = functools.partial(enroll_worker, cfg.tls_dir, cfg.etcd_endpoint,
+                                        cfg.namespace)
+        return LocalActuator(Path(cfg.worker_log_dir), {**inherited, **env}, prepare=prepare)
     if cfg.actuator == "compose":
         return make_actuator("compose", services=cfg.compose_map(),
                              compose_file=cfg.compose_file, project=cfg.compose_project)

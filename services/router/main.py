@@ -270,13 +270,13 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     if cfg.indexer == "embedded":
         overlaps = EmbeddedSource(embedded_index)
     elif cfg.indexer == "remote":
-        indexer_watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "indexer")
+        indexer_watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "indexer", tls=tls)
         await indexer_watcher.start()
         overlaps = RemoteSource(indexer_watcher.instances, cfg.indexer_timeout_s, tls=tls)
     else:
         overlaps = HistorySource()
     servicer = RouterServicer(core, {}, overlaps, metrics)
-    watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker")
+    watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker", tls=tls)
     watcher.on_change(servicer.set_records)
     await watcher.start()
     poller = LoadPoller(core, cfg.load_poll_s, tls)
