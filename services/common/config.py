@@ -90,11 +90,14 @@ class BaseConfig:
         default="kvmesh", metadata={"help": "etcd key and Redis stream namespace"}
     )
     etcd_endpoint: str = dataclasses.field(
-        default="127.0.0.1:2379", metadata={"help": "etcd host:port"}
+        default="127.0.0.1:2379", metadata={"help": "etcd host:port, or https://host:port "
+                                                    "(mTLS with the role's certificate, "
+                                                    "needs --tls-dir)"}
     )
     redis_url: str = dataclasses.field(
-        default="", metadata={"help": "Redis of the KV event bus, redis://host:port "
-                                      "(empty: no KV events)"}
+        default="", metadata={"help": "Redis of the KV event bus, redis://host:port, or "
+                                      "rediss://host:port (TLS and the role's ACL user, "
+                                      "needs --tls-dir); empty: no KV events"}
     )
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "gRPC bind host"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port (0 = any free)"})
@@ -134,8 +137,13 @@ class BaseConfig:
             out.append("namespace must be non-empty and contain no '/'")
         if ":" not in self.etcd_endpoint:
             out.append(f"etcd_endpoint must be host:port, got {self.etcd_endpoint!r}")
-        if self.redis_url and not self.redis_url.startswith(("redis://", "unix://")):
-            out.append(f"redis_url must start with redis:// or unix://, got {self.redis_url!r}")
+        elif self.etcd_endpoint.startswith("https://") and (not self.tls_dir or self.insecure):
+            out.append(f"etcd_endpoint {self.etcd_endpoint!r} is https: it needs --tls-dir "
+                       f"(a client certificate), not --insecure")
+        if self.redis_url and not self.redis_url.startswith(("redis://", "rediss://",
+                                                              "unix://")):
+            out.append("redis_url must start with redis://, rediss:// (TLS) or unix://, got "
+                       f"{self.redis_url!r}")
         if not 0 <= self.port <= 65535:
             out.append(f"port out of range: {self.port}")
         if self.lease_ttl < 1:

@@ -17,7 +17,9 @@ Contract:
   :func:`etcd_argv` / :func:`redis_argv` are their command lines (to restart one the same
   way). Redis keeps nothing by default; with ``data_dir`` it keeps an append-only file
   there (``appendonly yes``, ``appendfsync everysec``: a crash loses at most the last
-  ~1 s of writes) and a restart with the same ``data_dir`` reloads it.
+  ~1 s of writes) and a restart with the same ``data_dir`` reloads it. With ``tls_dir``
+  Redis speaks only TLS (mesh CA, client certificates required) with the ACL users of
+  :mod:`services.common.redis_acl`.
 - :class:`Child` remembers the PID it started; ``stop()`` sends SIGTERM to that PID's
   process group only, waits, then SIGKILLs it. Nothing else is ever signalled.
 """
@@ -145,14 +147,24 @@ def which_or_raise(binary: str) -> str:
     return path
 
 
-def etcd_argv(work_dir: Path, port: int, peer_port: int) -> list[str]:
-    """etcd's command line: one member on 127.0.0.1 with its data in ``work_dir``."""
-    url = f"http://127.0.0.1:{port}"
+def etcd_argv(work_dir: Path, port: int, peer_port: int,
+              tls_dir: Path | None = None) -> list[str]:
+    """etcd's command line: one member on 127.0.0.1 with its data in ``work_dir``. With
+    ``tls_dir`` (a mesh certificate folder) its client URL is https and requires a client
+    certificate signed by the mesh CA (``etcd.pem`` / ``etcd-key.pem`` its own, ``ca.pem``
+    the trust root; with auth enabled etcd takes the user from the certificate's CN, see
+    :mod:`services.common.etcd_auth`). The peer URL stays plain http on loopback: a single
+    member has no peer to talk to."""
+    scheme = "https" if tls_dir is not None else "http"
+    url = f"{scheme}://127.0.0.1:{port}"
     data = work_dir / "etcd-data"
     data.mkdir(parents=True, exist_ok=True)
+    secure = [] if tls_dir is None else [
+        "--cert-file", str(tls_dir / "etcd.pem"), "--key-file", str(tls_dir / "etcd-key.pem"),
+        "--trusted-ca-file", str(tls_dir / "ca.pem"), "--client-cert-auth"]
     return [
         which_or_raise("etcd"), "--name", "kvmesh", "--data-dir", str(data),
-        "--listen-client-urls", url, "--advertise-client-urls", url,
+        "--listen-client-urls", url, "--advertise-client-urls", url, *secure,
         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
         "--initial-cluster", f"kvmesh=http://127.0.0.1:{peer_port}",
@@ -160,33 +172,57 @@ def etcd_argv(work_dir: Path, port: int, peer_port: int) -> list[str]:
     ]
 
 
-def start_etcd(work_dir: Path, log_dir: Path, port: int = 0, peer_port: int = 0) -> Child:
+def start_etcd(work_dir: Path, log_dir: Path, port: int = 0, peer_port: int = 0,
+               tls_dir: Path | None = None) -> Child:
     """etcd on 127.0.0.1 (``port`` and ``peer_port``, or free ones; the same ports and
     ``work_dir`` restart the same member with its data); ``child.address`` is host:port
-    of the client URL."""
+    of the client URL, ``https://host:port`` with ``tls_dir`` (:func:`etcd_argv`)."""
     port, peer = port or free_port(), peer_port or free_port()
-    child = spawn("etcd", etcd_argv(work_dir, port, peer), log_dir)
-    child.address = f"127.0.0.1:{port}"
+    child = spawn("etcd", etcd_argv(work_dir, port, peer, tls_dir), log_dir)
+    child.address = f"{'https://' if tls_dir is not None else ''}127.0.0.1:{port}"
     wait_until(lambda: port_open("127.0.0.1", port), child, 20, "etcd to listen")
     return child
 
 
-def redis_argv(port: int, data_dir: Path | None = None) -> list[str]:
+def redis_argv(port: int, data_dir: Path | None = None, tls_dir: Path | None = None,
+               namespace: str = "kvmesh") -> list[str]:
     """redis-server's command line on 127.0.0.1: no persistence, or with ``data_dir`` an
-    append-only file there fsynced every second (module docstring). No RDB snapshots."""
+    append-only file there fsynced every second (module docstring). No RDB snapshots.
+
+    With ``tls_dir`` (a mesh certificate folder) Redis speaks only TLS on ``port``
+    (``--port 0 --tls-port``), presents ``redis.pem``, requires a client certificate
+    signed by the mesh CA, and loads the ACL users of :mod:`services.common.redis_acl`
+    for ``namespace`` from ``redis-users.acl``, written here from the folder's
+    ``redis-<role>.pass`` files (the ``default`` user is off)."""
     persist = ["--appendonly", "no"]
     if data_dir is not None:
         data_dir.mkdir(parents=True, exist_ok=True)
         persist = ["--dir", str(data_dir), "--appendonly", "yes", "--appendfsync", "everysec"]
-    return [which_or_raise("redis-server"), "--bind", "127.0.0.1", "--port", str(port),
+    listen = ["--port", str(port)]
+    if tls_dir is not None:
+        from services.common.redis_acl import write_acl_file
+
+        missing = [str(p) for p in (tls_dir / "redis.pem", tls_dir / "redis-key.pem",
+                                    tls_dir / "ca.pem") if not p.is_file()]
+        if missing:
+            raise RuntimeError(f"tls_dir: missing {', '.join(missing)} (run `kvmesh certs "
+                               f"--out {tls_dir}`)")
+        listen = ["--port", "0", "--tls-port", str(port),
+                  "--tls-cert-file", str(tls_dir / "redis.pem"),
+                  "--tls-key-file", str(tls_dir / "redis-key.pem"),
+                  "--tls-ca-cert-file", str(tls_dir / "ca.pem"), "--tls-auth-clients", "yes",
+                  "--aclfile", str(write_acl_file(tls_dir, namespace))]
+    return [which_or_raise("redis-server"), "--bind", "127.0.0.1", *listen,
             "--save", "", *persist, "--protected-mode", "yes"]
 
 
-def start_redis(log_dir: Path, port: int = 0, data_dir: Path | None = None) -> Child:
+def start_redis(log_dir: Path, port: int = 0, data_dir: Path | None = None,
+                tls_dir: Path | None = None, namespace: str = "kvmesh") -> Child:
     """redis-server on 127.0.0.1 (``port``, or a free one); no persistence unless
-    ``data_dir`` (:func:`redis_argv`); address is host:port."""
+    ``data_dir``, TLS and ACL users with ``tls_dir`` (:func:`redis_argv`); address is
+    host:port (the TLS port with ``tls_dir``: connect with ``rediss://``)."""
     port = port or free_port()
-    child = spawn("redis", redis_argv(port, data_dir), log_dir)
+    child = spawn("redis", redis_argv(port, data_dir, tls_dir, namespace), log_dir)
     child.address = f"127.0.0.1:{port}"
     wait_until(lambda: port_open("127.0.0.1", port), child, 10, "redis to listen")
     return child

@@ -21,6 +21,19 @@ core). Contract of :class:`IndexFeed`:
   within the lease); its new events, numbered from 0 again, then rebuild it (a gap
   resyncs it from the worker).
 - Malformed entries are counted and skipped; the feed never stops on bad input.
+- Signed events: with mesh TLS material (``tls``) the feed reads the mesh's event secret
+  (``events.key`` in its tls folder; a missing one raises CertError at construction) and
+  accepts only entries signed by the worker they name
+  (:func:`services.common.event_bus.decode_entry` with that worker's key, derived from
+  the secret). An unsigned or forged entry (wrong MAC, or a signed entry carrying another
+  worker's events) is dropped before it touches the index, so a forged full-state entry
+  can no longer replace a worker's blocks nor push its event ids ahead. It is counted by
+  reason (``unsigned_entries``, ``forged_entries``) and logged once per claimed worker id
+  (for the first :data:`MAX_LOGGED_SENDERS` ids; after that, at powers of two of the
+  count). Without ``tls`` unsigned entries are accepted, as before.
+- Redis: :func:`services.common.redis_conn.redis_client` with ``tls`` (a ``rediss://``
+  URL logs in as the ACL user of the certificate's role: ``indexer``, or ``router`` for a
+  router's embedded index).
 - Redis going away or restarting (see :meth:`IndexFeed._follow`): a failed read is counted
   (``read_failures``) and retried every ``retry_s``; the first failure of an outage logs
   one line with its cause, later ones only when their number is a power of two, and the
@@ -52,11 +65,19 @@ from redis.exceptions import RedisError, ResponseError
 
 from protos import discovery_pb2, kv_events_pb2, worker_pb2_grpc
 from services.common.discovery import InstanceWatcher
-from services.common.event_bus import BadEntry, decode_entry, stream_name
+from services.common.event_bus import (
+    UNSIGNED,
+    BadEntry,
+    BadSignature,
+    KeyLookup,
+    decode_entry,
+    stream_name,
+)
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
-from services.common.tls import MeshTls
+from services.common.redis_conn import redis_client
+from services.common.tls import EVENTS_KEY, MeshTls, derive_event_key
 from services.indexer.core import Gap, KvEvent, KvIndex
 
 log = logging.getLogger(__name__)
@@ -66,6 +87,7 @@ KIND_NAMES = {
     kv_events_pb2.KV_EVENT_KIND_REMOVED: "removed",
     kv_events_pb2.KV_EVENT_KIND_CLEARED: "cleared",
 }
+MAX_LOGGED_SENDERS = 256
 
 
 def _incarnation(rec: discovery_pb2.InstanceRecord) -> tuple[int, int]:
@@ -86,6 +108,8 @@ class FeedStats:
     bad_entries: int = 0
     read_failures: int = 0  # stream reads (or bus checks) that failed
     bus_resets: int = 0  # Redis restarts / lost streams or groups noticed
+    unsigned_entries: int = 0  # dropped: no MAC although the mesh signs its events
+    forged_entries: int = 0  # dropped: a MAC that does not prove the worker it names
 
 
 def state_blocks(state: kv_events_pb2.KvState) -> dict[str, Iterable[int]]:
@@ -114,10 +138,16 @@ class IndexFeed:
         self._batch = batch
         self._block_ms = block_ms
         self._retry_s = retry_s
-        self._watcher = InstanceWatcher(etcd_endpoint, namespace, "worker")
+        self._watcher = InstanceWatcher(etcd_endpoint, namespace, "worker", tls=tls)
         self._records: dict[str, discovery_pb2.InstanceRecord] = {}
         self._seen_alive: set[str] = set()
-        self._pool = ChannelPool(tls)
+        self._pool = ChannelPool(tls, "worker")
+        self._tls = tls
+        self._keys: KeyLookup | None = None
+        if tls is not None:
+            secret = tls.secret(EVENTS_KEY)
+            self._keys = lambda worker: derive_event_key(secret, worker)
+        self._sig_logged: set[str] = set()
         self._last_try: dict[str, float] = {}
         self._resync_fails: dict[str, int] = {}  # failed resyncs in a row, per worker
         self._stale: set[str] = set()  # workers to resync after a bus reset
@@ -134,7 +164,7 @@ class IndexFeed:
 
     async def start(self) -> None:
         """Replays the stream into the index, then follows it (see the contract)."""
-        self._redis = aioredis.Redis.from_url(self._redis_url)
+        self._redis = redis_client(self._redis_url, self._tls)
         self._run_id = await self._server_run_id()
         self._checked_at = self._clock()
         if not await self._ensure_group():
@@ -281,7 +311,10 @@ class IndexFeed:
     async def _apply(self, fields: Mapping[bytes, bytes]) -> None:
         self.stats.entries += 1
         try:
-            msg = decode_entry(fields)
+            msg = decode_entry(fields, self._keys)
+        except BadSignature as exc:
+            self._rejected(exc)
+            return
         except BadEntry as exc:
             self.stats.bad_entries += 1
             log.warning("skipping KV event entry: %s", exc)
@@ -312,6 +345,22 @@ class IndexFeed:
                 if gap is not None:
                     continue
             self.stats.events_applied += 1
+
+    def _rejected(self, exc: BadSignature) -> None:
+        """Counts an entry dropped for its signature; logs once per claimed sender."""
+        if exc.reason == UNSIGNED:
+            self.stats.unsigned_entries += 1
+        else:
+            self.stats.forged_entries += 1
+        total = self.stats.unsigned_entries + self.stats.forged_entries
+        if exc.worker_id in self._sig_logged:
+            return
+        if len(self._sig_logged) < MAX_LOGGED_SENDERS:
+            self._sig_logged.add(exc.worker_id)
+        elif not _powers_of_two(total):
+            return
+        log.warning("dropping KV event entries: %s (%d dropped for their signature so far; "
+                    "later ones for this worker id are only counted)", exc, total)
 
     def _may_try(self, worker: str) -> bool:
         """At most one resync attempt per worker every ``retry_s``."""

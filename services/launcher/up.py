@@ -20,7 +20,8 @@ up; more than 5 exits in 120 s is a crash loop, retried every 30 s, never given 
 exit is one log line (name, pid, exit code or signal, the delay, the child's log), each
 restart another; the restarted child keeps its name, command line and environment (etcd
 and Redis their ports and data, the frontend its HTTP port; a worker registers anew, with
-a new id and gRPC port), appends to its log, and rewrites its ``<name>.pid``.
+a new gRPC port, and a new id only when insecure), appends to its log, and rewrites its
+``<name>.pid``.
 ``log_dir/status.tsv`` is rewritten on every change: a header, then one tab-separated line
 per child ``name pid state restarts last_exit address`` (state: running, restarting,
 crashloop, stopped; ``-`` where empty); it is for people and tests to read, no service
@@ -31,7 +32,16 @@ up`` takes them down (each gets SIGTERM).
 gRPC inside the mesh is mTLS by default: ``start()`` writes a fresh CA and one certificate
 per role (admin included, for operators' tools) into ``<state>/certs`` (:attr:`tls_dir`)
 and gives every child ``KVMESH_TLS_DIR``; ``insecure=True`` gives them
-``KVMESH_INSECURE=1`` instead. The certificates go with the state folder.
+``KVMESH_INSECURE=1`` instead. The certificates go with the state folder. With
+certificates etcd is TLS too (``https://`` endpoint, client certificates required) with
+auth on: ``start()`` provisions etcd's users and roles as the admin certificate
+(:func:`services.common.etcd_auth.provision`) before any service starts. Each worker
+child gets its own instance certificate ``worker:<child name>`` (``KVMESH_TLS_CERT=
+worker-<name>``) and the worker id ``<name>`` (``KVMESH_WORKER_ID``), and may write only
+its own etcd key; a restart keeps both. ``insecure=True`` keeps a plaintext etcd without
+auth, and workers with a random id per launch. With certificates Redis speaks only TLS
+and has an ACL user per role (:func:`services.common.procs.redis_argv`); children get a
+``rediss://`` URL, and workers sign their KV events with their ``worker-<name>.evkey``.
 
 Redis runs with AOF (``appendonly yes``, ``appendfsync everysec``) in the mesh's state
 folder, so what is in it (the KV event stream; store metadata, when a store master is
@@ -213,7 +223,8 @@ class LocalMesh:
     def _env(self, **extra: str) -> dict[str, str]:
         assert self.etcd is not None and self.redis is not None
         env = {**os.environ, **CHILD_ENV, "KVMESH_ETCD_ENDPOINT": self.etcd.address,
-               "KVMESH_REDIS_URL": f"redis://{self.redis.address}",
+               "KVMESH_REDIS_URL": f"{'rediss' if self.tls_dir else 'redis'}://"
+                                   f"{self.redis.address}",
                "KVMESH_NAMESPACE": self.spec.namespace,
                "KVMESH_LEASE_TTL": str(self.spec.lease_ttl), **self._tls}
         env.update(extra)
@@ -240,21 +251,25 @@ class LocalMesh:
         try:
             s.log_dir.parent.mkdir(parents=True, exist_ok=True)
             state = self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
-            self._setup_tls(state)
-            port, peer = free_port(), free_port()
-            self.etcd = self._track(start_etcd(state, s.log_dir, port, peer),
-                                    lambda: etcd_argv(state, port, peer), None)
+            roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
+            names = [f"{role}-{i}" for role in roles for i in range(s.workers)]
+            self._setup_tls(state, names)
+            port, peer, certs = free_port(), free_port(), self.tls_dir
+            self.etcd = self._track(start_etcd(state, s.log_dir, port, peer, certs),
+                                    lambda: etcd_argv(state, port, peer, certs), None)
+            self._provision_etcd()
             redis_port = free_port()
-            self.redis = self._track(start_redis(s.log_dir, redis_port, state / "redis"),
-                                     lambda: redis_argv(redis_port, state / "redis"), None)
+            self.redis = self._track(
+                start_redis(s.log_dir, redis_port, state / "redis", certs, s.namespace),
+                lambda: redis_argv(redis_port, state / "redis", certs, s.namespace), None)
             if s.indexer == "remote":
                 self._python("indexer", "services.indexer")
             self._python("router", "services.router", KVMESH_POLICY=s.policy,
                          KVMESH_INDEXER=s.indexer, **self.admission_env())
-            roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
             for role in roles:
                 for i in range(s.workers):
-                    self._python(f"{role}-{i}", "workers", KVMESH_MODEL_PATH=s.model,
+                    self._python(f"{role}-{i}", "workers", **self._worker_tls(f"{role}-{i}"),
+                                 KVMESH_MODEL_PATH=s.model,
                                  KVMESH_ENGINE=s.engine,
                                  KVMESH_ROLE=role, KVMESH_HANDOFF=s.handoff if role != "agg"
                                  else "none", KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
@@ -341,16 +356,34 @@ class LocalMesh:
         tmp.write_text("\n".join(lines) + "\n")
         tmp.replace(path)
 
-    def _setup_tls(self, state: Path) -> None:
-        """Certificates for every role into ``state/certs`` (or insecure children)."""
+    def _setup_tls(self, state: Path, workers: list[str]) -> None:
+        """Certificates for every role and one per worker (``workers``: child names) into
+        ``state/certs`` (or insecure children)."""
         if self.spec.insecure:
             self._tls = {"KVMESH_INSECURE": "1", "KVMESH_TLS_DIR": ""}
             return
-        from services.common.tls import write_mesh_certs
+        from services.common.tls import ROLES, write_mesh_certs
 
         self.tls_dir = state / "certs"
-        write_mesh_certs(self.tls_dir)
+        write_mesh_certs(self.tls_dir, [*ROLES, *(f"worker:{n}" for n in workers)])
         self._tls = {"KVMESH_TLS_DIR": str(self.tls_dir), "KVMESH_INSECURE": "0"}
+
+    def _provision_etcd(self) -> None:
+        """etcd's users and roles for every certificate in :attr:`tls_dir`, auth on."""
+        if self.tls_dir is None:
+            return
+        from services.common.etcd_auth import identities_in, provision
+        from services.common.tls import MeshTls
+
+        assert self.etcd is not None
+        provision(self.etcd.address, MeshTls.load(self.tls_dir, "admin"), self.spec.namespace,
+                  identities_in(self.tls_dir))
+
+    def _worker_tls(self, name: str) -> dict[str, str]:
+        """A worker child's certificate and (equal) worker id; none when insecure."""
+        if self.tls_dir is None:
+            return {}
+        return {"KVMESH_TLS_CERT": f"worker-{name}", "KVMESH_WORKER_ID": name}
 
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""

@@ -92,11 +92,11 @@ class MeshObserver:
 
     def __init__(self, etcd_endpoint: str, namespace: str, timeout_s: float = 2.0,
                  metrics_urls: Sequence[str] = (), tls: MeshTls | None = None) -> None:
-        self._workers = InstanceWatcher(etcd_endpoint, namespace, "worker")
-        self._frontends = InstanceWatcher(etcd_endpoint, namespace, "frontend")
+        self._workers = InstanceWatcher(etcd_endpoint, namespace, "worker", tls=tls)
+        self._frontends = InstanceWatcher(etcd_endpoint, namespace, "frontend", tls=tls)
         self._timeout = timeout_s
         self._fixed_urls = list(metrics_urls)
-        self._pool = ChannelPool(tls)
+        self._pool = ChannelPool(tls, "worker")
         self._http = httpx.AsyncClient(timeout=timeout_s)
         self._last_traffic: dict[str, TrafficCounters] = {}
 

@@ -17,17 +17,20 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+import aetcd
 import grpc
 import openai
 import pytest
-import redis.asyncio as aioredis
+from aetcd.rpc import KVStub, RangeRequest
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc
 from services.common.discovery import etcd_client, instances_prefix
+from services.common.etcd_auth import permission_denied
 from services.common.grpc_client import channel
 from services.common.procs import free_port, port_open
+from services.common.redis_conn import redis_client
 from services.common.tls import MeshTls
 from services.launcher.up import STATUS_FILE, health
 from tests.faults.table import FaultTable
@@ -207,6 +210,12 @@ class Supervised:
     def address(self, name: str) -> str:
         return self.status()[name]["address"]
 
+    def tls(self, stem: str = "admin") -> MeshTls:
+        """A certificate of the mesh, from the folder ``kvmesh up`` printed."""
+        printed = next(line for line in self.out.read_text().splitlines()
+                       if "internal gRPC: mTLS, certificates in " in line)
+        return MeshTls.load(printed.split("certificates in ", 1)[1].strip(), stem)
+
 
 def gone(pid: int) -> bool:
     """No such process (or only its zombie, left for whoever reaps orphans here)."""
@@ -224,8 +233,8 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
         yield Supervised(proc, url, log_dir, out)
 
 
-async def worker_pids(etcd: str) -> set[int]:
-    client = etcd_client(etcd)
+async def worker_pids(etcd: str, tls: MeshTls) -> set[int]:
+    client = etcd_client(etcd, tls)
     await client.connect()
     try:
         recs = []
@@ -251,7 +260,7 @@ async def test_a_killed_worker_is_restarted_and_the_mesh_serves(
     before = complete(mesh.url)
     etcd = mesh.address("etcd")
     old = int(mesh.status()["agg-0"]["pid"])
-    assert await worker_pids(etcd) == {old}
+    assert await worker_pids(etcd, mesh.tls()) == {old}
     os.kill(old, signal.SIGKILL)
 
     def restarted() -> dict[str, str] | None:
@@ -268,7 +277,7 @@ async def test_a_killed_worker_is_restarted_and_the_mesh_serves(
 
     async def only_new() -> bool:
         nonlocal pids
-        pids = await worker_pids(etcd)
+        pids = await worker_pids(etcd, mesh.tls())
         return pids == {new}
     await wait_for(only_new, 30, lambda: f"only pid {new} registered, got {pids}",
                    interval_s=0.2)
@@ -283,8 +292,8 @@ async def test_a_killed_worker_is_restarted_and_the_mesh_serves(
 
 async def test_redis_keeps_its_data_across_a_restart(supervised: Supervised) -> None:
     mesh = supervised
-    url = f"redis://{mesh.address('redis')}"
-    r = aioredis.from_url(url)
+    url = f"rediss://{mesh.address('redis')}"  # TLS and ACL users: the mesh has certificates
+    r = redis_client(url, mesh.tls("admin"))
     try:
         await r.set("aof-probe", b"kept")  # answered: written to the AOF (in the page cache)
     finally:
@@ -298,7 +307,7 @@ async def test_redis_keeps_its_data_across_a_restart(supervised: Supervised) -> 
 
     async def reloaded() -> bool:
         nonlocal value
-        r = aioredis.from_url(url)
+        r = redis_client(url, mesh.tls("admin"))
         try:
             value = await r.get("aof-probe")
             return True
@@ -316,10 +325,7 @@ async def test_the_launched_mesh_is_mtls_by_default(supervised: Supervised) -> N
     """The router of a default ``kvmesh up`` refuses a plaintext client and a worker's
     certificate on Route; the certificates are where ``kvmesh up`` said."""
     mesh = supervised
-    printed = next(line for line in mesh.out.read_text().splitlines()
-                   if "internal gRPC: mTLS, certificates in " in line)
-    certs = Path(printed.split("certificates in ", 1)[1].strip())
-    client = etcd_client(mesh.address("etcd"))
+    client = etcd_client(mesh.address("etcd"), mesh.tls("router"))
     await client.connect()
     try:
         (kv,) = await client.get_prefix(instances_prefix("kvmesh", "router").encode())
@@ -332,10 +338,43 @@ async def test_the_launched_mesh_is_mtls_by_default(supervised: Supervised) -> N
         with pytest.raises(grpc.aio.AioRpcError) as plain:
             await router_pb2_grpc.RouterStub(ch).Route(route, timeout=5)
     assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
-    async with channel(rec.address, MeshTls.load(certs, "worker")) as ch:
+    async with channel(rec.address, mesh.tls("worker")) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as denied:
             await router_pb2_grpc.RouterStub(ch).Route(route, timeout=5)
     assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_the_launched_etcd_lets_a_worker_write_only_its_own_key(
+        supervised: Supervised) -> None:
+    """etcd is https with auth: a plaintext client gets nothing; agg-0 (its instance
+    certificate, its worker id) is registered; its certificate may not put or delete
+    another worker's key, the shared worker certificate none at all, and agg-0's record
+    stays as it was."""
+    mesh = supervised
+    etcd = mesh.address("etcd")
+    assert etcd.startswith("https://")
+    host_port = etcd.removeprefix("https://")
+    async with grpc.aio.insecure_channel(host_port) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as plain:
+            await KVStub(ch).Range(RangeRequest(key=b"/"), timeout=5)
+    assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+    key = instances_prefix("kvmesh", "worker").encode()
+    fake = discovery_pb2.InstanceRecord(instance_id="fake", component="worker",
+                                        address="127.0.0.1:1").SerializeToString()
+    for stem, keys in (("worker-agg-0", [b"fake"]), ("worker", [b"fake", b"agg-0"])):
+        client = etcd_client(etcd, mesh.tls(stem))
+        try:
+            (kv,) = await client.get_prefix(key)
+            assert kv.key == key + b"agg-0"
+            for k in keys:
+                for call in (client.put(key + k, fake), client.delete(key + k)):
+                    with pytest.raises(aetcd.exceptions.ClientError) as refused:
+                        await call
+                    assert permission_denied(refused.value), (stem, k, refused.value)
+            (still,) = await client.get_prefix(key)
+            assert (still.key, still.value) == (kv.key, kv.value)
+        finally:
+            await client.close()
 
 
 def test_children_die_with_a_sigkilled_kvmesh_up(supervised: Supervised,
