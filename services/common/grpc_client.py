@@ -4,12 +4,16 @@ Contract:
 
 - :func:`channel` returns a ``grpc.aio`` channel to ``address`` (mTLS presenting the
   given :class:`~services.common.tls.MeshTls` certificate and trusting only the mesh CA,
-  or plaintext when it is None) whose calls create
+  and, with ``server_role``, only a server whose certificate holds that role
+  (:func:`services.common.tls.channel_options`); or plaintext when it is None) whose
+  calls create
   client spans and carry the current trace context (opentelemetry-instrumentation-grpc
   interceptors). Its reconnect backoff is short (:data:`RECONNECT_BACKOFF_MS` up to
   :data:`MAX_RECONNECT_BACKOFF_MS`), so a peer restarted on the same port is reached
   within about a second instead of gRPC's default backoff of up to two minutes.
-- :class:`ChannelPool` (``tls`` as for :func:`channel`) caches one channel per address.
+- :class:`ChannelPool` (``tls`` as for :func:`channel`) caches one channel per address;
+  ``get(address, server_role)`` (the pool's ``server_role`` by default) dials a new one
+  when the role expected at that address changed.
   ``invalidate(address)`` forgets the channel after a call through it failed with
   UNAVAILABLE: the next ``get`` dials afresh (no backoff left over from the dead peer),
   while calls still running on the old channel may finish within :data:`RETIRE_GRACE_S`
@@ -25,7 +29,7 @@ import asyncio
 import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
-from services.common.tls import CHANNEL_OPTIONS, MeshTls
+from services.common.tls import MeshTls, channel_options
 
 RECONNECT_BACKOFF_MS = 100
 MAX_RECONNECT_BACKOFF_MS = 1000
@@ -50,45 +54,59 @@ _OPTIONS = [
 ]
 
 
-def channel(address: str, tls: MeshTls | None = None) -> grpc.aio.Channel:
-    """An instrumented channel to ``host:port``: mTLS with ``tls``, else plaintext."""
+def channel(address: str, tls: MeshTls | None = None,
+            server_role: str = "") -> grpc.aio.Channel:
+    """An instrumented channel to ``host:port``: mTLS with ``tls`` (to a ``server_role``
+    server when given), else plaintext."""
     if tls is None:
         return grpc.aio.insecure_channel(
             address, options=_OPTIONS, interceptors=aio_client_interceptors()
         )
     return grpc.aio.secure_channel(
-        address, tls.channel_credentials(), options=[*_OPTIONS, *CHANNEL_OPTIONS],
+        address, tls.channel_credentials(),
+        options=[*_OPTIONS, *channel_options(server_role)],
         interceptors=aio_client_interceptors(),
     )
 
 
-def sync_channel(address: str, tls: MeshTls | None = None) -> grpc.Channel:
+def sync_channel(address: str, tls: MeshTls | None = None,
+                 server_role: str = "") -> grpc.Channel:
     """A blocking channel to ``host:port`` (threads, e.g. the store client): mTLS with
-    ``tls``, else plaintext."""
+    ``tls`` (to a ``server_role`` server when given), else plaintext."""
     if tls is None:
         return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, tls.channel_credentials(),
+                               options=channel_options(server_role))
 
 
 class ChannelPool:
     """One channel per address, closed together; see the module docstring."""
 
-    def __init__(self, tls: MeshTls | None = None) -> None:
+    def __init__(self, tls: MeshTls | None = None, server_role: str = "") -> None:
         self.tls = tls
+        self.server_role = server_role
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._roles: dict[str, str] = {}  # address -> the server role its channel expects
         self._retired: dict[grpc.aio.Channel, asyncio.Task[None]] = {}
 
-    def get(self, address: str) -> grpc.aio.Channel:
-        """The cached channel to ``address`` (created on first use)."""
+    def get(self, address: str, server_role: str | None = None) -> grpc.aio.Channel:
+        """The cached channel to ``address`` (created on first use, and again when the
+        server role expected there changed)."""
+        role = self.server_role if server_role is None else server_role
         ch = self._channels.get(address)
+        if ch is not None and self._roles.get(address) != role:
+            self.invalidate(address)
+            ch = None
         if ch is None:
-            ch = self._channels[address] = channel(address, self.tls)
+            ch = self._channels[address] = channel(address, self.tls, role)
+            self._roles[address] = role
         return ch
 
     def invalidate(self, address: str) -> bool:
         """Forgets the channel to ``address`` (closing it gracefully in the background);
         False when there was none."""
         ch = self._channels.pop(address, None)
+        self._roles.pop(address, None)
         if ch is None:
             return False
         task = asyncio.ensure_future(ch.close(grace=RETIRE_GRACE_S))
@@ -99,6 +117,7 @@ class ChannelPool:
     async def drop(self, address: str) -> None:
         """Closes and forgets the channel to ``address`` if any."""
         ch = self._channels.pop(address, None)
+        self._roles.pop(address, None)
         if ch is not None:
             await ch.close()
 
@@ -112,6 +131,7 @@ class ChannelPool:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._roles.clear()
         tasks = list(self._retired.values())
         if tasks:
             _, late = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)

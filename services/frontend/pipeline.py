@@ -271,7 +271,7 @@ class Pipeline:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         self._catalog = catalog
         self._router_address = router_address
-        self._pool = ChannelPool(tls)
+        self._pool = ChannelPool(tls, "worker")
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
         self.migration_limit = migration_limit
@@ -408,7 +408,7 @@ class Pipeline:
         router_addr = self._router_address()
         if not router_addr:
             raise ApiError(503, "no router is available", type="service_unavailable")
-        router = router_pb2_grpc.RouterStub(self._pool.get(router_addr))
+        router = router_pb2_grpc.RouterStub(self._pool.get(router_addr, "router"))
         sampling = sampling_proto(job)
         max_tokens = sampling.max_tokens
         generated: list[int] = []  # every token the client got, across attempts

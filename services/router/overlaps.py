@@ -124,7 +124,7 @@ class RemoteSource:
                  tls: MeshTls | None = None) -> None:
         self._instances = instances
         self._timeout = timeout_s
-        self._pool = ChannelPool(tls)
+        self._pool = ChannelPool(tls, "indexer")
         self._stub_factory = stub_factory or (
             lambda address: indexer_pb2_grpc.IndexerStub(self._pool.get(address)))
         self.fallbacks = 0

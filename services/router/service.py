@@ -356,7 +356,7 @@ class LoadPoller:
     def __init__(self, core: RouterCore, period_s: float, tls: MeshTls | None = None) -> None:
         self._core = core
         self._period = period_s
-        self._pool = ChannelPool(tls)
+        self._pool = ChannelPool(tls, "worker")
         self._loop = Periodic("load-poller", self._poll_all, period_s)
 
     def start(self) -> None:

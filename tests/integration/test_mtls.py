@@ -165,6 +165,20 @@ async def test_no_certificate_or_another_ca_fails_the_handshake(secured: Secured
                               grpc.StatusCode.UNAUTHENTICATED), (what, err)
 
 
+async def test_a_client_accepts_only_a_server_holding_the_role_it_dials(
+        secured: Secured) -> None:
+    """A mesh certificate of the wrong role cannot pose as the server a client expects: a
+    frontend dialling the worker's address as its router fails the TLS handshake."""
+    address = secured.fleet.workers[0].address
+    async with channel(address, secured.tls("frontend"), "router") as ch:
+        err = await refused(router_pb2_grpc.RouterStub(ch).Route(route_req("mt-pose"),
+                                                                 timeout=10))
+        assert err.code() == grpc.StatusCode.UNAVAILABLE
+    async with channel(address, secured.tls("router"), "worker") as ch:
+        load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest())
+        assert load.worker_id == "mt-a0"
+
+
 async def test_users_reach_the_frontend_api_without_a_mesh_certificate(
         secured: Secured) -> None:
     """The Frontend gRPC port is TLS (the mesh CA) without client certificates: users

@@ -157,7 +157,8 @@ class StoreClient:
         self.transfer_timeout_s = transfer_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self.counters = Counters()
-        self._channel = sync_channel(master_address, tls)  # mTLS as store_client with tls
+        # mTLS (as a store client, to a server holding the store_master role) with tls
+        self._channel = sync_channel(master_address, tls, "store_master")
         # ``stub`` / ``agent``: injected fakes (unit tests); by default the real ones.
         self.stub = stub or store_pb2_grpc.StoreMasterStub(self._channel)
         self._lock = threading.RLock()  # NIXL agent calls
