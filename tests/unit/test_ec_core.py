@@ -10,9 +10,12 @@ from workers.ec import configs
 from workers.ec.core import (
     HEADER_BYTES,
     STATS_BYTES,
+    WORKER_STATS_FIELDS,
+    WORKER_STATS_OFFSET,
     Descriptor,
     EcSettings,
     LeaseBook,
+    RetainLru,
     SlotAllocator,
     check_header,
     pack_header,
@@ -81,9 +84,25 @@ def test_header_detects_unwritten_freed_and_reused_slots() -> None:
 
 def test_stats_block_round_trip() -> None:
     block = pack_stats({"published": 3, "released": 2, "expired": 1, "other": 9})
-    assert len(block) == STATS_BYTES
+    worker = pack_stats({"encodes": 4, "saves": 1}, WORKER_STATS_FIELDS)
+    assert len(block) == len(worker) == WORKER_STATS_OFFSET == STATS_BYTES // 2
     assert unpack_stats(block) == {"published": 3, "released": 2, "expired": 1, "freed": 0,
-                                   "held": 0, "publish_failures": 0}
+                                   "held": 0, "publish_failures": 0, "retained": 0,
+                                   "evicted": 0}
+    both = unpack_stats(block + worker)
+    assert both["published"] == 3 and both["encodes"] == 4 and both["saves"] == 1
+    assert both["save_mismatches"] == 0
+
+
+def test_retain_lru_by_bytes() -> None:
+    lru = RetainLru(budget=300)
+    assert lru.add("a", 100) == [] and lru.add("b", 100) == [] and lru.add("c", 100) == []
+    assert lru.bytes == 300 and len(lru) == 3
+    assert lru.take("a") and lru.add("a", 100) == []  # "a" is the most recent now
+    assert lru.add("d", 150) == ["b", "c"]  # oldest first, until within the budget
+    assert "b" not in lru and "a" in lru and lru.bytes == 250 and lru.evicted == 2
+    assert lru.add("huge", 400) == ["a", "d", "huge"]  # over the budget on its own
+    assert lru.bytes == 0 and lru.pop_oldest() is None and not lru.take("zz")
 
 
 def test_allocator_first_fit_alignment_and_merge() -> None:

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 import torch
 
-from workers.ec.core import HEADER_BYTES, check_header
+from workers.ec.core import HEADER_BYTES, STATS_BYTES, check_header, unpack_stats
 from workers.ec.metadata import EcMeta, SlotItem
 from workers.ec.transport import Region, region_path, sweep_stale
 from workers.ec.worker import EcWorker
 
 SIZE = 1 << 16
+B = STATS_BYTES  # a producer region's slots follow its stats block
 
 
 @pytest.fixture
@@ -37,21 +38,23 @@ def _slot(mm_hash: str, offset: int, shape: tuple[int, ...] = (4, 8)) -> SlotIte
 
 def test_producer_writes_payload_then_header_and_consumer_loads_it(region: Region) -> None:
     emb = torch.arange(32, dtype=torch.float32).reshape(4, 8)
-    slot = _slot("img", 64)
+    slot = _slot("img", B + 64)
     producer = EcWorker()
     cache: dict[str, torch.Tensor] = {}
     producer.start_save_caches(_meta(region, saves=[slot]), cache)  # not encoded yet
-    assert check_header(region.read(64, HEADER_BYTES), "img", slot.nbytes) is not None
+    assert check_header(region.read(B + 64, HEADER_BYTES), "img", slot.nbytes) is not None
     cache["img"] = emb
     producer.save_caches(cache, "img")  # vLLM just encoded it
-    assert check_header(region.read(64, HEADER_BYTES), "img", slot.nbytes) is None
-    assert producer.counters() == {"saves": 1, "save_bytes": 128}
+    assert check_header(region.read(B + 64, HEADER_BYTES), "img", slot.nbytes) is None
+    assert producer.counters() == {"encodes": 1, "saves": 1, "save_bytes": 128}
+    stats = unpack_stats(region.read(0, STATS_BYTES))  # for the encoder service
+    assert stats["encodes"] == 1 and stats["saves"] == 1 and stats["save_bytes"] == 128
 
     consumer = EcWorker()  # maps the same file, as a worker in another process would
     loaded: dict[str, torch.Tensor] = {}
     consumer.start_load_caches(_meta(region, loads=[slot]), loaded)
     assert torch.equal(loaded["img"], emb) and loaded["img"].dtype == torch.float32
-    region.write(64 + HEADER_BYTES, bytes(128))  # the copy does not alias the region
+    region.write(B + 64 + HEADER_BYTES, bytes(128))  # the copy does not alias the region
     assert torch.equal(loaded["img"], emb)
     producer.shutdown()
     consumer.shutdown()
@@ -60,16 +63,16 @@ def test_producer_writes_payload_then_header_and_consumer_loads_it(region: Regio
 def test_producer_publishes_an_item_already_in_the_encoder_cache(region: Region) -> None:
     worker = EcWorker()
     cache = {"img": torch.ones(4, 8)}
-    worker.start_save_caches(_meta(region, saves=[_slot("img", 128)]), cache)
-    assert check_header(region.read(128, HEADER_BYTES), "img", 128) is None
+    worker.start_save_caches(_meta(region, saves=[_slot("img", B + 128)]), cache)
+    assert check_header(region.read(B + 128, HEADER_BYTES), "img", 128) is None
     worker.shutdown()
 
 
 def test_shape_mismatch_is_not_published(region: Region) -> None:
     worker = EcWorker()
     cache = {"img": torch.ones(5, 8)}
-    worker.start_save_caches(_meta(region, saves=[_slot("img", 0)]), cache)
-    assert "never written" in (check_header(region.read(0, HEADER_BYTES), "img", 128) or "")
+    worker.start_save_caches(_meta(region, saves=[_slot("img", B)]), cache)
+    assert "never written" in (check_header(region.read(B, HEADER_BYTES), "img", 128) or "")
     assert worker.counters() == {"save_mismatches": 1}
     worker.shutdown()
 
@@ -81,7 +84,7 @@ def test_dropped_pending_save_is_forgotten(region: Region) -> None:
     worker.start_save_caches(_meta(region, drops=["img"]), cache)  # slot freed meanwhile
     cache["img"] = torch.ones(4, 8)
     worker.save_caches(cache, "img")
-    assert worker.counters() == {}
+    assert worker.counters() == {"encodes": 1}  # encoded, not saved
     worker.shutdown()
 
 

@@ -20,9 +20,12 @@ The flow (the orchestrator carries E's answer to the consumer):
    ``SamplingParams.extra_args = {"ec_transfer_params": <E's params>}``. Its scheduler
    READs each embedding from E over NIXL into its staging region before it schedules the
    request; the worker puts it into vLLM's encoder cache, so vLLM skips the encoder.
-3. The READ notifies E, which frees the slot; E frees it anyway when the lease
-   (``lease_s``) ends: the KV handoff's delayed-free rule. A consumer that cannot get an
-   embedding (E gone, lease over, bad descriptor) encodes the image itself.
+3. The READ notifies E, which unpins the slot; E unpins it anyway when the lease
+   (``lease_s``) ends: the KV handoff's delayed-free rule. An unpinned slot is freed, or
+   with ``retain_mib`` kept as E's embedding cache until evicted (LRU); the consumer
+   re-reads the header after the payload, so an eviction during its READ is seen. A
+   consumer that cannot get an embedding (E gone, lease over, evicted, bad descriptor)
+   encodes the image itself.
 
 :class:`KvmeshECConnector` is a facade, as :mod:`workers.kv.store_connector` is: in role
 SCHEDULER it holds a :class:`~workers.ec.scheduler.ProducerScheduler` or

@@ -14,9 +14,11 @@ No vLLM, NIXL, I/O or clock here: callers pass ``now`` (seconds, any monotonic o
   :func:`check_header`: magic, version, payload length and a digest of the ``mm_hash``;
   E writes the header after the payload and clears it when the slot is freed, so a
   consumer that read a freed or reused slot sees a mismatch, never wrong bytes.
-- :func:`pack_stats` / :func:`unpack_stats`: E's live counters (:data:`STATS_FIELDS`),
-  kept in the first :data:`STATS_BYTES` of E's region so that anyone on the host who maps
-  the region file (a test, a sidecar) can read them without asking EngineCore.
+- :func:`pack_stats` / :func:`unpack_stats`: E's live counters, kept in the first
+  :data:`STATS_BYTES` of E's region so that anyone on the host who maps the region file
+  (a test, the encoder service) can read them without asking EngineCore: the scheduler
+  half's :data:`STATS_FIELDS` at 0, the worker half's :data:`WORKER_STATS_FIELDS` at
+  :data:`WORKER_STATS_OFFSET` (``encodes``: vision encoder runs, one per ``save_caches``).
 - :class:`SlotAllocator`: first-fit ranges of a fixed-size region, aligned; ``allocate``
   returns None when nothing fits (the caller then does not publish); ``free`` merges
   neighbours.
@@ -24,6 +26,11 @@ No vLLM, NIXL, I/O or clock here: callers pass ``now`` (seconds, any monotonic o
   live request uses it (``hold``), then per published handle until the consumer says it
   has read it (``release``) or the lease runs out (``expire``). Each operation returns the
   ``mm_hash``es that became free (no holder, no handle).
+- :class:`RetainLru`: E's embedding cache after the delayed-free rule is met: slots with
+  no holder and no live handle, kept (header intact) in LRU order within a byte budget
+  (``retain_mib``) and evicted first when a new slot needs room. A retained slot is never
+  pinned: a consumer reading it relies on the read protocol (header, payload, header
+  again; see :mod:`workers.ec.scheduler`) to see an eviction, never wrong bytes.
 """
 
 from __future__ import annotations
@@ -43,9 +50,11 @@ _HEADER = struct.Struct("<4sHHQ32s")  # magic, version, flags, payload bytes, di
 PARAMS_KEY = "kvmesh"  # ec_transfer_params[mm_hash][PARAMS_KEY] = Descriptor.to_params()
 NOTIF_PREFIX = b"kvmesh-ec-read:"
 
-STATS_FIELDS = ("published", "released", "expired", "freed", "held", "publish_failures")
-STATS_BYTES = 64
-_STATS = struct.Struct(f"<{len(STATS_FIELDS)}Q")
+STATS_FIELDS = ("published", "released", "expired", "freed", "held", "publish_failures",
+                "retained", "evicted")
+WORKER_STATS_FIELDS = ("encodes", "saves", "save_bytes", "save_mismatches")
+WORKER_STATS_OFFSET = 64  # the worker half's block; the scheduler half's is at 0
+STATS_BYTES = 128
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
@@ -59,6 +68,7 @@ class EcSettings:
     transfer_timeout_s: float = 10.0  # consumer: a READ not done by then fails
     poll_interval_s: float = 0.005  # E: how often it polls NIXL notifications and leases
     region_dir: str = "/dev/shm"  # where the shared (scheduler <-> worker) regions live
+    retain_mib: int = 0  # E: bytes of read or expired embeddings kept as a cache (0: none)
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any]) -> EcSettings:
@@ -88,6 +98,13 @@ class EcSettings:
             raise ValueError(f"poll_interval_s must be in (0, 1], got {self.poll_interval_s}")
         if not self.region_dir:
             raise ValueError("region_dir must not be empty")
+        if not 0 <= self.retain_mib <= self.pool_mib:
+            raise ValueError(f"retain_mib must be in 0..pool_mib ({self.pool_mib}), got "
+                             f"{self.retain_mib}")
+
+    @property
+    def retain_bytes(self) -> int:
+        return self.retain_mib << 20
 
 
 def payload_bytes(dtype: str, shape: Sequence[int]) -> int:
@@ -186,15 +203,21 @@ def check_header(header: bytes, mm_hash: str, nbytes: int) -> str | None:
     return None
 
 
-def pack_stats(counters: Mapping[str, int]) -> bytes:
-    """E's counters as the region's stats block (missing fields are 0)."""
-    values = [int(counters.get(name, 0)) for name in STATS_FIELDS]
-    return _STATS.pack(*values).ljust(STATS_BYTES, b"\0")
+def pack_stats(counters: Mapping[str, int], fields: Sequence[str] = STATS_FIELDS) -> bytes:
+    """One half's counters (``fields``, missing ones 0) as its stats block (64 B)."""
+    values = [int(counters.get(name, 0)) for name in fields]
+    return struct.pack(f"<{len(fields)}Q", *values).ljust(WORKER_STATS_OFFSET, b"\0")
 
 
 def unpack_stats(block: bytes) -> dict[str, int]:
-    """The counters in a stats block written by :func:`pack_stats`."""
-    return dict(zip(STATS_FIELDS, _STATS.unpack_from(block), strict=True))
+    """The counters in a region's stats block (the worker half's too when ``block`` has
+    all :data:`STATS_BYTES`)."""
+    out = dict(zip(STATS_FIELDS, struct.unpack_from(f"<{len(STATS_FIELDS)}Q", block),
+                   strict=True))
+    if len(block) >= STATS_BYTES:
+        out.update(zip(WORKER_STATS_FIELDS, struct.unpack_from(
+            f"<{len(WORKER_STATS_FIELDS)}Q", block, WORKER_STATS_OFFSET), strict=True))
+    return out
 
 
 def align_up(n: int, alignment: int) -> int:
@@ -312,3 +335,49 @@ class LeaseBook:
                 self._known.discard(mm_hash)
                 out.append(mm_hash)
         return out
+
+
+@dataclass
+class RetainLru:
+    """E's retained slots, least recently used first (see the module docstring)."""
+
+    budget: int
+    _sizes: dict[str, int] = field(default_factory=dict)  # insertion order = LRU order
+    bytes: int = 0
+    evicted: int = 0
+
+    def __contains__(self, mm_hash: str) -> bool:
+        return mm_hash in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def add(self, mm_hash: str, nbytes: int) -> list[str]:
+        """Retain ``mm_hash`` (most recent); returns what must be evicted to stay within
+        the budget (``mm_hash`` itself when it alone is over it)."""
+        self.take(mm_hash)
+        self._sizes[mm_hash] = nbytes
+        self.bytes += nbytes
+        out = []
+        while self.bytes > self.budget:
+            victim = self.pop_oldest()
+            assert victim is not None
+            out.append(victim)
+        return out
+
+    def take(self, mm_hash: str) -> bool:
+        """Stop retaining ``mm_hash`` (a request holds it again); False if not retained."""
+        size = self._sizes.pop(mm_hash, None)
+        if size is None:
+            return False
+        self.bytes -= size
+        return True
+
+    def pop_oldest(self) -> str | None:
+        """Evict the least recently used slot (None when nothing is retained)."""
+        if not self._sizes:
+            return None
+        victim = next(iter(self._sizes))
+        self.take(victim)
+        self.evicted += 1
+        return victim

@@ -19,13 +19,23 @@ vLLM's encoder cache; the bytes cross between them by memcpy, between engines by
   leased for ``lease_s``. Aborted or failed requests publish nothing. vLLM may free its
   own encoder cache at once: the embedding lives in the region.
 - A daemon thread, every ``poll_interval_s``, drives NIXL (consumers must be able to
-  connect) and frees slots per :class:`~workers.ec.core.LeaseBook`: on a consumer's
-  read notification (``NOTIF_PREFIX + handle``, sent by the READ itself), or when the
-  handle's lease ran out. A freed slot's header is cleared (a late reader sees it).
-  It also writes the counters into the region's stats block
+  connect) and unpins slots per :class:`~workers.ec.core.LeaseBook`: on a consumer's
+  read notification (``NOTIF_PREFIX + handle``, sent by its last READ), or when the
+  handle's lease ran out. An unpinned slot whose header is written is *retained*
+  (:class:`~workers.ec.core.RetainLru`, ``retain_mib``; 0: none) and otherwise freed; a
+  retained slot is evicted (freed) when the budget is exceeded or a new slot does not
+  fit, least recently used first, and is pinned again when a new request uses its
+  ``mm_hash`` (no new encode is saved: the slot already holds it). A freed slot's header
+  is cleared before its bytes can be reused (a late reader sees it). The thread also
+  writes the counters into the region's stats block
   (:func:`~workers.ec.core.pack_stats`, the first ``STATS_BYTES``; slots follow).
 - ``has_cache_item`` is False (E never loads); ``counters()``: published, publish
-  failures, freed, released, expired, held slots and bytes.
+  failures, freed, released, expired, held and retained slots, evicted, slot bytes.
+- Why a retained slot is safe to hand out again without a lease (the encoder service
+  does, from its own index): a slot's bytes change only after its header was cleared,
+  and a header never returns to the same value for different bytes (it names the
+  ``mm_hash``, a content hash, and its length); the consumer reads the header a second
+  time after the payload, so an eviction during its READ is seen as a mismatch.
 
 :class:`ConsumerScheduler` (P or the aggregated worker, ``ec_consumer``):
 
@@ -33,7 +43,10 @@ vLLM's encoder cache; the bytes cross between them by memcpy, between engines by
   behind ``num_computed_tokens`` whose ``ec_transfer_params[mm_hash]["kvmesh"]`` is a
   valid descriptor, starts one NIXL READ of E's slot (header + payload) into a staging
   slot, then polls it on later calls; False while a READ is in flight (vLLM defers the
-  request). A READ that completes with a matching header makes the item *ready*. A bad
+  request). When it completes with a matching header, a second READ of the header alone
+  (carrying the notification that releases E's handle) must find the same header: a
+  slot freed or reused while the payload was read fails there. Then the item is
+  *ready*. A bad
   descriptor, no staging space, a failed or timed-out READ or a header mismatch makes
   it *failed*: logged and counted, and vLLM encodes it locally (the consumer has the
   image), so a lost embedding never fails a request.
@@ -66,6 +79,7 @@ from workers.ec.core import (
     Descriptor,
     EcSettings,
     LeaseBook,
+    RetainLru,
     SlotAllocator,
     check_header,
     pack_stats,
@@ -81,6 +95,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+_IN_FLIGHT = ("reading", "verifying")  # a consumer's READ of the item is in flight
 
 Clock = Callable[[], float]
 _ZERO_HEADER = bytes(HEADER_BYTES)
@@ -142,6 +157,7 @@ class ProducerScheduler(_Half):
         self._dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
         self._slots: dict[str, SlotItem] = {}
         self._leases = LeaseBook(settings.lease_s)
+        self._retained = RetainLru(settings.retain_bytes)
         self._req_hashes: dict[str, list[str]] = {}
         self._saves: list[SlotItem] = []
         self._drops: list[str] = []
@@ -182,7 +198,7 @@ class ProducerScheduler(_Half):
                     handle = str(next(self._handles))
                     params[mm_hash] = {PARAMS_KEY: self._descriptor(slot, handle).to_params()}
                     self._counters["published"] += 1
-                self._free(self._leases.done(mm_hash, request.request_id, handle, now))
+                self._unpin(self._leases.done(mm_hash, request.request_id, handle, now))
         if params:
             for mm_hash, item in self._item_metadata(request).items():
                 if mm_hash in params:
@@ -198,11 +214,16 @@ class ProducerScheduler(_Half):
         )
 
         mm_hash = feature.identifier
+        if mm_hash in self._retained:
+            self._retained.take(mm_hash)  # held again; the slot already holds it
         if mm_hash not in self._slots:
             width = get_encoder_output_width(self._vllm_config, feature.modality)
             shape = (int(feature.mm_position.get_num_embeds()), int(width))
             nbytes = payload_bytes(self._dtype, shape)
             offset = self._alloc.allocate(HEADER_BYTES + nbytes)
+            while offset is None and len(self._retained):
+                self._free([self._retained.pop_oldest() or ""])  # make room
+                offset = self._alloc.allocate(HEADER_BYTES + nbytes)
             if offset is not None:
                 offset += self.base
             else:
@@ -235,6 +256,20 @@ class ProducerScheduler(_Half):
             self._resolver = PlaceholderMetadataResolver(self._vllm_config.model_config)
         return collect_ec_item_metadata(request.mm_features, self._resolver)
 
+    def _unpin(self, hashes: list[str]) -> None:
+        """Under the lock: retain the slots of ``hashes`` that hold their embedding (within
+        the budget, evicting the least recently used), free the others."""
+        for mm_hash in hashes:
+            slot = self._slots.get(mm_hash)
+            if slot is None:
+                continue
+            written = check_header(self.region.read(slot.offset, HEADER_BYTES), mm_hash,
+                                   slot.nbytes) is None
+            if self._retained.budget and written:
+                self._free(self._retained.add(mm_hash, HEADER_BYTES + slot.nbytes))
+            else:
+                self._free([mm_hash])
+
     def _free(self, hashes: list[str]) -> None:
         """Under the lock: clear the header, return the range, tell the worker."""
         for mm_hash in hashes:
@@ -262,13 +297,15 @@ class ProducerScheduler(_Half):
         with self._lock:
             for msg in msgs:
                 if msg.startswith(NOTIF_PREFIX):
-                    self._free(self._leases.release(msg[len(NOTIF_PREFIX):].decode()))
+                    self._unpin(self._leases.release(msg[len(NOTIF_PREFIX):].decode()))
                 else:
                     self._counters["unknown_notifications"] += 1
-            self._free(self._leases.expire(self._clock()))
+            self._unpin(self._leases.expire(self._clock()))
             self._counters["released"] = self._leases.released
             self._counters["expired"] = self._leases.expired
-            self._counters["held"] = len(self._slots)
+            self._counters["retained"] = len(self._retained)
+            self._counters["evicted"] = self._retained.evicted
+            self._counters["held"] = len(self._slots) - len(self._retained)
             self.region.write(0, pack_stats(self._counters))
 
     def shutdown(self) -> None:
@@ -283,8 +320,8 @@ class _Read:
     """One embedding on its way into (or in) the consumer's staging region."""
 
     desc: Descriptor | None
-    offset: int = -1
-    state: str = "failed"  # "reading" | "ready" | "failed"
+    offset: int = -1  # staging: [header][payload][header read again]
+    state: str = "failed"  # "reading" | "verifying" | "ready" | "failed" | "done"
     xfer: Any = None
     deadline: float = 0.0
     started: float = 0.0
@@ -320,9 +357,9 @@ class ConsumerScheduler(_Half):
                 item = self._start(feature.identifier, entry[PARAMS_KEY])
                 self._items[feature.identifier] = item
             item.holders.add(request.request_id)
-            if item.state == "reading":
+            if item.state in _IN_FLIGHT:
                 self._poll(feature.identifier, item)
-            waiting |= item.state == "reading"
+            waiting |= item.state in _IN_FLIGHT
         return not waiting
 
     def has_cache_item(self, identifier: str) -> bool:
@@ -369,7 +406,7 @@ class ConsumerScheduler(_Half):
         """Give the staging slot back (parked while a READ may still write into it)."""
         if item.offset < 0:
             return
-        if item.state == "reading":
+        if item.state in _IN_FLIGHT:
             self._parked.append((item.xfer, item.offset))
         else:
             with self._lock:
@@ -385,7 +422,7 @@ class ConsumerScheduler(_Half):
             return item
         item = _Read(desc)
         with self._lock:
-            offset = self._alloc.allocate(desc.slot_bytes)
+            offset = self._alloc.allocate(desc.slot_bytes + HEADER_BYTES)
         if offset is None:
             self._fail(mm_hash, item, "no_staging_space", f"{desc.slot_bytes} B")
             return item
@@ -394,7 +431,7 @@ class ConsumerScheduler(_Half):
         try:
             item.xfer = self.endpoint.start_read(
                 self.region.addr + offset, desc.addr, desc.slot_bytes, desc.agent,
-                desc.agent_metadata, NOTIF_PREFIX + desc.handle.encode())
+                desc.agent_metadata, b"")
         except Exception as exc:  # NIXL raises its own error types
             self.endpoint.forget(desc.agent)
             self._fail(mm_hash, item, "read_error", str(exc))
@@ -404,7 +441,9 @@ class ConsumerScheduler(_Half):
         return item
 
     def _poll(self, mm_hash: str, item: _Read) -> None:
-        assert item.desc is not None
+        """One look at the item's READ: the payload READ, then the header READ again."""
+        desc = item.desc
+        assert desc is not None
         try:
             state = self.endpoint.poll(item.xfer)
         except Exception as exc:
@@ -415,20 +454,37 @@ class ConsumerScheduler(_Half):
             return
         item.xfer = None
         if state != "DONE":
-            item.state = "done"  # the handle is released: the slot may be freed at once
-            self.endpoint.forget(item.desc.agent)
+            item.state = "done"  # nothing in flight any more: the staging slot is free
+            self.endpoint.forget(desc.agent)
             self._fail(mm_hash, item, "read_error", state)
             return
-        why = check_header(self.region.read(item.offset, HEADER_BYTES), mm_hash,
-                           item.desc.nbytes)
-        if why is not None:
+        header = self.region.read(item.offset, HEADER_BYTES)
+        if item.state == "reading":
+            why = check_header(header, mm_hash, desc.nbytes)
+            if why is not None:  # E's handle stays until its lease ends: the slot is bad
+                item.state = "done"
+                self._fail(mm_hash, item, "bad_slot", why)
+                return
+            try:  # the header again, after the payload; its notification releases E
+                item.xfer = self.endpoint.start_read(
+                    self.region.addr + item.offset + desc.slot_bytes, desc.addr,
+                    HEADER_BYTES, desc.agent, desc.agent_metadata,
+                    NOTIF_PREFIX + desc.handle.encode())
+            except Exception as exc:
+                item.state = "done"
+                self.endpoint.forget(desc.agent)
+                self._fail(mm_hash, item, "read_error", str(exc))
+                return
+            item.state = "verifying"
+            return
+        if self.region.read(item.offset + desc.slot_bytes, HEADER_BYTES) != header:
             item.state = "done"
-            self._fail(mm_hash, item, "bad_slot", why)
+            self._fail(mm_hash, item, "bad_slot", "the slot was freed while it was read")
             return
         item.state = "ready"
         with self._lock:
             self._counters["reads"] += 1
-            self._counters["read_bytes"] += item.desc.nbytes
+            self._counters["read_bytes"] += desc.nbytes
             self._counters["read_us"] += int((self._clock() - item.started) * 1e6)
 
     def _poll_parked(self) -> None:

@@ -10,6 +10,9 @@
   :func:`region_path` ``(dir, engine_id, side, pid)``: one per engine launch and side,
   with the owner's pid; ``Region.create`` first removes the region files in ``dir`` whose
   owner process is gone (EngineCore killed before its shutdown removed them).
+  :func:`find_region` finds an engine's region file (its owner's pid unknown), and
+  :func:`peek` reads bytes of one (e.g. a slot header, the stats block) from another
+  process on the host, without mapping it.
 - :class:`Endpoint`: one NIXL agent (UCX, progress thread off:
   :func:`workers.kv.store_client.make_agent`) with a region registered as DRAM;
   ``metadata`` is what peers need to reach it. Every call takes one lock.
@@ -43,6 +46,22 @@ def region_path(region_dir: str, engine_id: str, side: str, pid: int | None = No
     """The region file of one engine launch's ``side`` ("producer" or "consumer")."""
     safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in engine_id)
     return str(Path(region_dir) / f"{_PREFIX}{safe}-{side}-{os.getpid() if pid is None else pid}")
+
+
+def find_region(region_dir: str, engine_id: str, side: str) -> str | None:
+    """The newest region file of ``engine_id``'s ``side`` in ``region_dir``, if any."""
+    stem = Path(region_path(region_dir, engine_id, side, 0)).name[:-1]  # "...-<side>-"
+    found = [p for p in Path(region_dir).glob(f"{stem}*") if p.name[len(stem):].isdigit()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
+def peek(path: str, offset: int, nbytes: int) -> bytes:
+    """``nbytes`` of the region file ``path`` at ``offset`` (OSError if it is gone)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.pread(fd, nbytes, offset)
+    finally:
+        os.close(fd)
 
 
 def _alive(pid: int) -> bool:

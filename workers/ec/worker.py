@@ -11,10 +11,14 @@ names the region file; it is mapped on first use). Hooks, as
   mm_hash)`` (right after vLLM encoded ``mm_hash``) writes a pending one. A write copies
   the payload, then the header; a tensor whose dtype or shape differs from the slot's is
   not written (logged, counted): its header stays clear, so the consumer encodes it.
+  Every ``save_caches`` call is one vision encoder run (``encodes``); the producer's
+  counters are written into the worker block of the region's stats
+  (:data:`~workers.ec.core.WORKER_STATS_OFFSET`) after each step's saves, so the
+  encoder service can read them.
 - consumer: ``start_load_caches(meta, encoder_cache)`` (before the step gathers
   embeddings) puts a copy of each ``load``'s staged payload into the encoder cache,
   with the descriptor's dtype and shape (items already there are left alone).
-- ``counters()``: saves, save bytes, save mismatches, loads, load bytes.
+- ``counters()``: encodes, saves, save bytes, save mismatches, loads, load bytes.
 - ``shutdown()``: unmaps the region (the scheduler half removes the file).
 """
 
@@ -25,7 +29,13 @@ from collections import Counter
 
 import torch
 
-from workers.ec.core import HEADER_BYTES, pack_header
+from workers.ec.core import (
+    HEADER_BYTES,
+    WORKER_STATS_FIELDS,
+    WORKER_STATS_OFFSET,
+    pack_header,
+    pack_stats,
+)
 from workers.ec.metadata import EcMeta, SlotItem
 from workers.ec.transport import Region
 
@@ -55,16 +65,24 @@ class EcWorker:
             self._pending.pop(mm_hash, None)
         for slot in meta.saves:
             self._pending[slot.mm_hash] = slot
-        if not self._pending:
+        if not meta.region:
             return
         region = self._mapped(meta)
         for mm_hash in [h for h in self._pending if h in encoder_cache]:
             self._write(region, self._pending.pop(mm_hash), encoder_cache[mm_hash])
+        self._publish_stats()
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
+        self._counters["encodes"] += 1
         slot = self._pending.pop(mm_hash, None)
         if slot is not None and self._region is not None:
             self._write(self._region, slot, encoder_cache[mm_hash])
+        self._publish_stats()
+
+    def _publish_stats(self) -> None:
+        if self._region is not None:
+            self._region.write(WORKER_STATS_OFFSET,
+                               pack_stats(self._counters, WORKER_STATS_FIELDS))
 
     def _write(self, region: Region, slot: SlotItem, tensor: torch.Tensor) -> None:
         t = tensor.detach().to("cpu").contiguous()
