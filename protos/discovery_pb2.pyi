@@ -13,10 +13,12 @@ class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WORKER_ROLE_AGG: _ClassVar[WorkerRole]
     WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
     WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+    WORKER_ROLE_ENCODE: _ClassVar[WorkerRole]
 WORKER_ROLE_UNSPECIFIED: WorkerRole
 WORKER_ROLE_AGG: WorkerRole
 WORKER_ROLE_PREFILL: WorkerRole
 WORKER_ROLE_DECODE: WorkerRole
+WORKER_ROLE_ENCODE: WorkerRole
 
 class InstanceRecord(_message.Message):
     __slots__ = ("instance_id", "component", "address", "role", "model", "model_path", "block_size", "max_model_len", "capabilities", "engine", "labels", "started_at_ms", "handoff", "kv_layout", "pid", "http_address", "metrics_address", "desired_replicas")

@@ -18,6 +18,8 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   ``spawn`` on CPU (so a script's entry point needs ``if __name__ == "__main__"``); the
   ``multiprocessing`` knob only decides whether the model runs inside that process
   (``False``: UniProcExecutor, faster start) or in one more, OpenMP-bound, process.
+- ``engine_kwargs["ec_transfer_config"]`` may be a dict (:mod:`workers.ec.configs`); it
+  becomes vLLM's ``ECTransferConfig``. ``llm`` is the started ``AsyncLLM`` itself.
 - ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len,
   kv_layout, handoff)`` as vLLM resolved them (:mod:`workers.kv.layout`).
 - ``generate(request)``: validates the request *before* vLLM sees it (empty prompt,
@@ -296,13 +298,15 @@ class VllmEngine(Engine):
                         os.environ[key] = value
 
     def _build_llm(self) -> None:
-        from vllm.config import KVEventsConfig, KVTransferConfig
+        from vllm.config import ECTransferConfig, KVEventsConfig, KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = self.config.engine_args()
         if isinstance(kwargs.get("kv_transfer_config"), dict):
             kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        if isinstance(kwargs.get("ec_transfer_config"), dict):  # engine_kwargs (EPD)
+            kwargs["ec_transfer_config"] = ECTransferConfig(**kwargs["ec_transfer_config"])
         if isinstance(kwargs.get("kv_events_config"), dict):
             kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
         args = AsyncEngineArgs(**kwargs)
@@ -342,6 +346,12 @@ class VllmEngine(Engine):
         if self._dead is None:
             raise RuntimeError("VllmEngine.wait_dead() before start()")
         return await asyncio.shield(self._dead)
+
+    @property
+    def llm(self) -> AsyncLLM:
+        """The started ``AsyncLLM``, for callers that submit what :meth:`generate` does
+        not (the encoder service's image requests); RuntimeError before ``start()``."""
+        return self._require_llm()
 
     def _require_llm(self) -> AsyncLLM:
         if self._llm is None:

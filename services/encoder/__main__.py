@@ -1,0 +1,5 @@
+import sys
+
+from services.encoder.main import main
+
+sys.exit(main())
