@@ -13,16 +13,26 @@ Contract:
   file last), then rename ``tmp`` to ``final``. An existing incomplete ``final`` is moved
   aside and deleted first. If another process publishes ``final`` concurrently, its copy
   wins and ours is discarded. The temporary folder never survives, even on error.
+- ``write_json(path, data)``: indented, key-sorted JSON with a final newline.
+- Generated model folders (tiny-llama, tiny-idefics3) end with a marker file
+  :data:`MARKER` holding ``{"seed", "format_version"}``:
+  ``marker_matches(path, seed=, format_version=)`` says whether ``path`` holds one with
+  those values; ``ensure_generated(path, default_name, build, seed=, format_version=)``
+  returns ``path`` (default ``models_dir() / default_name``) complete, building it with
+  ``build(tmp, seed)`` and the marker through ``build_atomically`` when it does not match.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+MARKER = ".kvmesh-complete"
 ENV_CACHE_DIR = "KVMESH_CACHE_DIR"
 DEFAULT_CACHE_DIR = "~/.cache/kvmesh"
 
@@ -74,3 +84,31 @@ def build_atomically(
         return final
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Indented, key-sorted JSON with a final newline."""
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def marker_matches(path: str | Path, *, seed: int, format_version: int) -> bool:
+    """Whether ``path`` holds a finished generated folder of ``seed`` and format."""
+    try:
+        info = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(info.get("seed") == seed and info.get("format_version") == format_version)
+
+
+def ensure_generated(path: str | Path | None, default_name: str,
+                     build: Callable[[Path, int], object], *, seed: int,
+                     format_version: int) -> Path:
+    """A complete generated folder at ``path`` (see the module docstring)."""
+    final = Path(path).expanduser() if path is not None else models_dir() / default_name
+
+    def build_marked(tmp: Path) -> None:
+        build(tmp, seed)
+        write_json(tmp / MARKER, {"seed": seed, "format_version": format_version})
+
+    return build_atomically(final, build_marked, lambda p: marker_matches(
+        p, seed=seed, format_version=format_version))

