@@ -3,18 +3,18 @@
 Contract:
 
 - Roles (:data:`ROLES`): frontend, router, indexer, worker, store_client, store_master,
-  planner, admin, and the infrastructure servers etcd and redis (their server
-  certificates; :mod:`services.common.authz` grants them no kvmesh method). A
-  certificate names its role twice: a SAN URI ``spiffe://kvmesh/<role>/<name>``
-  (:func:`spiffe_id`) and the subject's OU. Every leaf also carries the SANs that clients
-  verify as the server name: DNS ``<role>.kvmesh.mesh`` (:func:`server_name`),
-  :data:`MESH_SERVER_NAME`, ``localhost`` and IP 127.0.0.1. Clients dial a mesh address
-  with the expected server's role name as the TLS target name
-  (:func:`channel_options`), so a certificate does not depend on the host a process runs
-  on, and a server proves both that the mesh CA signed it and that it holds the role the
-  client expects (a worker's certificate cannot pose as a router, nor the redis
-  certificate as a worker). :data:`CHANNEL_OPTIONS` (plain :data:`MESH_SERVER_NAME`)
-  accepts any mesh server, for tools.
+  planner, admin, encoder (the E of EPD), and the infrastructure servers etcd and redis
+  (their server certificates; :mod:`services.common.authz` grants them no kvmesh
+  method). A certificate names its role twice: a SAN URI
+  ``spiffe://kvmesh/<role>/<name>`` (:func:`spiffe_id`) and the subject's OU. Every leaf
+  also carries the SANs that clients verify as the server name: DNS
+  ``<role>.kvmesh.mesh`` (:func:`server_name`), :data:`MESH_SERVER_NAME`, ``localhost``
+  and IP 127.0.0.1. Clients dial a mesh address with the expected server's role name as
+  the TLS target name (:func:`channel_options`), so a certificate does not depend on the
+  host a process runs on, and a server proves both that the mesh CA signed it and that
+  it holds the role the client expects (a worker's certificate cannot pose as a router,
+  nor the redis certificate as a worker). :data:`CHANNEL_OPTIONS` (plain
+  :data:`MESH_SERVER_NAME`) accepts any mesh server, for tools.
 - :func:`make_ca` / :func:`issue` generate keys (EC P-256) and certificates offline with
   ``cryptography``; :func:`write_mesh_certs` writes ``ca.pem``, ``ca-key.pem`` and, per
   role, ``<role>.pem`` + ``<role>-key.pem`` (keys mode 0600) into a folder, reusing an
@@ -72,7 +72,7 @@ from cryptography.x509.oid import NameOID
 log = logging.getLogger(__name__)
 
 ROLES = ("frontend", "router", "indexer", "worker", "store_client", "store_master",
-         "planner", "admin", "etcd", "redis")
+         "planner", "admin", "etcd", "redis", "encoder")
 SPIFFE_PREFIX = "spiffe://kvmesh/"
 MESH_SERVER_NAME = "kvmesh.mesh"
 CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", MESH_SERVER_NAME)]
