@@ -24,7 +24,7 @@ Contract:
   ========================================  ==============================================
   admin (any name)                          the ``root`` role (everything, auth included)
   frontend, router, indexer, planner,       read the prefix; read-write its component's
-  store_master (any name)                   prefix ``/<ns>/instances/<role>/``
+  store_master, encoder (any name)          prefix ``/<ns>/instances/<role>/``
   worker instance ``worker:<id>``           read the prefix; read-write exactly
                                             ``/<ns>/instances/worker/<id>``
   worker role certificate (``worker``),     read the prefix only
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 ROOT = "root"
 READ, WRITE, READWRITE = 0, 1, 2  # authpb.Permission.Type
-COMPONENT_WRITERS = ("frontend", "router", "indexer", "planner", "store_master")
+COMPONENT_WRITERS = ("frontend", "router", "indexer", "planner", "store_master", "encoder")
 READERS = ("worker", "store_client")
 NO_USER = ("etcd", "redis")
 HTTPS = "https://"
