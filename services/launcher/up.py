@@ -29,19 +29,23 @@ reads it. Children are spawned from the main thread with
 ``PR_SET_PDEATHSIG`` (:func:`services.common.procs.spawn`), so even a SIGKILL of ``kvmesh
 up`` takes them down (each gets SIGTERM).
 
-gRPC inside the mesh is mTLS by default: ``start()`` writes a fresh CA and one certificate
-per role (admin included, for operators' tools) into ``<state>/certs`` (:attr:`tls_dir`)
-and gives every child ``KVMESH_TLS_DIR``; ``insecure=True`` gives them
-``KVMESH_INSECURE=1`` instead. The certificates go with the state folder. With
-certificates etcd is TLS too (``https://`` endpoint, client certificates required) with
-auth on: ``start()`` provisions etcd's users and roles as the admin certificate
-(:func:`services.common.etcd_auth.provision`) before any service starts. Each worker
-child gets its own instance certificate ``worker:<child name>`` (``KVMESH_TLS_CERT=
-worker-<name>``) and the worker id ``<name>`` (``KVMESH_WORKER_ID``), and may write only
-its own etcd key; a restart keeps both. ``insecure=True`` keeps a plaintext etcd without
-auth, and workers with a random id per launch. With certificates Redis speaks only TLS
-and has an ACL user per role (:func:`services.common.procs.redis_argv`); children get a
-``rediss://`` URL, and workers sign their KV events with their ``worker-<name>.evkey``.
+gRPC inside the mesh is mTLS by default: ``start()`` writes a fresh CA and one
+certificate per role (admin included, for operators' tools) into ``<state>/certs``
+(:attr:`tls_dir`, the only folder holding the CA key) and gives every child a folder of
+its own, ``<state>/identities/<child>`` (``KVMESH_TLS_DIR``, ``KVMESH_TLS_CERT``),
+holding only the CA certificate, its own certificate and key and the secrets its role
+reads (:func:`services.common.tls.export_identity`): a compromised child holds no other
+role's key; ``insecure=True`` gives them ``KVMESH_INSECURE=1`` instead. The certificates
+go with the state folder. With certificates etcd is TLS too (``https://`` endpoint,
+client certificates required) with auth on: ``start()`` provisions etcd's users and
+roles as the admin certificate (:func:`services.common.etcd_auth.provision`) before any
+service starts. Each worker child gets its own instance certificate ``worker:<child
+name>`` (``KVMESH_TLS_CERT=worker-<name>``) and the worker id ``<name>``
+(``KVMESH_WORKER_ID``), and may write only its own etcd key; a restart keeps both.
+``insecure=True`` keeps a plaintext etcd without auth, and workers with a random id per
+launch. With certificates Redis speaks only TLS and has an ACL user per role
+(:func:`services.common.procs.redis_argv`); children get a ``rediss://`` URL, and
+workers sign their KV events with their ``worker-<name>.evkey``.
 
 Redis runs with AOF (``appendonly yes``, ``appendfsync everysec``) in the mesh's state
 folder, so what is in it (the KV event stream; store metadata, when a store master is
@@ -238,9 +242,18 @@ class LocalMesh:
         self._write_status()
         return child
 
-    def _python(self, name: str, module: str, *args: str, **env: str) -> Child:
+    def child_env(self, name: str, identity: str = "") -> dict[str, str]:
+        """The environment of a child ``name`` started beside the mesh (e.g. a store
+        master): the mesh's endpoints and, with certificates, a folder holding identity
+        ``identity`` (default ``name``) alone."""
+        return self._env(**self._child_tls(name, identity or name))
+
+    def _python(self, name: str, module: str, *args: str, identity: str = "",
+                **env: str) -> Child:
+        """Spawns ``python -m module`` as child ``name``; with certificates it gets the
+        folder of certificate stem ``identity`` (default: the child's name)."""
         argv = [sys.executable, "-m", module, *args]
-        full_env = self._env(**env)
+        full_env = {**self.child_env(name, identity), **env}
         return self._track(spawn(name, argv, self.spec.log_dir, full_env), lambda: argv,
                            full_env)
 
@@ -263,12 +276,13 @@ class LocalMesh:
                 start_redis(s.log_dir, redis_port, state / "redis", certs, s.namespace),
                 lambda: redis_argv(redis_port, state / "redis", certs, s.namespace), None)
             if s.indexer == "remote":
-                self._python("indexer", "services.indexer")
+                self._python("indexer", "services.indexer")  # identity "indexer"
             self._python("router", "services.router", KVMESH_POLICY=s.policy,
                          KVMESH_INDEXER=s.indexer, **self.admission_env())
             for role in roles:
                 for i in range(s.workers):
-                    self._python(f"{role}-{i}", "workers", **self._worker_tls(f"{role}-{i}"),
+                    self._python(f"{role}-{i}", "workers", identity=f"worker-{role}-{i}",
+                                 **self._worker_tls(f"{role}-{i}"),
                                  KVMESH_MODEL_PATH=s.model,
                                  KVMESH_ENGINE=s.engine,
                                  KVMESH_ROLE=role, KVMESH_HANDOFF=s.handoff if role != "agg"
@@ -366,7 +380,16 @@ class LocalMesh:
 
         self.tls_dir = state / "certs"
         write_mesh_certs(self.tls_dir, [*ROLES, *(f"worker:{n}" for n in workers)])
-        self._tls = {"KVMESH_TLS_DIR": str(self.tls_dir), "KVMESH_INSECURE": "0"}
+        self._tls = {"KVMESH_INSECURE": "0"}  # each child's folder: _child_tls
+
+    def _child_tls(self, name: str, stem: str) -> dict[str, str]:
+        """Child ``name``'s TLS env: a folder with identity ``stem`` alone ({} insecure)."""
+        if self.tls_dir is None or self._state is None:
+            return {}
+        from services.common.tls import export_identity
+
+        folder = export_identity(self.tls_dir, self._state / "identities" / name, stem)
+        return {"KVMESH_TLS_DIR": str(folder), "KVMESH_TLS_CERT": stem}
 
     def _provision_etcd(self) -> None:
         """etcd's users and roles for every certificate in :attr:`tls_dir`, auth on."""
@@ -380,10 +403,10 @@ class LocalMesh:
                   identities_in(self.tls_dir))
 
     def _worker_tls(self, name: str) -> dict[str, str]:
-        """A worker child's certificate and (equal) worker id; none when insecure."""
+        """A worker child's worker id (its certificate's name); none when insecure."""
         if self.tls_dir is None:
             return {}
-        return {"KVMESH_TLS_CERT": f"worker-{name}", "KVMESH_WORKER_ID": name}
+        return {"KVMESH_WORKER_ID": name}
 
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""

@@ -344,6 +344,27 @@ async def test_the_launched_mesh_is_mtls_by_default(supervised: Supervised) -> N
     assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
+def test_each_child_holds_only_its_own_identity(supervised: Supervised) -> None:
+    """Every child's KVMESH_TLS_DIR (read from its /proc environ) holds the CA certificate,
+    its own certificate and key and its role's secrets: never the CA key, nor another
+    role's key."""
+    status = supervised.status()
+    want = {
+        "router": {"ca.pem", "router.pem", "router-key.pem", "events.key",
+                   "redis-router.pass"},
+        "agg-0": {"ca.pem", "worker-agg-0.pem", "worker-agg-0-key.pem",
+                  "worker-agg-0.evkey", "redis-worker.pass"},
+        "frontend": {"ca.pem", "frontend.pem", "frontend-key.pem"},
+    }
+    for name, files in want.items():
+        raw = Path(f"/proc/{status[name]['pid']}/environ").read_bytes()
+        env = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
+        folder = Path(env["KVMESH_TLS_DIR"])
+        assert {f.name for f in folder.iterdir()} == files, name
+        assert env["KVMESH_TLS_CERT"] == next(f[:-4] for f in files if f.endswith(".pem")
+                                              and f != "ca.pem" and "-key" not in f)
+
+
 async def test_the_launched_etcd_lets_a_worker_write_only_its_own_key(
         supervised: Supervised) -> None:
     """etcd is https with auth: a plaintext client gets nothing; agg-0 (its instance

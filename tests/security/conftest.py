@@ -30,13 +30,22 @@ Contract:
   (ListWorkers as admin; the router's in-flight, unroutable and failure-report metrics),
   the workers' loads and counters (GetLoad as planner), the index (Dump and Stats as
   admin) and the store (Stats as admin: objects, segments, capacity, leases granted,
-  removals). Tests compare it with :meth:`SecureMesh.snapshot` after an attack: "nothing
+  removals) and etcd's worker records (key → record bytes and lease, read as admin).
+  Tests compare it with :meth:`SecureMesh.snapshot` after an attack: "nothing
   changed". :meth:`SecureMesh.victim_objects` (after the last snapshot: it takes leases)
   checks the victim's objects are all still there.
+- etcd and Redis as an attacker reaches them: :attr:`SecureMesh.etcd_target` (host:port
+  of the https etcd), :attr:`SecureMesh.redis_url` (``rediss://``),
+  :meth:`SecureMesh.redis` (a client logged in as a certificate's role, as the mesh's
+  services log in); :meth:`SecureMesh.restart` kills a child by PID and has the
+  launcher's supervisor restart it (``kvmesh up`` calls ``supervise()`` every 0.2 s; the
+  tests call it while they wait), then re-reads :attr:`SecureMesh.records`.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -46,6 +55,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -64,6 +74,7 @@ from protos import (
 from services.common.discovery import etcd_client, instances_prefix
 from services.common.grpc_client import channel, sync_channel
 from services.common.procs import Child, free_port, spawn
+from services.common.redis_conn import redis_client
 from services.common.tls import CHANNEL_OPTIONS, ROLES, MeshTls, write_mesh_certs
 from services.launcher.up import LocalMesh, MeshSpec
 from tests.waiting import wait_for, wait_for_sync
@@ -93,6 +104,7 @@ class Snapshot:
     loads: dict[str, Any]
     index: dict[str, Any]
     store: dict[str, Any]
+    etcd: dict[str, tuple[bytes, int]]
 
 
 @dataclass
@@ -170,7 +182,68 @@ class SecureMesh:
         async with channel(self.store_address, self.tls("admin")) as ch:
             store = MessageToDict(await store_pb2_grpc.StoreMasterStub(ch).Stats(
                 store_pb2.StatsRequest(), timeout=TIMEOUT_S))
-        return Snapshot(routing, loads, index, store)
+        return Snapshot(routing, loads, index, store, await self.etcd_workers())
+
+    async def etcd_workers(self) -> dict[str, tuple[bytes, int]]:
+        """etcd's worker records as the admin reads them: key → (value, lease id)."""
+        client = etcd_client(self.launcher_etcd, self.tls("admin"))
+        await client.connect()
+        try:
+            kvs = await client.get_prefix(instances_prefix(self.namespace, "worker").encode())
+        finally:
+            await client.close()
+        return {kv.key.decode(): (kv.value, kv.lease) for kv in kvs}
+
+    @property
+    def launcher_etcd(self) -> str:
+        """The mesh's etcd endpoint (``https://host:port``)."""
+        assert self.launcher.etcd is not None
+        return self.launcher.etcd.address
+
+    @property
+    def etcd_target(self) -> str:
+        """host:port of the mesh's etcd (a gRPC target)."""
+        return self.launcher_etcd.removeprefix("https://")
+
+    @property
+    def namespace(self) -> str:
+        return self.launcher.spec.namespace
+
+    @property
+    def redis_url(self) -> str:
+        """The ``rediss://`` URL the mesh's services get."""
+        assert self.launcher.redis is not None
+        return f"rediss://{self.launcher.redis.address}"
+
+    def redis(self, stem: str) -> aioredis.Redis:
+        """A Redis client logged in as the ACL user of certificate ``stem``'s role."""
+        return redis_client(self.redis_url, self.tls(stem))
+
+    async def restart(self, name: str) -> None:
+        """SIGKILLs child ``name`` (by its PID), has the supervisor restart it, waits
+        until etcd holds exactly the records of :data:`REGISTERED` again (an indexer's
+        instance id names its new port) and re-reads :attr:`records`."""
+        old = self.launcher.child(name)
+        os.kill(old.pid, signal.SIGKILL)
+        old.proc.wait(timeout=TIMEOUT_S)
+
+        def restarted() -> bool:
+            self.launcher.supervise()
+            return self.launcher.child(name).pid != old.pid
+        wait_for_sync(restarted, 30, lambda: f"{name} to be restarted", interval_s=0.1)
+        before = {k: [r.instance_id for r in v] for k, v in self.records.items()}
+
+        async def registered() -> bool:
+            self.launcher.supervise()  # as `kvmesh up` does meanwhile
+            records = await instance_records(self.launcher_etcd, self.namespace,
+                                             self.tls("admin"))
+            if not all(len(records.get(k, ())) == n for k, n in REGISTERED.items()):
+                return False
+            self.records.clear()
+            self.records.update(records)
+            return True
+        await wait_for(registered, 30, lambda: f"{REGISTERED} in etcd after restarting "
+                       f"{name}; before: {before}, now {self.records}")
 
     async def victim_objects(self) -> dict[str, bool]:
         """Whether each of :data:`VICTIM_OBJECTS` exists, asked by the victim (this grants
@@ -245,7 +318,7 @@ def start_store_master(launcher: LocalMesh) -> tuple[Child, str]:
     port = free_port()
     argv = [sys.executable, "-m", "services.store_master", "--port", str(port),
             "--persist", "none", "--client-ttl-s", "3600"]
-    child = spawn("store_master", argv, launcher.spec.log_dir, launcher._env())
+    child = spawn("store_master", argv, launcher.spec.log_dir, launcher.child_env("store_master"))
     address = f"127.0.0.1:{port}"
 
     def serving() -> bool:
