@@ -16,7 +16,8 @@ Contract:
   nor the redis certificate as a worker). :data:`CHANNEL_OPTIONS` (plain
   :data:`MESH_SERVER_NAME`) accepts any mesh server, for tools.
 - :func:`make_ca` / :func:`issue` generate keys (EC P-256) and certificates offline with
-  ``cryptography``; :func:`write_mesh_certs` writes ``ca.pem``, ``ca-key.pem`` and, per
+  ``cryptography`` (a worker instance name has no ``.``: it separates the sub-ids of
+  :mod:`services.common.worker_ids`); :func:`write_mesh_certs` writes ``ca.pem``, ``ca-key.pem`` and, per
   role, ``<role>.pem`` + ``<role>-key.pem`` (keys mode 0600) into a folder, reusing an
   existing CA there (so new roles can be added) and never overwriting an existing role
   certificate unless ``force`` (or unless it lacks its role's server name: one issued
@@ -83,6 +84,7 @@ ROLE_SECRETS: dict[str, tuple[str, ...]] = {
     "router": ("events.key", "redis-router.pass"),
     "store_master": ("redis-store_master.pass",),
     "admin": ("redis-admin.pass",),
+    "redis": ("redis-users.acl",),  # its ACL file (services.common.redis_acl)
 }
 VALID_DAYS = 825
 CA_VALID_DAYS = 3650
@@ -169,6 +171,9 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, role: str, name: str = "") -> t
     name = name or role
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise CertError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")
+    if role == "worker" and "." in name:  # '.' separates sub-ids (services.common.worker_ids)
+        raise CertError(f"name: {name!r}: a worker instance name has no '.' (worker "
+                        f"{name.partition('.')[0]!r} would act as it)")
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())

