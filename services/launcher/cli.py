@@ -107,6 +107,10 @@ def _certs(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         written = write_mesh_certs(out, roles, force=args.force)
+    except CertError as exc:
+        print(f"kvmesh certs: --roles: {exc}", file=sys.stderr)
+        return 2
+    try:
         specs = [parse_role_spec(r) for r in roles]
         if any(role == "redis" for role, _ in specs):  # the Redis server's users
             written.append(write_acl_file(out, args.namespace))
