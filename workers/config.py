@@ -2,10 +2,14 @@
 
 Worker id and certificate: with TLS on and ``tls_cert`` naming a worker *instance*
 certificate (``worker:<name>``, file stem ``worker-<name>``; :mod:`services.common.tls`),
-the worker id is that name: the default worker id becomes it, and another configured
-``worker_id`` is refused by ``problems()`` naming both fields (etcd's auth lets that
-certificate write only ``/<ns>/instances/worker/<name>``; see
-:mod:`services.common.etcd_auth`). The shared role certificate ``worker`` binds no id.
+the worker id is that name or one of its sub-ids ``<name>.<suffix>``
+(:func:`services.common.worker_ids.may_act_as`): the default worker id becomes the name,
+and a configured ``worker_id`` the certificate may not act as is refused by
+``problems()`` naming both fields (etcd's auth lets that certificate write only
+``/<ns>/instances/worker/<name>`` and its sub-ids; see :mod:`services.common.etcd_auth`;
+an indexer drops events it signs for any other id). The shared role certificate
+``worker`` binds no id. :meth:`WorkerConfig.certificate_identity` is the certificate's
+identity (None without TLS), for :mod:`workers.fleet`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import uuid
 from pathlib import Path
 
 from services.common.config import BaseConfig
-from services.common.tls import CertError, identity_of
+from services.common.tls import CertError, Identity, identity_of
+from services.common.worker_ids import SHARED_NAME, may_act_as
 
 ROLES = ("agg", "prefill", "decode")
 
@@ -88,11 +93,13 @@ class WorkerConfig(BaseConfig):
         except CertError as exc:
             out.append(f"tls_cert: {exc}")
         else:
-            if bound and self.worker_id and self.worker_id != bound:
-                out.append(f"worker_id {self.worker_id!r} differs from the instance name "
-                           f"{bound!r} in tls_cert {self.tls_cert!r}: a worker registers "
-                           f"only under its certificate's name (drop --worker-id or use "
-                           f"the certificate worker-{self.worker_id})")
+            if bound and self.worker_id and not may_act_as(bound, self.worker_id):
+                out.append(f"worker_id {self.worker_id!r} is neither the instance name "
+                           f"{bound!r} in tls_cert {self.tls_cert!r} nor one of its sub-ids "
+                           f"'{bound}.<suffix>' (letters, digits, '-', '_'): a worker "
+                           f"registers only under its certificate's name or a sub-id of it "
+                           f"(drop --worker-id, or use the instance certificate of that "
+                           f"id's owner)")
         if self.role not in ROLES:
             out.append(f"role must be one of {ROLES}, got {self.role!r}")
         vllm = self.engine == "vllm"
@@ -141,17 +148,25 @@ class WorkerConfig(BaseConfig):
             return self.handoff
         return "none" if self.role == "agg" else "pull"
 
+    def certificate_identity(self) -> Identity | None:
+        """The identity of the certificate this process presents (``tls_cert``, default the
+        role certificate ``worker``); None without TLS. CertError when it cannot be
+        read."""
+        if not self.tls_dir or self.insecure:
+            return None
+        path = Path(self.tls_dir, f"{self.tls_cert or 'worker'}.pem")
+        try:
+            return identity_of(path.read_bytes())
+        except OSError as exc:
+            raise CertError(f"cannot read {path}: {exc.strerror}") from exc
+
     def certificate_worker_id(self) -> str:
         """The worker id the TLS certificate binds (module docstring), or "" (no TLS, no
         ``tls_cert``, or a role certificate). CertError when it cannot be read."""
-        if not self.tls_dir or self.insecure or not self.tls_cert:
+        if not self.tls_cert:
             return ""
-        path = Path(self.tls_dir, f"{self.tls_cert}.pem")
-        try:
-            ident = identity_of(path.read_bytes())
-        except OSError as exc:
-            raise CertError(f"cannot read {path}: {exc.strerror}") from exc
-        if ident.role != "worker" or ident.name == ident.role:
+        ident = self.certificate_identity()
+        if ident is None or ident.role != "worker" or ident.name == SHARED_NAME:
             return ""
         return ident.name
 

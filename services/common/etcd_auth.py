@@ -26,18 +26,26 @@ Contract:
   frontend, router, indexer, planner,       read the prefix; read-write its component's
   store_master, encoder (any name)          prefix ``/<ns>/instances/<role>/``
   worker instance ``worker:<id>``           read the prefix; read-write exactly
-                                            ``/<ns>/instances/worker/<id>``
+                                            ``/<ns>/instances/worker/<id>`` and the
+                                            prefix ``/<ns>/instances/worker/<id>.``
+                                            (its sub-ids)
   worker role certificate (``worker``),     read the prefix only
   store_client
   etcd, redis (servers)                     no user
   ========================================  ==============================================
 
   A worker registers under its worker id, so with etcd auth on a worker needs an
-  instance certificate whose name is its worker id (``workers.config`` refuses a
-  mismatch); the shared ``worker`` certificate can watch but not register. These keys
-  are all the mesh writes to etcd (discovery records; the planner's desired counts are
-  in its own record). Leases need no grant: etcd 3.4 lets any user grant and keep alive
-  a lease, and checks revoke, and a put under a lease, against the keys attached to it.
+  instance certificate ``worker:<name>`` that may act as its id
+  (:func:`services.common.worker_ids.may_act_as`: ``<name>`` itself, or a sub-id
+  ``<name>.<suffix>``, as a mock fleet's workers are; ``workers.config`` refuses any
+  other id); the shared ``worker`` certificate can watch but not register. etcd grants
+  a prefix, so ``<name>.`` also covers keys the rule refuses (``<name>.x.y``,
+  ``<name>.x/y``), all still under that identity's own name, and indexers drop events
+  signed for such ids. A worker instance name with a ``.`` is refused (ValueError naming
+  it), so no identity's sub-ids are another's id. These keys are all the mesh writes to
+  etcd (discovery records; the planner's desired counts are in its own record). Leases
+  need no grant: etcd 3.4 lets any user grant and keep alive a lease, and checks revoke,
+  and a put under a lease, against the keys attached to it.
 - :func:`provision` applies a plan as the admin identity over the secure channel, and
   enables auth: it creates the ``root`` role and user (no password) and grants the
   ``root`` role to each admin user, so the admin certificate (CN ``admin``) acts as root.
@@ -62,6 +70,7 @@ import grpc
 from aetcd import rpc, watcher
 
 from services.common.tls import CertError, Identity, MeshTls, channel_options, identity_of
+from services.common.worker_ids import SEPARATOR
 
 log = logging.getLogger(__name__)
 
@@ -136,8 +145,14 @@ def plan(namespace: str, identities: Iterable[Identity]) -> list[UserPlan]:
             own = base + f"{ident.role}/".encode()
             up.roles[f"{namespace}/{ident.role}"] = [Grant(READWRITE, own, prefix_end(own))]
         elif ident.role == "worker" and ident.name != ident.role:
+            if SEPARATOR in ident.name:
+                raise ValueError(f"identity {ident}: a worker instance name has no "
+                                 f"{SEPARATOR!r} (it separates sub-ids, "
+                                 f"services.common.worker_ids)")
             key = base + f"worker/{ident.name}".encode()
-            up.roles[f"{namespace}/worker/{ident.name}"] = [Grant(READWRITE, key)]
+            subs = key + SEPARATOR.encode()
+            up.roles[f"{namespace}/worker/{ident.name}"] = [
+                Grant(READWRITE, key), Grant(READWRITE, subs, prefix_end(subs))]
         elif ident.role not in READERS:
             raise ValueError(f"identity {ident}: role {ident.role!r} has no etcd permissions")
     return list(out.values())

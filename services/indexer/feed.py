@@ -23,10 +23,14 @@ core). Contract of :class:`IndexFeed`:
 - Malformed entries are counted and skipped; the feed never stops on bad input.
 - Signed events: with mesh TLS material (``tls``) the feed reads the mesh's event secret
   (``events.key`` in its tls folder; a missing one raises CertError at construction) and
-  accepts only entries signed by the worker they name
-  (:func:`services.common.event_bus.decode_entry` with that worker's key, derived from
-  the secret). An unsigned or forged entry (wrong MAC, or a signed entry carrying another
-  worker's events) is dropped before it touches the index, so a forged full-state entry
+  accepts only entries signed by the worker they name or by its owner
+  (:func:`services.common.event_bus.decode_entry` with the signer's key, derived from the
+  secret and the signer's name: field ``s``, else the worker id; the signer must be the
+  worker id or, for a sub-id ``<name>.<suffix>`` such as a mock fleet's worker, its
+  certificate name ``<name>``: :func:`services.common.worker_ids.may_act_as`). An
+  unsigned or forged entry (wrong MAC, a signer that may not act as the worker id, or a
+  signed entry carrying another worker's events) is dropped before it touches the index,
+  so a forged full-state entry
   can no longer replace a worker's blocks nor push its event ids ahead. It is counted by
   reason (``unsigned_entries``, ``forged_entries``) and logged once per claimed worker id
   (for the first :data:`MAX_LOGGED_SENDERS` ids; after that, at powers of two of the
@@ -146,7 +150,7 @@ class IndexFeed:
         self._keys: KeyLookup | None = None
         if tls is not None:
             secret = tls.secret(EVENTS_KEY)
-            self._keys = lambda worker: derive_event_key(secret, worker)
+            self._keys = lambda signer: derive_event_key(secret, signer)
         self._sig_logged: set[str] = set()
         self._last_try: dict[str, float] = {}
         self._resync_fails: dict[str, int] = {}  # failed resyncs in a row, per worker

@@ -2,7 +2,8 @@
 without a certificate, or with one from another CA, get nothing; worker A cannot put or
 delete worker B's key, register under another id, or revoke B's lease (etcd answers
 PERMISSION_DENIED) and B's key stays as it was; A registers, keeps its lease alive and
-puts its key back after a delete, and a router's watcher sees it; the shared ``worker``
+puts its key back after a delete, and a router's watcher sees it; A registers its sub-ids
+``a.0`` and ``a.1`` (a mock fleet's workers) but not ``ax`` nor B's; the shared ``worker``
 role certificate cannot register; a worker enrolled later (the planner's path) can."""
 
 from __future__ import annotations
@@ -138,6 +139,41 @@ async def test_a_worker_cannot_touch_another_workers_key(secure_etcd: SecureEtcd
     finally:
         await a.close()
         await b.close()
+
+
+async def test_an_instance_certificate_registers_its_sub_ids_only(
+        secure_etcd: SecureEtcd) -> None:
+    """``worker:a`` (a mock fleet's certificate) registers ``a.0`` and ``a.1``, each under
+    its own lease, and a router sees both; ``ax`` and ``b`` stay out of its reach."""
+    address = secure_etcd.child.address
+    watcher = InstanceWatcher(address, NS, "worker", tls=secure_etcd.tls("router"))
+    await watcher.start()
+    regs = [Registration(address, NS, record(w, f"127.0.0.1:{10 + i}"), ttl=10,
+                         tls=secure_etcd.tls("worker-a")) for i, w in enumerate(("a.0", "a.1"))]
+    try:
+        for reg in regs:
+            await reg.start()
+        await wait_for(lambda: {"a.0", "a.1"} <= set(watcher.instances()), 10,
+                       lambda: f"the router to see a.0 and a.1 ({sorted(watcher.instances())})")
+        assert regs[0].lease_id != regs[1].lease_id
+        for other in ("ax", "b", "b.0"):
+            reg = Registration(address, NS, record(other), ttl=10,
+                               tls=secure_etcd.tls("worker-a"))
+            with pytest.raises(EtcdPermissionError, match=f"worker/{other}.*worker/a"):
+                await reg.start(startup_timeout_s=5)
+            await reg.close()
+        a = etcd_client(address, secure_etcd.tls("worker-a"))
+        try:
+            await denied(a.put(key("ax"), b"x"))
+            await denied(a.delete(key("b.0")))
+        finally:
+            await a.close()
+    finally:
+        for reg in regs:
+            await reg.close()
+        await wait_for(lambda: not {"a.0", "a.1"} & set(watcher.instances()), 10,
+                       "the revokes to show")
+        await watcher.close()
 
 
 async def test_the_shared_worker_certificate_cannot_register(secure_etcd: SecureEtcd) -> None:

@@ -38,9 +38,11 @@ def test_each_identity_gets_exactly_its_grants() -> None:
         Grant(READWRITE, BASE + b"router/", BASE + b"router0")]}
     assert users["store_master"]["ns/store_master"] == [
         Grant(READWRITE, BASE + b"store_master/", BASE + b"store_master0")]
-    # A worker instance: its one key, no range; the shared role certificate: read only.
+    # A worker instance: its one key and the prefix of its sub-ids ("prefill-0." up to
+    # "prefill-0/", excluded); the shared role certificate: read only.
     assert users["prefill-0"] == {"ns/read": read, "ns/worker/prefill-0": [
-        Grant(READWRITE, BASE + b"worker/prefill-0")]}
+        Grant(READWRITE, BASE + b"worker/prefill-0"),
+        Grant(READWRITE, BASE + b"worker/prefill-0.", BASE + b"worker/prefill-0/")]}
     assert users["worker"] == {"ns/read": read}
     assert users["store_client"] == {"ns/read": read}
     assert "etcd" not in users and "redis" not in users
@@ -53,6 +55,24 @@ def test_identities_that_etcd_could_not_tell_apart_are_refused() -> None:
     with pytest.raises(ValueError, match="root"):
         plan("ns", [Identity("worker", "root")])
     assert len(plan("ns", [Identity("worker", "a"), Identity("worker", "a")])) == 1
+    # a dotted instance name would be another's sub-id (worker:a may act as a.b)
+    with pytest.raises(ValueError, match=r"worker/a\.b: a worker instance name has no '\.'"):
+        plan("ns", [Identity("worker", "a"), Identity("worker", "a.b")])
+
+
+def test_the_sub_id_grant_covers_exactly_the_keys_of_the_rule() -> None:
+    """etcd's range [key, range_end) of worker a's grants, against keys of the rule."""
+    (grants,) = [g for u in plan("ns", [Identity("worker", "a")])
+                 for r, g in u.roles.items() if r == "ns/worker/a"]
+
+    def writable(worker_id: str) -> bool:
+        k = BASE + b"worker/" + worker_id.encode()
+        return any(k == g.key if not g.range_end else g.key <= k < g.range_end
+                   for g in grants)
+    for ok in ("a", "a.0", "a.1", "a.fleet-a12"):
+        assert writable(ok), ok
+    for refused in ("ax", "a-0", "b", "b.a", "a/0", "", "ab.0"):
+        assert not writable(refused), refused
 
 
 def test_endpoints() -> None:
@@ -98,6 +118,14 @@ def test_worker_id_is_bound_to_its_instance_certificate(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="worker_id 'decode-0'.*'prefill-0'.*tls_cert"):
         load_config(WorkerConfig, worker_args(tmp_path, "--tls-cert", "worker-prefill-0",
                                               "--worker-id", "decode-0"), {})
+    # a sub-id of the certificate's name is its own; nothing else with that head is
+    sub = load_config(WorkerConfig, worker_args(tmp_path, "--tls-cert", "worker-prefill-0",
+                                                "--worker-id", "prefill-0.x1"), {})
+    assert sub.resolved_worker_id() == "prefill-0.x1"
+    for bad in ("prefill-0.", "prefill-0.x.y", "prefill-0x", "other.prefill-0"):
+        with pytest.raises(ConfigError, match=f"worker_id {bad!r}.*tls_cert.*sub-ids"):
+            load_config(WorkerConfig, worker_args(
+                tmp_path, "--tls-cert", "worker-prefill-0", "--worker-id", bad), {})
     # The shared role certificate binds no id; without TLS nothing is checked.
     role = load_config(WorkerConfig, worker_args(tmp_path, "--worker-id", "x"), {})
     assert role.resolved_worker_id() == "x"

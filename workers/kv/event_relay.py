@@ -44,8 +44,11 @@ Contract of :class:`KvEventRelay`:
 - Signed events: with mesh TLS material (``tls``) every entry carries the worker's MAC
   (:mod:`services.common.event_bus`), made with its event key ``<stem>.evkey`` next to
   its certificate ``<stem>.pem`` (a missing key raises CertError at construction). The
-  key is derived from the worker's certificate name, which equals its worker id, so an
-  indexer drops entries this relay would publish for another worker id. Redis is reached
+  key is derived from the worker's certificate name, which is its worker id or, for a
+  sub-id ``<name>.<suffix>`` (a mock fleet's worker), its owner ``<name>``; the entry
+  then names its signer (field ``s``). An indexer drops entries of a worker id the
+  certificate may not act as (:func:`services.common.worker_ids.may_act_as`; the relay
+  logs one warning at construction for such a worker id). Redis is reached
   through :func:`services.common.redis_conn.redis_client` as the ACL user ``worker``
   (``rediss://``), which may only XADD to the event stream.
 - A Redis restart (data wiped or kept) needs nothing from the relay: its next XADD
@@ -77,6 +80,7 @@ from services.common.event_bus import encode_batch, encode_state
 from services.common.periodic import Periodic
 from services.common.redis_conn import redis_client
 from services.common.tls import EVENT_KEY_SUFFIX, MeshTls
+from services.common.worker_ids import may_act_as
 from workers.kv.event_translate import EventTranslator, TranslatedEvent, UnknownEvent
 
 log = logging.getLogger(__name__)
@@ -150,6 +154,11 @@ class KvEventRelay:
         self.worker_id = worker_id
         self._tls = tls
         self._key = tls.secret(f"{tls.stem}{EVENT_KEY_SUFFIX}") if tls is not None else None
+        self._signer = tls.identity.name if tls is not None else ""
+        if tls is not None and not may_act_as(self._signer, worker_id):
+            log.warning("KV events of worker %r are signed by %s, which may not act as it: "
+                        "indexers will drop them as forged (see services.common.worker_ids)",
+                        worker_id, tls.identity)
         self.block_size = block_size
         self.stream = stream
         self.endpoints = endpoints
@@ -315,7 +324,7 @@ class KvEventRelay:
         await self._flush()
         assert self._redis is not None
         try:
-            entry = encode_state(self.state(), self._key)
+            entry = encode_state(self.state(), self._key, self._signer)
             await self._redis.xadd(self.stream, entry,  # type: ignore[arg-type]
                                    maxlen=self._maxlen, approximate=True)
             self.stats.resyncs_published += 1
@@ -369,7 +378,7 @@ class KvEventRelay:
                     batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
                                                        events=pending[i:i + self._max_batch],
                                                        block_size=self.block_size)
-                    pipe.xadd(self.stream, encode_batch(batch, self._key),  # type: ignore[arg-type]
+                    pipe.xadd(self.stream, encode_batch(batch, self._key, self._signer),  # type: ignore[arg-type]
                               maxlen=self._maxlen, approximate=True)
                     entries += 1
                 await pipe.execute()
