@@ -17,7 +17,17 @@ Contract:
   ``transfer_bandwidth``). Shared WorkerConfig fields (block size, context length,
   max_num_seqs, seed, namespace, etcd, Redis, lease, grace) apply to every worker.
   ``worker_id`` is a prefix (default ``mock-<random>-``): worker *i* is
-  ``<prefix><role letter><i>`` (``a``/``p``/``d``). ``port`` 0 gives every worker a free
+  ``<prefix><role letter><i>`` (``a``/``p``/``d``). With TLS (``tls_dir``, not
+  ``insecure``) the fleet needs a worker *instance* certificate ``worker:<name>``
+  (``tls_cert`` ``worker-<name>``): every worker is a sub-id of it
+  (:mod:`services.common.worker_ids`), worker *i* is ``<name>.<worker_id><role
+  letter><i>`` (``worker_id`` default "" here: ``<name>.a0``, ``<name>.a1``, ...), each
+  registers in etcd under its own id (the certificate's etcd user may write its sub-ids)
+  and signs its KV events with the certificate's event key, naming the certificate as
+  their signer, which an indexer accepts for sub-ids of that name. The shared ``worker``
+  certificate (or any other) is a config error naming ``tls_cert``, and a ``worker_id``
+  that makes ids the certificate may not act as (a ``.`` in it) one naming ``worker_id``.
+  :func:`fleet_prefix` is the prefix in force. ``port`` 0 gives every worker a free
   port; otherwise worker *i* listens on ``port + i``. ``metrics_port`` -1 (default here)
   means no Prometheus endpoints; 0 one free port each; otherwise ``metrics_port + i``.
   ``model_path`` is optional (published for the frontend's tokenizer; ``tiny`` and
@@ -45,7 +55,8 @@ from protos import discovery_pb2
 from services.common.config import BaseConfig
 from services.common.event_bus import stream_name
 from services.common.server import MeshServer, serve_main
-from services.common.tls import tls_for
+from services.common.tls import CertError, tls_for
+from services.common.worker_ids import SEPARATOR, SHARED_NAME, sub_id
 from workers.config import WorkerConfig
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.mock.timing import make_timing
@@ -116,7 +127,44 @@ class FleetConfig(WorkerConfig):
             make_timing(self.timing)
         except (ValueError, OSError) as exc:
             out.append(f"timing: {exc}")
+        out.extend(self.identity_problems())
         return out
+
+    def certificate_name(self) -> str:
+        """The instance name of the fleet's worker certificate; "" without TLS. CertError
+        (naming ``tls_cert``) for the shared ``worker`` certificate or another role's."""
+        ident = self.certificate_identity()
+        if ident is None:
+            return ""
+        if ident.role != "worker" or ident.name == SHARED_NAME:
+            raise CertError(
+                f"tls_cert {self.tls_cert or 'worker'!r} is {ident}: a fleet under TLS "
+                f"needs a worker instance certificate worker:<name> (tls_cert "
+                f"worker-<name>, e.g. `kvmesh certs --roles worker:fleet`): its workers "
+                f"register and sign their KV events as <name>.<i>, which the shared "
+                f"worker certificate may not")
+        if SEPARATOR in ident.name:
+            raise CertError(f"tls_cert {self.tls_cert!r} is {ident}, whose name has a "
+                            f"{SEPARATOR!r}: it has no sub-ids for a fleet's workers")
+        return ident.name
+
+    def identity_problems(self) -> list[str]:
+        """The TLS certificate and worker id rules of the module docstring."""
+        try:
+            name = self.certificate_name()
+        except CertError as exc:
+            text = str(exc)
+            return [text if text.startswith("tls_cert") else f"tls_cert: {text}"]
+        if not name:
+            return []
+        try:
+            sub_id(name, f"{self.worker_id}{ROLE_LETTER['agg']}0")
+        except ValueError as exc:
+            return [f"worker_id {self.worker_id!r}: under tls_cert {self.tls_cert!r} the "
+                    f"fleet's ids are {name}{SEPARATOR}<worker_id><role letter><i>, a "
+                    f"sub-id of the certificate's name, so worker_id is letters, digits, "
+                    f"'-' or '_' ({exc})"]
+        return []
 
     def roles(self) -> list[str]:
         """One role per worker, in start order."""
@@ -176,6 +224,15 @@ def _no_endpoints() -> EventEndpoints:
     return EventEndpoints(Path("/nonexistent-kvmesh-fleet"), "", "")
 
 
+def fleet_prefix(cfg: FleetConfig) -> str:
+    """The worker id prefix in force (module docstring): ``<name>.<worker_id>`` under an
+    instance certificate ``worker:<name>``, else ``worker_id`` or a fresh random one."""
+    name = cfg.certificate_name()
+    if name:
+        return f"{name}{SEPARATOR}{cfg.worker_id}"
+    return cfg.worker_id or f"mock-{uuid.uuid4().hex[:8]}-"
+
+
 def worker_config(cfg: FleetConfig, index: int, role: str, prefix: str) -> FleetConfig:
     """The config of worker ``index``: own id, role, ports."""
     def nth(port: int) -> int:
@@ -225,7 +282,7 @@ async def start_fleet(cfg: FleetConfig) -> Fleet:
     cfg.validate()
     model_path = resolve_model_path(cfg.model_path) if cfg.model_path else ""
     model_name = cfg.model_name or (Path(model_path).name if model_path else "mock")
-    prefix = cfg.worker_id or f"mock-{uuid.uuid4().hex[:8]}-"
+    prefix = fleet_prefix(cfg)
     gate = asyncio.Semaphore(START_CONCURRENCY)
 
     async def one(i: int, role: str) -> FleetWorker:

@@ -1,6 +1,10 @@
 """mTLS and authorization by role on real in-process servers (real etcd and Redis): a mock
 worker, a router, an indexer and a frontend, all with certificates of one mesh CA.
 
+The worker is a mock fleet's (one process, one instance certificate ``worker:mt``, its
+workers the sub-ids ``mt.a0``, ...): its signed KV events reach the TLS indexer and are
+indexed (none dropped as forged); the shared ``worker`` certificate is refused to a fleet.
+
 A frontend-role client routes and generates; other roles get PERMISSION_DENIED naming the
 method and the role; a client without a certificate, or with one of another CA, does not
 get through the handshake; only an admin dumps the index; a worker registered in etcd
@@ -32,7 +36,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.config import load_config
+from services.common.config import ConfigError, load_config
 from services.common.grpc_client import channel
 from services.common.procs import Child
 from services.common.tls import ROLES, MeshTls, write_mesh_certs
@@ -42,6 +46,7 @@ from services.router.main import RouterApp, RouterConfig, start_router
 from services.store_master.main import StoreMasterConfig, start_store_master
 from tests.integration.conftest import base_args, wait_routable
 from tests.integration.test_router_validation import metrics
+from tests.waiting import wait_for
 from workers.fleet import Fleet, FleetConfig, start_fleet
 
 NS = "mtls"
@@ -61,27 +66,29 @@ class Secured:
         return MeshTls.load(self.certs, role)
 
 
-def fleet_args(etcd: str, certs: Path, prefix: str, tiny_model: str) -> list[str]:
-    return [*base_args(etcd, NS), "--tls-dir", str(certs), "--workers", "1",
-            "--block-size", "16", "--num-blocks", "256", "--max-model-len", "512",
-            "--timing", "poly", "--speedup-ratio", "20", "--worker-id", prefix,
-            "--model-path", tiny_model, "--model-name", "mock"]
+def fleet_args(etcd: str, certs: Path, name: str, tiny_model: str, *extra: str) -> list[str]:
+    """A one-worker fleet on the instance certificate ``worker:<name>`` (id ``<name>.a0``)."""
+    return [*base_args(etcd, NS), "--tls-dir", str(certs), "--tls-cert", f"worker-{name}",
+            "--workers", "1", "--block-size", "16", "--num-blocks", "256",
+            "--max-model-len", "512", "--timing", "poly", "--speedup-ratio", "20",
+            "--model-path", tiny_model, "--model-name", "mock", *extra]
 
 
 @pytest.fixture(scope="module")
 async def secured(etcd: Child, redis_server: Child, tiny_model: str,
                   tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Secured]:
     certs, rogue = tmp_path_factory.mktemp("certs"), tmp_path_factory.mktemp("rogue")
-    write_mesh_certs(certs, ROLES)
-    write_mesh_certs(rogue, ROLES)  # a CA of its own
+    write_mesh_certs(certs, [*ROLES, "worker:mt"])
+    write_mesh_certs(rogue, [*ROLES, "worker:fake"])  # a CA of its own
     args = [*base_args(etcd.address, NS), "--tls-dir", str(certs)]
-    fleet = await start_fleet(load_config(FleetConfig, fleet_args(etcd.address, certs,
-                                                                  "mt-", tiny_model), {}))
+    redis_url = f"redis://{redis_server.address}"
+    fleet = await start_fleet(load_config(FleetConfig, fleet_args(
+        etcd.address, certs, "mt", tiny_model, "--redis-url", redis_url), {}))
     router = await start_router(load_config(RouterConfig, [
         *args, "--load-poll-s", "0.2", "--policy", "round_robin", "--failure-hold-s", "600"],
         {}))
     indexer = await start_indexer(load_config(IndexerConfig, [
-        *args, "--redis-url", f"redis://{redis_server.address}", "--group", "mt"], {}))
+        *args, "--redis-url", redis_url, "--group", "mt"], {}))
     frontend = await start_frontend(load_config(FrontendConfig, [
         *args, "--http-port", "0", "--router-address", router.server.address], {}))
     try:
@@ -114,7 +121,7 @@ async def test_a_frontend_routes_and_generates(secured: Secured) -> None:
     async with channel(secured.router.server.address, tls) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         route = await stub.Route(route_req("mt-ok"))
-        assert route.worker.instance_id == "mt-a0"
+        assert route.worker.instance_id == "mt.a0"
         await stub.Release(router_pb2.ReleaseRequest(request_id="mt-ok"))
     async with channel(secured.fleet.workers[0].address, tls) as ch:
         chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(gen_req("mt-ok"))]
@@ -138,7 +145,7 @@ async def test_other_roles_get_permission_denied_naming_method_and_role(
         assert "'router'" in (err.details() or "")
         err = await refused(stub.Abort(worker_pb2.AbortRequest(request_id="mt-ok")))
         assert err.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert (await stub.GetLoad(worker_pb2.GetLoadRequest())).worker_id == "mt-a0"
+        assert (await stub.GetLoad(worker_pb2.GetLoadRequest())).worker_id == "mt.a0"
     assert worker.engine.counters()["finished_requests"] == before
     assert secured.router.server.authz is not None
     assert secured.router.server.authz.refused[
@@ -176,7 +183,7 @@ async def test_a_client_accepts_only_a_server_holding_the_role_it_dials(
         assert err.code() == grpc.StatusCode.UNAVAILABLE
     async with channel(address, secured.tls("router"), "worker") as ch:
         load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest())
-        assert load.worker_id == "mt-a0"
+        assert load.worker_id == "mt.a0"
 
 
 async def test_users_reach_the_frontend_api_without_a_mesh_certificate(
@@ -213,10 +220,47 @@ async def test_only_an_admin_dumps_the_index(secured: Secured) -> None:
                                                               block_size=16))
 
 
+async def test_the_fleets_signed_events_are_indexed(secured: Secured) -> None:
+    """A request through the frontend leaves the fleet worker's blocks in the TLS indexer:
+    its events, signed by the certificate ``mt`` for the worker ``mt.a0``, are accepted."""
+    async with httpx.AsyncClient(timeout=30) as client:
+        resp = await client.post(f"{secured.frontend.base_url}/v1/completions",
+                                 json={"model": "mock", "prompt": PROMPT, "max_tokens": 2})
+        assert resp.status_code == 200, resp.text
+    address = secured.indexer.server.address
+    async with channel(address, secured.tls("admin")) as ch:
+        stub = indexer_pb2_grpc.IndexerStub(ch)
+
+        async def dumped() -> list[int]:
+            dump = await stub.Dump(indexer_pb2.DumpRequest(worker_id="mt.a0"))
+            return [h for w in dump.workers for t in w.tiers for h in t.block_hashes]
+        blocks = await wait_for(dumped, 15, lambda: f"mt.a0's blocks in the index "
+                                                    f"({secured.indexer.feed.stats})")
+    assert len(blocks) >= len(PROMPT) // 16
+    async with channel(address, secured.tls("router")) as ch:
+        found = await indexer_pb2_grpc.IndexerStub(ch).FindMatches(
+            indexer_pb2.FindMatchesRequest(token_ids=PROMPT, block_size=16))
+    assert [(o.worker_id, o.blocks) for o in found.overlaps] == [("mt.a0", 4)]
+    stats = secured.indexer.feed.stats
+    assert (stats.forged_entries, stats.unsigned_entries) == (0, 0)
+    assert stats.events_applied >= 1
+
+
+async def test_the_shared_worker_certificate_is_refused_to_a_fleet(
+        secured: Secured, etcd: Child, tiny_model: str) -> None:
+    args = fleet_args(etcd.address, secured.certs, "mt", tiny_model)
+    shared = [a for a in args if a not in ("--tls-cert", "worker-mt")]
+    with pytest.raises(ConfigError, match=r"tls_cert 'worker' is worker/worker: a fleet "
+                                          r"under TLS needs a worker instance certificate"):
+        load_config(FleetConfig, shared, {})
+    with pytest.raises(ConfigError, match=r"worker_id 'x\.y'"):
+        load_config(FleetConfig, [*args, "--worker-id", "x.y"], {})
+
+
 async def test_a_fake_worker_with_a_foreign_certificate_never_gets_a_request(
         secured: Secured, etcd: Child, tiny_model: str) -> None:
     fake = await start_fleet(load_config(FleetConfig, fleet_args(
-        etcd.address, secured.rogue, "fake-", tiny_model), {}))
+        etcd.address, secured.rogue, "fake", tiny_model), {}))
     try:
         await wait_routable(secured.router, 2, "the real and the fake worker")
         reports = (await metrics(secured.router))["kvmesh_router_failure_reports_total"]
