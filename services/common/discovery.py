@@ -148,8 +148,9 @@ class Registration:
                 if not permission_denied(exc):
                     raise
                 who = self._tls.identity if self._tls is not None else "no certificate"
+                owner = self._record.instance_id.partition(".")[0]  # a sub-id's owner
                 hint = (" (with etcd auth on, a worker needs the instance certificate "
-                        f"worker:{self._record.instance_id})"
+                        f"worker:{owner})"
                         if self._record.component == "worker" else "")
                 raise EtcdPermissionError(
                     f"etcd refused to register {self.key} for {who}: permission denied"
