@@ -61,7 +61,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("blocks", "workers", "entries", "events_applied", "gaps", "resyncs", "workers_removed", "stream_entries")
+    __slots__ = ("blocks", "workers", "entries", "events_applied", "gaps", "resyncs", "workers_removed", "stream_entries", "unsigned_entries", "forged_entries", "bad_entries")
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +70,9 @@ class StatsResponse(_message.Message):
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_REMOVED_FIELD_NUMBER: _ClassVar[int]
     STREAM_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    UNSIGNED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    FORGED_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BAD_ENTRIES_FIELD_NUMBER: _ClassVar[int]
     blocks: int
     workers: int
     entries: int
@@ -78,4 +81,7 @@ class StatsResponse(_message.Message):
     resyncs: int
     workers_removed: int
     stream_entries: int
-    def __init__(self, blocks: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., events_applied: _Optional[int] = ..., gaps: _Optional[int] = ..., resyncs: _Optional[int] = ..., workers_removed: _Optional[int] = ..., stream_entries: _Optional[int] = ...) -> None: ...
+    unsigned_entries: int
+    forged_entries: int
+    bad_entries: int
+    def __init__(self, blocks: _Optional[int] = ..., workers: _Optional[int] = ..., entries: _Optional[int] = ..., events_applied: _Optional[int] = ..., gaps: _Optional[int] = ..., resyncs: _Optional[int] = ..., workers_removed: _Optional[int] = ..., stream_entries: _Optional[int] = ..., unsigned_entries: _Optional[int] = ..., forged_entries: _Optional[int] = ..., bad_entries: _Optional[int] = ...) -> None: ...

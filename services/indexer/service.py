@@ -12,7 +12,8 @@ Contract:
   id.
 - ``Dump``: the exact state (all workers, or one), with the last applied event id; a
   ``worker_id`` no worker has answers no workers.
-- ``Stats``: index sizes plus the feed's counters.
+- ``Stats``: index sizes plus the feed's counters (entries dropped for their signature
+  and malformed ones included: a forged event shows there, never in the index).
 """
 
 from __future__ import annotations
@@ -97,4 +98,6 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         return indexer_pb2.StatsResponse(
             blocks=sizes["blocks"], workers=sizes["workers"], entries=sizes["entries"],
             events_applied=s.events_applied, gaps=s.gaps, resyncs=s.resyncs,
-            workers_removed=s.workers_removed, stream_entries=s.entries)
+            workers_removed=s.workers_removed, stream_entries=s.entries,
+            unsigned_entries=s.unsigned_entries, forged_entries=s.forged_entries,
+            bad_entries=s.bad_entries)
