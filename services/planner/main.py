@@ -13,7 +13,8 @@ Contract:
 - :func:`start_planner` builds and starts everything and registers the planner as
   component ``planner`` through :class:`MeshServer` (health + reflection only; no gRPC API).
   Stopping the server stops the loop, the observer and the actuator (the local actuator
-  stops the workers it started).
+  stops the workers it started). Its scrapes of the frontends' ``/metrics`` send
+  :meth:`PlannerConfig.scrape_api_key` as a Bearer token.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -98,6 +99,14 @@ class PlannerConfig(BaseConfig):
         "help": "comma-separated frontend /metrics URLs (default: discover frontends)"})
     scrape_timeout_s: float = dataclasses.field(default=2.0, metadata={
         "help": "timeout of GetLoad and /metrics scrapes"})
+    frontend_api_key: str = dataclasses.field(default="", metadata={
+        "help": "API key sent as a Bearer token to the frontends' /metrics (a frontend "
+                "with --metrics-auth wants one; default: KVMESH_API_KEY)"})
+
+    def scrape_api_key(self, environ: Mapping[str, str] = os.environ) -> str:
+        """The key the planner's scrapes send: ``frontend_api_key``, else
+        ``KVMESH_API_KEY`` (the key a client command of ``kvmesh`` sends), else none."""
+        return self.frontend_api_key or environ.get("KVMESH_API_KEY", "")
 
     def worker_env_dict(self) -> dict[str, str]:
         data = json.loads(self.worker_env or "{}")
@@ -255,7 +264,7 @@ async def start_planner(cfg: PlannerConfig,
     core = PlannerCore(cfg.settings(), model)
     urls = [u.strip() for u in cfg.metrics_urls.split(",") if u.strip()]
     observer = MeshObserver(cfg.etcd_endpoint, cfg.namespace, cfg.scrape_timeout_s, urls,
-                            tls_for(cfg, "planner"))
+                            tls_for(cfg, "planner"), api_key=cfg.scrape_api_key())
     actuator = build_actuator(cfg)
     await observer.start()
     labels = {"mode": cfg.mode, "actuator": cfg.actuator}

@@ -17,7 +17,12 @@ Contract:
   in its record's ``http`` label, or the fixed ``metrics_urls``). A frontend whose scrape
   fails contributes its last good counters, so a missed scrape does not look like a
   counter reset; frontends that left discovery stop contributing. Traffic is ``None``
-  when no frontend was ever scraped.
+  when no frontend was ever scraped. With an ``api_key`` every scrape sends
+  ``Authorization: Bearer <key>`` (a frontend with ``--metrics-auth`` answers 401
+  without one). A failing URL logs one warning when it starts failing (a 401 says which
+  setting gives the key; the key is never logged) and one line when it recovers; the
+  failures in between are only counted (:attr:`MeshObserver.scrape_failures`).
+  ``transport`` replaces httpx's network transport (tests).
 """
 
 from __future__ import annotations
@@ -91,14 +96,19 @@ class MeshObserver:
     """Reads workers' load and frontends' traffic; see the module docstring."""
 
     def __init__(self, etcd_endpoint: str, namespace: str, timeout_s: float = 2.0,
-                 metrics_urls: Sequence[str] = (), tls: MeshTls | None = None) -> None:
+                 metrics_urls: Sequence[str] = (), tls: MeshTls | None = None,
+                 api_key: str = "", transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._workers = InstanceWatcher(etcd_endpoint, namespace, "worker", tls=tls)
         self._frontends = InstanceWatcher(etcd_endpoint, namespace, "frontend", tls=tls)
         self._timeout = timeout_s
         self._fixed_urls = list(metrics_urls)
         self._pool = ChannelPool(tls, "worker")
-        self._http = httpx.AsyncClient(timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers, transport=transport)
+        self._has_key = bool(api_key)
         self._last_traffic: dict[str, TrafficCounters] = {}
+        self._failing: dict[str, int] = {}  # url → scrapes failed in a row
+        self.scrape_failures = 0
 
     async def start(self) -> None:
         """Loads the first discovery snapshots."""
@@ -137,7 +147,22 @@ class MeshObserver:
             resp.raise_for_status()
             self._last_traffic[url] = traffic_from_metrics(resp.text)
         except (httpx.HTTPError, ValueError) as exc:
-            log.warning("scraping %s failed: %s", url, exc)
+            self.scrape_failures += 1
+            n = self._failing[url] = self._failing.get(url, 0) + 1
+            if n > 1:
+                return
+            hint = ""
+            if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 401:
+                hint = (" (the frontend's /metrics wants an API key: "
+                        + ("the planner's was refused" if self._has_key else
+                           "set --frontend-api-key / KVMESH_FRONTEND_API_KEY or "
+                           "KVMESH_API_KEY") + ")")
+            log.warning("scraping %s failed: %s%s; later failures in a row are only "
+                        "counted", url, exc, hint)
+            return
+        n = self._failing.pop(url, 0)
+        if n:
+            log.info("scraping %s works again after %d failures", url, n)
 
     async def collect(self) -> Snapshot:
         """Workers' loads and the frontends' summed counters, now."""
