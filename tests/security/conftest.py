@@ -92,8 +92,11 @@ TIMEOUT_S = 5.0
 # gRPC's words for a channel that never became ready (so no call was ever sent) ...
 NEVER_CONNECTED = "failed to connect to all addresses"
 # ... because the TLS handshake (or a plaintext hello to a TLS server) failed: with TLS 1.3
-# the server's refusal of the client certificate reaches the client as a closed socket.
-HANDSHAKE_REASONS = ("socket closed", "ssl", "handshake", "tls", "connection reset")
+# the server's refusal of the client certificate reaches the client as a closed socket
+# (a gRPC server), or as a bad_certificate alert it cannot decrypt (etcd, Go's TLS:
+# "Unwrap failed (TSI_DATA_CORRUPTED)").
+HANDSHAKE_REASONS = ("socket closed", "ssl", "handshake", "tls", "connection reset",
+                     "tsi_data_corrupted")
 
 
 @dataclass(frozen=True)
@@ -219,10 +222,11 @@ class SecureMesh:
         """A Redis client logged in as the ACL user of certificate ``stem``'s role."""
         return redis_client(self.redis_url, self.tls(stem))
 
-    async def restart(self, name: str) -> None:
+    async def restart(self, name: str, component: str) -> None:
         """SIGKILLs child ``name`` (by its PID), has the supervisor restart it, waits
-        until etcd holds exactly the records of :data:`REGISTERED` again (an indexer's
-        instance id names its new port) and re-reads :attr:`records`."""
+        until etcd holds exactly the records of :data:`REGISTERED` again, ``component``'s
+        from the new process (its instance id or start time changed: the old record stays
+        until its lease expires), and re-reads :attr:`records`."""
         old = self.launcher.child(name)
         os.kill(old.pid, signal.SIGKILL)
         old.proc.wait(timeout=TIMEOUT_S)
@@ -233,11 +237,17 @@ class SecureMesh:
         wait_for_sync(restarted, 30, lambda: f"{name} to be restarted", interval_s=0.1)
         before = {k: [r.instance_id for r in v] for k, v in self.records.items()}
 
+        def incarnations(recs: list[discovery_pb2.InstanceRecord]) -> set[tuple[str, int]]:
+            return {(r.instance_id, r.started_at_ms) for r in recs}
+        old_records = incarnations(self.records[component])
+
         async def registered() -> bool:
             self.launcher.supervise()  # as `kvmesh up` does meanwhile
             records = await instance_records(self.launcher_etcd, self.namespace,
                                              self.tls("admin"))
             if not all(len(records.get(k, ())) == n for k, n in REGISTERED.items()):
+                return False
+            if incarnations(records[component]) & old_records:
                 return False
             self.records.clear()
             self.records.update(records)
