@@ -71,7 +71,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -181,6 +181,22 @@ class MeshSpec:
             if not getattr(self, name) > 0:
                 out.append(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
         return out
+
+
+def scrape_key_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The planner's key for the frontend's /metrics (``--metrics-auth``): the one given
+    (``KVMESH_FRONTEND_API_KEY``), else the frontend's first key (``KVMESH_API_KEYS``, else
+    the first line of ``KVMESH_API_KEY_FILE``); {} when the frontend has none."""
+    from services.frontend.auth import parse_key_file, split_keys
+
+    key = environ.get("KVMESH_FRONTEND_API_KEY", "")
+    if not key:
+        keys = split_keys(environ.get("KVMESH_API_KEYS", ""))
+        path = environ.get("KVMESH_API_KEY_FILE", "")
+        if not keys and path and Path(path).is_file():
+            keys = [k for k, _ in parse_key_file(Path(path).read_text())]
+        key = keys[0] if keys else ""
+    return {"KVMESH_FRONTEND_API_KEY": key} if key else {}
 
 
 def health(url: str) -> tuple[int, dict[str, object]]:
@@ -306,7 +322,8 @@ class LocalMesh:
             if s.planner:
                 self._python("planner", "services.planner", KVMESH_ACTUATOR="dry_run",
                              KVMESH_MODE="agg" if s.mode == "agg" else "disagg",
-                             KVMESH_METRICS_URLS=f"{self.url}/metrics")
+                             KVMESH_METRICS_URLS=f"{self.url}/metrics",
+                             **scrape_key_env(os.environ))
         except BaseException:
             self.stop()
             raise

@@ -6,6 +6,7 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +53,16 @@ def test_the_first_model_is_asked_with_the_key(models_url: str) -> None:
     assert _first_model(models_url, "sk-1") == "m"
     with pytest.raises(OSError, match="401"):  # urllib's HTTPError: an OSError
         _first_model(models_url, "")
+
+
+def test_kvmesh_up_gives_its_planner_the_frontend_s_first_key(tmp_path: Path) -> None:
+    from services.launcher.up import scrape_key_env
+
+    assert scrape_key_env({}) == {}
+    assert scrape_key_env({"KVMESH_API_KEYS": "k1,k2"}) == {"KVMESH_FRONTEND_API_KEY": "k1"}
+    keys = tmp_path / "keys"
+    keys.write_text("# team\nsk-alice alice\nsk-bob bob\n")
+    assert scrape_key_env({"KVMESH_API_KEY_FILE": str(keys)}) == {
+        "KVMESH_FRONTEND_API_KEY": "sk-alice"}
+    assert scrape_key_env({"KVMESH_FRONTEND_API_KEY": "given", "KVMESH_API_KEYS": "k1"}) == {
+        "KVMESH_FRONTEND_API_KEY": "given"}
