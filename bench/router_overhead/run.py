@@ -1,48 +1,82 @@
-"""What the frontend and router add to a request, with an engine that costs nothing.
+"""What the frontend and router add to a request, with an engine that costs nothing; and
+what mTLS adds, per RPC.
 
 ``python -m bench.router_overhead [--rates 25,50,100,200] [--duration-s 4] [--workers 4]
-[--policy kv] [--out bench/results]``
+[--policy kv] [--tls both] [--rpc-rounds 6] [--rpc-calls 200] [--out bench/results]``
 
 Contracts:
 
-- Starts, as child processes on free loopback ports (stopped by PID at the end): etcd,
-  Redis, the indexer, a fleet of ``--workers`` mock workers with the ``zero`` timing model
-  (every engine step takes no time; KV events still flow to the indexer), the router
-  (``--policy``, remote indexer) and the frontend.
+- Per mode of ``--tls`` (``off``: plaintext; ``on``: mTLS; ``both``, the default: two
+  meshes side by side) it starts, as child processes on free loopback ports (stopped by
+  PID at the end): etcd, Redis, the indexer, a fleet of ``--workers`` mock workers with the
+  ``zero`` timing model (every engine step takes no time; KV events still flow to the
+  indexer), the router (``--policy``, remote indexer) and the frontend. The mTLS mesh is
+  exactly what ``--tls-dir`` turns on (:mod:`bench.tls_cost`): certificates from
+  ``write_mesh_certs`` in the mesh's temporary folder, every server requiring client
+  certificates with the role authorization interceptor, every client presenting its
+  role's; this process calls as the frontend. etcd and Redis stay plaintext in both.
+  Every gRPC call of this process goes through :func:`services.common.grpc_client.channel`
+  (the frontend's helper) on long-lived channels.
 - Per rate, two open-loop Poisson request streams of ``--duration-s`` each, one after the
   other, from this process: the **anchor** calls a worker's gRPC ``Generate`` directly
   (round robin over the workers), the **mesh** path POSTs ``/v1/completions`` to the
   frontend (tokenized prompt, so no tokenizer time) which calls the router and then the
   worker. Both use 64-token prompts (a shared 32-token head, so the kv policy has work)
-  and ``max_tokens`` 1. Latency is send → complete response at the client.
+  and ``max_tokens`` 1. Latency is send → complete response at the client. With both
+  modes, each rate runs in both meshes, in alternating order (ABBA).
 - Reports per rate p50/p99 of both, the added latency (mesh − anchor, at p50 and p99),
-  achieved rates and errors; writes ``<out>/router_overhead.json`` and ``.png``. All
-  processes share this machine's cores, so the numbers include contention with the
-  client; both paths pay it equally.
+  achieved rates and errors: ``rows`` (the plaintext mesh; with ``--tls on`` the mTLS
+  one), with both modes also ``rows_tls`` and ``rate_ratio`` (TLS / plaintext p50 per rate).
+- ``rpc`` (``--rpc-rounds`` > 0): per-RPC latency, one call in flight, the modes
+  alternating call by call: Router.Route + Router.Release in pairs, Worker.Generate
+  (max_tokens 1), the whole HTTP completion, Router.ListWorkers; and ``connect``: a fresh
+  channel to the router until READY (the TCP + TLS handshake a long-lived channel pays
+  once). Then each RPC alone per mode for its CPU µs per call (this process, and the
+  mode's mesh processes: :func:`bench.tls_cost.cpu_block`). Per RPC and mode
+  p50/p99/mean µs, the ratio, the cost of TLS in µs (wall p50 and CPU) and, for the
+  data path (:data:`DATA_PATH`: what the frontend calls per request, and the request
+  itself), whether it is within 10 %: reported, never asserted.
+- Writes ``<out>/router_overhead.json`` and ``.png``. All processes share this machine's
+  cores, so the numbers include contention with the client; both paths pay it equally.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import httpx
 import numpy as np
 
 from bench.mesh import BenchMesh
+from bench.tls_cost import (
+    TLS_FLAG,
+    cpu_block,
+    interleaved,
+    modes_of,
+    plot_rpc,
+    print_rows,
+    round_order,
+    summarize,
+    verdict,
+)
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.grpc_client import channel
 from services.common.procs import free_port
+from services.common.tls import MeshTls, write_mesh_certs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
+MODEL = "tiny"
 
 
 def prompt(i: int) -> list[int]:
@@ -81,87 +115,265 @@ async def _poisson(rate: float, duration_s: float, call: Any, seed: int) -> dict
             "p99_ms": float(np.percentile(a, 99) * 1e3), "mean_ms": float(np.mean(a) * 1e3)}
 
 
-async def measure(url: str, workers: list[str], model: str, rates: list[float],
-                  duration_s: float) -> list[dict[str, Any]]:
-    channels = [grpc.aio.insecure_channel(a) for a in workers]
-    stubs = [worker_pb2_grpc.WorkerStub(c) for c in channels]
-    out = []
+def _stubs(workers: list[str], tls: MeshTls | None) -> tuple[list[Any], list[Any]]:
+    """Long-lived channels to the workers (the frontend's channel helper) and their stubs."""
+    channels = [channel(a, tls, "worker") for a in workers]
+    return channels, [worker_pb2_grpc.WorkerStub(c) for c in channels]
+
+
+async def measure(targets: dict[str, Target], rates: list[float],
+                  duration_s: float) -> dict[str, list[dict[str, Any]]]:
+    """The rate sweep of every mode in ``targets``; per rate the modes alternate (ABBA)."""
+    out: dict[str, list[dict[str, Any]]] = {m: [] for m in targets}
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as http:
-        async def direct(i: int) -> None:
-            req = worker_pb2.GenerateRequest(
-                request_id=f"d{i}-{time.monotonic_ns()}", token_ids=prompt(i), model=model,
-                sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
-            async for _ in stubs[i % len(stubs)].Generate(req, timeout=30):
-                pass
+        calls: dict[str, tuple[Any, Any]] = {}
+        closers = []
+        for mode, tg in targets.items():
+            channels, stubs = _stubs(tg.workers, tg.tls)
+            closers += channels
 
-        async def mesh(i: int) -> None:
-            resp = await http.post(f"{url}/v1/completions", json={
-                "model": model, "prompt": prompt(i), "max_tokens": 1, "temperature": 0})
-            resp.raise_for_status()
+            async def direct(i: int, stubs: list[Any] = stubs) -> None:
+                req = worker_pb2.GenerateRequest(
+                    request_id=f"d{i}-{time.monotonic_ns()}", token_ids=prompt(i),
+                    model=MODEL, sampling=common_pb2.SamplingParams(max_tokens=1,
+                                                                    temperature=0.0))
+                async for _ in stubs[i % len(stubs)].Generate(req, timeout=30):
+                    pass
 
-        await _poisson(20, 1.0, mesh, 0)  # warm-up: connections, JIT-free paths
-        await _poisson(20, 1.0, direct, 0)
-        for rate in rates:
-            anchor = await _poisson(rate, duration_s, direct, int(rate))
-            through = await _poisson(rate, duration_s, mesh, int(rate) + 1)
-            out.append({"rate_rps": rate, "anchor_direct_worker": anchor,
-                        "frontend_router": through,
-                        "added_p50_ms": through["p50_ms"] - anchor["p50_ms"],
-                        "added_p99_ms": through["p99_ms"] - anchor["p99_ms"]})
-            print(f"{rate:6.0f} req/s  direct p50 {anchor['p50_ms']:.2f} p99 {anchor['p99_ms']:.2f}"
-                  f"  mesh p50 {through['p50_ms']:.2f} p99 {through['p99_ms']:.2f} ms"
-                  f"  errors {anchor['errors']}/{through['errors']}", flush=True)
-    for c in channels:
+            async def mesh(i: int, url: str = tg.url) -> None:
+                resp = await http.post(f"{url}/v1/completions", json={
+                    "model": MODEL, "prompt": prompt(i), "max_tokens": 1, "temperature": 0})
+                resp.raise_for_status()
+            calls[mode] = (direct, mesh)
+            await _poisson(20, 1.0, mesh, 0)  # warm-up: connections, JIT-free paths
+            await _poisson(20, 1.0, direct, 0)
+        for k, rate in enumerate(rates):
+            for mode in round_order(list(targets), k):
+                direct, mesh = calls[mode]
+                anchor = await _poisson(rate, duration_s, direct, int(rate))
+                through = await _poisson(rate, duration_s, mesh, int(rate) + 1)
+                out[mode].append({"rate_rps": rate, "anchor_direct_worker": anchor,
+                                  "frontend_router": through,
+                                  "added_p50_ms": through["p50_ms"] - anchor["p50_ms"],
+                                  "added_p99_ms": through["p99_ms"] - anchor["p99_ms"]})
+                print(f"{mode:>8} {rate:6.0f} req/s  direct p50 {anchor['p50_ms']:.2f} p99 "
+                      f"{anchor['p99_ms']:.2f}  mesh p50 {through['p50_ms']:.2f} p99 "
+                      f"{through['p99_ms']:.2f} ms  errors {anchor['errors']}/"
+                      f"{through['errors']}", flush=True)
+    for c in closers:
         await c.close()
     return out
 
 
-def plot(rows: list[dict[str, Any]], path: Path) -> None:
+DATA_PATH = ("Router.Route", "Router.Release", "Worker.Generate (max_tokens 1)",
+             "HTTP completion (frontend+router+worker)")
+CONNECT = "connect: channel to READY (router)"
+
+
+def _rpc_calls(tg: Target, router: Any, workers: list[Any], http: httpx.AsyncClient,
+               tag: str, opened: list[Any]) -> dict[str, Any]:
+    """One mode's calls for :func:`measure_rpcs`: name → ``async call(i)``. The connect
+    call leaves its READY channel in ``opened`` (closed by the caller, untimed)."""
+    async def route(i: int) -> None:
+        await router.Route(router_pb2.RouteRequest(
+            request_id=f"{tag}-{i}", model=MODEL, token_ids=prompt(i), max_tokens=1),
+            timeout=10)
+
+    async def release(i: int) -> None:
+        await router.Release(router_pb2.ReleaseRequest(request_id=f"{tag}-{i}"), timeout=10)
+
+    async def generate(i: int) -> None:
+        req = worker_pb2.GenerateRequest(
+            request_id=f"{tag}-g{i}", token_ids=prompt(i), model=MODEL,
+            sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+        async for _ in workers[i % len(workers)].Generate(req, timeout=10):
+            pass
+
+    async def complete(i: int) -> None:
+        resp = await http.post(f"{tg.url}/v1/completions", json={
+            "model": MODEL, "prompt": prompt(i), "max_tokens": 1, "temperature": 0})
+        resp.raise_for_status()
+
+    async def list_workers(_: int) -> None:
+        await router.ListWorkers(router_pb2.ListWorkersRequest(), timeout=10)
+
+    async def connect(_: int) -> None:
+        ch = channel(tg.router, tg.tls, "router")
+        opened.append(ch)
+        await asyncio.wait_for(ch.channel_ready(), 10)
+    return {"Router.Route": route, "Router.Release": release, DATA_PATH[2]: generate,
+            DATA_PATH[3]: complete, "Router.ListWorkers": list_workers, CONNECT: connect}
+
+
+async def measure_rpcs(targets: dict[str, Target], rounds: int,
+                       calls: int) -> dict[str, Any]:
+    """Per-RPC latency (one call in flight, long-lived channels, the modes alternating
+    call by call) and connect cost; see the module docstring."""
+    counts = {"Router.Route": calls, DATA_PATH[2]: calls, DATA_PATH[3]: calls // 2,
+              "Router.ListWorkers": calls // 2, CONNECT: 5}
+    samples: dict[str, dict[str, list[float]]] = {
+        n: {m: [] for m in targets} for n in [*DATA_PATH, "Router.ListWorkers", CONNECT]}
+    async with httpx.AsyncClient(timeout=30) as http:
+        setup: dict[str, tuple[Any, ...]] = {}
+        opened: list[Any] = []
+        for mode, tg in targets.items():
+            router_ch = channel(tg.router, tg.tls, "router")
+            setup[mode] = (router_ch, router_pb2_grpc.RouterStub(router_ch), *_stubs(
+                tg.workers, tg.tls))
+        for r in range(rounds):
+            plans = {mode: _rpc_calls(targets[mode], router, workers, http,
+                                      f"rpc-{mode}-{r}-{time.monotonic_ns()}", opened)
+                     for mode, (_, router, _, workers) in setup.items()}
+            for i in range(calls):  # Route then Release: nothing stays routed
+                for mode in round_order(list(plans), i):
+                    t0 = time.perf_counter()
+                    await plans[mode]["Router.Route"](i)
+                    t1 = time.perf_counter()
+                    await plans[mode]["Router.Release"](i)
+                    samples["Router.Route"][mode].append(t1 - t0)
+                    samples["Router.Release"][mode].append(time.perf_counter() - t1)
+            for name, n in counts.items():
+                if name != "Router.Route":
+                    got = await interleaved(n, {m: p[name] for m, p in plans.items()})
+                    for mode, secs in got.items():
+                        samples[name][mode] += secs
+        cpu: dict[str, dict[str, dict[str, float]]] = {n: {} for n in samples}
+        for mode, (_, router, _, workers) in setup.items():  # CPU per call, each mode alone
+            plan = _rpc_calls(targets[mode], router, workers, http,
+                              f"cpu-{mode}-{time.monotonic_ns()}", opened)
+            for name, n in {**counts, "Router.Release": calls}.items():
+                if name != CONNECT:  # Route's block leaves them routed; Release's frees
+                    cpu[name][mode] = await cpu_block(n, plan[name], targets[mode].pids)
+        for router_ch, _, chans, _ in setup.values():
+            opened += [router_ch, *chans]
+        for c in opened:
+            await c.close()
+    conn = summarize({CONNECT: samples.pop(CONNECT)})
+    rows = summarize(samples, DATA_PATH, cpu)
+    print_rows(rows, f"per RPC ({rounds} rounds x {calls} calls, one in flight):")
+    print_rows(conn, "connect (a fresh channel, once per long-lived channel):")
+    return {"rounds": rounds, "calls_per_round": calls, "rows": rows, "connect": conn,
+            "data_path": list(DATA_PATH), "data_path_within_10pct": verdict(rows),
+            "data_path_cpu_within_10pct": verdict(rows, "cpu_within_10pct")}
+
+
+def rate_ratios(rows: list[dict[str, Any]], rows_tls: list[dict[str, Any]]) -> list[dict[str,
+                                                                                      Any]]:
+    """Per rate: TLS / insecure p50 of both paths, and the added latency of each."""
+    out = []
+    for a, b in zip(rows, rows_tls, strict=True):
+        out.append({"rate_rps": a["rate_rps"],
+                    "mesh_p50_ratio": b["frontend_router"]["p50_ms"]
+                    / a["frontend_router"]["p50_ms"],
+                    "anchor_p50_ratio": b["anchor_direct_worker"]["p50_ms"]
+                    / a["anchor_direct_worker"]["p50_ms"],
+                    "mesh_p50_cost_ms": b["frontend_router"]["p50_ms"]
+                    - a["frontend_router"]["p50_ms"],
+                    "added_p50_ms_insecure": a["added_p50_ms"],
+                    "added_p50_ms_tls": b["added_p50_ms"]})
+    return out
+
+
+def plot(rows: list[dict[str, Any]], path: Path, rows_tls: list[dict[str, Any]] | None = None,
+         rpc: dict[str, Any] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     rates = [r["rate_rps"] for r in rows]
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3 if rpc else 2, figsize=(16 if rpc else 11, 4))
     for key, style in (("p50_ms", "o-"), ("p99_ms", "s--")):
         ax[0].plot(rates, [r["anchor_direct_worker"][key] for r in rows], style,
                    label=f"direct worker {key[:3]}")
         ax[0].plot(rates, [r["frontend_router"][key] for r in rows], style,
                    label=f"frontend+router {key[:3]}")
         ax[1].plot(rates, [r[f"added_{key}"] for r in rows], style, label=f"added {key[:3]}")
+        if rows_tls:
+            ax[0].plot(rates, [r["frontend_router"][key] for r in rows_tls], style,
+                       label=f"frontend+router mTLS {key[:3]}")
+            ax[1].plot(rates, [r[f"added_{key}"] for r in rows_tls], style,
+                       label=f"added mTLS {key[:3]}")
     ax[0].set(xlabel="offered rate (req/s)", ylabel="latency (ms)", title="request latency")
     ax[1].set(xlabel="offered rate (req/s)", ylabel="ms", title="added by frontend + router")
-    for a in ax:
+    for a in ax[:2]:
         a.legend(fontsize=8)
         a.grid(alpha=0.3)
+    if rpc:
+        plot_rpc(ax[2], rpc["rows"], "per RPC: insecure vs mTLS (* data path)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    with BenchMesh("rovh") as mesh:
-        mesh.py("indexer", "services.indexer")
-        mesh.py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "zero",
-                "--model-path", "tiny", "--model-name", "tiny", "--max-model-len", "512")
-        router_port = free_port()
-        mesh.py("router", "services.router", "--policy", args.policy, "--indexer", args.indexer,
-                "--port", str(router_port))
-        url = mesh.frontend(args.workers, 120)
+@dataclass
+class Target:
+    """One mesh of a mode: the frontend's URL, the router and workers, the client TLS."""
 
-        async def workers() -> list[str]:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{router_port}") as ch:
-                resp = await router_pb2_grpc.RouterStub(ch).ListWorkers(
-                    router_pb2.ListWorkersRequest())
-            return [w.address for w in resp.workers]
-        addrs = asyncio.run(workers())
-        rows = asyncio.run(measure(url, addrs, "tiny", [float(r) for r in args.rates.split(",")],
-                                   args.duration_s))
-        return {"benchmark": "router_overhead", "workers": args.workers, "policy": args.policy,
-                "indexer": args.indexer,
-                "engine": "mock (zero timing)", "duration_s": args.duration_s,
-                "cpus": os.cpu_count(), "rows": rows}
+    url: str
+    router: str
+    workers: list[str]
+    tls: MeshTls | None
+    pids: list[int]  # the mesh's processes (their CPU time, descendants included)
+
+
+def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace) -> Target:
+    """A whole mesh (etcd, Redis, indexer, fleet, router, frontend) of ``mode``; in TLS
+    mode every child gets ``KVMESH_TLS_DIR`` (certificates made into the mesh's folder)
+    and this process calls as the frontend."""
+    mesh = stack.enter_context(BenchMesh("rovh" if mode == "insecure" else "rovhtls"))
+    tls = None
+    fleet_env: dict[str, str] = {}
+    if mode == "tls":
+        certs = mesh.tmp / "certs"
+        write_mesh_certs(certs)
+        write_mesh_certs(certs, ["worker:fleet"])  # the fleet's workers are fleet.a0, ...
+        fleet_env["KVMESH_TLS_CERT"] = "worker-fleet"
+        mesh.env["KVMESH_TLS_DIR"] = str(certs)
+        tls = MeshTls.load(certs, "frontend")
+    mesh.py("indexer", "services.indexer")
+    mesh.py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "zero",
+            "--model-path", "tiny", "--model-name", MODEL, "--max-model-len", "512",
+            **fleet_env)
+    router_port = free_port()
+    mesh.py("router", "services.router", "--policy", args.policy, "--indexer", args.indexer,
+            "--port", str(router_port))
+    url = mesh.frontend(args.workers, 120)
+    router = f"127.0.0.1:{router_port}"
+
+    async def workers() -> list[str]:
+        ch = channel(router, tls, "router")
+        try:
+            resp = await router_pb2_grpc.RouterStub(ch).ListWorkers(
+                router_pb2.ListWorkersRequest())
+        finally:
+            await ch.close()
+        return [w.address for w in resp.workers]
+    return Target(url, router, asyncio.run(workers()), tls, [c.pid for c in mesh.children])
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    modes = modes_of(args.tls)
+    load_before = os.getloadavg()
+    with contextlib.ExitStack() as stack:
+        targets = {m: start_mesh(stack, m, args) for m in modes}
+        by_mode = asyncio.run(measure(targets, [float(r) for r in args.rates.split(",")],
+                                      args.duration_s))
+        rpc = asyncio.run(measure_rpcs(targets, args.rpc_rounds, args.rpc_calls)) \
+            if args.rpc_rounds > 0 else None
+    report: dict[str, Any] = {
+        "benchmark": "router_overhead", "workers": args.workers, "policy": args.policy,
+        "indexer": args.indexer, "engine": "mock (zero timing)", "duration_s": args.duration_s,
+        "cpus": os.cpu_count(), "loadavg_1_5_15": {"before": load_before,
+                                                    "after": os.getloadavg()},
+        "tls": args.tls, "modes": list(modes),
+        "rows": by_mode[modes[0]]}
+    if len(modes) == 2:
+        report["rows_tls"] = by_mode["tls"]
+        report["rate_ratio"] = rate_ratios(by_mode["insecure"], by_mode["tls"])
+    if rpc is not None:
+        report["rpc"] = rpc
+    return report
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -173,13 +385,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--indexer", default="remote", choices=("remote", "embedded", "none"))
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="router_overhead", help="output file stem")
+    p.add_argument("--tls", default="both", choices=tuple(TLS_FLAG),
+                   help="plaintext meshes, mTLS meshes (--tls-dir: certificates + role "
+                        "authorization), or both side by side, interleaved")
+    p.add_argument("--rpc-rounds", type=int, default=6,
+                   help="rounds of the per-RPC measurement (0: skip it)")
+    p.add_argument("--rpc-calls", type=int, default=200, help="calls per RPC and round")
     args = p.parse_args(argv)
     report = run(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = args.name
     (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    plot(report["rows"], out / f"{name}.png")
+    plot(report["rows"], out / f"{name}.png", report.get("rows_tls"), report.get("rpc"))
     print(f"-> {out}/{name}.json/.png")
     return 0
 

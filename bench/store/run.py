@@ -1,7 +1,7 @@
 """kvmesh store benchmark: put/get throughput, and TTFT with store reuse vs recompute.
 
-``python -m bench.store [--part ops,ttft] [--sizes 64KiB,1MiB,4MiB,16MiB] [--model smollm2]
-[--prefixes 1024,2048,4096] [--reps 3] [--out bench/results]``
+``python -m bench.store [--part ops,tls,ttft] [--sizes 64KiB,1MiB,4MiB,16MiB]
+[--model smollm2] [--prefixes 1024,2048,4096] [--reps 3] [--tls both] [--out bench/results]``
 
 Contracts:
 
@@ -15,6 +15,23 @@ Contracts:
   (``get_many``), checks every byte once, and removes them. GB/s is decimal over the whole
   phase; ops/s is objects per second. A ``batch=1`` row at the smallest size gives the
   per-op latency floor (two RPCs + one transfer). Written to ``<out>/store.json``/``.png``.
+- ``tls``: the master's RPCs plaintext vs mTLS, in the same run, for the modes of ``--tls``
+  (``off``, ``on``, ``both`` = default). The mTLS master is a second master (and store
+  node) with ``--tls-dir`` (certificates from ``write_mesh_certs``; client certificates
+  required, role authorization interceptor), the bench calling as ``store_client`` (and
+  ``admin`` for RemoveAll) through :func:`services.common.grpc_client.sync_channel`, as
+  :class:`StoreClient` does. ``rpc``: per-RPC latency on one long-lived channel per mode,
+  one call in flight, the modes alternating call by call, ``--rpc-rounds`` ×
+  ``--rpc-calls`` (PutStart, PutEnd, GetReplicaList, ExistKey on 4 KiB objects; their
+  Batch* forms with 8 keys: the data path, :data:`STORE_DATA_PATH`; Ping and Stats), and
+  ``connect``: a fresh channel until READY (the TCP + TLS handshake); then each RPC alone
+  per mode for its CPU µs per call (this process and the master). Per RPC and mode
+  p50/p99/mean µs, the TLS / plaintext ratio, the cost in µs (wall p50 and CPU), and for
+  the data path whether it is within 10 % (reported, never asserted). ``ops``: the ``ops`` phases
+  through a StoreClient of each mode, the modes alternating per phase,
+  ``--tls-ops-rounds`` times (medians; bytes move over NIXL, not TLS). Written to
+  ``<out>/store_tls.json``/``.png`` (``store.json`` keeps the plaintext figures that the
+  Mooncake comparison pairs with).
 - ``ttft``: for each prefix length L, prompts = a shared L-token prefix + a 16-token unique
   suffix, ``max_tokens=1``, TTFT = wall time to the first output. Configurations:
   ``plain`` (engine without connector: pure recompute after a prefix-cache reset),
@@ -43,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -53,12 +71,27 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.tls_cost import (
+    TLS_FLAG,
+    connect_times_sync,
+    cpu_block_sync,
+    interleaved_sync,
+    modes_of,
+    plot_rpc,
+    print_rows,
+    round_order,
+    summarize,
+    verdict,
+)
 from bench.transfer.run import parse_sizes
+from services.common.grpc_client import sync_channel
+from services.common.tls import MeshTls, write_mesh_certs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": "127.0.0.1"}
@@ -66,47 +99,205 @@ MOONCAKE_NOTE = "not run (pass --mooncake-python)"
 PEER = Path(__file__).resolve().parent / "mooncake_peer.py"
 
 
+class OpsRunner:
+    """One client's put/get phases (see the module docstring): source and destination
+    buffers registered once, ``remove_all`` clears the master between phases."""
+
+    def __init__(self, client: Any, biggest: int, remove_all: Callable[[], Any]) -> None:
+        self.client = client
+        self.remove_all = remove_all
+        self.src = np.random.default_rng(0).integers(0, 255, biggest, dtype=np.uint8)
+        self.dst = np.zeros_like(self.src)
+        client.register(int(self.src.ctypes.data), self.src.nbytes)
+        client.register(int(self.dst.ctypes.data), self.dst.nbytes)
+
+    def phase(self, size: int, b: int, budget_bytes: int, tag: str = "") -> dict[str, Any]:
+        """Puts then gets ``n`` objects of ``size`` in batches of ``b``; one row."""
+        client, src, dst = self.client, self.src, self.dst
+        n = max(b * 4, min(512, budget_bytes // size)) // b * b
+        keys = [f"bench/{tag}{size}/{b}/{i}" for i in range(n)]
+        batches = [keys[i:i + b] for i in range(0, n, b)]
+        regions = [[(int(src.ctypes.data) + j * size, size)] for j in range(b)]
+        out_regions = [[(int(dst.ctypes.data) + j * size, size)] for j in range(b)]
+        t0 = time.perf_counter()
+        for ks in batches:
+            res = client.put_many(list(zip(ks, regions, strict=True)))
+            assert all(r == "ok" for r in res), res
+        put_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for ks in batches:
+            res = client.get_many(list(zip(ks, out_regions, strict=True)))
+            assert all(r == "ok" for r in res), res
+        get_s = time.perf_counter() - t0
+        ok = bool(np.array_equal(dst[:b * size], src[:b * size]))
+        time.sleep(0.6)  # read leases (0.5 s) run out
+        self.remove_all()
+        return {"size": size, "batch": b, "objects": n, "verified": ok,
+                "put_s": put_s, "get_s": get_s,
+                "put_gbps": n * size / put_s / 1e9, "get_gbps": n * size / get_s / 1e9,
+                "put_ops": n / put_s, "get_ops": n / get_s}
+
+
+def _print_row(row: dict[str, Any], label: str = "") -> None:
+    print(f"{label}size {row['size']:>9} batch {row['batch']:>2}: put {row['put_gbps']:.2f} "
+          f"GB/s {row['put_ops']:.0f} op/s, get {row['get_gbps']:.2f} GB/s "
+          f"{row['get_ops']:.0f} op/s, verified={row['verified']}", flush=True)
+
+
+def ops_plan(sizes: list[int], batch: int) -> list[tuple[int, int]]:
+    """(size, batch) per phase: every size at ``batch``, then the smallest at batch 1."""
+    return [(s, batch) for s in sizes] + [(min(sizes), 1)]
+
+
 def bench_ops(master_addr: str, sizes: list[int], batch: int, budget_bytes: int,
               client_cls: Any) -> list[dict[str, Any]]:
     """Put/get phases per size (see the module docstring)."""
     client = client_cls(master_addr, client_id="bench-ops")
-    biggest = max(sizes) * batch
-    src = np.random.default_rng(0).integers(0, 255, biggest, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    client.register(int(src.ctypes.data), src.nbytes)
-    client.register(int(dst.ctypes.data), dst.nbytes)
     rows = []
-    plan = [(s, batch) for s in sizes] + [(min(sizes), 1)]
     try:
-        for size, b in plan:
-            n = max(b * 4, min(512, budget_bytes // size)) // b * b
-            keys = [f"bench/{size}/{b}/{i}" for i in range(n)]
-            batches = [keys[i:i + b] for i in range(0, n, b)]
-            regions = [[(int(src.ctypes.data) + j * size, size)] for j in range(b)]
-            out_regions = [[(int(dst.ctypes.data) + j * size, size)] for j in range(b)]
-            t0 = time.perf_counter()
-            for ks in batches:
-                res = client.put_many(list(zip(ks, regions, strict=True)))
-                assert all(r == "ok" for r in res), res
-            put_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for ks in batches:
-                res = client.get_many(list(zip(ks, out_regions, strict=True)))
-                assert all(r == "ok" for r in res), res
-            get_s = time.perf_counter() - t0
-            ok = bool(np.array_equal(dst[:b * size], src[:b * size]))
-            time.sleep(0.6)  # read leases (0.5 s) run out
-            client.stub.RemoveAll(client_cls_pb().RemoveAllRequest())
-            rows.append({"size": size, "batch": b, "objects": n, "verified": ok,
-                         "put_s": put_s, "get_s": get_s,
-                         "put_gbps": n * size / put_s / 1e9, "get_gbps": n * size / get_s / 1e9,
-                         "put_ops": n / put_s, "get_ops": n / get_s})
-            print(f"size {size:>9} batch {b:>2}: put {rows[-1]['put_gbps']:.2f} GB/s "
-                  f"{rows[-1]['put_ops']:.0f} op/s, get {rows[-1]['get_gbps']:.2f} GB/s "
-                  f"{rows[-1]['get_ops']:.0f} op/s, verified={ok}", flush=True)
+        runner = OpsRunner(client, max(sizes) * batch,
+                           lambda: client.stub.RemoveAll(client_cls_pb().RemoveAllRequest()))
+        for size, b in ops_plan(sizes, batch):
+            rows.append(runner.phase(size, b, budget_bytes))
+            _print_row(rows[-1])
     finally:
         client.close()
     return rows
+
+
+@dataclass
+class Master:
+    """A store master of one mode: its address, the bench's client TLS (store_client
+    role) and the admin's (RemoveAll); None = plaintext."""
+
+    address: str
+    tls: MeshTls | None = None
+    admin: MeshTls | None = None
+    pids: tuple[int, ...] = ()  # the master's process (its CPU time)
+
+
+def _median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median of each figure over the rounds of one (size, batch)."""
+    out = dict(rows[0])
+    for k in ("put_s", "get_s", "put_gbps", "get_gbps", "put_ops", "get_ops"):
+        out[k] = statistics.median(r[k] for r in rows)
+    out["verified"] = all(r["verified"] for r in rows)
+    out["rounds"] = len(rows)
+    return out
+
+
+def bench_tls_ops(masters: dict[str, Master], sizes: list[int], batch: int,
+                  budget_bytes: int, client_cls: Any, rounds: int) -> dict[str, Any]:
+    """The ``ops`` phases through each mode's master, the modes alternating per phase
+    (ABBA) and every phase repeated ``rounds`` times: per mode the medians, and the
+    TLS / insecure ratio per (size, batch)."""
+    from protos import store_pb2, store_pb2_grpc
+
+    clients, runners = {}, {}
+    try:
+        for mode, m in masters.items():
+            clients[mode] = client_cls(m.address, client_id=f"bench-tls-{mode}", tls=m.tls)
+            admin = store_pb2_grpc.StoreMasterStub(sync_channel(m.address, m.admin, "store_master"))
+            runners[mode] = OpsRunner(clients[mode], max(sizes) * batch,
+                                      functools.partial(admin.RemoveAll,
+                                                        store_pb2.RemoveAllRequest(), timeout=30))
+        samples: dict[str, dict[tuple[int, int], list[dict[str, Any]]]] = {
+            mode: {} for mode in masters}
+        k = 0
+        for _ in range(rounds):
+            for size, b in ops_plan(sizes, batch):
+                for mode in round_order(list(masters), k):
+                    row = runners[mode].phase(size, b, budget_bytes, tag=f"{mode}/")
+                    samples[mode].setdefault((size, b), []).append(row)
+                    _print_row(row, f"{mode:>8} ")
+                k += 1
+    finally:
+        for c in clients.values():
+            c.close()
+    out: dict[str, Any] = {mode: [_median_row(v) for v in by.values()]
+                           for mode, by in samples.items()}
+    if len(masters) == 2:
+        out["ratio"] = [{"size": a["size"], "batch": a["batch"],
+                         **{f: b[f] / a[f] for f in ("put_gbps", "get_gbps")}}
+                        for a, b in zip(out["insecure"], out["tls"], strict=True)]
+    return out
+
+
+CPU_BLOCK = 4  # a CPU block is this many rounds' calls: long enough to measure
+STORE_DATA_PATH = ("PutStart", "PutEnd", "GetReplicaList", "ExistKey", "BatchPutStart (8)",
+                   "BatchPutEnd (8)", "BatchGetReplicaList (8)", "BatchExistKey (8)")
+
+
+def _rpc_calls(st: Any, tag: str, calls: int) -> dict[str, tuple[int, Callable[[int], Any]]]:
+    """One round's calls of :func:`bench_rpc` on stub ``st``: per RPC (count, call(i)), in
+    the protocol's order (start, end, lookup)."""
+    from protos import store_pb2 as pb
+
+    keys = [f"{tag}/{i}" for i in range(calls)]
+    groups = [[f"{tag}/b{i}/{j}" for j in range(8)] for i in range(calls // 4)]
+    nb = len(groups)
+    return {
+        "PutStart": (calls, lambda i: st.PutStart(pb.PutStartRequest(key=keys[i], size=4096))),
+        "PutEnd": (calls, lambda i: st.PutEnd(pb.KeyRequest(key=keys[i]))),
+        "GetReplicaList": (calls, lambda i: st.GetReplicaList(pb.KeyRequest(key=keys[i]))),
+        "ExistKey": (calls, lambda i: st.ExistKey(pb.KeyRequest(key=keys[i]))),
+        "BatchPutStart (8)": (nb, lambda i: st.BatchPutStart(pb.BatchPutStartRequest(
+            items=[pb.PutStartRequest(key=k, size=4096) for k in groups[i]]))),
+        "BatchPutEnd (8)": (nb, lambda i: st.BatchPutEnd(pb.BatchKeysRequest(keys=groups[i]))),
+        "BatchGetReplicaList (8)": (nb, lambda i: st.BatchGetReplicaList(
+            pb.BatchKeysRequest(keys=groups[i]))),
+        "BatchExistKey (8)": (nb, lambda i: st.BatchExistKey(pb.BatchExistKeyRequest(
+            keys=groups[i]))),
+        "Ping": (calls // 2, lambda _: st.Ping(pb.PingRequest(client_id="bench-rpc"))),
+        "Stats": (calls // 4, lambda _: st.Stats(pb.StatsRequest())),
+    }
+
+
+def bench_rpc(masters: dict[str, Master], rounds: int, calls: int) -> dict[str, Any]:
+    """Per-RPC latency of the master's RPCs as a store client makes them (blocking stubs
+    on one long-lived :func:`sync_channel` per mode, one call in flight, the modes
+    alternating call by call; 4 KiB objects, batches of 8 keys) and the connect cost of a
+    fresh channel."""
+    from protos import store_pb2 as pb
+    from protos import store_pb2_grpc
+
+    names = [*STORE_DATA_PATH, "Ping", "Stats"]
+    samples: dict[str, dict[str, list[float]]] = {n: {m: [] for m in masters} for n in names}
+    connect: dict[str, dict[str, list[float]]] = {"connect: channel to READY (master)": {
+        m: [] for m in masters}}
+    stubs = {mode: store_pb2_grpc.StoreMasterStub(sync_channel(m.address, m.tls, "store_master"))
+             for mode, m in masters.items()}
+    for r in range(rounds):
+        plans = {mode: _rpc_calls(st, f"rpc/{mode}/{r}", calls) for mode, st in stubs.items()}
+        for name in names:
+            n = plans[next(iter(plans))][name][0]
+            got = interleaved_sync(n, {mode: plan[name][1] for mode, plan in plans.items()})
+            for mode, secs in got.items():
+                samples[name][mode] += secs
+        for i in range(5):
+            for mode in round_order(list(masters), i):
+                m = masters[mode]
+                connect["connect: channel to READY (master)"][mode] += connect_times_sync(
+                    1, functools.partial(sync_channel, m.address, m.tls,
+                                         "store_master"))
+    cpu: dict[str, dict[str, dict[str, float]]] = {n: {} for n in names}
+    plans = {mode: _rpc_calls(st, f"cpu/{mode}", calls * CPU_BLOCK) for mode, st in
+             stubs.items()}
+    for name in names:  # CPU per call, each mode alone
+        for mode in masters:
+            n, call = plans[mode][name]
+            cpu[name][mode] = cpu_block_sync(n, call, masters[mode].pids)
+    time.sleep(0.6)  # read leases (0.5 s) run out
+    for m in masters.values():
+        store_pb2_grpc.StoreMasterStub(sync_channel(m.address, m.admin, "store_master")).RemoveAll(
+            pb.RemoveAllRequest(), timeout=30)
+    rows = summarize(samples, STORE_DATA_PATH, cpu)
+    conn = summarize(connect)
+    print_rows(rows, f"store master per RPC ({rounds} rounds x {calls} calls, one in flight):")
+    print_rows(conn, "connect (a fresh channel, once per long-lived channel):")
+    return {"rounds": rounds, "calls_per_round": calls, "rows": rows, "connect": conn,
+            "data_path": list(STORE_DATA_PATH), "data_path_within_10pct": verdict(rows),
+            "data_path_cpu_within_10pct": verdict(rows, "cpu_within_10pct")}
 
 
 def run_in_loopback_netns(python: str, argv: list[str], timeout_s: int) -> dict[str, Any]:
@@ -324,8 +515,58 @@ def plot(out: Path, ops: list[dict[str, Any]] | None, ttft: dict[str, Any] | Non
         plt.close(fig)
 
 
+def plot_tls(out: Path, report: dict[str, Any]) -> None:
+    """``store_tls.png``: per-RPC p50 of both modes, and put/get GB/s per mode."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no PNG", file=sys.stderr)
+        return
+    rpc, ops = report.get("rpc"), report.get("ops")
+    panels = [x for x in (rpc, ops) if x]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    ax = list(axes[0])
+    if rpc:
+        plot_rpc(ax[0], rpc["rows"], "store master per RPC: insecure vs mTLS (* data path)")
+    if ops:
+        a = ax[-1]
+        for mode, style in (("insecure", "-"), ("tls", "--")):
+            rows = [r for r in ops.get(mode) or [] if r["batch"] > 1]
+            xs = [r["size"] for r in rows]
+            a.plot(xs, [r["put_gbps"] for r in rows], "o" + style, label=f"put ({mode})")
+            a.plot(xs, [r["get_gbps"] for r in rows], "s" + style, label=f"get ({mode})")
+        a.set_xscale("log", base=2)
+        a.set(xlabel="object size (bytes)", ylabel="GB/s",
+              title="put/get, insecure vs mTLS master RPCs (bytes over NIXL)")
+        a.legend(fontsize=8)
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "store_tls.png", dpi=110)
+    plt.close(fig)
+
+
+def start_master(tmp: Path, etcd_address: str, namespace: str,
+                 tls_dir: str = "") -> tuple[Any, str]:
+    """A ``services.store_master`` child (read lease 0.5 s, no persistence); with
+    ``tls_dir`` mTLS + role authorization. Returns (child, address)."""
+    from services.common.procs import free_port, port_open, spawn, wait_until
+
+    port = free_port()
+    child = spawn(f"store-master-{namespace}", [
+        sys.executable, "-m", "services.store_master", "--etcd-endpoint", etcd_address,
+        "--namespace", namespace, "--port", str(port), "--read-lease-ttl-s", "0.5",
+        "--persist", "none", *(["--tls-dir", tls_dir] if tls_dir else [])], tmp)
+    wait_until(lambda: port_open("127.0.0.1", port), child, 60, "store master")
+    return child, f"127.0.0.1:{port}"
+
+
 async def amain(args: argparse.Namespace) -> int:
-    from services.common.procs import free_port, port_open, spawn, start_etcd, wait_until
+    from services.common.procs import start_etcd
     from workers.kv.store_client import StoreClient
     from workers.store_node import StoreNodeProcess
 
@@ -336,16 +577,12 @@ async def amain(args: argparse.Namespace) -> int:
             "mooncake": MOONCAKE_NOTE, "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
         etcd = start_etcd(Path(tmp), Path(tmp))
-        node = master = None
+        children: list[Any] = []  # stopped newest first
         try:
-            port = free_port()
-            master = spawn("store-master", [
-                sys.executable, "-m", "services.store_master", "--etcd-endpoint",
-                etcd.address, "--namespace", "benchstore", "--port", str(port),
-                "--read-lease-ttl-s", "0.5", "--persist", "none"], Path(tmp))
-            wait_until(lambda: port_open("127.0.0.1", port), master, 60, "store master")
-            addr = f"127.0.0.1:{port}"
-            node = await asyncio.to_thread(StoreNodeProcess, addr, args.node_mib, env=UCX_ENV)
+            master, addr = start_master(Path(tmp), etcd.address, "benchstore")
+            children.append(master)
+            children.append(await asyncio.to_thread(StoreNodeProcess, addr, args.node_mib,
+                                                    env=UCX_ENV))
             ops = ttft = None
             if "ops" in parts:
                 ops = await asyncio.to_thread(bench_ops, addr, parse_sizes(args.sizes),
@@ -360,6 +597,33 @@ async def amain(args: argparse.Namespace) -> int:
                         print(f"kvmesh/mooncake size {r['size']:>9} batch {r['batch']:>2}: "
                               f"put {r['put_gbps']:.2f}x, get {r['get_gbps']:.2f}x", flush=True)
                 write_json(out / "store.json", {**meta, "rows": ops})
+            if "tls" in parts:
+                modes = modes_of(args.tls)
+                masters: dict[str, Master] = {}
+                if "insecure" in modes:
+                    masters["insecure"] = Master(addr, pids=(master.pid,))
+                if "tls" in modes:
+                    certs = Path(tmp) / "certs"
+                    write_mesh_certs(certs)
+                    tls_master, tls_addr = start_master(Path(tmp), etcd.address,
+                                                        "benchstoretls", str(certs))
+                    children.append(tls_master)
+                    children.append(await asyncio.to_thread(
+                        StoreNodeProcess, tls_addr, args.node_mib,
+                        env={**UCX_ENV, "KVMESH_TLS_DIR": str(certs)}))
+                    masters["tls"] = Master(tls_addr, MeshTls.load(certs, "store_client"),
+                                            MeshTls.load(certs, "admin"), (tls_master.pid,))
+                report: dict[str, Any] = {**meta, "tls": args.tls, "modes": list(modes)}
+                load_before = os.getloadavg()
+                report["rpc"] = await asyncio.to_thread(bench_rpc, masters, args.rpc_rounds,
+                                                        args.rpc_calls)
+                if args.tls_ops_rounds > 0:
+                    report["ops"] = await asyncio.to_thread(
+                        bench_tls_ops, masters, parse_sizes(args.sizes), args.batch,
+                        args.node_mib << 19, StoreClient, args.tls_ops_rounds)
+                report["loadavg_1_5_15"] = {"before": load_before, "after": os.getloadavg()}
+                write_json(out / "store_tls.json", report)
+                await asyncio.to_thread(plot_tls, out, report)
             if "ttft" in parts:
                 if args.mooncake_python and "ops" not in parts:
                     meta["mooncake"] = "ops not run; see mooncake_connector"
@@ -370,17 +634,15 @@ async def amain(args: argparse.Namespace) -> int:
                 write_json(out / "store_ttft.json", {**meta, **ttft})
             await asyncio.to_thread(plot, out, ops, ttft, meta["mooncake"])
         finally:
-            if node is not None:
-                node.stop()
-            if master is not None:
-                master.stop()
+            for child in reversed(children):
+                child.stop()
             etcd.stop()
     return 0
 
 
 def main() -> int:
     p = argparse.ArgumentParser(prog="python -m bench.store")
-    p.add_argument("--part", default="ops,ttft")
+    p.add_argument("--part", default="ops,tls,ttft")
     p.add_argument("--sizes", default="64KiB,256KiB,1MiB,4MiB,16MiB")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--node-mib", type=int, default=1024)
@@ -395,6 +657,13 @@ def main() -> int:
                         "its own objects land (Mooncake's embedded mode; 0: skip)")
     p.add_argument("--mooncake-python", default="",
                    help="Python of an environment with mooncake-transfer-engine-non-cuda")
+    p.add_argument("--tls", default="both", choices=tuple(TLS_FLAG),
+                   help="part tls: plaintext master, mTLS master (--tls-dir: certificates + "
+                        "role authorization), or both side by side, interleaved")
+    p.add_argument("--rpc-rounds", type=int, default=6, help="part tls: per-RPC rounds")
+    p.add_argument("--rpc-calls", type=int, default=200, help="part tls: calls per round")
+    p.add_argument("--tls-ops-rounds", type=int, default=3,
+                   help="part tls: rounds of the put/get phases per mode (0: skip)")
     p.add_argument("--out", default=str(REPO_ROOT / "bench" / "results"))
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
