@@ -183,6 +183,10 @@ class MeshSpec:
         return out
 
 
+# Users' API keys (the frontend's alone); KVMESH_FRONTEND_API_KEY is the planner's.
+USER_KEY_VARS = ("KVMESH_API_KEY", "KVMESH_FRONTEND_API_KEY")
+
+
 def scrape_key_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The planner's key for the frontend's /metrics (``--metrics-auth``): the one given
     (``KVMESH_FRONTEND_API_KEY``), else the frontend's first key (``KVMESH_API_KEYS``, else
@@ -261,8 +265,13 @@ class LocalMesh:
     def child_env(self, name: str, identity: str = "") -> dict[str, str]:
         """The environment of a child ``name`` started beside the mesh (e.g. a store
         master): the mesh's endpoints and, with certificates, a folder holding identity
-        ``identity`` (default ``name``) alone."""
-        return self._env(**self._child_tls(name, identity or name))
+        ``identity`` (default ``name``) alone. Users' API keys (``KVMESH_API_KEY*``) go to
+        the frontend only: any other child holding them could act as any tenant."""
+        env = self._env(**self._child_tls(name, identity or name))
+        if name != "frontend":
+            for var in [v for v in env if v.startswith(USER_KEY_VARS)]:
+                del env[var]
+        return env
 
     def _python(self, name: str, module: str, *args: str, identity: str = "",
                 **env: str) -> Child:

@@ -40,7 +40,8 @@ pytestmark = [pytest.mark.slow]
 
 
 @contextlib.contextmanager
-def kvmesh_up(log_dir: Path, *flags: str, timeout_s: float) -> Iterator[
+def kvmesh_up(log_dir: Path, *flags: str, timeout_s: float,
+              env: dict[str, str] | None = None) -> Iterator[
         tuple[subprocess.Popen[bytes], str, Path]]:
     """Runs ``kvmesh up FLAGS --http-port P --log-dir LOG_DIR`` until it says it serves;
     yields (process, base URL, file of its output); afterwards SIGINTs (then SIGKILLs) it
@@ -52,7 +53,7 @@ def kvmesh_up(log_dir: Path, *flags: str, timeout_s: float) -> Iterator[
             [sys.executable, "-m", "services.launcher.cli", "up", *flags, "--http-port",
              str(port), "--log-dir", str(log_dir)],
             stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+            env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})},
         )
 
     def serving() -> bool:
@@ -106,8 +107,11 @@ def read_until(stream: IO[bytes], marker: bytes, timeout_s: float) -> bytes:
     return seen
 
 
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+E2E_KEY = "sk-e2e-launcher"
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
 
 
 @pytest.mark.vllm
@@ -228,8 +232,9 @@ def gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]:
     log_dir = tmp_path_factory.mktemp("supervised") / "logs"
+    # with an API key: kvmesh up itself must use it, and only its frontend may hold it
     with kvmesh_up(log_dir, "--engine", "mock", "--model", "tiny", "--mode", "agg",
-                   timeout_s=120) as (proc, url, out):
+                   timeout_s=120, env={"KVMESH_API_KEYS": E2E_KEY}) as (proc, url, out):
         yield Supervised(proc, url, log_dir, out)
 
 
@@ -248,7 +253,7 @@ async def worker_pids(etcd: str, tls: MeshTls) -> set[int]:
 
 
 def complete(url: str) -> str:
-    comp = client(url).completions.create(model="tiny-llama", prompt="one two three",
+    comp = client(url, E2E_KEY).completions.create(model="tiny-llama", prompt="one two three",
                                           max_tokens=4, temperature=0)
     assert comp.choices[0].finish_reason == "length"
     return comp.choices[0].text
@@ -363,6 +368,10 @@ def test_each_child_holds_only_its_own_identity(supervised: Supervised) -> None:
         assert {f.name for f in folder.iterdir()} == files, name
         assert env["KVMESH_TLS_CERT"] == next(f[:-4] for f in files if f.endswith(".pem")
                                               and f != "ca.pem" and "-key" not in f)
+        if name != "frontend":  # users' keys are the frontend's alone
+            assert not [v for v in env if v.startswith("KVMESH_API_KEY")], name
+        else:
+            assert env["KVMESH_API_KEYS"] == E2E_KEY
 
 
 async def test_the_launched_etcd_lets_a_worker_write_only_its_own_key(
