@@ -80,6 +80,7 @@ def test_compose_etcd_and_redis_require_the_mesh_certificates() -> None:
     etcd = services["etcd"]["command"]
     assert "--client-cert-auth" in etcd and "--trusted-ca-file=/certs/ca.pem" in etcd
     assert "--listen-client-urls=https://0.0.0.0:2379" in etcd
+    assert "etcd-data:/etcd-data" in services["etcd"]["volumes"]  # auth state is kept
     auth = services["etcd-auth"]
     assert auth["command"][:2] == ["kvmesh", "etcd-auth"]
     assert auth["depends_on"]["etcd"]["condition"] == "service_healthy"
