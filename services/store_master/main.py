@@ -76,6 +76,9 @@ class StoreMasterConfig(SeededConfig):
     max_client_gib: float = dataclasses.field(
         default=4096.0, metadata={"help": "most memory one client (certificate identity) "
                                           "may mount, GiB"})
+    max_client_segments: int = dataclasses.field(
+        default=64, metadata={"help": "most segments one client (certificate identity) "
+                                      "may mount"})
     allocation_strategy: str = dataclasses.field(
         default="random", metadata={"help": "replica placement: " + ", ".join(STRATEGIES)})
     eviction_policy: str = dataclasses.field(
@@ -94,7 +97,8 @@ class StoreMasterConfig(SeededConfig):
             client_ttl_s=self.client_ttl_s, put_timeout_s=self.put_timeout_s,
             high_watermark=self.high_watermark, eviction_ratio=self.eviction_ratio,
             max_replicas=self.max_replicas,
-            max_client_bytes=int(self.max_client_gib * (1 << 30)))
+            max_client_bytes=int(self.max_client_gib * (1 << 30)),
+            max_client_segments=self.max_client_segments)
 
     def persist_to_redis(self) -> bool:
         return self.persist == "redis" or (self.persist == "auto" and bool(self.redis_url))

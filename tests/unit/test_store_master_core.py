@@ -584,6 +584,11 @@ def test_one_client_mounts_at_most_max_client_bytes() -> None:
     with pytest.raises(InvalidInput, match="cc would mount"):
         m.mount_segment("cc", "s5", base=1 << 33, size=601)
     assert m.mount_segment("ca", "s1", base=1 << 20, size=600, principal="worker/a") is False
+    few = make(Clock(), segments=0, max_client_segments=2)
+    for i in range(2):
+        few.mount_segment("c", f"t{i}", base=(i + 1) << 20, size=10, principal="store/x")
+    with pytest.raises(InvalidInput, match="segment_id: store/x has 2 segments mounted"):
+        few.mount_segment("c", "t2", base=3 << 20, size=10, principal="store/x")
 
 
 def test_restore_drops_what_no_longer_fits() -> None:

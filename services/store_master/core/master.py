@@ -21,8 +21,9 @@ Store clients and segments
   InvalidInput (naming the field) for an empty id, an id or endpoint longer than
   ``max_key_bytes``, ``size <= 0``, ``base < 0``, ``base + size > 2^64``, a total
   capacity that would reach 2^64 (addresses and sizes are 64-bit on the wire), or more
-  than ``max_client_bytes`` mounted by one principal (the client id without one), so a
-  client cannot attract puts with a fake huge segment.
+  than ``max_client_bytes`` or ``max_client_segments`` mounted by one principal (the
+  client id without one), so a client cannot attract puts with a fake huge segment nor
+  with many small ones.
   Mounting the same segment again with the same owner, base and size is a no-op returning
   False (a client remounting after a master restart); a different owner or geometry is
   AlreadyExists; another principal than the recorded one is Forbidden (a segment recorded
@@ -152,8 +153,10 @@ class MasterParams:
     eviction_ratio: float = 0.05
     max_replicas: int = 8
     max_key_bytes: int = 4096
-    # most bytes one principal (certificate identity; the client id without mTLS) mounts
+    # most bytes / segments one principal (certificate identity; the client id without
+    # mTLS) mounts
     max_client_bytes: int = 4 << 40
+    max_client_segments: int = 64
 
     def problems(self) -> list[str]:
         out = []
@@ -170,6 +173,8 @@ class MasterParams:
             out.append("max_key_bytes must be >= 1")
         if self.max_client_bytes < 1:
             out.append("max_client_bytes must be >= 1")
+        if self.max_client_segments < 1:
+            out.append("max_client_segments must be >= 1")
         return out
 
 
@@ -291,12 +296,17 @@ class StoreMaster:
         if self.capacity() + size >= ADDRESS_SPACE:
             raise InvalidInput(f"size {size}: the total capacity would reach 2^64 bytes")
         owner = principal or client_id
-        mounted = sum(s.size for s in self._segments.values()
-                      if (s.principal or s.client_id) == owner)
-        if mounted + size > self.params.max_client_bytes:
+        owned = [s.size for s in self._segments.values()
+                 if (s.principal or s.client_id) == owner]
+        if sum(owned) + size > self.params.max_client_bytes:
             raise InvalidInput(
-                f"size: {owner} would mount {mounted + size} bytes, over the limit of "
+                f"size: {owner} would mount {sum(owned) + size} bytes, over the limit of "
                 f"{self.params.max_client_bytes} per client (max_client_bytes)")
+        if len(owned) >= self.params.max_client_segments:
+            raise InvalidInput(
+                f"segment_id: {owner} has {len(owned)} segments mounted, the most one "
+                f"client may (max_client_segments; many small segments would attract "
+                f"puts as one huge one does)")
         self._segments[segment_id] = Segment(segment_id, client_id, base, size, endpoint,
                                              principal)
         self._by_segment[segment_id] = set()
