@@ -16,12 +16,13 @@ Contract:
   nor the redis certificate as a worker). :data:`CHANNEL_OPTIONS` (plain
   :data:`MESH_SERVER_NAME`) accepts any mesh server, for tools.
 - :func:`make_ca` / :func:`issue` generate keys (EC P-256) and certificates offline with
-  ``cryptography`` (a worker instance name has no ``.``: it separates the sub-ids of
-  :mod:`services.common.worker_ids`); :func:`write_mesh_certs` writes ``ca.pem``, ``ca-key.pem`` and, per
-  role, ``<role>.pem`` + ``<role>-key.pem`` (keys mode 0600) into a folder, reusing an
-  existing CA there (so new roles can be added) and never overwriting an existing role
-  certificate unless ``force`` (or unless it lacks its role's server name: one issued
-  before those existed is reissued).
+  ``cryptography`` (an instance name is neither a role's nor ``root``, and a worker
+  instance name has no ``.``: it separates the sub-ids of
+  :mod:`services.common.worker_ids`); :func:`write_mesh_certs` writes ``ca.pem``,
+  ``ca-key.pem`` and, per role, ``<role>.pem`` + ``<role>-key.pem`` (keys mode 0600)
+  into a folder, reusing an existing CA there (so new roles can be added) and never
+  overwriting an existing role certificate unless ``force`` (or unless it lacks its
+  role's server name: one issued before those existed is reissued).
 - :func:`export_identity` copies one identity's files into a folder of its own: the CA
   certificate (never its key), the identity's certificate and key and the secrets its
   role reads (:data:`ROLE_SECRETS`), so a process is given only what it needs.
@@ -168,6 +169,9 @@ def issue(ca_cert_pem: bytes, ca_key_pem: bytes, role: str, name: str = "") -> t
     as both server and client certificate: (certificate PEM, key PEM)."""
     if role not in ROLES:
         raise CertError(f"role: unknown {role!r}; one of {', '.join(ROLES)}")
+    if name and (name in ROLES or name == "root") and name != role:
+        # the CN is the etcd user: worker:router would be the router's user, x:root root
+        raise CertError(f"name: {name!r} is reserved (a role's or etcd's root user name)")
     name = name or role
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise CertError(f"name: {name!r} must be letters, digits, '-', '_' or '.'")

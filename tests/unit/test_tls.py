@@ -151,6 +151,14 @@ def test_a_certificate_names_its_role_as_a_server_and_old_ones_are_reissued(
         "indexer.pem", "indexer-key.pem"}
 
 
+@pytest.mark.parametrize("role,name", [("worker", "router"), ("frontend", "admin"),
+                                       ("worker", "root"), ("store_client", "etcd")])
+def test_an_instance_cannot_take_a_reserved_name(role: str, name: str) -> None:
+    ca, ca_key = make_ca()
+    with pytest.raises(CertError, match=f"name: '{name}' is reserved"):
+        issue(ca, ca_key, role, name)
+
+
 def test_an_identity_folder_holds_only_its_own_files(tmp_path: Path) -> None:
     root, mine = tmp_path / "root", tmp_path / "w0"
     write_mesh_certs(root, ["worker:w0", "worker:w1", "indexer"])
