@@ -45,8 +45,8 @@ Contract:
   :meth:`MeshTls.load` reads them from a folder (a missing file raises CertError naming
   it); :meth:`MeshTls.secret` reads a secret file of that folder (CertError naming a
   missing one); ``server_credentials()`` requires and verifies client certificates;
-  ``channel_credentials()`` presents the role's certificate; :data:`CHANNEL_OPTIONS`
-  go with every TLS channel.
+  ``channel_credentials()`` presents the role's certificate; :func:`channel_options`
+  (the expected server's role) go with every TLS channel.
 - :func:`tls_for(cfg, role)` is what services use: None when ``cfg.tls_dir`` is empty or
   ``cfg.insecure`` is set (the first such call logs one warning per process), else the
   MeshTls of ``cfg.tls_cert`` (a file stem such as ``worker-decode-0``) or of ``role``.
@@ -412,8 +412,9 @@ _warned_insecure = False
 
 
 def tls_for(cfg: Any, role: str) -> MeshTls | None:
-    """The TLS material of ``role`` from ``cfg.tls_dir`` (a file ``<role>.pem``), or None
-    when it is empty (insecure: logs one warning per process)."""
+    """The TLS material from ``cfg.tls_dir``: certificate stem ``cfg.tls_cert``, else
+    ``role`` (``<stem>.pem``); or None when it is empty (insecure: logs one warning per
+    process)."""
     global _warned_insecure
     folder = getattr(cfg, "tls_dir", "")
     if not folder or getattr(cfg, "insecure", False):
