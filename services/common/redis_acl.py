@@ -10,9 +10,14 @@ Contract:
     ``AUTH`` / ``HELLO``, which Redis never checks against ACLs.
   - ``worker``: ``XADD`` (and ``PING``) on the namespace's event stream
     (:func:`services.common.event_bus.stream_name`) and nothing else. It cannot read the
-    stream, delete it, touch another key, or run FLUSHALL, CONFIG or KEYS. Every worker
+    stream, DEL it, touch another key, or run FLUSHALL, CONFIG or KEYS. Every worker
     shares this user. Which worker wrote an entry is proven by its signature
-    (:mod:`services.common.event_bus`), not by the Redis user.
+    (:mod:`services.common.event_bus`), not by the Redis user. Known limit: an ACL cannot
+    restrict XADD's arguments, so a compromised worker can trim the stream (``MAXLEN 0``,
+    ``MINID``: the indexer's gap detection resyncs every worker) or add the largest
+    possible entry id, after which every XADD fails ("the stream has exhausted the last
+    possible ID"; each relay logs it and an admin must DEL the stream). One stream and
+    one Redis user per worker would confine that to the worker itself.
   - ``indexer`` and ``router`` (a router with an embedded index): read the stream through
     a consumer group, and only that key: ``XREADGROUP``, ``XACK``, ``XGROUP CREATE`` /
     ``SETID`` / ``CREATECONSUMER`` / ``DELCONSUMER``, ``XREAD``, ``XRANGE``,
