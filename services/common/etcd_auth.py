@@ -9,7 +9,8 @@ Contract:
 - :class:`SecureEtcdClient` is an ``aetcd.Client`` whose ``connect()`` opens a
   ``grpc.aio.secure_channel`` with the process's :class:`MeshTls` (its certificate as the
   client certificate, the mesh CA as the only trust root, target name
-  :data:`services.common.tls.MESH_SERVER_NAME`) instead of aetcd's insecure channel; no
+  ``etcd.kvmesh.mesh``: only etcd's certificate is accepted) instead of aetcd's insecure
+  channel; no
   token, no password: etcd (``--client-cert-auth``) takes the user name from the
   certificate's CN.
 - Identity → etcd user: the user is the certificate's CN, which :func:`tls.issue` sets to
@@ -274,28 +275,50 @@ class SecureEtcdClient(aetcd.Client):
             self._is_connecting = False
 
 
-def enroll_worker(tls_dir: Path | str, endpoint: str, namespace: str,
-                  name: str) -> dict[str, str]:
+def enroll_worker(tls_dir: Path | str, endpoint: str, namespace: str, name: str,
+                  dest: Path | str) -> dict[str, str]:
     """For a worker started later (the planner's local actuator): issues its instance
-    certificate ``worker:<name>`` into ``tls_dir`` with the CA key there (kept when it
-    exists), adds its etcd user as the folder's admin certificate when ``endpoint`` is
-    https, and returns the worker's ``KVMESH_*`` settings (tls dir, certificate, worker
-    id). CertError when the folder has no CA key or admin certificate (a read-only
-    certificate volume: issue ``worker:<name>`` with ``kvmesh certs`` instead)."""
-    from services.common.tls import write_mesh_certs
+    certificate ``worker:<name>`` into ``tls_dir`` (the planner's privileged folder: its
+    CA key signs it; an existing one is kept), adds its etcd user as the folder's admin
+    certificate when ``endpoint`` is https, then copies that identity alone into ``dest``
+    (a folder the caller owns; :func:`services.common.tls.export_identity`, mode 0700):
+    ``ca.pem``, ``worker-<name>.pem`` and its key, ``worker-<name>.evkey`` and
+    ``redis-worker.pass``, never the CA key, the admin certificate, ``events.key`` or
+    another identity's files. Returns the worker's ``KVMESH_*`` settings: tls dir
+    ``dest``, its certificate and worker id.
+
+    The mesh's secrets are required, never created (a fresh ``events.key`` would make the
+    worker's events look forged, a fresh ``redis-worker.pass`` fail its Redis login):
+    CertError naming each missing file when ``tls_dir`` lacks ``ca.pem``,
+    ``ca-key.pem``, ``events.key`` or ``redis-worker.pass``, or (https etcd) ``admin.pem`` /
+    ``admin-key.pem`` (a read-only certificate volume: issue ``worker:<name>`` with
+    ``kvmesh certs`` instead)."""
+    from services.common.tls import (
+        EVENTS_KEY,
+        export_identity,
+        redis_password_file,
+        write_mesh_certs,
+    )
 
     folder = Path(tls_dir)
-    missing = [p for p in ("ca-key.pem", "admin.pem", "admin-key.pem")
-               if not (folder / p).is_file()]
+    https = parse_endpoint(endpoint)[2]
+    needed = ["ca.pem", "ca-key.pem", EVENTS_KEY, redis_password_file("worker"),
+              *(("admin.pem", "admin-key.pem") if https else ())]
+    missing = [p for p in needed if not (folder / p).is_file()]
     if missing:
         raise CertError(f"tls_dir {folder}: cannot enroll worker {name!r} without "
                         f"{', '.join(missing)}")
+    stem = f"worker-{name}"
     try:
         write_mesh_certs(folder, [f"worker:{name}"])
     except OSError as exc:
-        raise CertError(f"tls_dir {folder}: cannot write worker-{name}.pem: {exc}") from exc
-    if parse_endpoint(endpoint)[2]:
-        ident = identity_of((folder / f"worker-{name}.pem").read_bytes())
+        raise CertError(f"tls_dir {folder}: cannot write {stem}.pem: {exc}") from exc
+    if https:
+        ident = identity_of((folder / f"{stem}.pem").read_bytes())
         provision(endpoint, MeshTls.load(folder, "admin"), namespace, [ident])
-    return {"KVMESH_TLS_DIR": str(folder), "KVMESH_INSECURE": "0",
-            "KVMESH_TLS_CERT": f"worker-{name}", "KVMESH_WORKER_ID": name}
+    try:
+        own = export_identity(folder, Path(dest), stem)
+    except OSError as exc:
+        raise CertError(f"cannot copy {stem} into {dest}: {exc}") from exc
+    return {"KVMESH_TLS_DIR": str(own), "KVMESH_INSECURE": "0",
+            "KVMESH_TLS_CERT": stem, "KVMESH_WORKER_ID": name}

@@ -16,9 +16,14 @@ Implementations:
   ``Child.stop`` — only children it started itself, newest first. It owns
   ``desired − external`` workers per pool, where ``external`` counts workers it did not
   start (e.g. those ``kvmesh up`` launched). Dead children are forgotten (and so replaced).
-  ``prepare(name)``, when given, runs (in a thread) before each spawn and returns extra env
-  for that child: in a mesh with certificates, its instance certificate, etcd user and
-  worker id (:func:`services.common.etcd_auth.enroll_worker`); when it fails, the error is
+  ``prepare(name, folder)``, when given, runs (in a thread) before each spawn and returns
+  extra env for that child. ``folder`` is the child's own identity folder
+  ``<log_dir>/identities/<name>`` (the actuator creates ``identities`` with mode 0700 and
+  removes a child's folder once it has stopped it or found it dead, or when ``prepare``
+  or the spawn fails); in a mesh with certificates ``prepare`` copies the child's identity there and
+  returns it as its ``KVMESH_TLS_DIR`` with its certificate and worker id
+  (:func:`services.common.etcd_auth.enroll_worker`: the CA key, the admin certificate
+  and the other secrets stay in the planner's folder). When it fails, the error is
   logged with the child's name and re-raised, and nothing is spawned.
 - :class:`ComposeActuator`: runs ``docker compose [-f FILE] [-p PROJECT] up -d
   --no-recreate --scale SERVICE=N ... SERVICE ...`` through an injectable runner
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -81,7 +87,7 @@ class LocalActuator:
                  argv: Sequence[str] = (sys.executable, "-m", "workers"),
                  spawn_fn: SpawnFn = spawn, stop_timeout_s: float = 30.0,
                  name_prefix: str = "planner",
-                 prepare: Callable[[str], Mapping[str, str]] | None = None) -> None:
+                 prepare: Callable[[str, Path], Mapping[str, str]] | None = None) -> None:
         self._log_dir = log_dir
         self._prepare = prepare
         self._env = dict(env)
@@ -95,9 +101,27 @@ class LocalActuator:
 
     def children(self, pool: str) -> list[Child]:
         """The live children this actuator started for ``pool``, oldest first."""
-        kids = [c for c in self._children.get(pool, []) if c.alive()]
+        kids = []
+        for child in self._children.get(pool, []):
+            if child.alive():
+                kids.append(child)
+            else:
+                self._forget(child.name)
         self._children[pool] = kids
         return list(kids)
+
+    def identity_dir(self, name: str) -> Path:
+        """Child ``name``'s own identity folder (module docstring)."""
+        return self._log_dir / "identities" / name
+
+    def _forget(self, name: str) -> None:
+        """Removes child ``name``'s identity folder (its key) once it no longer runs."""
+        folder = self.identity_dir(name)
+        if folder.exists():
+            try:
+                shutil.rmtree(folder)
+            except OSError as exc:
+                log.warning("cannot remove %s's identity folder %s: %s", name, folder, exc)
 
     def pids(self) -> set[int]:
         """PIDs of every live child this actuator started."""
@@ -112,13 +136,21 @@ class LocalActuator:
                 name = f"{self._prefix}-{pool}-{self._seq}"
                 env = {**self._env, "KVMESH_ROLE": pool}
                 if self._prepare is not None:
+                    folder = self.identity_dir(name)
                     try:
-                        env.update(await asyncio.to_thread(self._prepare, name))
+                        folder.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                        folder.parent.chmod(0o700)
+                        env.update(await asyncio.to_thread(self._prepare, name, folder))
                     except Exception as exc:
                         log.error("cannot start %s: %s", name, exc)
+                        self._forget(name)
                         raise
-                child = await asyncio.to_thread(self._spawn, name, self._argv, self._log_dir,
-                                                env)
+                try:
+                    child = await asyncio.to_thread(self._spawn, name, self._argv,
+                                                    self._log_dir, env)
+                except Exception:
+                    self._forget(name)
+                    raise
                 log.info("started %s (pid %d)", name, child.pid)
                 own.append(child)
             surplus = own[want:][::-1]  # newest first
@@ -127,11 +159,13 @@ class LocalActuator:
             for child in surplus:
                 log.info("stopping %s (pid %d)", child.name, child.pid)
                 await asyncio.to_thread(child.stop, self._stop_timeout)
+                self._forget(child.name)
 
     async def close(self) -> None:
         for pool in list(self._children):
             for child in reversed(self.children(pool)):
                 await asyncio.to_thread(child.stop, self._stop_timeout)
+                self._forget(child.name)
         self._children.clear()
 
 

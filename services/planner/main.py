@@ -161,7 +161,9 @@ def build_actuator(cfg: PlannerConfig) -> Actuator:
     """The configured actuator. The local one gives workers the mesh's etcd, namespace,
     Redis and lease TTL plus ``worker_env``, and none of the planner's other KVMESH_*;
     with a tls dir, each worker also its own instance certificate, etcd user and worker
-    id (:func:`services.common.etcd_auth.enroll_worker`)."""
+    id, issued in the planner's folder and copied alone into the worker's own folder
+    (:func:`services.common.etcd_auth.enroll_worker`; never the CA key, the admin
+    certificate or another role's secrets)."""
     if cfg.actuator == "local":
         env = {"KVMESH_ETCD_ENDPOINT": cfg.etcd_endpoint, "KVMESH_NAMESPACE": cfg.namespace,
                "KVMESH_REDIS_URL": cfg.redis_url, "KVMESH_LEASE_TTL": str(cfg.lease_ttl),

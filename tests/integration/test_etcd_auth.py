@@ -212,18 +212,36 @@ async def test_own_registration_lives_and_a_router_sees_it(secure_etcd: SecureEt
 
 
 async def test_provision_is_idempotent_and_enrolls_new_workers(
-        secure_etcd: SecureEtcd) -> None:
+        secure_etcd: SecureEtcd, tmp_path: Path) -> None:
+    """The planner's path: the worker's certificate and etcd user are made with the
+    planner's folder, and the worker, holding only its own folder (no CA key, no admin
+    certificate, no events.key nor another role's password), registers its key but not
+    another worker's."""
     address = secure_etcd.child.address
+    own = tmp_path / "planner-decode-1"
     env = await asyncio.to_thread(etcd_auth.enroll_worker, secure_etcd.certs, address, NS,
-                                  "planner-decode-1")
-    assert env["KVMESH_TLS_CERT"] == "worker-planner-decode-1"
-    assert env["KVMESH_WORKER_ID"] == "planner-decode-1"
+                                  "planner-decode-1", own)
+    assert env == {"KVMESH_TLS_DIR": str(own), "KVMESH_INSECURE": "0",
+                   "KVMESH_TLS_CERT": "worker-planner-decode-1",
+                   "KVMESH_WORKER_ID": "planner-decode-1"}
+    assert {p.name for p in own.iterdir()} == {
+        "ca.pem", "worker-planner-decode-1.pem", "worker-planner-decode-1-key.pem",
+        "worker-planner-decode-1.evkey", "redis-worker.pass"}
     again = await asyncio.to_thread(etcd_auth.enroll_worker, secure_etcd.certs, address, NS,
-                                    "planner-decode-1")
+                                    "planner-decode-1", own)
     assert again == env
-    reg = Registration(address, NS, record("planner-decode-1"), ttl=10,
-                       tls=secure_etcd.tls(env["KVMESH_TLS_CERT"]))
+    tls = MeshTls.load(env["KVMESH_TLS_DIR"], env["KVMESH_TLS_CERT"])
+    reg = Registration(address, NS, record("planner-decode-1"), ttl=10, tls=tls)
     try:
         await reg.start()
+        admin = etcd_client(address, secure_etcd.tls("admin"))
+        try:
+            assert await admin.get(key("planner-decode-1")) is not None
+        finally:
+            await admin.close()
     finally:
         await reg.close()
+    other = Registration(address, NS, record("a"), ttl=10, tls=tls)
+    with pytest.raises(EtcdPermissionError, match="worker/a.*worker/planner-decode-1"):
+        await other.start(startup_timeout_s=5)
+    await other.close()

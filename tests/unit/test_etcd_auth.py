@@ -140,7 +140,7 @@ async def test_the_local_actuator_enrolls_each_worker(tmp_path: Path) -> None:
     """Each worker the planner starts gets its own certificate and worker id; without the
     CA key nothing is started and the error says what is missing."""
     certs = tmp_path / "certs"
-    write_mesh_certs(certs, ["admin"])
+    write_mesh_certs(certs, ["admin", "worker"])  # the mesh secrets a worker needs
     fake = FakeSpawn()
     prepare = functools.partial(etcd_auth.enroll_worker, certs, "127.0.0.1:1", "ns")
     act = LocalActuator(tmp_path, {}, spawn_fn=fake, prepare=prepare)  # type: ignore[arg-type]

@@ -1,13 +1,25 @@
-"""Planner actuators: local launcher (fake spawn), docker compose (injected runner), dry run."""
+"""Planner actuators: local launcher (fake spawn), docker compose (injected runner), dry run;
+the identity folder a local worker gets in a mesh with certificates (its own certificate,
+key and secrets only) and the refusal to start one when a mesh secret is missing."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
+from services.common.etcd_auth import enroll_worker
+from services.common.tls import (
+    CertError,
+    Identity,
+    MeshTls,
+    derive_event_key,
+    write_mesh_certs,
+)
 from services.planner.actuators import (
     ComposeActuator,
     DryRunActuator,
@@ -147,3 +159,93 @@ async def test_dry_run_logs_actions(caplog: pytest.LogCaptureFixture) -> None:
     assert "scale_up decode by 1 (2 → 3, load): queue 4.0/worker > 2" in caplog.text
     with pytest.raises(ValueError, match="unknown actuator"):
         make_actuator("k8s")
+
+
+WORKER_FILES = {"ca.pem", "worker-planner-decode-1.pem", "worker-planner-decode-1-key.pem",
+                "worker-planner-decode-1.evkey", "redis-worker.pass"}
+
+
+def mesh_folder(tmp_path: Path) -> Path:
+    """A planner's certificate folder as ``kvmesh certs`` writes it (CA key included)."""
+    certs = tmp_path / "certs"
+    write_mesh_certs(certs, ["admin", "planner", "worker", "indexer", "router",
+                             "store_master"])
+    return certs
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+async def test_a_local_worker_gets_its_own_identity_folder_only(tmp_path: Path) -> None:
+    """The certificate is issued in the planner's folder; the child's KVMESH_TLS_DIR is a
+    0700 folder of its own with exactly the CA certificate, its certificate and key, its
+    event key and the worker Redis password: no CA key, no admin files, no other secret.
+    The folder goes when the child is stopped or found dead."""
+    certs = mesh_folder(tmp_path)
+    fake = FakeSpawn()
+    prepare = functools.partial(enroll_worker, certs, "127.0.0.1:1", "ns")
+    act = LocalActuator(tmp_path / "logs", {}, spawn_fn=fake,  # type: ignore[arg-type]
+                        prepare=prepare)
+    await act.apply(decision(decode=1))
+    (child,) = fake.children
+    own = act.identity_dir("planner-decode-1")
+    assert child.env["KVMESH_TLS_DIR"] == str(own) != str(certs)
+    assert child.env["KVMESH_TLS_CERT"] == "worker-planner-decode-1"
+    assert child.env["KVMESH_WORKER_ID"] == "planner-decode-1"
+    assert {p.name for p in own.iterdir()} == WORKER_FILES
+    assert mode(own) == mode(own.parent) == 0o700
+    for name in WORKER_FILES - {"ca.pem", "worker-planner-decode-1.pem"}:
+        assert mode(own / name) == 0o600, name
+    # the same material as the planner's folder, which keeps the issued certificate
+    for name in WORKER_FILES:
+        assert (own / name).read_bytes() == (certs / name).read_bytes(), name
+    events = (certs / "events.key").read_bytes()
+    assert (own / "worker-planner-decode-1.evkey").read_bytes() == derive_event_key(
+        events, "planner-decode-1")
+    tls = MeshTls.load(own, "worker-planner-decode-1")
+    assert tls.identity == Identity("worker", "planner-decode-1")
+    assert tls.secret("redis-worker.pass") == (certs / "redis-worker.pass").read_bytes()
+    await act.apply(decision(decode=0))
+    assert child.stopped and not own.exists()
+    # a child found dead loses its folder too; its replacement gets a new one
+    await act.apply(decision(decode=1))
+    fake.children[-1].proc.returncode = 1
+    await act.apply(decision(decode=1))
+    assert not act.identity_dir("planner-decode-2").exists()
+    assert fake.children[-1].env["KVMESH_TLS_DIR"] == str(act.identity_dir("planner-decode-3"))
+    assert act.identity_dir("planner-decode-3").is_dir()
+    await act.close()
+    assert not act.identity_dir("planner-decode-3").exists()
+
+
+@pytest.mark.parametrize("missing", ["events.key", "redis-worker.pass", "ca-key.pem"])
+async def test_a_missing_mesh_secret_stops_the_spawn_and_is_named(
+        tmp_path: Path, missing: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A secret the mesh already has is never made up (a fresh events.key would make the
+    worker's events forged, a fresh Redis password fail its login): the error names the
+    file, is logged with the child's name, and nothing is spawned or left behind."""
+    certs = mesh_folder(tmp_path)
+    (certs / missing).unlink()
+    before = {p.name: p.read_bytes() for p in certs.iterdir()}
+    fake = FakeSpawn()
+    prepare = functools.partial(enroll_worker, certs, "127.0.0.1:1", "ns")
+    act = LocalActuator(tmp_path / "logs", {}, spawn_fn=fake,  # type: ignore[arg-type]
+                        prepare=prepare)
+    with caplog.at_level(logging.ERROR, logger="services.planner.actuators"), \
+            pytest.raises(CertError, match=f"cannot enroll worker 'planner-decode-1' "
+                                           f"without {missing}"):
+        await act.apply(decision(decode=1))
+    assert fake.children == []
+    assert f"cannot start planner-decode-1: tls_dir {certs}" in caplog.text
+    assert missing in caplog.text
+    assert not act.identity_dir("planner-decode-1").exists()
+    assert {p.name: p.read_bytes() for p in certs.iterdir()} == before  # nothing created
+
+
+async def test_an_https_etcd_needs_the_admin_certificate(tmp_path: Path) -> None:
+    certs = mesh_folder(tmp_path)
+    (certs / "admin-key.pem").unlink()
+    with pytest.raises(CertError, match="without admin-key.pem$"):
+        enroll_worker(certs, "https://127.0.0.1:1", "ns", "w1", tmp_path / "w1")
+    assert not (tmp_path / "w1").exists()
