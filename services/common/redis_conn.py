@@ -9,10 +9,15 @@ Contract of :func:`redis_client` (url, tls, role):
   TLS that trusts only the mesh CA and presents the process's certificate
   (``<stem>.pem`` / ``<stem>-key.pem`` of ``tls.folder``), then AUTH as the ACL user
   ``role`` (default: the certificate's role) with the password in
-  ``redis-<role>.pass`` (:func:`services.common.tls.redis_password_file`). The host name
-  is not checked: every mesh leaf carries the same server names, so the mesh CA's
-  signature is all that a server certificate proves. Without ``tls`` (or with material
-  that was not loaded from a folder) a ``rediss://`` URL raises
+  ``redis-<role>.pass`` (:func:`services.common.tls.redis_password_file`). Every
+  connection of the client (:class:`MeshRedisConnection`) verifies the server's host
+  name as :data:`REDIS_SERVER_NAME` (``redis.kvmesh.mesh``,
+  :func:`services.common.tls.server_name` of the ``redis`` role), whatever host the URL
+  names: only the redis role's certificate carries it, so a server with another mesh
+  certificate (a worker's, say) fails the handshake and the client raises
+  ``redis.exceptions.ConnectionError`` saying that the server at that address is not the
+  mesh's redis, before any password is sent. Without ``tls`` (or with material that was
+  not loaded from a folder) a ``rediss://`` URL raises
   :class:`~services.common.tls.CertError`, and so does a missing password file. Both
   name the file or the flag.
 """
@@ -20,13 +25,36 @@ Contract of :func:`redis_client` (url, tls, role):
 from __future__ import annotations
 
 import logging
+import ssl
+from collections.abc import Mapping
+from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.connection import SSLConnection, parse_url
 
-from services.common.tls import CertError, MeshTls, redis_password_file
+from services.common.tls import CertError, MeshTls, redis_password_file, server_name
 
 log = logging.getLogger(__name__)
 _warned_plain = False
+REDIS_SERVER_NAME = server_name("redis")
+
+
+class MeshRedisConnection(SSLConnection):
+    """A TLS connection that accepts only the mesh's redis role as the server: the host
+    name checked (and sent as SNI) is :data:`REDIS_SERVER_NAME`, not the URL's host."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{**kwargs, "ssl_check_hostname": True})
+
+    def _connection_arguments(self) -> Mapping[str, Any]:
+        return {**super()._connection_arguments(), "server_hostname": REDIS_SERVER_NAME}
+
+    def _error_message(self, exception: BaseException) -> str:
+        message = super()._error_message(exception)
+        if isinstance(exception, ssl.SSLCertVerificationError):
+            message += (f" (the server at {self.host}:{self.port} is not the mesh's redis: "
+                        f"its certificate must be the mesh CA's and name {REDIS_SERVER_NAME})")
+        return message
 
 
 def redis_client(url: str, tls: MeshTls | None, role: str = "") -> aioredis.Redis:
@@ -43,7 +71,10 @@ def redis_client(url: str, tls: MeshTls | None, role: str = "") -> aioredis.Redi
                         "certificates and Redis passwords)")
     user = role or tls.identity.role
     password = tls.secret(redis_password_file(user)).decode().strip()
-    return aioredis.Redis.from_url(
-        url, username=user, password=password, ssl_cert_reqs="required",
-        ssl_ca_data=tls.ca.decode(), ssl_certfile=str(tls.path(f"{tls.stem}.pem")),
-        ssl_keyfile=str(tls.path(f"{tls.stem}-key.pem")), ssl_check_hostname=False)
+    options: dict[str, Any] = {
+        "username": user, "password": password, "ssl_cert_reqs": "required",
+        "ssl_ca_data": tls.ca.decode(), "ssl_certfile": str(tls.path(f"{tls.stem}.pem")),
+        "ssl_keyfile": str(tls.path(f"{tls.stem}-key.pem")),
+        **parse_url(url),  # as Redis.from_url: the URL's own options win
+        "connection_class": MeshRedisConnection}
+    return aioredis.Redis.from_pool(aioredis.ConnectionPool(**options))

@@ -3,17 +3,20 @@
 The fixture starts Debian's redis-server the way ``kvmesh up`` does with certificates
 (:func:`services.common.procs.start_redis` with a tls folder: TLS only, client
 certificates required, the ACL users of :mod:`services.common.redis_acl`) on a free
-loopback port, stopped by PID. The tests check each role's rights with its own password,
-and then issue 13's attack: forged entries for worker B (a batch and a full-state entry)
-written with the worker password, signed with A's key or unsigned. The real indexer
-drops and counts them, indexes B's real signed events, and still holds B's real state
-after a restart. A mock fleet's sub-identity: the relay of ``wa.0`` on A's certificate is
-indexed, while entries A signs for ``wb.0`` are dropped as forged.
+loopback port, stopped by PID. The client accepts only a server with the redis role's
+certificate (one presenting the worker's is refused). The tests check each role's rights
+with its own password, and then issue 13's attack: forged entries for worker B (a batch
+and a full-state entry) written with the worker password, signed with A's key or
+unsigned. The real indexer drops and counts them, indexes B's real signed events, and
+still holds B's real state after a restart. A mock fleet's sub-identity: the relay of
+``wa.0`` on A's certificate is indexed, while entries A signs for ``wb.0`` are dropped as
+forged.
 """
 
 from __future__ import annotations
 
 import hmac
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +24,14 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import AuthenticationError, NoPermissionError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protos import discovery_pb2, kv_events_pb2
 from services.common.config import load_config
 from services.common.discovery import Registration
 from services.common.event_bus import STATE, encode_batch, encode_state, mac_input, stream_name
 from services.common.procs import Child, start_redis
-from services.common.redis_conn import redis_client
+from services.common.redis_conn import REDIS_SERVER_NAME, redis_client
 from services.common.tls import ROLES, MeshTls, redis_password_file, write_mesh_certs
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from services.store_master.core import Changes
@@ -113,6 +117,33 @@ async def test_plaintext_and_certificate_less_clients_are_refused(
             ssl_ca_data=secure_redis.tls("admin").ca.decode(), ssl_check_hostname=False),
             "PING")
     assert await run(secure_redis.client("admin"), "PING") is True
+
+
+async def test_the_client_accepts_only_the_redis_roles_certificate(
+        secure_redis: SecureRedis, tmp_path: Path) -> None:
+    """A Redis that presents another role's mesh certificate (the worker's, signed by the
+    same CA) is refused by every role's client before AUTH; the real one is accepted."""
+    impostor = tmp_path / "impostor"
+    impostor.mkdir()
+    for f in secure_redis.certs.iterdir():
+        if f.is_file():
+            shutil.copy2(f, impostor / f.name)
+    shutil.copy2(impostor / "worker.pem", impostor / "redis.pem")
+    shutil.copy2(impostor / "worker-key.pem", impostor / "redis-key.pem")
+    child = start_redis(tmp_path / "logs", tls_dir=impostor, namespace=NS)
+    try:
+        url = f"rediss://{child.address}"
+        for role, stem in (("admin", "admin"), ("worker", "worker-wa"), ("indexer", "indexer"),
+                           ("store_master", "store_master")):
+            with pytest.raises(RedisConnectionError) as info:
+                await run(redis_client(url, secure_redis.tls(stem), role), "PING")
+            message = str(info.value)
+            assert f"server at {child.address} is not the mesh's redis" in message, message
+            assert REDIS_SERVER_NAME in message and "Hostname mismatch" in message, message
+    finally:
+        child.stop()
+    assert await run(secure_redis.client("admin"), "PING") is True
+    assert await run(secure_redis.client("worker", "worker-wa"), "PING") is True
 
 
 async def test_a_worker_may_only_xadd_to_the_event_stream(secure_redis: SecureRedis) -> None:
