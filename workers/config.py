@@ -2,11 +2,12 @@
 
 Worker id and certificate: with TLS on and ``tls_cert`` naming a worker *instance*
 certificate (``worker:<name>``, file stem ``worker-<name>``; :mod:`services.common.tls`),
-the worker id is that name or one of its sub-ids ``<name>.<suffix>``
-(:func:`services.common.worker_ids.may_act_as`): the default worker id becomes the name,
-and a configured ``worker_id`` the certificate may not act as is refused by
-``problems()`` naming both fields (etcd's auth lets that certificate write only
-``/<ns>/instances/worker/<name>`` and its sub-ids; see :mod:`services.common.etcd_auth`;
+the worker id is that name (or, for a fleet certificate ``worker:fleet-<x>`` only, one of
+its sub-ids ``<name>.<suffix>``: :func:`services.common.worker_ids.may_act_as`): the
+default worker id becomes the name, and a configured ``worker_id`` the certificate may
+not act as is refused by ``problems()`` naming both fields (etcd's auth lets that
+certificate write only ``/<ns>/instances/worker/<name>``, and a fleet certificate its
+sub-ids too; see :mod:`services.common.etcd_auth`;
 an indexer drops events it signs for any other id). The shared role certificate
 ``worker`` binds no id. :meth:`WorkerConfig.certificate_identity` is the certificate's
 identity (None without TLS), for :mod:`workers.fleet`.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from services.common.config import BaseConfig
 from services.common.tls import CertError, Identity, identity_of
-from services.common.worker_ids import SHARED_NAME, may_act_as
+from services.common.worker_ids import SHARED_NAME, has_sub_ids, may_act_as
 
 ROLES = ("agg", "prefill", "decode")
 
@@ -94,10 +95,13 @@ class WorkerConfig(BaseConfig):
             out.append(f"tls_cert: {exc}")
         else:
             if bound and self.worker_id and not may_act_as(bound, self.worker_id):
-                out.append(f"worker_id {self.worker_id!r} is neither the instance name "
-                           f"{bound!r} in tls_cert {self.tls_cert!r} nor one of its sub-ids "
-                           f"'{bound}.<suffix>' (letters, digits, '-', '_'): a worker "
-                           f"registers only under its certificate's name or a sub-id of it "
+                subs = (f"nor one of its sub-ids '{bound}.<suffix>' (letters, digits, "
+                        f"'-', '_')" if has_sub_ids(bound) else
+                        "and it has no sub-ids (only a fleet certificate "
+                        "worker:fleet-<x> has)")
+                out.append(f"worker_id {self.worker_id!r} is not the instance name "
+                           f"{bound!r} in tls_cert {self.tls_cert!r} {subs}: a worker "
+                           f"registers only under an id its certificate may act as "
                            f"(drop --worker-id, or use the instance certificate of that "
                            f"id's owner)")
         if self.role not in ROLES:

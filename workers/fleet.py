@@ -18,15 +18,18 @@ Contract:
   max_num_seqs, seed, namespace, etcd, Redis, lease, grace) apply to every worker.
   ``worker_id`` is a prefix (default ``mock-<random>-``): worker *i* is
   ``<prefix><role letter><i>`` (``a``/``p``/``d``). With TLS (``tls_dir``, not
-  ``insecure``) the fleet needs a worker *instance* certificate ``worker:<name>``
-  (``tls_cert`` ``worker-<name>``): every worker is a sub-id of it
-  (:mod:`services.common.worker_ids`), worker *i* is ``<name>.<worker_id><role
-  letter><i>`` (``worker_id`` default "" here: ``<name>.a0``, ``<name>.a1``, ...), each
-  registers in etcd under its own id (the certificate's etcd user may write its sub-ids)
-  and signs its KV events with the certificate's event key, naming the certificate as
-  their signer, which an indexer accepts for sub-ids of that name. The shared ``worker``
-  certificate (or any other) is a config error naming ``tls_cert``, and a ``worker_id``
-  that makes ids the certificate may not act as (a ``.`` in it) one naming ``worker_id``.
+  ``insecure``) the fleet needs a *fleet certificate* ``worker:<name>`` with ``<name>``
+  ``fleet`` or ``fleet-<x>`` (``tls_cert`` ``worker-<name>``; the only worker instance
+  certificates that have sub-ids, :func:`services.common.worker_ids.has_sub_ids`):
+  every worker is a sub-id of it, worker *i* is ``<name>.<worker_id><role letter><i>``
+  (``worker_id`` default "" here: ``<name>.a0``, ``<name>.a1``, ...), each registers in
+  etcd under its own id (the certificate's etcd user may write its sub-ids) and signs
+  its KV events with the certificate's event key, naming the certificate as their
+  signer, which an indexer accepts for sub-ids of that name. The shared ``worker``
+  certificate, another role's, or a worker instance certificate that is no fleet
+  certificate (``worker:decode-0`` acts only as ``decode-0``) is a config error naming
+  ``tls_cert`` and saying to issue ``worker:fleet-<x>``, and a ``worker_id`` that makes
+  ids the certificate may not act as (a ``.`` in it) one naming ``worker_id``.
   :func:`fleet_prefix` is the prefix in force. ``port`` 0 gives every worker a free
   port; otherwise worker *i* listens on ``port + i``. ``metrics_port`` -1 (default here)
   means no Prometheus endpoints; 0 one free port each; otherwise ``metrics_port + i``.
@@ -56,7 +59,7 @@ from services.common.config import BaseConfig
 from services.common.event_bus import stream_name
 from services.common.server import MeshServer, serve_main
 from services.common.tls import CertError, tls_for
-from services.common.worker_ids import SEPARATOR, SHARED_NAME, sub_id
+from services.common.worker_ids import SEPARATOR, SHARED_NAME, has_sub_ids, sub_id
 from workers.config import WorkerConfig
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.mock.timing import make_timing
@@ -131,21 +134,24 @@ class FleetConfig(WorkerConfig):
         return out
 
     def certificate_name(self) -> str:
-        """The instance name of the fleet's worker certificate; "" without TLS. CertError
-        (naming ``tls_cert``) for the shared ``worker`` certificate or another role's."""
+        """The instance name of the fleet's certificate; "" without TLS. CertError (naming
+        ``tls_cert``) for the shared ``worker`` certificate, another role's, or a worker
+        instance certificate that is no fleet certificate (module docstring)."""
         ident = self.certificate_identity()
         if ident is None:
             return ""
+        issue = ("issue a fleet certificate worker:fleet-<x> (tls_cert worker-fleet-<x>, "
+                 "e.g. `kvmesh certs --roles worker:fleet-a`)")
         if ident.role != "worker" or ident.name == SHARED_NAME:
             raise CertError(
                 f"tls_cert {self.tls_cert or 'worker'!r} is {ident}: a fleet under TLS "
-                f"needs a worker instance certificate worker:<name> (tls_cert "
-                f"worker-<name>, e.g. `kvmesh certs --roles worker:fleet`): its workers "
-                f"register and sign their KV events as <name>.<i>, which the shared "
+                f"needs a worker instance certificate of its own; {issue}: its workers "
+                f"register and sign their KV events as fleet-<x>.<i>, which the shared "
                 f"worker certificate may not")
-        if SEPARATOR in ident.name:
-            raise CertError(f"tls_cert {self.tls_cert!r} is {ident}, whose name has a "
-                            f"{SEPARATOR!r}: it has no sub-ids for a fleet's workers")
+        if not has_sub_ids(ident.name):
+            raise CertError(
+                f"tls_cert {self.tls_cert!r} is {ident}, no fleet certificate: it acts "
+                f"only as {ident.name!r}, with no sub-ids for a fleet's workers; {issue}")
         return ident.name
 
     def identity_problems(self) -> list[str]:
@@ -225,8 +231,8 @@ def _no_endpoints() -> EventEndpoints:
 
 
 def fleet_prefix(cfg: FleetConfig) -> str:
-    """The worker id prefix in force (module docstring): ``<name>.<worker_id>`` under an
-    instance certificate ``worker:<name>``, else ``worker_id`` or a fresh random one."""
+    """The worker id prefix in force (module docstring): ``<name>.<worker_id>`` under a
+    fleet certificate ``worker:<name>``, else ``worker_id`` or a fresh random one."""
     name = cfg.certificate_name()
     if name:
         return f"{name}{SEPARATOR}{cfg.worker_id}"

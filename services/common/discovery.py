@@ -46,6 +46,7 @@ from services.common.etcd_auth import SecureEtcdClient, parse_endpoint, permissi
 from services.common.grpc_client import RECONNECT_OPTIONS
 from services.common.periodic import Periodic
 from services.common.tls import MeshTls
+from services.common.worker_ids import has_sub_ids
 
 log = logging.getLogger(__name__)
 
@@ -148,9 +149,12 @@ class Registration:
                 if not permission_denied(exc):
                     raise
                 who = self._tls.identity if self._tls is not None else "no certificate"
-                owner = self._record.instance_id.partition(".")[0]  # a sub-id's owner
-                hint = (" (with etcd auth on, a worker needs the instance certificate "
-                        f"worker:{owner})"
+                head, dot, _ = self._record.instance_id.partition(".")  # a sub-id's owner
+                need = (f"the instance certificate worker:{head}"
+                        if not dot or has_sub_ids(head) else
+                        "a fleet certificate worker:fleet-<x> for a sub-id: no other "
+                        "certificate has any")
+                hint = (f" (with etcd auth on, a worker needs {need})"
                         if self._record.component == "worker" else "")
                 raise EtcdPermissionError(
                     f"etcd refused to register {self.key} for {who}: permission denied"

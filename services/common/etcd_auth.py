@@ -27,9 +27,10 @@ Contract:
   frontend, router, indexer, planner,       read the prefix; read-write its component's
   store_master, encoder (any name)          prefix ``/<ns>/instances/<role>/``
   worker instance ``worker:<id>``           read the prefix; read-write exactly
-                                            ``/<ns>/instances/worker/<id>`` and the
-                                            prefix ``/<ns>/instances/worker/<id>.``
-                                            (its sub-ids)
+                                            ``/<ns>/instances/worker/<id>``
+  fleet certificate ``worker:fleet[-<x>]``  the same, and the prefix
+                                            ``/<ns>/instances/worker/<id>.`` (its
+                                            sub-ids: a mock fleet's workers)
   worker role certificate (``worker``),     read the prefix only
   store_client
   etcd, redis (servers)                     no user
@@ -37,16 +38,19 @@ Contract:
 
   A worker registers under its worker id, so with etcd auth on a worker needs an
   instance certificate ``worker:<name>`` that may act as its id
-  (:func:`services.common.worker_ids.may_act_as`: ``<name>`` itself, or a sub-id
-  ``<name>.<suffix>``, as a mock fleet's workers are; ``workers.config`` refuses any
-  other id); the shared ``worker`` certificate can watch but not register. etcd grants
-  a prefix, so ``<name>.`` also covers keys the rule refuses (``<name>.x.y``,
-  ``<name>.x/y``), all still under that identity's own name, and indexers drop events
-  signed for such ids. A worker instance name with a ``.`` is refused (ValueError naming
-  it), so no identity's sub-ids are another's id. These keys are all the mesh writes to
-  etcd (discovery records; the planner's desired counts are in its own record). Leases
-  need no grant: etcd 3.4 lets any user grant and keep alive a lease, and checks revoke,
-  and a put under a lease, against the keys attached to it.
+  (:func:`services.common.worker_ids.may_act_as`: ``<name>`` itself, or, for a fleet
+  certificate only (:func:`~services.common.worker_ids.has_sub_ids`: ``fleet`` or
+  ``fleet-<x>``), a sub-id ``<name>.<suffix>`` as a mock fleet's workers are;
+  ``workers.config`` refuses any other id); every other worker instance certificate
+  (``decode-0``, ``w0``) gets exactly its one key, so a compromised worker cannot
+  register extra records. The shared ``worker`` certificate can watch but not register.
+  etcd grants a prefix, so a fleet's ``<name>.`` also covers keys the rule refuses
+  (``<name>.x.y``, ``<name>.x/y``), all still under that identity's own name, and
+  indexers drop events signed for such ids. A worker instance name with a ``.`` is
+  refused (ValueError naming it), so no identity's sub-ids are another's id. These keys
+  are all the mesh writes to etcd (discovery records; the planner's desired counts are
+  in its own record). Leases need no grant: etcd 3.4 lets any user grant and keep alive
+  a lease, and checks revoke, and a put under a lease, against the keys attached to it.
 - :func:`provision` applies a plan as the admin identity over the secure channel, and
   enables auth: it creates the ``root`` role and user (no password) and grants the
   ``root`` role to each admin user, so the admin certificate (CN ``admin``) acts as root.
@@ -71,7 +75,7 @@ import grpc
 from aetcd import rpc, watcher
 
 from services.common.tls import CertError, Identity, MeshTls, channel_options, identity_of
-from services.common.worker_ids import SEPARATOR
+from services.common.worker_ids import SEPARATOR, has_sub_ids
 
 log = logging.getLogger(__name__)
 
@@ -151,9 +155,11 @@ def plan(namespace: str, identities: Iterable[Identity]) -> list[UserPlan]:
                                  f"{SEPARATOR!r} (it separates sub-ids, "
                                  f"services.common.worker_ids)")
             key = base + f"worker/{ident.name}".encode()
-            subs = key + SEPARATOR.encode()
-            up.roles[f"{namespace}/worker/{ident.name}"] = [
-                Grant(READWRITE, key), Grant(READWRITE, subs, prefix_end(subs))]
+            grants = [Grant(READWRITE, key)]
+            if has_sub_ids(ident.name):  # a fleet certificate: its workers' sub-ids too
+                subs = key + SEPARATOR.encode()
+                grants.append(Grant(READWRITE, subs, prefix_end(subs)))
+            up.roles[f"{namespace}/worker/{ident.name}"] = grants
         elif ident.role not in READERS:
             raise ValueError(f"identity {ident}: role {ident.role!r} has no etcd permissions")
     return list(out.values())

@@ -22,12 +22,13 @@ Contract:
   :class:`BadEntry` for anything malformed (the consumer skips it and counts it). Given
   ``keys`` (signer name → its event key, None for an unknown signer), it accepts only
   entries whose ``m`` verifies under the signer's key, whose signer may act as ``w``
-  (:func:`services.common.worker_ids.may_act_as`: ``w`` itself or a sub-id
-  ``<signer>.<suffix>``) and whose message names that same worker ``w``. Otherwise it
-  raises :class:`BadSignature` (a BadEntry) with ``reason`` :data:`UNSIGNED` (no ``m``)
-  or :data:`FORGED` (wrong MAC, an unknown signer, a signer that may not act as ``w``,
-  or a message for another worker than ``w``). Without ``keys`` (a mesh without
-  certificates) ``m`` and ``s`` are ignored and unsigned entries are accepted, as before.
+  (:func:`services.common.worker_ids.may_act_as`: ``w`` itself, or a sub-id
+  ``<signer>.<suffix>`` of a fleet certificate ``fleet[-<x>]``) and whose message names
+  that same worker ``w``. Otherwise it raises :class:`BadSignature` (a BadEntry) with
+  ``reason`` :data:`UNSIGNED` (no ``m``) or :data:`FORGED` (wrong MAC, an unknown
+  signer, a signer that may not act as ``w``, or a message for another worker than
+  ``w``). Without ``keys`` (a mesh without certificates) ``m`` and ``s`` are ignored and
+  unsigned entries are accepted, as before.
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def _verify(fields: Mapping[bytes, bytes], kind: bytes, data: bytes, keys: KeyLo
         raise BadSignature(UNSIGNED, sender, "no MAC (field m)", signer)
     if not may_act_as(signer, sender):
         raise BadSignature(FORGED, sender, f"{signer!r} may not act as {sender!r} "
-                           f"(only as itself or {signer!r}.<suffix>)", signer)
+                           f"(only as itself, or a fleet certificate as its sub-ids "
+                           f"<name>.<suffix>)", signer)
     key = keys(signer)
     if key is None:
         raise BadSignature(FORGED, sender, "no event key for this signer", signer)

@@ -2,9 +2,12 @@
 without a certificate, or with one from another CA, get nothing; worker A cannot put or
 delete worker B's key, register under another id, or revoke B's lease (etcd answers
 PERMISSION_DENIED) and B's key stays as it was; A registers, keeps its lease alive and
-puts its key back after a delete, and a router's watcher sees it; A registers its sub-ids
-``a.0`` and ``a.1`` (a mock fleet's workers) but not ``ax`` nor B's; the shared ``worker``
-role certificate cannot register; a worker enrolled later (the planner's path) can."""
+puts its key back after a delete, and a router's watcher sees it; a fleet certificate
+``worker:fleet-a`` registers its sub-ids ``fleet-a.0`` and ``fleet-a.1`` (a mock fleet's
+workers) but not ``fleet-ax`` nor B's; a real worker's certificate (``worker:prefill-0``,
+``worker:a``) registers no sub-id at all (``prefill-0.fake``: PERMISSION_DENIED); the
+shared ``worker`` role certificate cannot register; a worker enrolled later (the planner's
+path) can."""
 
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def secure_etcd(tmp_path_factory: pytest.TempPathFactory, log_dir: Path) -> Iter
     """An etcd with TLS, client certificates and auth on, provisioned like kvmesh up."""
     work = tmp_path_factory.mktemp("etcd-auth")
     certs = work / "certs"
-    write_mesh_certs(certs, ["admin", "etcd", "router", "worker", "worker:a", "worker:b"])
+    write_mesh_certs(certs, ["admin", "etcd", "router", "worker", "worker:a", "worker:b",
+                             "worker:fleet-a", "worker:prefill-0"])
     child = start_etcd(work, log_dir, tls_dir=certs)
     try:
         assert child.address.startswith("https://")
@@ -141,38 +145,85 @@ async def test_a_worker_cannot_touch_another_workers_key(secure_etcd: SecureEtcd
         await b.close()
 
 
-async def test_an_instance_certificate_registers_its_sub_ids_only(
+async def test_a_fleet_certificate_registers_its_sub_ids_only(
         secure_etcd: SecureEtcd) -> None:
-    """``worker:a`` (a mock fleet's certificate) registers ``a.0`` and ``a.1``, each under
-    its own lease, and a router sees both; ``ax`` and ``b`` stay out of its reach."""
+    """``worker:fleet-a`` (a mock fleet's certificate) registers ``fleet-a.0`` and
+    ``fleet-a.1``, each under its own lease, and a router sees both; ``fleet-ax`` and
+    ``b`` stay out of its reach."""
     address = secure_etcd.child.address
     watcher = InstanceWatcher(address, NS, "worker", tls=secure_etcd.tls("router"))
     await watcher.start()
+    subs = {"fleet-a.0", "fleet-a.1"}
     regs = [Registration(address, NS, record(w, f"127.0.0.1:{10 + i}"), ttl=10,
-                         tls=secure_etcd.tls("worker-a")) for i, w in enumerate(("a.0", "a.1"))]
+                         tls=secure_etcd.tls("worker-fleet-a"))
+            for i, w in enumerate(sorted(subs))]
     try:
         for reg in regs:
             await reg.start()
-        await wait_for(lambda: {"a.0", "a.1"} <= set(watcher.instances()), 10,
-                       lambda: f"the router to see a.0 and a.1 ({sorted(watcher.instances())})")
+        await wait_for(lambda: subs <= set(watcher.instances()), 10,
+                       lambda: f"the router to see {sorted(subs)} "
+                               f"({sorted(watcher.instances())})")
         assert regs[0].lease_id != regs[1].lease_id
-        for other in ("ax", "b", "b.0"):
+        for other in ("fleet-ax", "b", "b.0"):
             reg = Registration(address, NS, record(other), ttl=10,
-                               tls=secure_etcd.tls("worker-a"))
-            with pytest.raises(EtcdPermissionError, match=f"worker/{other}.*worker/a"):
+                               tls=secure_etcd.tls("worker-fleet-a"))
+            with pytest.raises(EtcdPermissionError, match=f"worker/{other}.*worker/fleet-a"):
                 await reg.start(startup_timeout_s=5)
             await reg.close()
-        a = etcd_client(address, secure_etcd.tls("worker-a"))
+        a = etcd_client(address, secure_etcd.tls("worker-fleet-a"))
         try:
-            await denied(a.put(key("ax"), b"x"))
+            await denied(a.put(key("fleet-ax"), b"x"))
             await denied(a.delete(key("b.0")))
         finally:
             await a.close()
     finally:
         for reg in regs:
             await reg.close()
-        await wait_for(lambda: not {"a.0", "a.1"} & set(watcher.instances()), 10,
-                       "the revokes to show")
+        await wait_for(lambda: not subs & set(watcher.instances()), 10, "the revokes to show")
+        await watcher.close()
+
+
+async def test_a_real_workers_certificate_registers_no_sub_id(
+        secure_etcd: SecureEtcd) -> None:
+    """A compromised real worker (``worker:prefill-0``, ``worker:a``: no fleet
+    certificate) cannot add records ``<name>.<x>`` pointing at its own listener (to pull
+    KV-aware routing to itself): etcd answers PERMISSION_DENIED, and a router sees none;
+    its own key still registers."""
+    address = secure_etcd.child.address
+    watcher = InstanceWatcher(address, NS, "worker", tls=secure_etcd.tls("router"))
+    await watcher.start()
+    own = Registration(address, NS, record("prefill-0", "127.0.0.1:20"), ttl=10,
+                       tls=secure_etcd.tls("worker-prefill-0"))
+    try:
+        await own.start()
+        await wait_for(lambda: "prefill-0" in watcher.instances(), 10,
+                       "the router to see prefill-0")
+        for name, fake in (("prefill-0", "prefill-0.fake"), ("prefill-0", "prefill-0.x1"),
+                           ("a", "a.0")):
+            reg = Registration(address, NS, record(fake, "127.0.0.1:20"), ttl=10,
+                               tls=secure_etcd.tls(f"worker-{name}"))
+            with pytest.raises(EtcdPermissionError,
+                               match=f"worker/{fake} for worker/{name}: permission denied.*"
+                                     f"a fleet certificate worker:fleet-<x>"):
+                await reg.start(startup_timeout_s=5)
+            await reg.close()
+            client = etcd_client(address, secure_etcd.tls(f"worker-{name}"))
+            try:
+                await denied(client.put(key(fake), record(fake).SerializeToString()))
+            finally:
+                await client.close()
+        admin = etcd_client(address, secure_etcd.tls("admin"))
+        try:
+            for fake in ("prefill-0.fake", "prefill-0.x1", "a.0"):
+                assert await admin.get(key(fake)) is None, fake
+        finally:
+            await admin.close()
+        assert not [w for w in watcher.instances() if "." in w and not
+                    w.startswith("fleet-")], sorted(watcher.instances())
+    finally:
+        await own.close()
+        await wait_for(lambda: "prefill-0" not in watcher.instances(), 10,
+                       "the revoke to show")
         await watcher.close()
 
 

@@ -1,9 +1,10 @@
 """mTLS and authorization by role on real in-process servers (real etcd and Redis): a mock
 worker, a router, an indexer and a frontend, all with certificates of one mesh CA.
 
-The worker is a mock fleet's (one process, one instance certificate ``worker:mt``, its
-workers the sub-ids ``mt.a0``, ...): its signed KV events reach the TLS indexer and are
-indexed (none dropped as forged); the shared ``worker`` certificate is refused to a fleet.
+The worker is a mock fleet's (one process, one fleet certificate ``worker:fleet-mt``, its
+workers the sub-ids ``fleet-mt.a0``, ...): its signed KV events reach the TLS indexer and
+are indexed (none dropped as forged); the shared ``worker`` certificate, and a real
+worker's (``worker:prefill-0``, no fleet certificate), are refused to a fleet.
 
 A frontend-role client routes and generates; other roles get PERMISSION_DENIED naming the
 method and the role; a client without a certificate, or with one of another CA, does not
@@ -78,12 +79,12 @@ def fleet_args(etcd: str, certs: Path, name: str, tiny_model: str, *extra: str) 
 async def secured(etcd: Child, redis_server: Child, tiny_model: str,
                   tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Secured]:
     certs, rogue = tmp_path_factory.mktemp("certs"), tmp_path_factory.mktemp("rogue")
-    write_mesh_certs(certs, [*ROLES, "worker:mt"])
-    write_mesh_certs(rogue, [*ROLES, "worker:fake"])  # a CA of its own
+    write_mesh_certs(certs, [*ROLES, "worker:fleet-mt"])
+    write_mesh_certs(rogue, [*ROLES, "worker:fleet-fake"])  # a CA of its own
     args = [*base_args(etcd.address, NS), "--tls-dir", str(certs)]
     redis_url = f"redis://{redis_server.address}"
     fleet = await start_fleet(load_config(FleetConfig, fleet_args(
-        etcd.address, certs, "mt", tiny_model, "--redis-url", redis_url), {}))
+        etcd.address, certs, "fleet-mt", tiny_model, "--redis-url", redis_url), {}))
     router = await start_router(load_config(RouterConfig, [
         *args, "--load-poll-s", "0.2", "--policy", "round_robin", "--failure-hold-s", "600"],
         {}))
@@ -121,7 +122,7 @@ async def test_a_frontend_routes_and_generates(secured: Secured) -> None:
     async with channel(secured.router.server.address, tls) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         route = await stub.Route(route_req("mt-ok"))
-        assert route.worker.instance_id == "mt.a0"
+        assert route.worker.instance_id == "fleet-mt.a0"
         await stub.Release(router_pb2.ReleaseRequest(request_id="mt-ok"))
     async with channel(secured.fleet.workers[0].address, tls) as ch:
         chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(gen_req("mt-ok"))]
@@ -145,7 +146,7 @@ async def test_other_roles_get_permission_denied_naming_method_and_role(
         assert "'router'" in (err.details() or "")
         err = await refused(stub.Abort(worker_pb2.AbortRequest(request_id="mt-ok")))
         assert err.code() == grpc.StatusCode.PERMISSION_DENIED
-        assert (await stub.GetLoad(worker_pb2.GetLoadRequest())).worker_id == "mt.a0"
+        assert (await stub.GetLoad(worker_pb2.GetLoadRequest())).worker_id == "fleet-mt.a0"
     assert worker.engine.counters()["finished_requests"] == before
     assert secured.router.server.authz is not None
     assert secured.router.server.authz.refused[
@@ -183,7 +184,7 @@ async def test_a_client_accepts_only_a_server_holding_the_role_it_dials(
         assert err.code() == grpc.StatusCode.UNAVAILABLE
     async with channel(address, secured.tls("router"), "worker") as ch:
         load = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest())
-        assert load.worker_id == "mt.a0"
+        assert load.worker_id == "fleet-mt.a0"
 
 
 async def test_users_reach_the_frontend_api_without_a_mesh_certificate(
@@ -222,7 +223,8 @@ async def test_only_an_admin_dumps_the_index(secured: Secured) -> None:
 
 async def test_the_fleets_signed_events_are_indexed(secured: Secured) -> None:
     """A request through the frontend leaves the fleet worker's blocks in the TLS indexer:
-    its events, signed by the certificate ``mt`` for the worker ``mt.a0``, are accepted."""
+    its events, signed by the certificate ``fleet-mt`` for the worker
+    ``fleet-mt.a0``, are accepted."""
     async with httpx.AsyncClient(timeout=30) as client:
         resp = await client.post(f"{secured.frontend.base_url}/v1/completions",
                                  json={"model": "mock", "prompt": PROMPT, "max_tokens": 2})
@@ -232,27 +234,32 @@ async def test_the_fleets_signed_events_are_indexed(secured: Secured) -> None:
         stub = indexer_pb2_grpc.IndexerStub(ch)
 
         async def dumped() -> list[int]:
-            dump = await stub.Dump(indexer_pb2.DumpRequest(worker_id="mt.a0"))
+            dump = await stub.Dump(indexer_pb2.DumpRequest(worker_id="fleet-mt.a0"))
             return [h for w in dump.workers for t in w.tiers for h in t.block_hashes]
-        blocks = await wait_for(dumped, 15, lambda: f"mt.a0's blocks in the index "
+        blocks = await wait_for(dumped, 15, lambda: f"fleet-mt.a0's blocks in the index "
                                                     f"({secured.indexer.feed.stats})")
     assert len(blocks) >= len(PROMPT) // 16
     async with channel(address, secured.tls("router")) as ch:
         found = await indexer_pb2_grpc.IndexerStub(ch).FindMatches(
             indexer_pb2.FindMatchesRequest(token_ids=PROMPT, block_size=16))
-    assert [(o.worker_id, o.blocks) for o in found.overlaps] == [("mt.a0", 4)]
+    assert [(o.worker_id, o.blocks) for o in found.overlaps] == [("fleet-mt.a0", 4)]
     stats = secured.indexer.feed.stats
     assert (stats.forged_entries, stats.unsigned_entries) == (0, 0)
     assert stats.events_applied >= 1
 
 
-async def test_the_shared_worker_certificate_is_refused_to_a_fleet(
+async def test_the_shared_or_a_real_workers_certificate_is_refused_to_a_fleet(
         secured: Secured, etcd: Child, tiny_model: str) -> None:
-    args = fleet_args(etcd.address, secured.certs, "mt", tiny_model)
-    shared = [a for a in args if a not in ("--tls-cert", "worker-mt")]
+    args = fleet_args(etcd.address, secured.certs, "fleet-mt", tiny_model)
+    shared = [a for a in args if a not in ("--tls-cert", "worker-fleet-mt")]
     with pytest.raises(ConfigError, match=r"tls_cert 'worker' is worker/worker: a fleet "
                                           r"under TLS needs a worker instance certificate"):
         load_config(FleetConfig, shared, {})
+    write_mesh_certs(secured.certs, ["worker:prefill-0"])
+    real = fleet_args(etcd.address, secured.certs, "prefill-0", tiny_model)
+    with pytest.raises(ConfigError, match=r"tls_cert 'worker-prefill-0' is worker/prefill-0, "
+                                          r"no fleet certificate.*worker:fleet-<x>"):
+        load_config(FleetConfig, real, {})
     with pytest.raises(ConfigError, match=r"worker_id 'x\.y'"):
         load_config(FleetConfig, [*args, "--worker-id", "x.y"], {})
 
@@ -260,7 +267,7 @@ async def test_the_shared_worker_certificate_is_refused_to_a_fleet(
 async def test_a_fake_worker_with_a_foreign_certificate_never_gets_a_request(
         secured: Secured, etcd: Child, tiny_model: str) -> None:
     fake = await start_fleet(load_config(FleetConfig, fleet_args(
-        etcd.address, secured.rogue, "fake", tiny_model), {}))
+        etcd.address, secured.rogue, "fleet-fake", tiny_model), {}))
     try:
         await wait_routable(secured.router, 2, "the real and the fake worker")
         reports = (await metrics(secured.router))["kvmesh_router_failure_reports_total"]

@@ -9,8 +9,9 @@ with its own password, and then issue 13's attack: forged entries for worker B (
 and a full-state entry) written with the worker password, signed with A's key or
 unsigned. The real indexer drops and counts them, indexes B's real signed events, and
 still holds B's real state after a restart. A mock fleet's sub-identity: the relay of
-``wa.0`` on A's certificate is indexed, while entries A signs for ``wb.0`` are dropped as
-forged.
+``fleet-a.0`` on the fleet certificate ``fleet-a`` is indexed, while entries it signs for
+``fleet-b.0``, and those the real worker ``wa`` (no fleet certificate) signs for ``wa.0``,
+are dropped as forged.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class SecureRedis:
 @pytest.fixture(scope="module")
 def secure_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureRedis]:
     certs = tmp_path_factory.mktemp("certs")
-    write_mesh_certs(certs, [*ROLES, "worker:wa", "worker:wb"])
+    write_mesh_certs(certs, [*ROLES, "worker:wa", "worker:wb", "worker:fleet-a",
+                             "worker:fleet-b"])
     child = start_redis(tmp_path_factory.mktemp("redis-logs"), tls_dir=certs, namespace=NS)
     try:
         yield SecureRedis(certs, child)
@@ -291,21 +293,23 @@ async def test_forged_entries_for_another_worker_are_dropped_and_counted(
         await again.server.stop()
 
 
-# --- a mock fleet's sub-identities: wa signs for wa.0, never for another's id -----------
+# --- a mock fleet's sub-identities: fleet-a signs for fleet-a.0, never for another's id --
 
 async def test_a_sub_identitys_events_are_indexed_and_another_id_is_refused(
         secure_redis: SecureRedis, etcd: Child, tmp_path: Path) -> None:
-    """A relay for ``wa.0`` on wa's certificate (as a fleet runs) is indexed; entries for
-    ``wb.0`` signed by wa (naming wa or wb as signer), and wa's entry stripped of its
-    signer, are dropped as forged, and ``wb.0`` gets nothing in the index."""
+    """A relay for ``fleet-a.0`` on the fleet certificate ``fleet-a`` (as a fleet runs) is
+    indexed; entries for ``fleet-b.0`` signed by fleet-a (naming fleet-a or fleet-b as
+    signer), fleet-a's entry stripped of its signer, and an entry the real worker ``wa``
+    (no fleet certificate) signs for ``wa.0`` are dropped as forged, and neither
+    ``fleet-b.0`` nor ``wa.0`` gets anything in the index."""
     r = secure_redis
     regs = [Registration(etcd.address, NS, discovery_pb2.InstanceRecord(
         instance_id=w, component="worker", address="127.0.0.1:1", pid=1,
-        capabilities=["kv_events"]), ttl=30) for w in ("wa.0", "wb.0")]
+        capabilities=["kv_events"]), ttl=30) for w in ("fleet-a.0", "fleet-b.0", "wa.0")]
     for reg in regs:
         await reg.start()
-    relay = KvEventRelay("wa.0", BS, r.url, STREAM, EventEndpoints(tmp_path, "", ""),
-                         tls=r.tls("worker-wa"))
+    relay = KvEventRelay("fleet-a.0", BS, r.url, STREAM, EventEndpoints(tmp_path, "", ""),
+                         tls=r.tls("worker-fleet-a"))
     await relay.start(zmq_input=False)
     app = await start_indexer(load_config(IndexerConfig, [
         *base_args(etcd.address, NS), "--tls-dir", str(r.certs), "--redis-url", r.url,
@@ -313,35 +317,43 @@ async def test_a_sub_identitys_events_are_indexed_and_another_id_is_refused(
     try:
         forged_before = app.feed.stats.forged_entries  # the stream may hold older attacks
         relay.submit([stored(i) for i in range(200, 212, 4)])
-        await wait_for(lambda: indexed(app, "wa.0") == relay_blocks(relay), 15,
-                       lambda: f"wa.0's blocks in the index ({indexed(app, 'wa.0')}; "
+        await wait_for(lambda: indexed(app, "fleet-a.0") == relay_blocks(relay), 15,
+                       lambda: f"fleet-a.0's blocks in the index "
+                               f"({indexed(app, 'fleet-a.0')}; "
                                f"stats {app.feed.stats})")
         assert app.feed.stats.forged_entries == forged_before
         real = relay_blocks(relay)
-        key_a = r.tls("worker-wa").secret("worker-wa.evkey")
-        state_b = kv_events_pb2.KvState(worker_id="wb.0", event_id=1_000, tiers=[
+        key_a = r.tls("worker-fleet-a").secret("worker-fleet-a.evkey")
+        key_wa = r.tls("worker-wa").secret("worker-wa.evkey")
+        state_b = kv_events_pb2.KvState(worker_id="fleet-b.0", event_id=1_000, tiers=[
             kv_events_pb2.TierBlocks(tier="device", block_hashes=[666])])
-        batch_b = kv_events_pb2.KvEventBatch(worker_id="wb.0", block_size=BS, events=[
+        batch_b = kv_events_pb2.KvEventBatch(worker_id="fleet-b.0", block_size=BS, events=[
             kv_events_pb2.KvEvent(event_id=0, kind=kv_events_pb2.KV_EVENT_KIND_STORED,
                                   block_hashes=[667])])
-        state_a = kv_events_pb2.KvState(worker_id="wa.0", event_id=1_000, tiers=[
+        state_a = kv_events_pb2.KvState(worker_id="fleet-a.0", event_id=1_000, tiers=[
             kv_events_pb2.TierBlocks(tier="device", block_hashes=[668])])
-        stripped = {k: v for k, v in encode_state(state_a, key_a, "wa").items() if k != b"s"}
-        forged = [encode_state(state_b, key_a, "wa"), encode_batch(batch_b, key_a, "wa"),
-                  encode_state(state_b, key_a, "wb"), stripped]
+        stripped = {k: v for k, v in encode_state(state_a, key_a, "fleet-a").items()
+                    if k != b"s"}
+        # a compromised real worker wa claims a prefix for a record wa.0 of its making
+        state_wa = kv_events_pb2.KvState(worker_id="wa.0", event_id=1_000, tiers=[
+            kv_events_pb2.TierBlocks(tier="device", block_hashes=[669])])
+        forged = [encode_state(state_b, key_a, "fleet-a"),
+                  encode_batch(batch_b, key_a, "fleet-a"),
+                  encode_state(state_b, key_a, "fleet-b"), stripped,
+                  encode_state(state_wa, key_wa, "wa")]
         attacker = r.client("worker", "worker-wa")
         try:
             for fields in forged:
                 await attacker.xadd(STREAM, fields)  # type: ignore[arg-type]
         finally:
             await attacker.aclose()
-        await wait_for(lambda: app.feed.stats.forged_entries == forged_before + 4, 15,
-                       lambda: f"4 forged entries dropped ({app.feed.stats})")
-        assert indexed(app, "wb.0") == {}
-        assert indexed(app, "wa.0") == real
-        relay.submit([stored(300)])  # wa.0 goes on
-        await wait_for(lambda: indexed(app, "wa.0") == relay_blocks(relay) != real, 15,
-                       lambda: f"wa.0's next block ({app.feed.stats})")
+        await wait_for(lambda: app.feed.stats.forged_entries == forged_before + 5, 15,
+                       lambda: f"5 forged entries dropped ({app.feed.stats})")
+        assert indexed(app, "fleet-b.0") == {} and indexed(app, "wa.0") == {}
+        assert indexed(app, "fleet-a.0") == real
+        relay.submit([stored(300)])  # fleet-a.0 goes on
+        await wait_for(lambda: indexed(app, "fleet-a.0") == relay_blocks(relay) != real, 15,
+                       lambda: f"fleet-a.0's next block ({app.feed.stats})")
     finally:
         await app.server.stop()
         await relay.close()

@@ -5,6 +5,7 @@ its certificate's name refusing to start, and the planner's workers enrolled."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ def by_user(identities: list[Identity]) -> dict[str, dict[str, list[Grant]]]:
 def test_each_identity_gets_exactly_its_grants() -> None:
     users = by_user([Identity("admin", "admin"), Identity("router", "router"),
                      Identity("worker", "worker"), Identity("worker", "prefill-0"),
-                     Identity("store_master", "store_master"),
+                     Identity("worker", "fleet-a"), Identity("store_master", "store_master"),
                      Identity("store_client", "store_client"), Identity("etcd", "etcd"),
                      Identity("redis", "redis")])
     read = [Grant(READ, BASE, b"/ns/instances0")]
@@ -38,11 +39,14 @@ def test_each_identity_gets_exactly_its_grants() -> None:
         Grant(READWRITE, BASE + b"router/", BASE + b"router0")]}
     assert users["store_master"]["ns/store_master"] == [
         Grant(READWRITE, BASE + b"store_master/", BASE + b"store_master0")]
-    # A worker instance: its one key and the prefix of its sub-ids ("prefill-0." up to
-    # "prefill-0/", excluded); the shared role certificate: read only.
+    # A worker instance: its one key, exactly (no sub-ids: a real worker's certificate);
+    # a fleet certificate: its key and the prefix of its sub-ids ("fleet-a." up to
+    # "fleet-a/", excluded); the shared role certificate: read only.
     assert users["prefill-0"] == {"ns/read": read, "ns/worker/prefill-0": [
-        Grant(READWRITE, BASE + b"worker/prefill-0"),
-        Grant(READWRITE, BASE + b"worker/prefill-0.", BASE + b"worker/prefill-0/")]}
+        Grant(READWRITE, BASE + b"worker/prefill-0")]}
+    assert users["fleet-a"] == {"ns/read": read, "ns/worker/fleet-a": [
+        Grant(READWRITE, BASE + b"worker/fleet-a"),
+        Grant(READWRITE, BASE + b"worker/fleet-a.", BASE + b"worker/fleet-a/")]}
     assert users["worker"] == {"ns/read": read}
     assert users["store_client"] == {"ns/read": read}
     assert "etcd" not in users and "redis" not in users
@@ -55,23 +59,42 @@ def test_identities_that_etcd_could_not_tell_apart_are_refused() -> None:
     with pytest.raises(ValueError, match="root"):
         plan("ns", [Identity("worker", "root")])
     assert len(plan("ns", [Identity("worker", "a"), Identity("worker", "a")])) == 1
-    # a dotted instance name would be another's sub-id (worker:a may act as a.b)
+    # a dotted instance name would be another's sub-id (worker:fleet may act as fleet.b)
+    with pytest.raises(ValueError, match=r"worker/fleet\.b: a worker instance name has no "):
+        plan("ns", [Identity("worker", "fleet"), Identity("worker", "fleet.b")])
     with pytest.raises(ValueError, match=r"worker/a\.b: a worker instance name has no '\.'"):
-        plan("ns", [Identity("worker", "a"), Identity("worker", "a.b")])
+        plan("ns", [Identity("worker", "a.b")])
 
 
-def test_the_sub_id_grant_covers_exactly_the_keys_of_the_rule() -> None:
-    """etcd's range [key, range_end) of worker a's grants, against keys of the rule."""
-    (grants,) = [g for u in plan("ns", [Identity("worker", "a")])
-                 for r, g in u.roles.items() if r == "ns/worker/a"]
+def writable_by(name: str) -> Callable[[str], bool]:
+    """Whether etcd's ranges [key, range_end) of worker ``name``'s grants cover an id."""
+    (grants,) = [g for u in plan("ns", [Identity("worker", name)])
+                 for r, g in u.roles.items() if r == f"ns/worker/{name}"]
 
     def writable(worker_id: str) -> bool:
         k = BASE + b"worker/" + worker_id.encode()
         return any(k == g.key if not g.range_end else g.key <= k < g.range_end
                    for g in grants)
-    for ok in ("a", "a.0", "a.1", "a.fleet-a12"):
+    return writable
+
+
+def test_the_sub_id_grant_covers_exactly_the_keys_of_the_rule() -> None:
+    """A fleet certificate's grants, against keys of the rule."""
+    writable = writable_by("fleet-a")
+    for ok in ("fleet-a", "fleet-a.0", "fleet-a.1", "fleet-a.fleet-a12"):
         assert writable(ok), ok
-    for refused in ("ax", "a-0", "b", "b.a", "a/0", "", "ab.0"):
+    for refused in ("fleet-ax", "fleet-a-0", "fleet-b", "fleet-b.a", "fleet-a/0", "",
+                    "fleet-ab.0", "fleet", "fleet.a"):
+        assert not writable(refused), refused
+
+
+@pytest.mark.parametrize("name", ["prefill-0", "decode-0", "w0", "a"])
+def test_a_real_workers_certificate_writes_exactly_its_key(name: str) -> None:
+    """No sub-ids for a worker that is no fleet: it cannot register ``<name>.x`` records
+    (say 50 pointing at its own listener) to pull traffic to itself."""
+    writable = writable_by(name)
+    assert writable(name)
+    for refused in (f"{name}.fake", f"{name}.0", f"{name}.x1", f"{name}x", f"{name}/0"):
         assert not writable(refused), refused
 
 
@@ -108,7 +131,7 @@ def worker_args(certs: Path, *extra: str) -> list[str]:
 
 
 def test_worker_id_is_bound_to_its_instance_certificate(tmp_path: Path) -> None:
-    write_mesh_certs(tmp_path, ["worker", "worker:prefill-0"])
+    write_mesh_certs(tmp_path, ["worker", "worker:prefill-0", "worker:fleet-a"])
     cfg = load_config(WorkerConfig, worker_args(tmp_path, "--tls-cert", "worker-prefill-0"),
                       {})
     assert cfg.resolved_worker_id() == "prefill-0"
@@ -118,14 +141,21 @@ def test_worker_id_is_bound_to_its_instance_certificate(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="worker_id 'decode-0'.*'prefill-0'.*tls_cert"):
         load_config(WorkerConfig, worker_args(tmp_path, "--tls-cert", "worker-prefill-0",
                                               "--worker-id", "decode-0"), {})
-    # a sub-id of the certificate's name is its own; nothing else with that head is
-    sub = load_config(WorkerConfig, worker_args(tmp_path, "--tls-cert", "worker-prefill-0",
-                                                "--worker-id", "prefill-0.x1"), {})
-    assert sub.resolved_worker_id() == "prefill-0.x1"
-    for bad in ("prefill-0.", "prefill-0.x.y", "prefill-0x", "other.prefill-0"):
-        with pytest.raises(ConfigError, match=f"worker_id {bad!r}.*tls_cert.*sub-ids"):
+    # a real worker's certificate has no sub-ids at all
+    for bad in ("prefill-0.x1", "prefill-0.fake", "prefill-0.", "prefill-0x"):
+        with pytest.raises(ConfigError, match=f"worker_id {bad!r}.*tls_cert.*has no sub-ids "
+                                              f"\\(only a fleet certificate"):
             load_config(WorkerConfig, worker_args(
                 tmp_path, "--tls-cert", "worker-prefill-0", "--worker-id", bad), {})
+    # a sub-id of a fleet certificate's name is its own; nothing else with that head is
+    sub = load_config(WorkerConfig, worker_args(tmp_path, "--tls-cert", "worker-fleet-a",
+                                                "--worker-id", "fleet-a.x1"), {})
+    assert sub.resolved_worker_id() == "fleet-a.x1"
+    for bad in ("fleet-a.", "fleet-a.x.y", "fleet-ax", "other.fleet-a"):
+        with pytest.raises(ConfigError, match=f"worker_id {bad!r}.*tls_cert.*nor one of its "
+                                              f"sub-ids"):
+            load_config(WorkerConfig, worker_args(
+                tmp_path, "--tls-cert", "worker-fleet-a", "--worker-id", bad), {})
     # The shared role certificate binds no id; without TLS nothing is checked.
     role = load_config(WorkerConfig, worker_args(tmp_path, "--worker-id", "x"), {})
     assert role.resolved_worker_id() == "x"

@@ -170,17 +170,17 @@ def test_unsigned_and_forged_entries_are_refused_with_keys() -> None:
 
 
 def test_a_signer_signs_for_its_sub_ids_and_names_itself() -> None:
-    """A fleet's certificate ``fl`` signs the events of ``fl.a0``: the entry names its
+    """A fleet's certificate ``fleet`` signs the events of ``fleet.a0``: the entry names its
     signer (``s``, covered by the MAC) and verifies under the signer's key."""
-    for msg, enc in ((batch("fl.a0"), encode_batch), (state("fl.a0"), encode_state)):
-        fields = enc(msg, keys("fl"), "fl")  # type: ignore[operator]
-        assert set(fields) == {b"w", b"k", b"d", b"s", b"m"} and fields[b"s"] == b"fl"
+    for msg, enc in ((batch("fleet.a0"), encode_batch), (state("fleet.a0"), encode_state)):
+        fields = enc(msg, keys("fleet"), "fleet")  # type: ignore[operator]
+        assert set(fields) == {b"w", b"k", b"d", b"s", b"m"} and fields[b"s"] == b"fleet"
         assert decode_entry(fields, keys) == msg
         assert decode_entry(fields) == msg  # a mesh without certificates ignores s and m
     # a signer equal to the worker id is left out: the entry is today's
     assert encode_batch(batch("wa"), keys("wa"), "wa") == encode_batch(batch("wa"), keys("wa"))
-    assert mac_input(b"fl.a0", BATCH, b"xy", b"fl") == \
-        b"kvmesh-ev2\x00\x00\x00\x02fl\x00\x00\x00\x05fl.a0bxy"
+    assert mac_input(b"fleet.a0", BATCH, b"xy", b"fleet") == \
+        b"kvmesh-ev2\x00\x00\x00\x05fleet\x00\x00\x00\x08fleet.a0bxy"
 
 
 def signed_by(signer: str, worker: str, key_of: str = "") -> dict[bytes, bytes]:
@@ -188,25 +188,41 @@ def signed_by(signer: str, worker: str, key_of: str = "") -> dict[bytes, bytes]:
 
 
 def test_a_signer_may_not_act_as_another_id() -> None:
-    with pytest.raises(BadSignature, match="'fl' may not act as 'other.0'") as info:
-        decode_entry(signed_by("fl", "other.0"), keys)
+    with pytest.raises(BadSignature, match="'fleet' may not act as 'other.0'") as info:
+        decode_entry(signed_by("fleet", "other.0"), keys)
     assert (info.value.reason, info.value.worker_id, info.value.signer) == \
-        (FORGED, "other.0", "fl")
-    for worker in ("flx", "fl.", "fl.a.b", "x.fl"):
-        assert reason(signed_by("fl", worker)) == f"{FORGED} {worker}", worker
-    # fl's key, naming another signer that would own the id
-    assert reason(signed_by("other", "other.0", key_of="fl")) == f"{FORGED} other.0"
+        (FORGED, "other.0", "fleet")
+    for worker in ("fleetx", "fleet.", "fleet.a.b", "x.fleet", "fleet-b.0"):
+        assert reason(signed_by("fleet", worker)) == f"{FORGED} {worker}", worker
+    # fleet's key, naming another signer that would own the id
+    assert reason(signed_by("fleet-o", "fleet-o.0", key_of="fleet")) == f"{FORGED} fleet-o.0"
     # a signer name changed, or dropped, after signing
-    renamed = signed_by("fl", "fl.a0")
-    renamed[b"s"] = b"fl.a0"
-    assert reason(renamed) == f"{FORGED} fl.a0"
-    dropped = signed_by("fl", "fl.a0")
+    renamed = signed_by("fleet", "fleet.a0")
+    renamed[b"s"] = b"fleet.a0"
+    assert reason(renamed) == f"{FORGED} fleet.a0"
+    dropped = signed_by("fleet", "fleet.a0")
     del dropped[b"s"]
-    assert reason(dropped) == f"{FORGED} fl.a0"
+    assert reason(dropped) == f"{FORGED} fleet.a0"
     # the shared worker certificate has no sub-ids
     assert reason(signed_by("worker", "worker.0")) == f"{FORGED} worker.0"
-    empty = signed_by("fl", "fl.a0")
+    empty = signed_by("fleet", "fleet.a0")
     empty[b"s"] = b""
     with pytest.raises(BadEntry, match="signer"):
         decode_entry(empty, keys)
-    assert reason({**encode_batch(batch("fl.a0")), b"s": b"fl"}) == f"{UNSIGNED} fl.a0"
+    assert reason({**encode_batch(batch("fleet.a0")), b"s": b"fleet"}) == \
+        f"{UNSIGNED} fleet.a0"
+
+
+@pytest.mark.parametrize("name", ["prefill-0", "decode-0", "w0", "fl"])
+def test_a_real_workers_events_for_ids_of_its_making_are_forged(name: str) -> None:
+    """A compromised real worker (its certificate no fleet certificate) signs, with its
+    own valid key, events for records ``<name>.<x>`` it would register to claim prefixes:
+    every one is dropped as forged, whether it names itself as signer or not; its own
+    id's events verify."""
+    for worker in (f"{name}.x", f"{name}.fake", f"{name}.a0"):
+        for fields in (signed_by(name, worker), encode_batch(batch(worker), keys(name)),
+                       encode_state(state(worker), keys(name), name)):
+            assert reason(fields) == f"{FORGED} {worker}", (worker, fields)
+        with pytest.raises(BadSignature, match=f"{name!r} may not act as {worker!r}"):
+            decode_entry(signed_by(name, worker), keys)
+    assert decode_entry(signed_by(name, name), keys) == batch(name)

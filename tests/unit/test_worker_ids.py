@@ -1,6 +1,8 @@
 """The sub-identity rule (:mod:`services.common.worker_ids`): which worker ids a worker
-certificate may act as; worker instance certificates without a dot; and the mock fleet's
-ids under TLS (its instance certificate's sub-ids; the shared certificate refused)."""
+certificate may act as (sub-ids for a fleet certificate ``fleet[-<x>]`` only; a real
+worker's certificate acts only as its exact name); worker instance certificates without a
+dot; and the mock fleet's ids under TLS (its fleet certificate's sub-ids; the shared
+certificate and a non-fleet instance certificate refused)."""
 
 from __future__ import annotations
 
@@ -10,40 +12,60 @@ import pytest
 
 from services.common.config import ConfigError, load_config
 from services.common.tls import CertError, issue, make_ca, write_mesh_certs
-from services.common.worker_ids import may_act_as, sub_id
+from services.common.worker_ids import has_sub_ids, may_act_as, sub_id
 from workers.fleet import FleetConfig, fleet_prefix, worker_config
 
 
 @pytest.mark.parametrize("worker_id", [
-    "name", "name.0", "name.1", "name.a12", "name.fleet-a0", "name.x_y", "name.A-B_9"])
+    "fleet-n", "fleet-n.0", "fleet-n.1", "fleet-n.a12", "fleet-n.fleet-a0", "fleet-n.x_y",
+    "fleet-n.A-B_9"])
 def test_accepted_ids(worker_id: str) -> None:
-    assert may_act_as("name", worker_id)
+    assert may_act_as("fleet-n", worker_id)
 
 
 @pytest.mark.parametrize("worker_id", [
-    "name.",  # empty suffix
-    "name.x.y",  # one level only: the owner of an id is the part before its first dot
-    "namex", "name-0", "nam", "other.name", "other", "", ".name", "name..x",
-    "name.x/y", "name.x y", "name.é", "NAME.0", "name.0\n"])
+    "fleet-n.",  # empty suffix
+    "fleet-n.x.y",  # one level only: the owner of an id is the part before its first dot
+    "fleet-nx", "fleet-n-0", "fleet-", "other.fleet-n", "other", "", ".fleet-n",
+    "fleet-n..x", "fleet-n.x/y", "fleet-n.x y", "fleet-n.é", "FLEET-N.0", "fleet-n.0\n"])
 def test_refused_ids(worker_id: str) -> None:
-    assert not may_act_as("name", worker_id)
+    assert not may_act_as("fleet-n", worker_id)
+
+
+@pytest.mark.parametrize("name", ["fleet", "fleet-a", "fleet-mt", "fleet-x_1"])
+def test_fleet_certificates_have_sub_ids(name: str) -> None:
+    assert has_sub_ids(name) and may_act_as(name, f"{name}.a0")
+
+
+@pytest.mark.parametrize("name", [
+    "prefill-0", "decode-0", "w0", "planner-decode-1", "fl", "fleetx", "fleet-", "xfleet-a",
+    "my-fleet-a", "FLEET-a", "fleet.a", "fleet-a.b", "worker", ""])
+def test_every_other_worker_certificate_acts_only_as_its_name(name: str) -> None:
+    """A real worker's certificate (``kvmesh up``'s ``decode-0``, compose's ``w0``) has
+    no sub-ids: it may not register, or sign events for, ``<name>.<anything>``."""
+    assert not has_sub_ids(name)
+    assert may_act_as(name, name) == bool(name)
+    for suffix in ("0", "fake", "a0", "x"):
+        assert not may_act_as(name, f"{name}.{suffix}"), suffix
 
 
 def test_names_without_sub_ids() -> None:
     # the shared role certificate binds no id: it acts only as "worker"
     assert may_act_as("worker", "worker") and not may_act_as("worker", "worker.0")
     # a dotted name (issued before the rule) acts only as itself
-    assert may_act_as("a.b", "a.b") and not may_act_as("a.b", "a.b.c")
+    assert may_act_as("fleet.b", "fleet.b") and not may_act_as("fleet.b", "fleet.b.c")
     assert not may_act_as("", "") and not may_act_as("", ".0")
 
 
 def test_sub_id_builds_or_names_the_suffix() -> None:
     assert sub_id("fleet", "a0") == "fleet.a0"
+    assert sub_id("fleet-a", "d3") == "fleet-a.d3"
     for suffix in ("", "x.y", "x/y"):
         with pytest.raises(ValueError, match=f"suffix {suffix!r}"):
             sub_id("fleet", suffix)
-    with pytest.raises(ValueError, match="shared 'worker'"):
-        sub_id("worker", "a0")
+    for name in ("worker", "prefill-0"):
+        with pytest.raises(ValueError, match="only a fleet certificate .*has sub-ids"):
+            sub_id(name, "a0")
 
 
 def test_a_worker_instance_name_has_no_dot() -> None:
@@ -58,18 +80,30 @@ def fleet(certs: Path, *extra: str) -> FleetConfig:
     return load_config(FleetConfig, ["--tls-dir", str(certs), "--workers", "2", *extra], {})
 
 
-def test_a_fleet_under_tls_uses_its_instance_certificates_sub_ids(tmp_path: Path) -> None:
-    write_mesh_certs(tmp_path, ["router", "worker", "worker:fl"])
-    cfg = fleet(tmp_path, "--tls-cert", "worker-fl")
+def test_a_fleet_under_tls_uses_its_fleet_certificates_sub_ids(tmp_path: Path) -> None:
+    write_mesh_certs(tmp_path, ["router", "worker", "worker:fleet-fl"])
+    cfg = fleet(tmp_path, "--tls-cert", "worker-fleet-fl")
     prefix = fleet_prefix(cfg)
-    assert prefix == "fl."
+    assert prefix == "fleet-fl."
     ids = [worker_config(cfg, i, r, prefix).worker_id for i, r in enumerate(cfg.roles())]
-    assert ids == ["fl.a0", "fl.a1"] and all(may_act_as("fl", w) for w in ids)
-    given = fleet(tmp_path, "--tls-cert", "worker-fl", "--worker-id", "m-")
-    assert worker_config(given, 0, "agg", fleet_prefix(given)).worker_id == "fl.m-a0"
+    assert ids == ["fleet-fl.a0", "fleet-fl.a1"]
+    assert all(may_act_as("fleet-fl", w) for w in ids)
+    given = fleet(tmp_path, "--tls-cert", "worker-fleet-fl", "--worker-id", "m-")
+    assert worker_config(given, 0, "agg", fleet_prefix(given)).worker_id == "fleet-fl.m-a0"
     for bad in ("fl.", "x.y", "a/b"):
         with pytest.raises(ConfigError, match=f"worker_id {bad!r}: under tls_cert"):
-            fleet(tmp_path, "--tls-cert", "worker-fl", "--worker-id", bad)
+            fleet(tmp_path, "--tls-cert", "worker-fleet-fl", "--worker-id", bad)
+
+
+def test_a_fleet_under_tls_refuses_a_real_workers_certificate(tmp_path: Path) -> None:
+    """``worker:prefill-0`` acts only as ``prefill-0``: no fleet may run on it."""
+    write_mesh_certs(tmp_path, ["worker:prefill-0", "worker:fl"])
+    for name in ("prefill-0", "fl"):
+        with pytest.raises(ConfigError, match=(
+                f"tls_cert 'worker-{name}' is worker/{name}, no fleet certificate: it acts "
+                f"only as '{name}'.*issue a fleet certificate worker:fleet-<x> .*"
+                f"kvmesh certs --roles worker:fleet-a")):
+            fleet(tmp_path, "--tls-cert", f"worker-{name}")
 
 
 def test_a_fleet_under_tls_refuses_the_shared_certificate(tmp_path: Path) -> None:
