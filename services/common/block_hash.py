@@ -18,6 +18,19 @@ Contract:
   unsalted hashes. With ``parent`` the salt is ignored: the parent already carries it.
   The router, the indexer, the workers' event translation and the mock engine all hash
   with the request's salt, so nothing matches across tenants.
+- **Multimodal keys** (vLLM's ``("mm", identifier, offset)`` extra keys): every image
+  token has the same token id, so a block holding (part of) an image also hashes the
+  image's identity. ``mm_keys`` gives, per full block, the ``(identifier, offset)`` pairs
+  of the images it holds (``offset`` = the image's start relative to the block's first
+  token, negative when the image began in an earlier block), exactly as vLLM publishes
+  them untagged in ``BlockStored.extra_keys``; :func:`mm_block_keys` derives them from
+  absolute :class:`MmSpan` placeholder ranges by vLLM's rule (a block holds an image when
+  ``block_start < offset + length`` and ``block_end > offset``). A block with keys has
+  the local hash ``xxh3_64(tokens ‖ b"kvmesh-mm\0" ‖ (identifier UTF-8 ‖ NUL ‖ offset as
+  little-endian i64)...)``; a block without keys (every text-only block) keeps the plain
+  local hash, so text-only hashes are unchanged. The router hashes with the keys the
+  frontend derived from the placeholder positions; the workers' event translation with
+  the keys vLLM published: both give the same hashes.
 - Router and workers must use the same ``block_size``.
 """
 
@@ -27,6 +40,7 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -38,6 +52,39 @@ SEED = 1337
 
 _PAIR = struct.Struct("<QQ")
 _SALT_TAG = b"kvmesh-cache-salt\0"
+_MM_TAG = b"kvmesh-mm\0"
+_I64 = struct.Struct("<q")
+MmKey = tuple[str, int]  # (identifier, offset relative to the block's first token)
+
+
+@dataclass(frozen=True)
+class MmSpan:
+    """One multimodal item's placeholder tokens: ``identifier`` (vLLM's mm_hash) and the
+    absolute ``offset`` and ``length`` of its placeholder range in the prompt."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def mm_block_keys(spans: Sequence[MmSpan], n_tokens: int,
+                  block_size: int) -> list[tuple[MmKey, ...]]:
+    """Per full block of an ``n_tokens`` prompt, the (identifier, offset) keys of the
+    spans it holds (vLLM's ``_gen_mm_extra_hash_keys``), in span order."""
+    if block_size <= 0:
+        raise ValueError("block_size must be > 0")
+    out: list[tuple[MmKey, ...]] = []
+    ordered = sorted(spans, key=lambda s: s.offset)
+    for b in range(n_tokens // block_size):
+        start, end = b * block_size, (b + 1) * block_size
+        out.append(tuple((s.identifier, s.offset - start) for s in ordered
+                         if end > s.offset and start < s.offset + s.length))
+    return out
+
+
+def _mm_suffix(keys: Sequence[MmKey]) -> bytes:
+    return _MM_TAG + b"".join(str(ident).encode() + b"\0" + _I64.pack(int(off))
+                              for ident, off in keys)
 
 
 def local_block_hash(tokens: Sequence[int]) -> int:
@@ -54,9 +101,11 @@ def salt_root(salt: str) -> int | None:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int,
-                 parent: int | None = None, salt: str = "") -> list[int]:
+                 parent: int | None = None, salt: str = "",
+                 mm_keys: Sequence[Sequence[MmKey]] | None = None) -> list[int]:
     """Chained hashes of every full block of ``token_ids`` (continuing ``parent``, else
-    starting from ``salt``'s root)."""
+    starting from ``salt``'s root); ``mm_keys[i]``: block i's multimodal keys (see the
+    module docstring; missing or empty: none)."""
     if block_size <= 0:
         raise ValueError("block_size must be > 0")
     n_full = len(token_ids) // block_size
@@ -68,7 +117,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     out: list[int] = []
     prev = parent if parent is not None else salt_root(salt)
     for i in range(n_full):
-        local = digest(data[i * step:(i + 1) * step], seed=SEED)
+        block = data[i * step:(i + 1) * step]
+        keys = mm_keys[i] if mm_keys is not None and i < len(mm_keys) else None
+        local = digest(bytes(block) + _mm_suffix(keys) if keys else block, seed=SEED)
         seq = local if prev is None else digest(pack(prev, local), seed=SEED)
         out.append(seq)
         prev = seq

@@ -81,7 +81,7 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import block_hashes, mm_block_keys
 from services.common.injected import Clock
 from services.router.admission.core import AdmissionDecision, RequestShape
 from services.router.admission.live import DecodeLoadReport, Flight, RouterAdmission
@@ -232,8 +232,10 @@ class _Prompt:
 
     def hashes(self, block_size: int) -> Sequence[int]:
         if block_size not in self._hashes:
-            self._hashes[block_size] = block_hashes(self.ctx.token_ids, block_size,
-                                                    salt=self.ctx.cache_salt)
+            self._hashes[block_size] = block_hashes(
+                self.ctx.token_ids, block_size, salt=self.ctx.cache_salt,
+                mm_keys=mm_block_keys(self.ctx.mm_spans, len(self.ctx.token_ids),
+                                      block_size) if self.ctx.mm_spans else None)
         return self._hashes[block_size]
 
     def overlap(self, w: WorkerRecord) -> WorkerOverlap:

@@ -33,6 +33,12 @@ Contract of :class:`EventTranslator`:
   embedding digests (bytes); so the salt is the first string after the LoRA name. ""
   when there is none (then the hashes are the unsalted ones, as before). A child event
   needs no salt: its parent's kvmesh hash carries it.
+- :func:`event_mm_keys`: per block of a BlockStored event, its multimodal keys, the
+  ``(mm_identifier, offset)`` pairs of ``extra_keys`` (lists after msgpack; the strings
+  and bytes there are LoRA names, salts and prompt-embedding digests). The stored
+  blocks are hashed with them (:func:`services.common.block_hash.block_hashes`
+  ``mm_keys``), so a block holding an image hashes the image's identity as the router's
+  hash of the same prompt does, and two images behind the same text never share a hash.
 - Media map to tiers: GPU/None → device, CPU → host, anything with STORAGE/DISK → store.
 """
 
@@ -42,7 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import MmKey, block_hashes
 
 
 class UnknownEvent(ValueError):
@@ -79,6 +85,22 @@ def event_salt(raw: Mapping[str, Any]) -> str:
     if raw.get("lora_name") is not None or raw.get("lora_id") is not None:
         keys = keys[1:]
     return next((k for k in keys if isinstance(k, str)), "")
+
+
+def _mm_pair(key: Any) -> MmKey | None:
+    if (isinstance(key, list | tuple) and len(key) == 2 and isinstance(key[0], str)
+            and isinstance(key[1], int) and not isinstance(key[1], bool)):
+        return key[0], key[1]
+    return None
+
+
+def event_mm_keys(raw: Mapping[str, Any]) -> list[tuple[MmKey, ...]]:
+    """Per block of a BlockStored event, its (identifier, offset) keys (module doc)."""
+    out: list[tuple[MmKey, ...]] = []
+    for keys in raw.get("extra_keys") or ():
+        pairs = (_mm_pair(k) for k in (keys or ()))
+        out.append(tuple(p for p in pairs if p is not None))
+    return out
 
 
 def _key(h: Any) -> Any:
@@ -125,7 +147,8 @@ class EventTranslator:
                 return []
             parent = found
         salt = event_salt(raw) if parent is None else ""
-        ours = block_hashes(tokens, bs, parent=parent, salt=salt)[:len(engine_hashes)]
+        ours = block_hashes(tokens, bs, parent=parent, salt=salt,
+                            mm_keys=event_mm_keys(raw))[:len(engine_hashes)]
         new: list[int] = []
         for eh, h in zip(engine_hashes, ours, strict=False):
             k = _key(eh)

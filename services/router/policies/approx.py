@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from services.common.block_hash import block_hashes
+from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
 from services.router.policies.base import Clock, Decision, RouteContext, WorkerState, queue_of
 
 
@@ -59,8 +59,10 @@ class ApproxPolicy:
         # worker → page hash → last access time; order = eviction order (oldest first).
         self._trees: dict[str, OrderedDict[int, float]] = {}
 
-    def _pages(self, token_ids: Sequence[int], salt: str) -> list[int]:
-        return block_hashes(token_ids, self.page_size, salt=salt)
+    def _pages(self, token_ids: Sequence[int], salt: str,
+               mm: Sequence[MmSpan] = ()) -> list[int]:
+        keys = mm_block_keys(mm, len(token_ids), self.page_size) if mm else None
+        return block_hashes(token_ids, self.page_size, salt=salt, mm_keys=keys)
 
     def _match_pages(self, worker: str, pages: Sequence[int]) -> int:
         tree = self._trees.get(worker)
@@ -103,7 +105,7 @@ class ApproxPolicy:
         """See the module docstring."""
         loads = {w.instance_id: queue_of(w) for w in candidates}
         lo, hi = min(loads.values()), max(loads.values())
-        pages = self._pages(ctx.token_ids, ctx.cache_salt)
+        pages = self._pages(ctx.token_ids, ctx.cache_salt, ctx.mm_spans)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
             w = min(candidates, key=lambda c: (loads[c.instance_id], c.instance_id))
             reason = (f"approx: imbalanced (queues {lo}..{hi}), "

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 # The injected clock and random source, re-exported for the policies.
+from services.common.block_hash import MmSpan
 from services.common.injected import Clock as Clock
 from services.common.injected import Rng as Rng
 from services.common.injected import T as T
@@ -57,7 +58,9 @@ class RouteContext:
     ``overlaps`` (the indexer's per-worker overlap; workers absent hold nothing; None means
     "no indexer answer": the core falls back to its history), ``block_hashes`` (the
     prompt's chained hashes per block size, so the prompt is hashed once per size) and
-    ``tree_blocks`` (blocks indexed per worker, when known: tie-break by smaller tree).
+    ``tree_blocks`` (blocks indexed per worker, when known: tie-break by smaller tree),
+    ``mm_spans`` (the prompt's images: every hash of the prompt includes their keys, see
+    :mod:`services.common.block_hash`; empty for text).
     Filled by the core for policies: ``prompt_blocks``, ``overlap_source`` and
     ``overlaps`` for every candidate.
     """
@@ -69,6 +72,7 @@ class RouteContext:
     block_hashes: Mapping[int, Sequence[int]] | None = None
     tree_blocks: Mapping[str, int] | None = None
     cache_salt: str = ""
+    mm_spans: Sequence[MmSpan] = ()
     prompt_blocks: int = 0
     overlap_source: str = ""
 
