@@ -8,20 +8,42 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RouteRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "max_tokens", "exclude_instance_ids", "cache_salt")
+    __slots__ = ("request_id", "model", "token_ids", "max_tokens", "exclude_instance_ids", "cache_salt", "mm_items")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EXCLUDE_INSTANCE_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     exclude_instance_ids: _containers.RepeatedScalarFieldContainer[str]
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MmItem]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., exclude_instance_ids: _Optional[_Iterable[str]] = ..., cache_salt: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MmItem, _Mapping]]] = ...) -> None: ...
+
+class MmItem(_message.Message):
+    __slots__ = ("mm_hash", "offset", "length")
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    mm_hash: str
+    offset: int
+    length: int
+    def __init__(self, mm_hash: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class EncoderChoice(_message.Message):
+    __slots__ = ("instance_id", "address", "affinity_items")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    AFFINITY_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    address: str
+    affinity_items: int
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., affinity_items: _Optional[int] = ...) -> None: ...
 
 class WorkerChoice(_message.Message):
     __slots__ = ("instance_id", "address", "role", "handoff")
@@ -36,7 +58,7 @@ class WorkerChoice(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., handoff: _Optional[_Union[_discovery_pb2.KvHandoff, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks", "block_size", "predicted_overlap_by_tier", "predicted_prefill_overlap_by_tier", "overlap_source", "prompt_blocks")
+    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks", "block_size", "predicted_overlap_by_tier", "predicted_prefill_overlap_by_tier", "overlap_source", "prompt_blocks", "encoder")
     class PredictedOverlapByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +85,7 @@ class RouteResponse(_message.Message):
     PREDICTED_PREFILL_OVERLAP_BY_TIER_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerChoice
     prefill: WorkerChoice
     policy: str
@@ -75,7 +98,8 @@ class RouteResponse(_message.Message):
     predicted_prefill_overlap_by_tier: _containers.ScalarMap[str, int]
     overlap_source: str
     prompt_blocks: int
-    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., predicted_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., predicted_prefill_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., overlap_source: _Optional[str] = ..., prompt_blocks: _Optional[int] = ...) -> None: ...
+    encoder: EncoderChoice
+    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., predicted_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., predicted_prefill_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., overlap_source: _Optional[str] = ..., prompt_blocks: _Optional[int] = ..., encoder: _Optional[_Union[EncoderChoice, _Mapping]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -34,6 +34,8 @@ Contract:
 - ``--metrics-port`` (0 = any free, -1 = off) serves the router's Prometheus metrics
   (:mod:`services.router.metrics`) on ``--host``; the address is published as the
   router record's ``metrics_address`` and the endpoint stops with the server.
+- EPD: a second watcher follows etcd's component ``encoder`` into the servicer's
+  :class:`~services.router.encoders.EncoderPicker` (which E gets a request's images).
 """
 
 from __future__ import annotations
@@ -279,11 +281,15 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "worker", tls=tls)
     watcher.on_change(servicer.set_records)
     await watcher.start()
+    encoder_watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "encoder", tls=tls)
+    encoder_watcher.on_change(servicer.set_encoders)
+    await encoder_watcher.start()
     poller = LoadPoller(core, cfg.load_poll_s, tls)
     poller.start()
     evictor = Evictor(core, cfg.evict_interval_s, clock)
     evictor.start()
-    expiry = InflightExpiry(core, min(cfg.inflight_ttl_s / 4, 30.0), metrics)
+    expiry = InflightExpiry(core, min(cfg.inflight_ttl_s / 4, 30.0), metrics,
+                            on_drop=servicer.encoders.release)
     expiry.start()
     endpoint = (serve_metrics(metrics, cfg.host, cfg.metrics_port) if cfg.metrics_port >= 0
                 else None)
@@ -300,7 +306,8 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
         )
 
     on_stop: list[Callable[[], Awaitable[None]]] = [
-        poller.close, evictor.close, expiry.close, watcher.close, overlaps.close]
+        poller.close, evictor.close, expiry.close, watcher.close, encoder_watcher.close,
+        overlaps.close]
     if endpoint is not None:
         on_stop.append(endpoint.close)
     if indexer_watcher is not None:

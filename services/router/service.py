@@ -23,10 +23,20 @@ Contract:
   ``kvmesh-admission-reason``; the span gets ``kvmesh.admission`` (admit / reject /
   off), ``kvmesh.admission_reason``, ``kvmesh.predicted_itl_ms``,
   ``kvmesh.predicted_ttft_ms`` and ``kvmesh.retry_after_s``.
-- ``Release``: ends the request's load accounting (pending prefill included);
-  idempotent, ``found`` false when it was not in flight.
+- **Images** (EPD): ``mm_items`` (each image's ``mm_hash`` and placeholder range in
+  ``token_ids``) are checked (:func:`check_mm_items`, INVALID_ARGUMENT naming
+  ``mm_items[i]``), every hash of the prompt includes their keys (vLLM's
+  ``("mm", identifier, offset)``, :mod:`services.common.block_hash`), and once the
+  worker is chosen the :class:`~services.router.encoders.EncoderPicker` picks the
+  encoder (cache affinity, then load; not one in ``exclude_instance_ids``):
+  ``RouteResponse.encoder``, unset when none serves the model. A text-only request
+  never gets one, and its routing is unchanged. ``set_encoders`` applies the etcd
+  snapshot of component ``encoder``.
+- ``Release``: ends the request's load accounting (pending prefill included) and its
+  encoder pick; idempotent, ``found`` false when it was not in flight.
 - ``PrefillDone``: the request's prefill is over (the frontend saw its first token):
-  ``core.release_prefill``; ``found`` is false when nothing was pending for it.
+  ``core.release_prefill``, and its encoder pick ends (E's part was over before the
+  prefill); ``found`` is false when nothing was pending for it.
 - ``ReportFailure``: ``core.report_failure``: the worker is unroutable until it
   re-registers or ``failure_hold_s`` passes; ``found`` false for an unknown worker. A new
   mark is logged (one warning line, not one per report) and every report on a known
@@ -42,7 +52,8 @@ Contract:
 - :class:`Evictor` calls ``core.evict(clock())`` every ``period_s`` (the approx trees),
   with the injected (required) ``clock``. :class:`InflightExpiry` calls
   ``core.expire_in_flight()`` every ``period_s`` and logs a warning with the count (and
-  counts them) when it dropped any: a drop means a caller never released. The loops are
+  counts them) when it dropped any: a drop means a caller never released; each dropped
+  id also goes to ``on_drop`` (the encoder picker's release). The loops are
   :class:`~services.common.periodic.Periodic` tasks, stopped by ``close()``.
 """
 
@@ -56,7 +67,7 @@ from typing import Any, TypeVar
 import grpc
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.block_hash import block_hashes
+from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
@@ -74,6 +85,7 @@ from services.router.core import (
     UnknownModel,
     WorkerRecord,
 )
+from services.router.encoders import EncoderPicker, EncoderRecord
 from services.router.metrics import RouterMetrics
 from services.router.overlaps import HistorySource, OverlapSource
 from services.router.policies.base import RouteContext
@@ -173,6 +185,31 @@ def check_route_request(request: router_pb2.RouteRequest) -> None:
                        f"entries, more than {MAX_EXCLUDE}")
 
 
+def check_mm_items(request: router_pb2.RouteRequest) -> list[MmSpan]:
+    """The request's images as spans: each names a non-empty mm_hash (at most
+    :data:`MAX_ID_CHARS`) and a non-empty range inside ``token_ids``, in order, without
+    overlap (INVALID_ARGUMENT naming ``mm_items[i]``)."""
+    spans: list[MmSpan] = []
+    end = 0
+    for i, item in enumerate(request.mm_items):
+        field = f"mm_items[{i}]"
+        if not item.mm_hash or len(item.mm_hash) > MAX_ID_CHARS:
+            raise _invalid(f"{field}.mm_hash must have 1 to {MAX_ID_CHARS} characters")
+        if item.length < 1 or item.offset < end or \
+                item.offset + item.length > len(request.token_ids):
+            raise _invalid(f"{field}: range [{item.offset}, {item.offset + item.length}) "
+                           f"must be non-empty, after the previous item (from {end}) and "
+                           f"within the {len(request.token_ids)} token_ids")
+        end = item.offset + item.length
+        spans.append(MmSpan(item.mm_hash, item.offset, item.length))
+    return spans
+
+
+def encoder_record(rec: discovery_pb2.InstanceRecord) -> EncoderRecord:
+    """Discovery record (component ``encoder``) → the picker's EncoderRecord."""
+    return EncoderRecord(rec.instance_id, rec.address, rec.model)
+
+
 def _set_admission_attributes(span: Any, decision: AdmissionDecision | None) -> None:
     if decision is None:
         span.set_attribute("kvmesh.admission", "off")
@@ -191,9 +228,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     def __init__(self, core: RouterCore, records: dict[str, discovery_pb2.InstanceRecord],
                  overlaps: OverlapSource | None = None,
-                 metrics: RouterMetrics | None = None):
+                 metrics: RouterMetrics | None = None,
+                 encoders: EncoderPicker | None = None):
         self._core = core
         self._records = records
+        self.encoders = encoders or EncoderPicker()
         self._overlaps: OverlapSource = overlaps or HistorySource()
         self._tracer = tracer("router")
         self.metrics = metrics or RouterMetrics(core)
@@ -224,17 +263,24 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._records = records
         self._core.set_workers(record_from_proto(r) for r in records.values())
 
-    async def _context(self, request: router_pb2.RouteRequest) -> RouteContext:
-        """The core's input: the prompt hashed once per block size, plus the source's
-        overlaps (None → the core's history)."""
+    def set_encoders(self, records: dict[str, discovery_pb2.InstanceRecord]) -> None:
+        """Applies a discovery snapshot of the encoders."""
+        self.encoders.set_encoders(encoder_record(r) for r in records.values())
+
+    async def _context(self, request: router_pb2.RouteRequest,
+                       spans: Sequence[MmSpan] = ()) -> RouteContext:
+        """The core's input: the prompt hashed once per block size (with its images'
+        keys), plus the source's overlaps (None → the core's history)."""
         tokens = tuple(request.token_ids)
         workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
         hashes: Mapping[int, list[int]] = {
-            bs: block_hashes(tokens, bs, salt=request.cache_salt)
+            bs: block_hashes(tokens, bs, salt=request.cache_salt,
+                             mm_keys=mm_block_keys(spans, len(tokens), bs) if spans else None)
             for bs in sorted({w.block_size for w in workers})}
         overlaps = await self._overlaps.find(hashes, workers) if workers else None
         return RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
                             block_hashes=hashes, cache_salt=request.cache_salt,
+                            mm_spans=tuple(spans),
                             tree_blocks=self._overlaps.tree_blocks() if overlaps is not None
                             else None)
 
@@ -245,6 +291,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         check_route_request(request)
+        spans = check_mm_items(request)
         try:
             self._core.check_request(request.model, len(request.token_ids), request.max_tokens)
         except InvalidRequest as exc:
@@ -255,7 +302,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             if self._core.prefill_policy is not None:
                 span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
             span.set_attribute("kvmesh.indexer", self._overlaps.name)
-            ctx = await self._context(request)
+            ctx = await self._context(request, spans)
             if self._overlaps.name != "none":
                 span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
             try:
@@ -283,6 +330,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         if plan.prefill is not None:
             resp.prefill.CopyFrom(self._choice(plan.prefill))
+        pick = self.encoders.pick(request.request_id, request.model,
+                                  [s.identifier for s in spans], request.exclude_instance_ids)
+        if pick is not None:
+            resp.encoder.CopyFrom(router_pb2.EncoderChoice(
+                instance_id=pick.encoder.instance_id, address=pick.encoder.address,
+                affinity_items=pick.affinity_items))
         return resp
 
     def _choice(self, worker: WorkerRecord) -> router_pb2.WorkerChoice:
@@ -300,6 +353,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.ReleaseResponse:
         async def release() -> router_pb2.ReleaseResponse:
             check_id("request_id", request.request_id)
+            self.encoders.release(request.request_id)
             return router_pb2.ReleaseResponse(found=self._core.release(request.request_id))
         return await self._answer("Release", context, release)
 
@@ -308,6 +362,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.PrefillDoneResponse:
         async def done() -> router_pb2.PrefillDoneResponse:
             check_id("request_id", request.request_id)
+            self.encoders.release(request.request_id)  # its images were encoded by now
             return router_pb2.PrefillDoneResponse(
                 found=self._core.release_prefill(request.request_id))
         return await self._answer("PrefillDone", context, done)
@@ -413,9 +468,11 @@ class InflightExpiry:
     ``start()``); a drop is logged as a warning with the count and counted in
     ``metrics.expired``."""
 
-    def __init__(self, core: RouterCore, period_s: float, metrics: RouterMetrics) -> None:
+    def __init__(self, core: RouterCore, period_s: float, metrics: RouterMetrics,
+                 on_drop: Callable[[str], object] | None = None) -> None:
         self._core = core
         self._metrics = metrics
+        self._on_drop = on_drop  # e.g. the encoder picker's release
         self._loop = Periodic("router-inflight-expiry", self._expire, period_s,
                               delay_first=True, max_backoff_s=period_s)
 
@@ -425,6 +482,9 @@ class InflightExpiry:
 
     async def _expire(self) -> None:
         dropped = self._core.expire_in_flight()
+        if self._on_drop is not None:
+            for rid in dropped:
+                self._on_drop(rid)
         if dropped:
             self._metrics.expired.inc(len(dropped))
             log.warning("router dropped %d in-flight request(s) never released within "
