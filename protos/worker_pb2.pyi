@@ -1,5 +1,6 @@
 from google.protobuf import struct_pb2 as _struct_pb2
 from protos import common_pb2 as _common_pb2
+from protos import encoder_pb2 as _encoder_pb2
 from protos import kv_events_pb2 as _kv_events_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -10,20 +11,32 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "model", "kv_transfer", "cache_salt")
+    __slots__ = ("request_id", "token_ids", "sampling", "model", "kv_transfer", "cache_salt", "images", "embeddings")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     model: str
     kv_transfer: KvTransferParams
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageItem]
+    embeddings: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.EmbeddingDescriptor]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[_encoder_pb2.EmbeddingDescriptor, _Mapping]]] = ...) -> None: ...
+
+class ImageItem(_message.Message):
+    __slots__ = ("data", "mm_hash")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    MM_HASH_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    mm_hash: str
+    def __init__(self, data: _Optional[bytes] = ..., mm_hash: _Optional[str] = ...) -> None: ...
 
 class KvTransferParams(_message.Message):
     __slots__ = ("do_remote_prefill", "do_remote_decode", "remote_engine_id", "remote_request_id", "remote_block_ids", "remote_host", "remote_port", "tp_size", "transfer_mode", "remote_block_id_groups", "dcp_size", "pp_size", "remote_num_tokens", "remote_blocks_expiry_time", "remote_block_size", "remote_prefill_cached_tokens", "remote_blocks_processed", "p_side_truncated", "extra")

@@ -86,6 +86,20 @@ class WorkerConfig(BaseConfig):
     kv_events_maxlen: int = dataclasses.field(
         default=1_000_000, metadata={"help": "approximate MAXLEN of the KV event stream"}
     )
+    ec_role: str = dataclasses.field(
+        default="", metadata={"help": "EPD: 'ec_consumer' reads image embeddings an encoder "
+                                      "published (a multimodal model; empty: off)"}
+    )
+    ec_backend: str = dataclasses.field(
+        default="nixl", metadata={"help": "EC connector: nixl (kvmesh's, default) or example "
+                                          "(vLLM's ECExampleConnector, --ec-shared-path)"}
+    )
+    ec_shared_path: str = dataclasses.field(
+        default="", metadata={"help": "the example EC connector's shared folder"}
+    )
+    max_images: int = dataclasses.field(
+        default=4, metadata={"help": "images per request at most (multimodal models)"}
+    )
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -140,6 +154,16 @@ class WorkerConfig(BaseConfig):
             out.append("the KV store connector needs the vllm engine")
         if self.kv_events_maxlen < 1000:
             out.append("kv_events_maxlen must be >= 1000")
+        if self.ec_role not in ("", "ec_consumer"):
+            out.append(f"ec_role must be ec_consumer or empty, got {self.ec_role!r}")
+        if self.ec_role and self.engine != "vllm":
+            out.append("ec_role needs the vllm engine")
+        if self.ec_backend not in ("nixl", "example"):
+            out.append(f"ec_backend must be nixl or example, got {self.ec_backend!r}")
+        if self.ec_role and self.ec_backend == "example" and not self.ec_shared_path:
+            out.append("ec_backend example needs ec_shared_path")
+        if self.max_images < 1:
+            out.append(f"max_images must be >= 1, got {self.max_images}")
         return out
 
     def publishes_kv_events(self) -> bool:

@@ -5,6 +5,12 @@ engine dies, the servicer answers every Generate UNAVAILABLE ``engine dead: <rea
 and ``WorkerApp.fatal`` resolves to that reason, so :func:`serve_main` turns the worker
 NOT_SERVING, revokes its lease, stops it and exits with code 3 for its supervisor
 (``kvmesh up``) to restart it.
+
+EPD: ``--ec-role ec_consumer`` gives the vLLM engine the EC connector
+(:func:`workers.ec.configs.ec_transfer_config`, ``--ec-backend``), ``--max-images`` as
+vLLM's per-prompt image limit and the worker's :class:`ImageLimits`, and UCX on the
+worker's host for its EngineCore; the record then lists the capability ``images``
+(and ``ec_consumer``) when the engine accepts images.
 """
 
 from __future__ import annotations
@@ -14,11 +20,13 @@ import dataclasses
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.event_bus import stream_name
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.common.tls import tls_for
+from services.encoder.images import ImageLimits
 from workers.config import WorkerConfig
 from workers.engines import create_engine
 from workers.engines.base import Engine
@@ -60,6 +68,16 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
         from workers.kv.configs import worker_kv_transfer
 
         kv = worker_kv_transfer(cfg)
+        kwargs: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs}
+        env = dict(kv.env)
+        if cfg.ec_role:  # EPD: this worker reads embeddings from encoders
+            from workers.ec.configs import ec_env, ec_transfer_config
+
+            kwargs["ec_transfer_config"] = ec_transfer_config(
+                "ec_consumer", "example" if cfg.ec_backend == "example" else "nixl",
+                shared_storage_path=cfg.ec_shared_path or None)
+            kwargs["limit_mm_per_prompt"] = {"image": cfg.max_images}
+            env = {**ec_env(cfg.public_host), **env}
         return create_engine(
             "vllm",
             config=VllmEngineConfig(
@@ -70,10 +88,10 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
                 dtype=cfg.dtype,
                 kv_cache_space_gib=cfg.kv_cache_gib,
                 seed=cfg.seed,
-                engine_kwargs={"max_num_seqs": cfg.max_num_seqs},
+                engine_kwargs=kwargs,
                 kv_transfer_config=kv.config,
                 kv_events_config=vllm_kv_events_config(events) if events else None,
-                env=kv.env,  # for its EngineCore only, not this whole process
+                env=env,  # for its EngineCore only, not this whole process
                 kv_handoff_timeout_s=cfg.kv_handoff_timeout_s,
             ),
         )
@@ -94,8 +112,13 @@ def build_server(cfg: WorkerConfig, engine: Engine,
     """The worker's MeshServer; the engine must be started (its info is published).
     With a ``relay`` the worker answers GetKvState and closes the relay on stop."""
     worker_id = cfg.resolved_worker_id()
-    servicer = WorkerServicer(engine, worker_id, relay)
+    servicer = WorkerServicer(engine, worker_id, relay,
+                              ImageLimits(max_images=cfg.max_images))
     rec_caps = ["generate", "abort", "load"]
+    if engine.accepts_images:
+        rec_caps.append("images")
+        if cfg.ec_role:
+            rec_caps.append(cfg.ec_role)
     metrics_address = ""
     if cfg.metrics_port >= 0:
         from workers.metrics import serve_metrics

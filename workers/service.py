@@ -10,7 +10,15 @@ Contract:
   ones the engine's handoff mode must not get
   (:func:`services.common.kv_params.validate_request`), or anything the engine refuses
   with EngineError. ``cache_salt`` (the tenant's) goes to the engine unchanged: its
-  prefix cache never shares blocks across salts. It streams one GenerateResponse per
+  prefix cache never shares blocks across salts. **Images** (EPD): ``images`` are
+  refused (INVALID_ARGUMENT naming ``images``) by an engine that does not accept them
+  (``Engine.accepts_images``); each is checked and decoded by
+  :mod:`services.encoder.images` with the worker's :class:`ImageLimits` (INVALID_ARGUMENT
+  naming ``images[i].data``: not a PNG/JPEG, too many bytes or pixels; ``images``: too
+  many; ``images[i].mm_hash`` empty), off the event loop; ``embeddings`` must each name
+  an image's ``mm_hash`` and be a valid descriptor (``embeddings[i]``), and become the
+  engine's ``ec_transfer_params`` (:func:`workers.ec.proto.ec_transfer_params`); an
+  image without one is encoded by the engine. It streams one GenerateResponse per
   engine delta, and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
   when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
@@ -34,15 +42,20 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import grpc
 
 from protos import common_pb2, kv_events_pb2, worker_pb2, worker_pb2_grpc
 from services.common import kv_params
 from services.common.telemetry import tracer
+from services.encoder.images import ImageLimits, InputError, check_count, open_image
+from workers.ec.proto import ec_transfer_params
 from workers.engines.base import (
     Engine,
     EngineDeadError,
@@ -89,8 +102,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one engine."""
 
     def __init__(self, engine: Engine, worker_id: str,
-                 relay: KvEventRelay | None = None) -> None:
+                 relay: KvEventRelay | None = None,
+                 image_limits: ImageLimits | None = None) -> None:
         self._engine = engine
+        self._image_limits = image_limits or ImageLimits()
         self._relay = relay
         self._worker_id = worker_id
         self._active = 0
@@ -132,6 +147,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             cache_salt=request.cache_salt,
         )
 
+    def _images(self, request: worker_pb2.GenerateRequest,
+                ereq: EngineRequest) -> EngineRequest:
+        """``ereq`` with the request's images and embeddings, decoded and checked (see the
+        module docstring); raises InputError or EngineError naming the field."""
+        if not self._engine.accepts_images:
+            raise EngineError(f"images: engine {self._engine.info.engine} of model "
+                              f"{self._engine.info.model} takes no images")
+        check_count(len(request.images), self._image_limits)
+        uuids: list[str] = []
+        images: list[Any] = []
+        for i, item in enumerate(request.images):
+            if not item.mm_hash:
+                raise InputError(f"images[{i}].mm_hash", "must not be empty")
+            images.append(open_image(item.data, f"images[{i}].data", self._image_limits))
+            uuids.append(item.mm_hash)
+        params: dict[str, Any] = {}
+        for i, pb in enumerate(request.embeddings):
+            if pb.mm_hash not in uuids:
+                raise InputError(f"embeddings[{i}].mm_hash",
+                                 f"{pb.mm_hash!r} names none of the request's images")
+            try:
+                params.update(ec_transfer_params([pb]))
+            except ValueError as exc:
+                raise InputError(f"embeddings[{i}]", str(exc)) from exc
+        return dataclasses.replace(ereq, images=images, image_uuids=uuids,
+                                   ec_transfer_params=params or None)
+
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
@@ -139,7 +181,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self._abort_dead(context)
         try:
             ereq = self._engine_request(request)
-        except (EngineError, kv_params.KvParamsError) as exc:
+            if request.images or request.embeddings:  # decoding is CPU work: off the loop
+                ereq = await asyncio.to_thread(self._images, request, ereq)
+        except (EngineError, kv_params.KvParamsError, InputError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         attrs: dict[str, str | int] = {
             "kvmesh.worker_id": self._worker_id,

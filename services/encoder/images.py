@@ -6,6 +6,9 @@ e.g. ``images[1].data_url``, and whose message says what is wrong):
 - :class:`ImageLimits`: ``max_images`` per request, ``max_bytes`` per image file,
   ``max_pixels`` (width × height) per image, the accepted ``formats`` (PIL names; PNG and
   JPEG by default). ``validate()`` raises ValueError for a bad limit.
+- :class:`ImageFlags`: the limits as config fields (``--max-images``,
+  ``--max-image-bytes``, ``--max-pixels``), a dataclass mixin for the services that take
+  images (the encoder, the frontend); ``limits()`` builds the :class:`ImageLimits`.
 - :func:`check_count(n, limits)`: at least one image, at most ``max_images``.
 - :func:`data_url_bytes(url, field, limits)`: the bytes of a ``data:image/<png|jpeg>;
   base64,<payload>`` URL (not a data: URL, another media type, no ``;base64``, bad
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import io
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +51,24 @@ class ImageLimits:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.formats:
             raise ValueError("formats must not be empty")
+
+
+@dataclass
+class ImageFlags:
+    """The image limits as config fields (see the module docstring)."""
+
+    max_images: int = dataclasses.field(
+        default=8, metadata={"help": "images per request at most"}
+    )
+    max_image_bytes: int = dataclasses.field(
+        default=16 << 20, metadata={"help": "bytes per image file at most"}
+    )
+    max_pixels: int = dataclasses.field(
+        default=4096 * 4096, metadata={"help": "pixels (width x height) per image at most"}
+    )
+
+    def limits(self) -> ImageLimits:
+        return ImageLimits(self.max_images, self.max_image_bytes, self.max_pixels)
 
 
 def check_count(n: int, limits: ImageLimits) -> None:

@@ -26,14 +26,14 @@ from services.common.config import BaseConfig
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.encoder.core import EmbeddingCache
 from services.encoder.engine import EncoderEngine, EncoderEngineConfig
-from services.encoder.images import ImageLimits
+from services.encoder.images import ImageFlags
 from services.encoder.metrics import EncoderMetrics, serve_metrics
 from services.encoder.service import Cached, EncoderServicer
 from services.router.metrics import MetricsEndpoint
 
 
 @dataclasses.dataclass
-class EncoderConfig(BaseConfig):
+class EncoderConfig(BaseConfig, ImageFlags):
     """kvmesh encoder: image embeddings for EPD consumers over NIXL, with a cache."""
 
     model_path: str = dataclasses.field(
@@ -63,15 +63,6 @@ class EncoderConfig(BaseConfig):
     cache_ttl_s: float = dataclasses.field(
         default=0.0, metadata={"help": "oldest cache entry served, seconds (0: no limit)"}
     )
-    max_images: int = dataclasses.field(
-        default=8, metadata={"help": "images per Encode request at most"}
-    )
-    max_image_bytes: int = dataclasses.field(
-        default=16 << 20, metadata={"help": "bytes per image file at most"}
-    )
-    max_pixels: int = dataclasses.field(
-        default=4096 * 4096, metadata={"help": "pixels (width x height) per image at most"}
-    )
     image_placeholder: str = dataclasses.field(
         default="<image>", metadata={"help": "the model's image marker in a prompt"}
     )
@@ -99,9 +90,6 @@ class EncoderConfig(BaseConfig):
         except ValueError as exc:
             out.append(str(exc))
         return out
-
-    def limits(self) -> ImageLimits:
-        return ImageLimits(self.max_images, self.max_image_bytes, self.max_pixels)
 
 
 def resolve_model_path(path: str) -> str:

@@ -30,6 +30,10 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   (``kvmesh.predicted_cached_tokens`` on ``prefill`` for P, ``kvmesh.predicted_d_cached_tokens``
   on ``kv_transfer`` for D; 0 when the router does not send its block size).
 
+EPD: a request's ``images`` go on every GenerateRequest (agg, P and D: vLLM's prompt
+update needs the image items), E's ``embeddings`` only to the worker that computes the
+prompt (agg, or P); D gets the prompt's KV from P. (E/P/D is not exercised yet.)
+
 The order of events is decided by the pure :class:`~services.frontend.handoff_machine.
 HandoffMachine`; this module is its driver: one task per call (and one for the push timer)
 feeds the call's outcomes into one queue of events, and the machine's effects are executed
@@ -41,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +53,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from protos import common_pb2, router_pb2, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, encoder_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.common.grpc_client import ChannelPool
 from services.common.kv_params import held_blocks, is_set
 from services.common.telemetry import tracer
@@ -89,6 +93,20 @@ class Request:
     token_ids: list[int]
     sampling: common_pb2.SamplingParams
     cache_salt: str = ""  # the tenant's prefix-cache salt, sent on every GenerateRequest
+    # EPD: the images (every worker that runs the prompt gets them: vLLM's prompt update
+    # needs them) and E's embeddings (only the worker that prefills reads them).
+    images: Sequence[worker_pb2.ImageItem] = ()
+    embeddings: Sequence[encoder_pb2.EmbeddingDescriptor] = ()
+
+    def generate_request(self, *, embeddings: bool = True,
+                         sampling: common_pb2.SamplingParams | None = None
+                         ) -> worker_pb2.GenerateRequest:
+        """The worker's GenerateRequest of this request (``embeddings``: with E's)."""
+        return worker_pb2.GenerateRequest(
+            request_id=self.request_id, token_ids=self.token_ids,
+            sampling=sampling if sampling is not None else self.sampling, model=self.model,
+            cache_salt=self.cache_salt, images=list(self.images),
+            embeddings=list(self.embeddings) if embeddings else [])
 
 
 def _finished(resp: worker_pb2.GenerateResponse) -> bool:
@@ -101,9 +119,7 @@ def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
     sampling.CopyFrom(req.sampling)
     sampling.max_tokens = 1
     sampling.ignore_eos = True
-    p_req = worker_pb2.GenerateRequest(request_id=req.request_id, token_ids=req.token_ids,
-                                       sampling=sampling, model=req.model,
-                                       cache_salt=req.cache_salt)
+    p_req = req.generate_request(sampling=sampling)
     p_req.kv_transfer.do_remote_decode = True
     if mode == "push":
         p_req.kv_transfer.transfer_mode = "push"
@@ -112,9 +128,7 @@ def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
 
 def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
         worker_pb2.GenerateRequest):
-    d_req = worker_pb2.GenerateRequest(request_id=req.request_id, token_ids=req.token_ids,
-                                       sampling=req.sampling, model=req.model,
-                                       cache_salt=req.cache_salt)
+    d_req = req.generate_request(embeddings=False)  # D gets the prompt's KV from P
     d_req.kv_transfer.CopyFrom(params)
     d_req.kv_transfer.do_remote_prefill = True
     d_req.kv_transfer.do_remote_decode = False
@@ -299,11 +313,7 @@ class _Run:
         """D's call; ``prefill`` is P's last response (pull) or None (push, agg)."""
         choice, req = self.route.worker, self.req
         if self.mode == "agg":
-            d_req = worker_pb2.GenerateRequest(request_id=req.request_id,
-                                               token_ids=req.token_ids,
-                                               sampling=req.sampling, model=req.model,
-                                               cache_salt=req.cache_salt)
-            await self._stream(choice, d_req, None)
+            await self._stream(choice, req.generate_request(), None)
             return
         p_last: worker_pb2.GenerateResponse | None = prefill  # type: ignore[assignment]
         params = p_last.kv_transfer if p_last is not None else _push_params(req, self.route)

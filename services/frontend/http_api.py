@@ -284,7 +284,8 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         who = tenant(request)
-        return await _serve(parse_chat(await _json_body(request, lim)), who)
+        body = await _json_body(request, lim)
+        return await _serve(parse_chat(body, pipeline.image_limits), who)
 
     app.state.started = time.time()
     return app

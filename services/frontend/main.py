@@ -7,6 +7,11 @@ key the APIs are open and one warning says so at start. ``--metrics-auth`` puts
 ``/metrics`` behind the keys too (default: open, like ``/health``, for scrapers on the
 private network). ``--shared-prefix-cache`` lets all tenants share one prefix cache
 (salt ""); the default isolates each tenant.
+
+Images (EPD): ``--max-images`` per request, ``--max-image-bytes`` per file and
+``--max-pixels`` per image (:class:`~services.encoder.images.ImageLimits`, the checks the
+encoder applies too), and ``--encode-timeout-s`` for the encoder's Encode call (past it,
+the worker encodes the images itself). Remote image URLs are not fetched (no flag).
 """
 
 from __future__ import annotations
@@ -26,17 +31,22 @@ from services.common.config import BaseConfig
 from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.common.tls import tls_for
+from services.encoder.images import ImageFlags
 from services.frontend.auth import ApiKeys, KeyFileError, merge_api_key_flags
 from services.frontend.http_api import HttpLimits, create_app
 from services.frontend.http_server import http_config
 from services.frontend.models import ModelCatalog
-from services.frontend.pipeline import DEFAULT_MIGRATION_LIMIT, Pipeline
+from services.frontend.pipeline import (
+    DEFAULT_ENCODE_TIMEOUT_S,
+    DEFAULT_MIGRATION_LIMIT,
+    Pipeline,
+)
 from services.frontend.service import FrontendServicer
 
 log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
-class FrontendConfig(BaseConfig):
+class FrontendConfig(BaseConfig, ImageFlags):
     """kvmesh frontend: OpenAI HTTP API and gRPC API."""
 
     http_host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "HTTP bind host"})
@@ -87,6 +97,11 @@ class FrontendConfig(BaseConfig):
                                          "cached_tokens then reveals other tenants' "
                                          "prompts)"}
     )
+    encode_timeout_s: float = dataclasses.field(
+        default=DEFAULT_ENCODE_TIMEOUT_S,
+        metadata={"help": "longest wait for the encoder's embeddings (then the worker "
+                          "encodes the images itself)"}
+    )
 
     def load_api_keys(self) -> ApiKeys:
         """The configured keys (KeyFileError / OSError for a bad key or file)."""
@@ -112,6 +127,12 @@ class FrontendConfig(BaseConfig):
             out.append(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_connections < 1:
             out.append(f"max_connections must be >= 1, got {self.max_connections}")
+        if not self.encode_timeout_s > 0:
+            out.append(f"encode_timeout_s must be > 0, got {self.encode_timeout_s}")
+        try:
+            self.limits().validate()
+        except ValueError as exc:
+            out.append(str(exc))
         try:
             self.load_api_keys()
         except (KeyFileError, OSError) as exc:
@@ -156,7 +177,8 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         log.warning("no API key configured (--api-key, KVMESH_API_KEYS, --api-key-file): "
                     "the frontend's HTTP and gRPC APIs are open to anyone who reaches them")
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
-                        tls=tls)
+                        tls=tls, image_limits=cfg.limits(),
+                        encode_timeout_s=cfg.encode_timeout_s)
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
     # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

@@ -11,6 +11,12 @@ rejected or never routed) and outcome (the finish reason; ``rejected``: admissio
 | ``kvmesh_frontend_migrations_total{stage}`` | requests moved to another worker after a \
 worker failure, by the failed stage (agg, prefill, decode, timeout) |
 | ``kvmesh_admission_rejections_total{reason}`` | admission rejections by reason |
+| ``kvmesh_frontend_encodes_total{outcome}`` | images sent to an encoder (EPD), by outcome \
+(``hit``: from its embedding cache, ``miss``: encoded) |
+| ``kvmesh_frontend_encode_fallbacks_total{reason}`` | requests whose images the LM worker \
+encoded itself, by reason (``no_encoder``, or the encoder's failure: ``UNAVAILABLE``, \
+``DEADLINE_EXCEEDED``, ...) |
+| ``kvmesh_frontend_encode_seconds`` | the Encode call (queue, encode and cache lookups) |
 | ``kvmesh_frontend_auth_failures_total{api}`` | requests refused for a missing or bad API \
 key (401 / UNAUTHENTICATED), by API (http, grpc) |
 | ``kvmesh_prompt_tokens_total`` | prompt tokens (usage) of finished requests |
@@ -55,6 +61,14 @@ class FrontendMetrics:
         self.auth_failures = Counter("kvmesh_frontend_auth_failures",
                                      "Requests refused for a missing or bad API key, by API",
                                      ["api"], registry=r)
+        self.encodes = Counter("kvmesh_frontend_encodes", "Images sent to an encoder, by "
+                               "outcome (hit, miss)", ["outcome"], registry=r)
+        self.encode_fallbacks = Counter("kvmesh_frontend_encode_fallbacks",
+                                        "Requests whose images the worker encoded itself, "
+                                        "by reason", ["reason"], registry=r)
+        self.encode_seconds = Histogram("kvmesh_frontend_encode_seconds",
+                                        "The encoder's Encode call", buckets=_BUCKETS,
+                                        registry=r)
         self.migrations = Counter("kvmesh_frontend_migrations",
                                   "Requests migrated after a worker failure, by stage",
                                   ["stage"], registry=r)

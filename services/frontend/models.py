@@ -10,7 +10,11 @@ Contract:
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
   and returns a :class:`Tokenizer`.
 - :class:`Tokenizer` encodes prompts and renders chat messages with the model's own chat
-  template (``add_generation_prompt=True``).
+  template (``add_generation_prompt=True``); a message whose content is parts (images)
+  is rendered as the template's ``[{"type": "text", ...}, {"type": "image"}]`` list.
+- ``ModelInfo.accepts_images``: some worker of the model lists the capability ``images``.
+  ``expander(info)``: the model's :class:`~services.frontend.images.ImageExpander`
+  (loaded once, blocking: call from a thread); ValueError when it has none.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from protos import discovery_pb2
+from services.frontend.images import ImageExpander
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +42,7 @@ class ModelInfo:
     block_size: int
     num_workers: int
     created: int
+    accepts_images: bool = False
 
 
 class Tokenizer:
@@ -56,10 +63,17 @@ class Tokenizer:
         """Token ids of a raw prompt, with the model's BOS if it adds one."""
         return list(self._tok.encode(text))
 
-    def apply_chat(self, messages: Sequence[tuple[str, str]]) -> list[int]:
-        """Token ids of the chat-templated conversation, ending with the assistant prompt."""
+    def apply_chat(self, messages: Sequence[tuple[str, Any]]) -> list[int]:
+        """Token ids of the chat-templated conversation, ending with the assistant prompt
+        (content parts, see the module docstring)."""
+        def content(c: Any) -> Any:
+            if isinstance(c, str):
+                return c
+            return [{"type": "text", "text": text} if kind == "text" else {"type": kind}
+                    for kind, text in c]
+
         rendered = self._tok.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages],
+            [{"role": r, "content": content(c)} for r, c in messages],
             tokenize=False, add_generation_prompt=True,
         )
         return list(self._tok.encode(rendered, add_special_tokens=False))
@@ -74,6 +88,7 @@ class ModelCatalog:
     def __init__(self) -> None:
         self._models: dict[str, ModelInfo] = {}
         self._tokenizers: dict[str, Tokenizer] = {}
+        self._expanders: dict[str, ImageExpander] = {}
         self._lock = threading.Lock()
         self._warming: set[str] = set()
 
@@ -83,14 +98,15 @@ class ModelCatalog:
         for r in records:
             prev = models.get(r.model)
             created = int(r.started_at_ms // 1000)
+            images = "images" in r.capabilities
             if prev is None:
                 models[r.model] = ModelInfo(r.model, r.model_path, r.max_model_len, r.block_size,
-                                            1, created)
+                                            1, created, images)
             else:
-                models[r.model] = ModelInfo(
-                    r.model, prev.model_path, min(prev.max_model_len, r.max_model_len),
-                    prev.block_size, prev.num_workers + 1, min(prev.created, created),
-                )
+                models[r.model] = replace(
+                    prev, max_model_len=min(prev.max_model_len, r.max_model_len),
+                    num_workers=prev.num_workers + 1, created=min(prev.created, created),
+                    accepts_images=prev.accepts_images or images)
         self._models = models
         for info in models.values():
             if info.model_path and info.model_path not in self._warming:
@@ -114,6 +130,14 @@ class ModelCatalog:
 
     def all(self) -> list[ModelInfo]:
         return sorted(self._models.values(), key=lambda m: m.name)
+
+    def expander(self, info: ModelInfo) -> ImageExpander:
+        """The model's image expander (blocking on first use; call from a thread)."""
+        with self._lock:
+            exp = self._expanders.get(info.model_path)
+            if exp is None:
+                exp = self._expanders[info.model_path] = ImageExpander(info.model_path)
+            return exp
 
     def tokenizer(self, info: ModelInfo) -> Tokenizer:
         """The model's tokenizer (blocking on first use; call from a thread)."""

@@ -16,6 +16,16 @@ Pure: no I/O. Contract:
 - :func:`check_json` refuses (400, naming the JSON path) what would otherwise fail further
   down: nesting deeper than ``MAX_JSON_DEPTH``, and strings that are not valid Unicode
   (lone surrogates, which cannot be encoded as UTF-8 for protobuf).
+- **Images** (chat only): a content part ``{"type": "image_url", "image_url": {"url":
+  ...}}`` (or ``"image_url": "<url>"``) must be a ``data:image/png|jpeg;base64,`` URL
+  (:func:`services.encoder.images.data_url_bytes`: the media type, base64 and the byte
+  limit are checked here, the 400 naming ``messages[i].content[j].image_url.url``);
+  ``http(s)://`` URLs are refused ("remote image URLs are not supported": kvmesh fetches
+  nothing); more than ``ImageLimits.max_images`` images in a request is a 400 naming the
+  first part over the limit. The decoded bytes are ``ParsedRequest.images``
+  (:class:`ImagePart`, in prompt order) and the message's content becomes a tuple of
+  parts, ``("text", text)`` and ``("image", "")``; the pixel checks need a decode and are
+  the pipeline's. A message whose parts are all text stays one string, as before.
 - Every integer is range-checked against the protobuf field that carries it (``seed``
   int64, ``top_k``/``max_tokens``/token ids int32), so nothing out of range reaches the
   serialiser.
@@ -26,6 +36,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from services.encoder.images import ImageLimits, InputError, data_url_bytes
 
 MAX_STOP = 4
 MAX_JSON_DEPTH = 64
@@ -74,6 +86,18 @@ class SamplingSpec:
 
 
 @dataclass(frozen=True)
+class ImagePart:
+    """One image of a chat request: the file's bytes and the field it came from."""
+
+    field: str
+    data: bytes
+
+
+# A message's content: a string, or (images present) parts ("text", text) / ("image", "").
+Content = str | tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
 class ParsedRequest:
     """A validated completions or chat request."""
 
@@ -84,7 +108,8 @@ class ParsedRequest:
     include_usage: bool = False
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
-    messages: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    messages: tuple[tuple[str, Content], ...] = field(default_factory=tuple)
+    images: tuple[ImagePart, ...] = ()  # chat image parts, in prompt order
     request_id: str | None = None
     # The caller's tenant's prefix-cache salt, set by the API from the API key (never from
     # the body: a client cannot pick another tenant's cache), see with_tenant. "": unsalted.
@@ -303,27 +328,58 @@ def parse_completion(body: Any) -> ParsedRequest:
     )
 
 
-def _content_text(content: Any, i: int) -> str:
+def _image_bytes(part: dict[str, Any], where: str, images: list[ImagePart],
+                 limits: ImageLimits) -> ImagePart:
+    """An image_url part's decoded bytes (see the module docstring)."""
+    value = part.get("image_url")
+    url_field = f"{where}.image_url.url" if isinstance(value, dict) else f"{where}.image_url"
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise _bad(f"{url_field} must be a non-empty string", url_field)
+    if len(images) >= limits.max_images:
+        raise _bad(f"{where}: at most {limits.max_images} images per request", where)
+    if url.split(":", 1)[0].lower() in ("http", "https"):
+        raise _bad(f"{url_field}: remote image URLs are not supported; send the image as a "
+                   "data: URL (data:image/png;base64,...)", url_field)
+    try:
+        return ImagePart(url_field, data_url_bytes(url, url_field, limits))
+    except InputError as exc:
+        raise _bad(str(exc), exc.field) from exc
+
+
+def _content(content: Any, i: int, images: list[ImagePart], limits: ImageLimits) -> Content:
+    """A message's content; image parts are appended to ``images``."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                part.get("text"), str
-            ):
-                raise _bad(f"messages[{i}].content parts must be text parts "
-                           "({'type': 'text', 'text': ...})", f"messages[{i}].content")
-            parts.append(part["text"])
-        return "".join(parts)
+        parts: list[tuple[str, str]] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image_url" and isinstance(part, dict):
+                images.append(_image_bytes(part, f"messages[{i}].content[{j}]", images,
+                                           limits))
+                parts.append(("image", ""))
+            elif kind == "text" and isinstance(part, dict) and isinstance(part.get("text"),
+                                                                          str):
+                parts.append(("text", part["text"]))
+            else:
+                raise _bad(f"messages[{i}].content[{j}] must be a text part ({{'type': "
+                           "'text', 'text': ...}) or an image part ({'type': 'image_url', "
+                           "'image_url': {'url': 'data:image/png;base64,...'}})",
+                           f"messages[{i}].content[{j}]")
+        if all(kind == "text" for kind, _ in parts):
+            return "".join(text for _, text in parts)
+        return tuple(parts)
     if content is None:
         return ""
-    raise _bad(f"messages[{i}].content must be a string or a list of text parts",
+    raise _bad(f"messages[{i}].content must be a string or a list of text and image parts",
                f"messages[{i}].content")
 
 
-def parse_chat(body: Any) -> ParsedRequest:
-    """Validates a /v1/chat/completions body."""
+def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequest:
+    """Validates a /v1/chat/completions body (images within ``image_limits``)."""
+    limits = image_limits or ImageLimits()
+    images: list[ImagePart] = []
     body = _require_object(body)
     model = _model(body)
     msgs = body.get("messages")
@@ -339,13 +395,14 @@ def parse_chat(body: Any) -> ParsedRequest:
         if role not in ("system", "user", "assistant", "developer", "tool"):
             raise _bad(f"messages[{i}].role must be one of system, user, assistant, "
                        f"developer, tool; got {role!r}", f"messages[{i}].role")
-        out.append(("system" if role == "developer" else role, _content_text(m.get("content"), i)))
+        out.append(("system" if role == "developer" else role,
+                    _content(m.get("content"), i, images, limits)))
     stream, include_usage = _stream(body)
     return ParsedRequest(
         kind="chat", model=model,
         sampling=_sampling(body, ("max_completion_tokens", "max_tokens")),
         stream=stream, include_usage=include_usage, messages=tuple(out),
-        request_id=_request_id(body), client_salt=_client_salt(body),
+        images=tuple(images), request_id=_request_id(body), client_salt=_client_salt(body),
     )
 
 

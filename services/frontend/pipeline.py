@@ -50,6 +50,25 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
   stream never waits for it, and its failures, e.g. an older router without the RPC, are
   ignored).
+- **Images** (EPD): ``prepare`` refuses images for a model no worker lists ``images``
+  for (400), then checks and expands them (:func:`services.frontend.images.mm_prompt`:
+  a bad image is a 400 naming its field); ``job.token_ids`` is then the prompt as the
+  model sees it (context length, usage, routing) and ``job.mm`` holds the engine's
+  prompt (one marker per image) and each image's bytes, content hash, mm_hash and
+  placeholder range. Each attempt's RouteRequest carries ``mm_items`` (the router
+  hashes the prompt with the images' keys and picks an encoder); then the frontend
+  calls ``Encoder.Encode`` on the chosen E (as role frontend, E's server role
+  ``encoder``; ``encode_timeout_s``) and sends the worker the images and E's
+  EmbeddingDescriptors. A text-only request never touches an encoder.
+  **Failure policy** when E is missing or fails: the request still runs, and the LM
+  worker encodes the images itself (it holds the vision tower; vLLM encodes any item
+  without a usable embedding, as the EC consumer does when a READ fails), counted in
+  ``kvmesh_frontend_encode_fallbacks_total{reason}`` (``no_encoder`` when the router
+  picked none, else E's status code name, e.g. ``UNAVAILABLE`` for an E killed
+  mid-request, ``DEADLINE_EXCEEDED``) and logged once per reason. Only E's
+  INVALID_ARGUMENT (the image itself is bad) reaches the client, as a 400. The attempt's
+  routing entry (and the router's encoder pick with it) is released exactly once
+  whatever happens during the Encode call.
 - Outcomes: a request the consumer abandoned before its finish counts
   ``outcome="cancelled"`` (not an error, no traceback); see :mod:`.metrics`.
 - Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
@@ -78,17 +97,27 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 
-from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2
+from protos import (
+    common_pb2,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+)
 from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
 from services.common.tls import MeshTls
+from services.encoder.images import ImageLimits, InputError
 from services.frontend.handoff import HandoffError, Request, run_plan
+from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
 
 log = logging.getLogger(__name__)
 DEFAULT_MIGRATION_LIMIT = 3
+DEFAULT_ENCODE_TIMEOUT_S = 30.0
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -108,6 +137,7 @@ class Job:
     token_ids: list[int]
     created: int
     cache_salt: str = ""  # the tenant's prefix-cache salt ("" = shared/unsalted)
+    mm: MmPrompt | None = None  # the images (token_ids then hold their placeholders)
 
 
 @dataclass
@@ -266,9 +296,15 @@ class Pipeline:
 
     def __init__(self, catalog: ModelCatalog, router_address: Callable[[], str | None],
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT,
-                 tls: MeshTls | None = None) -> None:
+                 tls: MeshTls | None = None, image_limits: ImageLimits | None = None,
+                 encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
+        if not encode_timeout_s > 0:
+            raise ValueError(f"encode_timeout_s must be positive, got {encode_timeout_s}")
+        self.image_limits = image_limits or ImageLimits()
+        self.encode_timeout_s = encode_timeout_s
+        self._warned: set[str] = set()
         self._catalog = catalog
         self._router_address = router_address
         self._pool = ChannelPool(tls, "worker")
@@ -366,10 +402,83 @@ class Pipeline:
                     ids = await asyncio.to_thread(tok.apply_chat, req.messages)
                 else:
                     ids = await asyncio.to_thread(tok.encode, req.prompt or "")
+            mm = await self._images(req, info, ids) if req.images else None
+            if mm is not None:
+                ids = mm.token_ids
+                span.set_attribute("kvmesh.images", len(mm.images))
             span.set_attribute("kvmesh.prompt_tokens", len(ids))
         req = check_context(req, len(ids), info.max_model_len)
         rid = req.request_id or uuid.uuid4().hex
-        return Job(rid, req, info, ids, int(time.time()), req.cache_salt)
+        return Job(rid, req, info, ids, int(time.time()), req.cache_salt, mm)
+
+    async def _images(self, req: ParsedRequest, info: ModelInfo, ids: list[int]) -> MmPrompt:
+        """The request's images checked and expanded (see the module docstring)."""
+        if not info.accepts_images:
+            raise ApiError(400, f"the model {req.model!r} takes no images", param="messages")
+        try:
+            expander = await asyncio.to_thread(self._catalog.expander, info)
+        except Exception as exc:  # noqa: BLE001 - a model folder without a processor
+            raise ApiError(400, f"the model {req.model!r} has no image processor: "
+                           f"{type(exc).__name__}: {exc}", param="messages") from exc
+        parts = [(p.field, p.data) for p in req.images]
+        try:
+            return await asyncio.to_thread(mm_prompt, ids, parts, req.cache_salt,
+                                           self.image_limits, expander)
+        except InputError as exc:
+            raise ApiError(400, str(exc), param=exc.field) from exc
+        except ValueError as exc:  # markers and images do not pair up
+            raise ApiError(400, str(exc), param="messages") from exc
+
+    def _fallback(self, reason: str, job: Job, detail: str) -> None:
+        """The worker encodes the job's images itself (see the module docstring)."""
+        self.metrics.encode_fallbacks.labels(reason).inc()
+        if reason not in self._warned:
+            self._warned.add(reason)
+            log.warning("request %s: no encoder embeddings (%s: %s); the worker encodes its "
+                        "images itself (logged once per reason)", job.request_id, reason,
+                        detail)
+
+    async def _encode(self, job: Job, route: router_pb2.RouteResponse, mesh_id: str,
+                      ctx: Context | None) -> list[encoder_pb2.EmbeddingDescriptor]:
+        """E's embeddings of the job's images, or [] when the worker must encode them
+        (the failure policy of the module docstring)."""
+        assert job.mm is not None
+        if not route.HasField("encoder"):
+            self._fallback("no_encoder", job, "the router picked no encoder")
+            return []
+        enc = route.encoder
+        stub = encoder_pb2_grpc.EncoderStub(self._pool.get(enc.address, "encoder"))
+        request = encoder_pb2.EncodeRequest(
+            request_id=mesh_id, model=job.req.model, cache_salt=job.cache_salt,
+            images=[encoder_pb2.ImageInput(data=i.data, content_hash=i.digest)
+                    for i in job.mm.images])
+        started = time.monotonic()
+        with _attached(ctx), self._tracer.start_as_current_span("encode", attributes={
+                "kvmesh.encoder_id": enc.instance_id, "kvmesh.images": len(job.mm.images),
+                "kvmesh.affinity_items": enc.affinity_items}) as span:
+            try:
+                resp = await stub.Encode(request, timeout=self.encode_timeout_s)
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                span.set_attribute("kvmesh.encode_fallback", code.name)
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise ApiError(400, f"the encoder refused the image: {exc.details()}",
+                                   param="messages") from exc
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    self._pool.invalidate(enc.address)
+                self._fallback(code.name, job, f"encoder {enc.instance_id}: {exc.details()}")
+                return []
+            self.metrics.encode_seconds.observe(time.monotonic() - started)
+            want = [i.mm_hash for i in job.mm.images]
+            if [e.mm_hash for e in resp.embeddings] != want:
+                self._fallback("bad_answer", job, f"encoder {enc.instance_id} answered "
+                               f"{len(resp.embeddings)} embeddings for other images")
+                return []
+            hits = sum(e.cache_hit for e in resp.embeddings)
+            span.set_attribute("kvmesh.encode_cache_hits", hits)
+            self.metrics.encodes.labels("hit").inc(hits)
+            self.metrics.encodes.labels("miss").inc(len(want) - hits)
+            return list(resp.embeddings)
 
     @staticmethod
     def mesh_request_id(job: Job, attempt: int) -> str:
@@ -425,11 +534,15 @@ class Pipeline:
                     yield Chunk("", [], "length", len(job.token_ids), carried)
                     return
                 mesh_id = self.mesh_request_id(job, attempt)
+                mm_items = [router_pb2.MmItem(mm_hash=i.mm_hash, offset=i.offset,
+                                              length=i.length)
+                            for i in (job.mm.images if job.mm is not None else ())]
                 try:
                     route = await self._route(router, router_pb2.RouteRequest(
                         request_id=mesh_id, model=job.req.model,
                         token_ids=job.token_ids + generated, max_tokens=max_tokens - carried,
-                        exclude_instance_ids=failed, cache_salt=job.cache_salt), ctx)
+                        exclude_instance_ids=failed, cache_salt=job.cache_salt,
+                        mm_items=mm_items), ctx)
                 except ApiError as err:
                     if err.type == "overloaded_error":
                         outcome = "rejected"  # counted by observe_rejection
@@ -438,8 +551,19 @@ class Pipeline:
                 attempt_sampling = common_pb2.SamplingParams()
                 attempt_sampling.CopyFrom(sampling)
                 attempt_sampling.max_tokens = max_tokens - carried
-                plan = Request(mesh_id, job.req.model, job.token_ids + generated,
-                               attempt_sampling, job.cache_salt)
+                images: list[worker_pb2.ImageItem] = []
+                embeddings: list[encoder_pb2.EmbeddingDescriptor] = []
+                if job.mm is not None:
+                    try:
+                        embeddings = await self._encode(job, route, mesh_id, ctx)
+                    except BaseException:  # incl. cancellation: the entry is released
+                        await asyncio.shield(self._spawn(self._release(router, mesh_id)))
+                        raise
+                    images = [worker_pb2.ImageItem(data=i.data, mm_hash=i.mm_hash)
+                              for i in job.mm.images]
+                prompt = job.mm.engine_ids if job.mm is not None else job.token_ids
+                plan = Request(mesh_id, job.req.model, prompt + generated,
+                               attempt_sampling, job.cache_salt, images, embeddings)
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None

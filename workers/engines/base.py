@@ -121,6 +121,14 @@ class EngineRequest:
     # The tenant's prefix-cache salt ("" = none): blocks computed under one salt are never
     # prefix hits for another (vLLM: the request's ``cache_salt``).
     cache_salt: str = ""
+    # EPD: the prompt's decoded images (PIL), in prompt order (the prompt holds one image
+    # marker token per image, which the engine expands), their ids (vLLM's
+    # multi_modal_uuids = mm_hash, the embedding-cache key), and the embeddings an
+    # encoder published for some of them (vLLM's ec_transfer_params, keyed by mm_hash;
+    # None: the engine encodes every image itself).
+    images: list[Any] = field(default_factory=list)
+    image_uuids: list[str] = field(default_factory=list)
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -196,6 +204,11 @@ class Engine(abc.ABC):
 
     async def reset_prefix_cache(self) -> bool:
         """Default: not supported."""
+        return False
+
+    @property
+    def accepts_images(self) -> bool:
+        """Whether ``EngineRequest.images`` may be set (default: no, text only)."""
         return False
 
     async def wait_dead(self) -> str:

@@ -20,6 +20,13 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   (``False``: UniProcExecutor, faster start) or in one more, OpenMP-bound, process.
 - ``engine_kwargs["ec_transfer_config"]`` may be a dict (:mod:`workers.ec.configs`); it
   becomes vLLM's ``ECTransferConfig``. ``llm`` is the started ``AsyncLLM`` itself.
+- **Images** (EPD; ``accepts_images`` is vLLM's ``is_multimodal_model``): a request's
+  ``images`` go to vLLM as ``multi_modal_data`` with ``multi_modal_uuids`` =
+  ``image_uuids`` (vLLM uses them as the mm_hash: its encoder cache, its KV block keys,
+  and the EC connector's key), the prompt tokens holding one marker per image (vLLM
+  expands it), and ``ec_transfer_params`` as ``SamplingParams.extra_args`` (as vLLM's
+  OpenAI server passes them), read by an ``ec_consumer``'s connector; an item without
+  a usable embedding is encoded here. ``prompt_tokens`` is then vLLM's expanded count.
 - ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len,
   kv_layout, handoff)`` as vLLM resolved them (:mod:`workers.kv.layout`).
 - ``generate(request)``: validates the request *before* vLLM sees it (empty prompt,
@@ -374,10 +381,32 @@ class VllmEngine(Engine):
         if request.request_id in self._live:
             raise EngineError(f"request id {request.request_id!r} is already running")
 
+    @property
+    def accepts_images(self) -> bool:
+        return self._llm is not None and bool(self._llm.vllm_config.model_config
+                                              .is_multimodal_model)
+
+    @staticmethod
+    def _prompt(request: EngineRequest) -> Any:
+        """vLLM's prompt: the tokens, the tenant's salt, the images (see the module doc)."""
+        from vllm.inputs import tokens_input
+
+        if not request.images:
+            return tokens_input(list(request.prompt_token_ids),
+                                cache_salt=request.cache_salt or None)
+        # A TokensPrompt (no "type": a typed TokensInput skips multimodal processing).
+        prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids),
+                                  "multi_modal_data": {"image": list(request.images)},
+                                  "multi_modal_uuids": {"image": list(request.image_uuids)}}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
+        return prompt
+
     def sampling_params(
-        self, sampling: Sampling, kv_transfer_params: dict[str, Any] | None = None
+        self, sampling: Sampling, kv_transfer_params: dict[str, Any] | None = None,
+        ec_transfer_params: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """Map :class:`Sampling` (+ KV handoff params) to ``SamplingParams``."""
+        """Map :class:`Sampling` (+ KV handoff and EC params) to ``SamplingParams``."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -386,9 +415,11 @@ class VllmEngine(Engine):
             value = getattr(sampling, name)
             if value is not None:
                 kw[name] = value
-        extra = None
+        extra: dict[str, Any] | None = None
         if kv_transfer_params is not None:  # as vLLM's OpenAI server passes them
             extra = {"kv_transfer_params": dict(kv_transfer_params)}
+        if ec_transfer_params:
+            extra = {**(extra or {}), "ec_transfer_params": dict(ec_transfer_params)}
         try:
             return SamplingParams(
                 max_tokens=sampling.max_tokens,
@@ -405,7 +436,6 @@ class VllmEngine(Engine):
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMClientError
-        from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
         llm = self._require_llm()
@@ -413,10 +443,9 @@ class VllmEngine(Engine):
             raise EngineDeadError(self._dead.result())
         self._check(request)
         kv = self._handoff_params(request.kv_transfer_params)
-        params = self.sampling_params(request.sampling, kv)
+        params = self.sampling_params(request.sampling, kv, request.ec_transfer_params)
         # rendered: no tokenizer call; cache_salt isolates the tenant's prefix cache
-        prompt = tokens_input(list(request.prompt_token_ids),
-                              cache_salt=request.cache_salt or None)
+        prompt = self._prompt(request)
         rid = request.request_id
         n_prompt = len(request.prompt_token_ids)
         completion = 0
@@ -432,6 +461,8 @@ class VllmEngine(Engine):
                 async for out in stream:
                     comp = out.outputs[0]
                     completion += len(comp.token_ids)
+                    if request.images and out.prompt_token_ids:
+                        n_prompt = len(out.prompt_token_ids)  # images expanded
                     reason = None
                     if out.finished:
                         reason = _FINISH_REASONS.get(str(comp.finish_reason), "abort")
@@ -514,11 +545,8 @@ class VllmEngine(Engine):
             raise KvHandoffError(f"KV handoff timed out: {where} sent nothing within "
                                  f"{timeout} s (kv_load_failure_policy=fail)")
         log.warning("KV handoff timed out after %s s: %s; prefilling it here", timeout, where)
-        from vllm.inputs import tokens_input
-
-        local = self.sampling_params(request.sampling, None)
-        prompt = tokens_input(list(request.prompt_token_ids),
-                              cache_salt=request.cache_salt or None)
+        local = self.sampling_params(request.sampling, None, request.ec_transfer_params)
+        prompt = self._prompt(request)
         async with contextlib.aclosing(llm.generate(prompt, local, rid)) as again:
             async for out in again:
                 yield out
