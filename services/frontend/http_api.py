@@ -79,6 +79,14 @@ def authenticate(keys: ApiKeys, header: str | None) -> Tenant:
         raise ApiError(401, str(exc), code="invalid_api_key") from None
 
 
+def _accepts(keys: ApiKeys, header: str | None) -> bool:
+    try:
+        keys.check(header)
+    except Unauthorized:
+        return False
+    return True
+
+
 def _sse(obj: dict[str, Any] | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -188,11 +196,15 @@ async def _json_body(request: Request, limits: HttpLimits) -> Any:
 
 
 def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
-               keys: ApiKeys | None = None, metrics_auth: bool = False) -> FastAPI:
+               keys: ApiKeys | None = None, metrics_auth: bool = False,
+               metrics_keys: ApiKeys | None = None) -> FastAPI:
     """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None),
-    behind ``keys`` (None or none configured: open; ``metrics_auth``: ``/metrics`` too)."""
+    behind ``keys`` (None or none configured: open; ``metrics_auth``: ``/metrics`` too,
+    where ``metrics_keys`` are accepted as well: keys that read metrics and nothing else,
+    e.g. a planner's, so a scraper needs no user's key)."""
     lim = limits or HttpLimits()
     auth = keys or ApiKeys(())
+    scrapers = metrics_keys or ApiKeys(())
 
     def tenant(request: Request) -> Tenant:
         try:
@@ -225,7 +237,8 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        if metrics_auth:
+        header = request.headers.get("authorization")
+        if metrics_auth and not (scrapers.enabled and _accepts(scrapers, header)):
             tenant(request)
         return Response(pipeline.metrics.render(),
                         media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -92,6 +92,10 @@ class FrontendConfig(BaseConfig, ImageFlags):
     metrics_auth: bool = dataclasses.field(
         default=False, metadata={"help": "require an API key for /metrics too"}
     )
+    metrics_api_keys: str = dataclasses.field(
+        default="", metadata={"help": "comma-separated keys that may read /metrics and "
+                                      "nothing else (a planner's), with --metrics-auth"}
+    )
     shared_prefix_cache: bool = dataclasses.field(
         default=False, metadata={"help": "all tenants share one prefix cache (opt-in: "
                                          "cached_tokens then reveals other tenants' "
@@ -186,7 +190,8 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     sock.bind((cfg.http_host, cfg.http_port))
     sock.listen(1024)
     http_port = sock.getsockname()[1]
-    app = create_app(pipeline, cfg.http_limits(), keys, metrics_auth=cfg.metrics_auth)
+    app = create_app(pipeline, cfg.http_limits(), keys, metrics_auth=cfg.metrics_auth,
+                     metrics_keys=ApiKeys.from_sources(cfg.metrics_api_keys))
     http = uvicorn.Server(http_config(app,
                                       max_connections=cfg.max_connections,
                                       keep_alive_s=cfg.keep_alive_s,

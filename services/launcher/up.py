@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -187,20 +188,16 @@ class MeshSpec:
 USER_KEY_VARS = ("KVMESH_API_KEY", "KVMESH_FRONTEND_API_KEY")
 
 
-def scrape_key_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The planner's key for the frontend's /metrics (``--metrics-auth``): the one given
-    (``KVMESH_FRONTEND_API_KEY``), else the frontend's first key (``KVMESH_API_KEYS``, else
-    the first line of ``KVMESH_API_KEY_FILE``); {} when the frontend has none."""
-    from services.frontend.auth import parse_key_file, split_keys
-
-    key = environ.get("KVMESH_FRONTEND_API_KEY", "")
-    if not key:
-        keys = split_keys(environ.get("KVMESH_API_KEYS", ""))
-        path = environ.get("KVMESH_API_KEY_FILE", "")
-        if not keys and path and Path(path).is_file():
-            keys = [k for k, _ in parse_key_file(Path(path).read_text())]
-        key = keys[0] if keys else ""
-    return {"KVMESH_FRONTEND_API_KEY": key} if key else {}
+def scrape_keys(environ: Mapping[str, str], token: Callable[[], str]) -> tuple[
+        dict[str, str], dict[str, str]]:
+    """(frontend env, planner env) for the planner's /metrics scrapes: a key that reads
+    metrics and nothing else (``KVMESH_METRICS_API_KEYS`` on the frontend), the one given
+    as ``KVMESH_FRONTEND_API_KEY`` or a fresh ``token()``, so the planner never holds a
+    user's key."""
+    key = environ.get("KVMESH_FRONTEND_API_KEY", "") or token()
+    given = [k for k in environ.get("KVMESH_METRICS_API_KEYS", "").split(",") if k.strip()]
+    return ({"KVMESH_METRICS_API_KEYS": ",".join(dict.fromkeys([*given, key]))},
+            {"KVMESH_FRONTEND_API_KEY": key})
 
 
 def health(url: str) -> tuple[int, dict[str, object]]:
@@ -315,7 +312,10 @@ class LocalMesh:
                                  KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
                                  KVMESH_BLOCK_SIZE=str(s.block_size))
             port = s.http_port or free_port()
-            front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port))
+            front_scrape, planner_scrape = scrape_keys(os.environ, secrets.token_hex) \
+                if s.planner else ({}, {})
+            front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port),
+                                 **front_scrape)
             self.url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + s.start_timeout_s
 
@@ -332,7 +332,7 @@ class LocalMesh:
                 self._python("planner", "services.planner", KVMESH_ACTUATOR="dry_run",
                              KVMESH_MODE="agg" if s.mode == "agg" else "disagg",
                              KVMESH_METRICS_URLS=f"{self.url}/metrics",
-                             **scrape_key_env(os.environ))
+                             **planner_scrape)
         except BaseException:
             self.stop()
             raise

@@ -185,6 +185,20 @@ def test_http_401_body_and_open_health(pipeline: Pipeline, metrics_auth: bool) -
         assert metrics.status_code == 200
 
 
+def test_a_metrics_key_reads_metrics_and_nothing_else(pipeline: Pipeline) -> None:
+    client = TestClient(create_app(pipeline, keys=ApiKeys.from_sources("sk-user"),
+                                   metrics_auth=True,
+                                   metrics_keys=ApiKeys.from_sources("sk-scrape")))
+    scrape = {"Authorization": "Bearer sk-scrape"}
+    assert client.get("/metrics", headers=scrape).status_code == 200
+    assert client.get("/metrics", headers={"Authorization": "Bearer sk-user"}).status_code \
+        == 200
+    _assert_401(client.get("/metrics"))
+    _assert_401(client.get("/v1/models", headers=scrape))  # not a user's key
+    _assert_401(client.post("/v1/completions", headers=scrape,
+                            json={"model": "m", "prompt": "x"}))
+
+
 def test_http_without_keys_is_open(pipeline: Pipeline) -> None:
     client = TestClient(create_app(pipeline))
     assert client.get("/v1/models").status_code == 200

@@ -6,7 +6,6 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -55,14 +54,13 @@ def test_the_first_model_is_asked_with_the_key(models_url: str) -> None:
         _first_model(models_url, "")
 
 
-def test_kvmesh_up_gives_its_planner_the_frontend_s_first_key(tmp_path: Path) -> None:
-    from services.launcher.up import scrape_key_env
+def test_kvmesh_up_gives_its_planner_a_metrics_only_key() -> None:
+    from services.launcher.up import scrape_keys
 
-    assert scrape_key_env({}) == {}
-    assert scrape_key_env({"KVMESH_API_KEYS": "k1,k2"}) == {"KVMESH_FRONTEND_API_KEY": "k1"}
-    keys = tmp_path / "keys"
-    keys.write_text("# team\nsk-alice alice\nsk-bob bob\n")
-    assert scrape_key_env({"KVMESH_API_KEY_FILE": str(keys)}) == {
-        "KVMESH_FRONTEND_API_KEY": "sk-alice"}
-    assert scrape_key_env({"KVMESH_FRONTEND_API_KEY": "given", "KVMESH_API_KEYS": "k1"}) == {
-        "KVMESH_FRONTEND_API_KEY": "given"}
+    front, planner = scrape_keys({"KVMESH_API_KEYS": "sk-user"}, lambda: "fresh")
+    assert front == {"KVMESH_METRICS_API_KEYS": "fresh"}  # never a user's key
+    assert planner == {"KVMESH_FRONTEND_API_KEY": "fresh"}
+    front, planner = scrape_keys({"KVMESH_FRONTEND_API_KEY": "given",
+                                  "KVMESH_METRICS_API_KEYS": "other"}, lambda: "unused")
+    assert front == {"KVMESH_METRICS_API_KEYS": "other,given"}
+    assert planner == {"KVMESH_FRONTEND_API_KEY": "given"}
