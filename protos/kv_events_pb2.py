@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/kv_events.proto\x12\x10kvmesh.kv_events\"l\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.kvmesh.kv_events.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\"`\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x19.kvmesh.kv_events.KvEvent\x12\x12\n\nblock_size\x18\x03 \x01(\x05\"0\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"\x10\n\x0eKvStateRequest\"o\n\x07KvState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\x03\x12+\n\x05tiers\x18\x03 \x03(\x0b\x32\x1c.kvmesh.kv_events.TierBlocks\x12\x12\n\nblock_size\x18\x04 \x01(\x05*|\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/kv_events.proto\x12\x10kvmesh.kv_events\"l\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.kvmesh.kv_events.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x04\x12\x0c\n\x04tier\x18\x04 \x01(\t\"w\n\x0cKvEventBatch\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12)\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x19.kvmesh.kv_events.KvEvent\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rstarted_at_ms\x18\x04 \x01(\x03\"0\n\nTierBlocks\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x04\"\x10\n\x0eKvStateRequest\"\x86\x01\n\x07KvState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65vent_id\x18\x02 \x01(\x03\x12+\n\x05tiers\x18\x03 \x03(\x0b\x32\x1c.kvmesh.kv_events.TierBlocks\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x15\n\rstarted_at_ms\x18\x05 \x01(\x03*|\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x19\n\x15KV_EVENT_KIND_CLEARED\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.kv_events_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=433
-  _globals['_KVEVENTKIND']._serialized_end=557
+  _globals['_KVEVENTKIND']._serialized_start=480
+  _globals['_KVEVENTKIND']._serialized_end=604
   _globals['_KVEVENT']._serialized_start=44
   _globals['_KVEVENT']._serialized_end=152
   _globals['_KVEVENTBATCH']._serialized_start=154
-  _globals['_KVEVENTBATCH']._serialized_end=250
-  _globals['_TIERBLOCKS']._serialized_start=252
-  _globals['_TIERBLOCKS']._serialized_end=300
-  _globals['_KVSTATEREQUEST']._serialized_start=302
-  _globals['_KVSTATEREQUEST']._serialized_end=318
-  _globals['_KVSTATE']._serialized_start=320
-  _globals['_KVSTATE']._serialized_end=431
+  _globals['_KVEVENTBATCH']._serialized_end=273
+  _globals['_TIERBLOCKS']._serialized_start=275
+  _globals['_TIERBLOCKS']._serialized_end=323
+  _globals['_KVSTATEREQUEST']._serialized_start=325
+  _globals['_KVSTATEREQUEST']._serialized_end=341
+  _globals['_KVSTATE']._serialized_start=344
+  _globals['_KVSTATE']._serialized_end=478
 # @@protoc_insertion_point(module_scope)

@@ -31,14 +31,16 @@ class KvEvent(_message.Message):
     def __init__(self, event_id: _Optional[int] = ..., kind: _Optional[_Union[KvEventKind, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class KvEventBatch(_message.Message):
-    __slots__ = ("worker_id", "events", "block_size")
+    __slots__ = ("worker_id", "events", "block_size", "started_at_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     events: _containers.RepeatedCompositeFieldContainer[KvEvent]
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    started_at_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ..., block_size: _Optional[int] = ..., started_at_ms: _Optional[int] = ...) -> None: ...
 
 class TierBlocks(_message.Message):
     __slots__ = ("tier", "block_hashes")
@@ -53,13 +55,15 @@ class KvStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class KvState(_message.Message):
-    __slots__ = ("worker_id", "event_id", "tiers", "block_size")
+    __slots__ = ("worker_id", "event_id", "tiers", "block_size", "started_at_ms")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EVENT_ID_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_MS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     event_id: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierBlocks]
     block_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., event_id: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., block_size: _Optional[int] = ...) -> None: ...
+    started_at_ms: int
+    def __init__(self, worker_id: _Optional[str] = ..., event_id: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierBlocks, _Mapping]]] = ..., block_size: _Optional[int] = ..., started_at_ms: _Optional[int] = ...) -> None: ...

@@ -142,6 +142,8 @@ def build_server(cfg: WorkerConfig, engine: Engine,
             kv_layout=info.kv_layout,
             pid=os.getpid(),
             metrics_address=metrics_address,
+            # the incarnation its KV events carry (0 without a relay: the server's clock)
+            started_at_ms=relay.started_at_ms if relay is not None else 0,
         )
         if info.handoff.get("mode"):
             rec.handoff.CopyFrom(discovery_pb2.KvHandoff(

@@ -19,6 +19,32 @@ Contract of :class:`KvIndex`:
 - ``dump()`` is the exact state, for comparisons and debugging; ``stats()`` sizes;
   ``workers()`` the workers holding at least one block (cheaper than ``dump()``).
 
+Contract of :class:`Incarnations` (which process of a worker id the index follows; a
+worker id outlives its processes, and each process numbers its events from 0 again). An
+incarnation is the process's ``started_at_ms`` (the KV messages' field, the same as its
+etcd record's); a larger one is a later process; 0 means unknown (an older producer, or
+a record without it) and never filters anything.
+
+- ``admit(worker, incarnation)`` decides on one message (an event batch or a full state)
+  of ``worker`` from ``incarnation``: :attr:`Admission.CURRENT` (the incarnation followed
+  now, or 0: apply by event ids as usual); :attr:`Admission.FIRST` (no incarnation
+  followed yet) and :attr:`Admission.NEWER` (a later process than the one followed): the
+  caller drops the worker's blocks *and* its event-id state, then applies the message,
+  and the incarnation becomes the followed one; :attr:`Admission.STALE` (older than the
+  one followed, or than the live etcd record's): the caller ignores the message.
+- ``record_seen(worker, incarnation, restarted)``: the live etcd record of ``worker``
+  names ``incarnation`` (0: none); ``restarted`` says it replaced a record of another
+  process (pid or start time changed). Returns True when the caller must drop the
+  worker's index entry now: the record names a later process than the one the index
+  follows, or it replaced another process's record and the index follows no incarnation
+  (then, too, when the record names none: the behaviour without incarnations). A
+  restarted record of the process the index already follows (its events can reach the
+  stream before its record reaches etcd) or of an older one drops nothing. Messages of
+  incarnations older than the record's are STALE from then on.
+- ``forget(worker)``: the worker left etcd; what was known about it is dropped.
+- ``current(worker)``: the incarnation followed (0: none); ``live(worker)``: the one its
+  live record names (0: none).
+
 Internals (for speed; ``bench/indexer`` measures them): each block maps to the *interned*
 frozenset of workers holding it in any tier (one shared object per distinct set, refcounted
 so sets of departed workers are freed). ``find_matches`` walks the prompt with one dict
@@ -32,6 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 TIERS = ("device", "host", "store")
 DEVICE = TIERS[0]
@@ -291,3 +318,60 @@ class KvIndex:
         """Sizes: distinct blocks, workers, (worker, tier, block) entries."""
         entries = sum(len(hs) for tiers in self._by_worker.values() for hs in tiers.values())
         return {"blocks": len(self._any), "workers": len(self.workers()), "entries": entries}
+
+
+class Admission(Enum):
+    """What to do with a message of some incarnation (see :class:`Incarnations`)."""
+
+    CURRENT = "current"  # apply by event ids
+    FIRST = "first"  # forget the worker's blocks and event ids, then apply
+    NEWER = "newer"  # a new process: forget the worker's blocks and event ids, then apply
+    STALE = "stale"  # an older process: ignore
+
+
+class Incarnations:
+    """See the module docstring."""
+
+    def __init__(self) -> None:
+        self._current: dict[str, int] = {}  # worker → incarnation the index follows
+        self._live: dict[str, int] = {}  # worker → incarnation of its live etcd record
+
+    def current(self, worker: str) -> int:
+        """The incarnation the index follows for ``worker`` (0: none)."""
+        return self._current.get(worker, 0)
+
+    def live(self, worker: str) -> int:
+        """The incarnation the live etcd record of ``worker`` names (0: none)."""
+        return self._live.get(worker, 0)
+
+    def admit(self, worker: str, incarnation: int) -> Admission:
+        """The decision on one message of ``worker`` sent by ``incarnation``."""
+        if incarnation <= 0:
+            return Admission.CURRENT
+        followed = self._current.get(worker, 0)
+        if incarnation == followed:
+            return Admission.CURRENT
+        if incarnation < followed or incarnation < self._live.get(worker, 0):
+            return Admission.STALE
+        self._current[worker] = incarnation
+        return Admission.NEWER if followed else Admission.FIRST
+
+    def record_seen(self, worker: str, incarnation: int, restarted: bool) -> bool:
+        """Notes ``worker``'s live record; True when its index entry must be dropped."""
+        followed = self._current.get(worker, 0)
+        if incarnation > 0:
+            self._live[worker] = incarnation
+        else:
+            self._live.pop(worker, None)
+        if incarnation <= 0:
+            drop = restarted  # no incarnation to go by: the record change decides
+        else:  # drop what the index follows of an older process (or of none, on a restart)
+            drop = followed < incarnation and (restarted or followed > 0)
+        if drop:
+            self._current.pop(worker, None)
+        return drop
+
+    def forget(self, worker: str) -> None:
+        """Drops what is known about ``worker`` (it left etcd)."""
+        self._current.pop(worker, None)
+        self._live.pop(worker, None)

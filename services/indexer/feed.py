@@ -18,8 +18,19 @@ core). Contract of :class:`IndexFeed`:
 - Workers whose etcd lease goes are removed from the index (also those found only in the
   replayed stream once the first etcd snapshot shows them gone), and so is a worker whose
   record comes back from a new process (pid or ``started_at_ms`` changed: a restart
-  within the lease); its new events, numbered from 0 again, then rebuild it (a gap
-  resyncs it from the worker).
+  within the lease) unless the index already follows that process; its new events,
+  numbered from 0 again, then rebuild it (a gap resyncs it from the worker).
+- Incarnations (a worker id outlives its processes; each numbers its events from 0):
+  every entry names its sender's ``started_at_ms`` (0 from older producers: event ids
+  only, as before), and :class:`~services.indexer.core.Incarnations` decides. An entry of
+  a later process than the one the index follows for that worker id drops the worker's
+  blocks and event-id state and is applied from there (``incarnation_restarts``, one log
+  line), so a replay of a stream holding several processes of one id ends with the last
+  one's state, not with the first one's event ids hiding the later ones' events. Entries
+  of an older process than the one followed, or than the live etcd record's
+  ``started_at_ms``, are not applied (``stale_entries``; logged once per worker and
+  incarnation). A record naming a later process than the one followed drops the
+  worker's entry at once. A ``GetKvState`` answer passes the same test.
 - Malformed entries are counted and skipped; the feed never stops on bad input.
 - Signed events: with mesh TLS material (``tls``) the feed reads the mesh's event secret
   (``events.key`` in its tls folder; a missing one raises CertError at construction) and
@@ -82,7 +93,7 @@ from services.common.injected import Clock
 from services.common.periodic import Periodic
 from services.common.redis_conn import redis_client
 from services.common.tls import EVENTS_KEY, MeshTls, derive_event_key
-from services.indexer.core import Gap, KvEvent, KvIndex
+from services.indexer.core import Admission, Gap, Incarnations, KvEvent, KvIndex
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +125,8 @@ class FeedStats:
     bus_resets: int = 0  # Redis restarts / lost streams or groups noticed
     unsigned_entries: int = 0  # dropped: no MAC although the mesh signs its events
     forged_entries: int = 0  # dropped: a MAC that does not prove the worker it names
+    stale_entries: int = 0  # not applied: sent by an older process of their worker id
+    incarnation_restarts: int = 0  # entries of a later process of a worker id seen
 
 
 def state_blocks(state: kv_events_pb2.KvState) -> dict[str, Iterable[int]]:
@@ -152,6 +165,8 @@ class IndexFeed:
             secret = tls.secret(EVENTS_KEY)
             self._keys = lambda signer: derive_event_key(secret, signer)
         self._sig_logged: set[str] = set()
+        self._incarnations = Incarnations()
+        self._stale_logged: dict[str, int] = {}  # worker → stale incarnation last logged
         self._last_try: dict[str, float] = {}
         self._resync_fails: dict[str, int] = {}  # failed resyncs in a row, per worker
         self._stale: set[str] = set()  # workers to resync after a bus reset
@@ -212,21 +227,53 @@ class IndexFeed:
         self._seen_alive = set(records)
         for w in sorted(gone):
             self._drop(w)
+            self._forget(w)
         for w, rec in sorted(records.items()):
             old = previous.get(w)
-            if old is not None and _incarnation(old) != _incarnation(rec):
-                log.info("%s restarted (pid %d -> %d); its index entry starts over", w,
-                         old.pid, rec.pid)
+            restarted = old is not None and _incarnation(old) != _incarnation(rec)
+            if self._incarnations.record_seen(w, rec.started_at_ms, restarted):
+                if old is not None and restarted:
+                    log.info("%s restarted (pid %d -> %d); its index entry starts over", w,
+                             old.pid, rec.pid)
+                else:
+                    log.info("%s runs as a later process (started at %d ms) than its index "
+                             "entry's; the entry starts over", w, rec.started_at_ms)
                 self._drop(w)
 
     def _drop_dead_after_replay(self) -> None:
         alive = set(self._watcher.instances())
         for w in sorted(self.index.workers() - alive):
             self._drop(w)
+            self._forget(w)
 
     def _drop(self, worker: str) -> None:
         self.index.remove_worker(worker)
         self.stats.workers_removed += 1
+
+    def _forget(self, worker: str) -> None:
+        self._incarnations.forget(worker)
+        self._stale_logged.pop(worker, None)
+
+    def _admit(self, worker: str, incarnation: int) -> bool:
+        """Whether a message of ``worker``'s process ``incarnation`` is applied; a later
+        process's first message drops the worker's index entry first (module docstring)."""
+        followed = self._incarnations.current(worker)
+        verdict = self._incarnations.admit(worker, incarnation)
+        if verdict is Admission.STALE:
+            self.stats.stale_entries += 1
+            if self._stale_logged.get(worker) != incarnation:
+                self._stale_logged[worker] = incarnation
+                log.info("%s: ignoring KV entries of its older process (started at %d ms; "
+                         "following %d ms)", worker, incarnation,
+                         max(followed, self._incarnations.live(worker)))
+            return False
+        if verdict is Admission.NEWER:
+            self.stats.incarnation_restarts += 1
+            log.info("%s: KV entries of a new process (started at %d ms, was %d ms); its "
+                     "index entry starts over", worker, incarnation, followed)
+        if verdict is not Admission.CURRENT:  # FIRST drops state of unmarked entries, if any
+            self.index.remove_worker(worker)
+        return True
 
     async def _follow(self) -> None:
         """Reads and applies new entries back to back, checking for a bus reset first and
@@ -323,6 +370,8 @@ class IndexFeed:
             self.stats.bad_entries += 1
             log.warning("skipping KV event entry: %s", exc)
             return
+        if not self._admit(msg.worker_id, msg.started_at_ms):
+            return
         if isinstance(msg, kv_events_pb2.KvState):
             if msg.event_id >= self.index.next_event_id(msg.worker_id) - 1:
                 self.index.resync(msg.worker_id, msg.event_id, state_blocks(msg))
@@ -345,6 +394,9 @@ class IndexFeed:
                 self.stats.gaps += 1
                 if not await self._resync(gap):
                     continue
+                if msg.started_at_ms > 0 and \
+                        self._incarnations.current(msg.worker_id) != msg.started_at_ms:
+                    break  # the resync found another process: this batch is not its
                 gap = self.index.apply(event)
                 if gap is not None:
                     continue
@@ -381,9 +433,10 @@ class IndexFeed:
         state = await self._fetch_state(gap.worker_id)
         if state is None:
             return False
+        if not self._apply_state(gap.worker_id, state):
+            return False
         log.info("%s: events %d..%d missing; resynced at event %d", gap.worker_id,
                  gap.expected, gap.got - 1, state.event_id)
-        self._apply_state(gap.worker_id, state)
         return True
 
     async def _resync_stale(self) -> None:
@@ -413,12 +466,18 @@ class IndexFeed:
                             exc.code(), exc.details())  # type: ignore[attr-defined]
             return None
 
-    def _apply_state(self, worker: str, state: kv_events_pb2.KvState) -> None:
+    def _apply_state(self, worker: str, state: kv_events_pb2.KvState) -> bool:
+        """Applies a worker's ``GetKvState`` answer; False (not applied) when it is of an
+        older process than the one the index follows."""
+        if not self._admit(worker, state.started_at_ms):
+            self._stale.discard(worker)  # asking again would get the same answer
+            return False
         self.index.resync(worker, state.event_id, state_blocks(state))
         self._last_try.pop(worker, None)
         self._resync_fails.pop(worker, None)
         self._stale.discard(worker)
         self.stats.resyncs += 1
+        return True
 
     async def close(self) -> None:
         """Stops following the stream and closes connections."""

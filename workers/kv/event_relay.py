@@ -16,9 +16,10 @@ Contract of :class:`KvEventRelay`:
   index never keeps blocks the relay cannot account for. Duplicates (seq already seen)
   are ignored.
 - Each kvmesh event (:mod:`workers.kv.event_translate`) gets the next per-worker event id
-  (from 0, no holes) and events are appended to the stream in batches: everything that is
-  ready when the socket runs dry, at most ``max_batch_events`` per entry, in one pipelined
-  XADD (approximate MAXLEN ``maxlen``), so the relay keeps up with the engine.
+  (from 0, no holes; a new relay, i.e. a restarted worker, starts at 0 again) and events
+  are appended to the stream in batches: everything that is ready when the socket runs
+  dry, at most ``max_batch_events`` per entry, in one pipelined XADD (approximate MAXLEN
+  ``maxlen``), so the relay keeps up with the engine.
 - ``submit(events)`` is the in-process entry for engines without a ZMQ publisher (the
   mock engine): a list of engine events in vLLM's decoded form (dicts with ``"type"``,
   see :mod:`workers.kv.event_translate`) is translated and numbered exactly like a ZMQ
@@ -26,6 +27,13 @@ Contract of :class:`KvEventRelay`:
   ``start(zmq_input=False)``.
 - ``state()`` is the worker's full state with the id of the last event it reflects: what
   ``Worker.GetKvState`` answers for an indexer that saw a gap.
+- Incarnation: every entry (event batches, full states) and ``state()`` carry
+  ``started_at_ms``, this process's start time (:attr:`KvEventRelay.started_at_ms`: the
+  constructor's ``started_at_ms``, else the wall clock at construction, in ms). The
+  worker puts the same value in its etcd record (``InstanceRecord.started_at_ms``), so an
+  indexer tells a restarted worker's events, numbered from 0 again under the same worker
+  id, from its previous process's (see :class:`services.indexer.core.Incarnations`). It
+  is inside the serialized message, so the entry's MAC covers it.
 - ``drop_next(n)`` is fault injection for tests: the next ``n`` events (replacing any
   count still pending; 0 stops dropping) get their ids but are not published, as if the
   bus lost them.
@@ -64,6 +72,7 @@ import contextlib
 import logging
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,8 +159,9 @@ class KvEventRelay:
                  reset_cache: Callable[[], Awaitable[bool]] | None = None,
                  max_batch_events: int = 1024, maxlen: int = 1_000_000,
                  replay_timeout_s: float = 2.0, max_pending: int = 200_000,
-                 tls: MeshTls | None = None) -> None:
+                 tls: MeshTls | None = None, started_at_ms: int = 0) -> None:
         self.worker_id = worker_id
+        self.started_at_ms = started_at_ms or int(time.time() * 1000)
         self._tls = tls
         self._key = tls.secret(f"{tls.stem}{EVENT_KEY_SUFFIX}") if tls is not None else None
         self._signer = tls.identity.name if tls is not None else ""
@@ -248,7 +258,8 @@ class KvEventRelay:
         tiers = [kv_events_pb2.TierBlocks(tier=t, block_hashes=sorted(hs))
                  for t, hs in sorted(self._translator.state().items()) if hs]
         return kv_events_pb2.KvState(worker_id=self.worker_id, event_id=self._last_event_id,
-                                     tiers=tiers, block_size=self.block_size)
+                                     tiers=tiers, block_size=self.block_size,
+                                     started_at_ms=self.started_at_ms)
 
     async def _relay_frames(self) -> None:
         """Relays engine batches as they arrive; ends only by raising (see
@@ -377,7 +388,8 @@ class KvEventRelay:
                 for i in range(0, len(pending), self._max_batch):
                     batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
                                                        events=pending[i:i + self._max_batch],
-                                                       block_size=self.block_size)
+                                                       block_size=self.block_size,
+                                                       started_at_ms=self.started_at_ms)
                     pipe.xadd(self.stream, encode_batch(batch, self._key, self._signer),  # type: ignore[arg-type]
                               maxlen=self._maxlen, approximate=True)
                     entries += 1
