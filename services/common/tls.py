@@ -13,7 +13,7 @@ Contract:
   the TLS target name (:func:`channel_options`), so a certificate does not depend on the
   host a process runs on, and a server proves both that the mesh CA signed it and that
   it holds the role the client expects (a worker's certificate cannot pose as a router,
-  nor the redis certificate as a worker). :data:`CHANNEL_OPTIONS` (plain
+  nor the redis certificate as a worker). ``channel_options()`` (no role: plain
   :data:`MESH_SERVER_NAME`) accepts any mesh server, for tools.
 - :func:`make_ca` / :func:`issue` generate keys (EC P-256) and certificates offline with
   ``cryptography`` (an instance name is neither a role's nor ``root``, and a worker
@@ -77,7 +77,6 @@ ROLES = ("frontend", "router", "indexer", "worker", "store_client", "store_maste
          "planner", "admin", "etcd", "redis", "encoder")
 SPIFFE_PREFIX = "spiffe://kvmesh/"
 MESH_SERVER_NAME = "kvmesh.mesh"
-CHANNEL_OPTIONS = [("grpc.ssl_target_name_override", MESH_SERVER_NAME)]
 # The secrets each role reads (export_identity); "{stem}" is the identity's file stem.
 ROLE_SECRETS: dict[str, tuple[str, ...]] = {
     "worker": ("{stem}.evkey", "redis-worker.pass"),

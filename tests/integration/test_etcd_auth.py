@@ -30,7 +30,7 @@ from services.common.discovery import (
     instance_key,
 )
 from services.common.procs import Child, start_etcd
-from services.common.tls import CHANNEL_OPTIONS, MeshTls, write_mesh_certs
+from services.common.tls import MeshTls, channel_options, write_mesh_certs
 from tests.waiting import wait_for
 
 NS = "auth"
@@ -89,7 +89,7 @@ async def range_status(channel: grpc.aio.Channel) -> grpc.StatusCode:
 async def test_no_certificate_and_plaintext_are_refused(secure_etcd: SecureEtcd) -> None:
     no_cert = grpc.aio.secure_channel(
         secure_etcd.target, grpc.ssl_channel_credentials(secure_etcd.tls("admin").ca),
-        options=CHANNEL_OPTIONS)
+        options=channel_options())
     assert await range_status(no_cert) == grpc.StatusCode.UNAVAILABLE
     assert await range_status(grpc.aio.insecure_channel(secure_etcd.target)) == \
         grpc.StatusCode.UNAVAILABLE
@@ -104,7 +104,7 @@ async def test_a_certificate_of_another_ca_is_refused(secure_etcd: SecureEtcd,
     # It trusts the real CA (so only the client certificate is foreign).
     creds = grpc.ssl_channel_credentials(secure_etcd.tls("admin").ca, foreign.key,
                                          foreign.cert)
-    channel = grpc.aio.secure_channel(secure_etcd.target, creds, options=CHANNEL_OPTIONS)
+    channel = grpc.aio.secure_channel(secure_etcd.target, creds, options=channel_options())
     assert await range_status(channel) == grpc.StatusCode.UNAVAILABLE
 
 

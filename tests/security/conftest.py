@@ -75,7 +75,7 @@ from services.common.discovery import etcd_client, instances_prefix
 from services.common.grpc_client import channel, sync_channel
 from services.common.procs import Child, free_port, spawn
 from services.common.redis_conn import redis_client
-from services.common.tls import CHANNEL_OPTIONS, ROLES, MeshTls, write_mesh_certs
+from services.common.tls import ROLES, MeshTls, channel_options, write_mesh_certs
 from services.launcher.up import LocalMesh, MeshSpec
 from tests.waiting import wait_for, wait_for_sync
 
@@ -433,7 +433,7 @@ def outsider_channels(address: str, mesh_ca: bytes) -> dict[str, grpc.aio.Channe
         "plaintext": grpc.aio.insecure_channel(address),
         "TLS without a client certificate": grpc.aio.secure_channel(
             address, grpc.ssl_channel_credentials(root_certificates=mesh_ca),
-            options=CHANNEL_OPTIONS),
+            options=channel_options()),
     }
 
 
