@@ -89,7 +89,7 @@ async def test_indexer_killed_and_restarted(mesh: FaultMesh, fault_table: FaultT
 async def test_etcd_restart(mesh: FaultMesh, fault_table: FaultTable, wipe: bool) -> None:
     started = monotonic()
     await asyncio.to_thread(mesh.restart_etcd, wipe)
-    seconds = await recovered(mesh, started)
+    await recovered(mesh, started)
     # The routers' lists may still carry the records a wiped etcd lost (their grace):
     # every worker must be back in etcd itself.
     await wait_for(lambda: registered(mesh), 30, "every worker's key back in etcd")
