@@ -4,7 +4,9 @@ Pure: no I/O. Contract:
 
 - :func:`parse_completion` / :func:`parse_chat` take the decoded JSON body and return a
   :class:`ParsedRequest`, or raise :class:`ApiError` (status 400, ``invalid_request_error``)
-  naming the offending parameter. Unknown extra fields are ignored, as OpenAI does.
+  naming the offending parameter. Unknown fields, and fields kvmesh does not serve set to
+  anything but their no-op value, are refused the same way, never ignored
+  (:mod:`services.frontend.openai_fields`).
 - ``cache_salt`` in the body (vLLM's extension: a non-empty string) is the client's own
   salt (``ParsedRequest.client_salt``). :func:`with_tenant` gives the salt the mesh uses:
   the tenant's (from the API key) when the client sent none, else a digest of both, so a
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.encoder.images import ImageLimits, InputError, data_url_bytes
+from services.frontend.openai_fields import field_problem, message_problem
 
 MAX_STOP = 4
 MAX_JSON_DEPTH = 64
@@ -83,6 +86,9 @@ class SamplingSpec:
     ignore_eos: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # vLLM's extensions
+    stop_token_ids: tuple[int, ...] = ()
+    repetition_penalty: float | None = None
 
 
 @dataclass(frozen=True)
@@ -258,7 +264,29 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
         ignore_eos=_opt_bool(body, "ignore_eos"),
         presence_penalty=_opt_number(body, "presence_penalty", -2.0, 2.0),
         frequency_penalty=_opt_number(body, "frequency_penalty", -2.0, 2.0),
+        stop_token_ids=_token_ids(body, "stop_token_ids"),
+        repetition_penalty=_positive(body, "repetition_penalty"),
     )
+
+
+def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
+    v = body.get(name)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise _bad(f"'{name}' must be a list of token ids", name)
+    bad = next((t for t in v if not 0 <= t <= INT32_MAX), None)
+    if bad is not None:
+        raise _bad(f"'{name}' token ids must be between 0 and {INT32_MAX}, got {bad}", name)
+    return tuple(v)
+
+
+def _positive(body: dict[str, Any], name: str) -> float | None:
+    v = _opt_number(body, name, 0.0, 1e6)
+    if v is not None and v <= 0:
+        raise _bad(f"'{name}' must be > 0, got {v}", name)
+    return v
 
 
 def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -286,6 +314,12 @@ def _client_salt(body: dict[str, Any]) -> str:
     return salt
 
 
+def _check_fields(body: dict[str, Any], kind: str) -> None:
+    problem = field_problem(body, kind)
+    if problem is not None:
+        raise _bad(*problem)
+
+
 def _require_object(body: Any) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object", None)
@@ -295,6 +329,7 @@ def _require_object(body: Any) -> dict[str, Any]:
 def parse_completion(body: Any) -> ParsedRequest:
     """Validates a /v1/completions body."""
     body = _require_object(body)
+    _check_fields(body, "completion")
     model = _model(body)
     prompt = body.get("prompt")
     text: str | None = None
@@ -381,6 +416,7 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
     limits = image_limits or ImageLimits()
     images: list[ImagePart] = []
     body = _require_object(body)
+    _check_fields(body, "chat")
     model = _model(body)
     msgs = body.get("messages")
     if msgs is None:
@@ -391,6 +427,9 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
             raise _bad(f"messages[{i}] must be an object", f"messages[{i}]")
+        problem = message_problem(m, i)
+        if problem is not None:
+            raise _bad(*problem)
         role = m.get("role")
         if role not in ("system", "user", "assistant", "developer", "tool"):
             raise _bad(f"messages[{i}].role must be one of system, user, assistant, "

@@ -282,9 +282,10 @@ def sampling_proto(job: Job) -> common_pb2.SamplingParams:
     """The job's sampling parameters as protobuf."""
     s = job.req.sampling
     p = common_pb2.SamplingParams(max_tokens=s.max_tokens or 16, stop=list(s.stop),
+                                  stop_token_ids=list(s.stop_token_ids),
                                   ignore_eos=s.ignore_eos)
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                 "frequency_penalty"):
+                 "frequency_penalty", "repetition_penalty"):
         value = getattr(s, name)
         if value is not None:
             setattr(p, name, value)

@@ -42,6 +42,10 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         raise ApiError(400, "'temperature' must be between 0 and 2", param="temperature")
     if s.HasField("top_p") and not 0.0 <= s.top_p <= 1.0:
         raise ApiError(400, "'top_p' must be between 0 and 1", param="top_p")
+    if s.HasField("repetition_penalty") and not s.repetition_penalty > 0:
+        raise ApiError(400, "'repetition_penalty' must be > 0", param="repetition_penalty")
+    if any(t < 0 for t in s.stop_token_ids):
+        raise ApiError(400, "'stop_token_ids' must be >= 0", param="stop_token_ids")
     sampling = SamplingSpec(
         max_tokens=s.max_tokens or None,
         temperature=s.temperature if s.HasField("temperature") else None,
@@ -52,6 +56,9 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         ignore_eos=s.ignore_eos,
         presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
         frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        stop_token_ids=tuple(s.stop_token_ids),
+        repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
+                            else None),
     )
     which = req.WhichOneof("input")
     rid = req.request_id or None
