@@ -5,6 +5,7 @@ Contract:
 - ``GET /health``: 200 with the number of live workers when at least one model is served,
   503 otherwise.
 - ``GET /v1/models``: the models live workers serve (OpenAI list format).
+- ``POST /tokenize`` and ``POST /detokenize``: vLLM's, see :mod:`.tokenize_api`.
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI request and response
   shapes, ``stream: true`` as server-sent events ending with ``data: [DONE]``,
   ``stream_options.include_usage`` honoured, ``usage.prompt_tokens_details.cached_tokens``
@@ -53,6 +54,7 @@ from services.frontend.openai_schema import (
     with_tenant,
 )
 from services.frontend.pipeline import Chunk, Job, Pipeline
+from services.frontend.tokenize_api import add_routes as add_tokenize_routes
 
 
 def _usage(last: Chunk | None) -> dict[str, Any]:
@@ -300,5 +302,6 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         body = await _json_body(request, lim)
         return await _serve(parse_chat(body, pipeline.image_limits), who)
 
+    add_tokenize_routes(app, pipeline.catalog, tenant, lambda r: _json_body(r, lim))
     app.state.started = time.time()
     return app

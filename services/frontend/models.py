@@ -59,13 +59,19 @@ class Tokenizer:
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a raw prompt, with the model's BOS if it adds one."""
-        return list(self._tok.encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a raw prompt, with the model's BOS if it adds one (and
+        ``add_special_tokens``)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
-    def apply_chat(self, messages: Sequence[tuple[str, Any]]) -> list[int]:
-        """Token ids of the chat-templated conversation, ending with the assistant prompt
-        (content parts, see the module docstring)."""
+    def apply_chat(self, messages: Sequence[tuple[str, Any]], *,
+                   add_generation_prompt: bool = True,
+                   continue_final_message: bool = False,
+                   add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the chat-templated conversation, by default ending with the
+        assistant prompt (content parts, see the module docstring); the keywords are the
+        chat template's (``continue_final_message``: the last message left open;
+        ``add_special_tokens``: the tokenizer's BOS on top of the template's)."""
         def content(c: Any) -> Any:
             if isinstance(c, str):
                 return c
@@ -74,12 +80,21 @@ class Tokenizer:
 
         rendered = self._tok.apply_chat_template(
             [{"role": r, "content": content(c)} for r, c in messages],
-            tokenize=False, add_generation_prompt=True,
+            tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
         )
-        return list(self._tok.encode(rendered, add_special_tokens=False))
+        return list(self._tok.encode(rendered, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode(list(ids), skip_special_tokens=True))
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token string (the vocabulary's spelling, e.g. ``Ġworld``)."""
+        return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
 
 
 class ModelCatalog:
