@@ -33,7 +33,22 @@ Contract:
   when :meth:`Engine.wait_dead` returns).
   Records the spans ``worker.queue`` (arrival → first engine output of any kind),
   ``prefill`` (→ first token) and ``decode`` (first token → finish) under the gRPC
-  server span, with worker id, prompt and cached token counts as attributes.
+  server span, with worker id, prompt and cached token counts as attributes, and
+  observes the engine's queue time (``queue_s`` of the first token) in
+  ``kvmesh_worker_queue_seconds`` (:class:`workers.metrics.WorkerMetrics`).
+  **EPD**: a request that came with ``embeddings`` gets, from the engine's final
+  ``ec_transfer_params`` (the EC consumer's :class:`~workers.ec.core.TransferReport`
+  list, :func:`~workers.ec.core.transfer_reports`), one ``embedding_transfer`` span
+  under the server span, from the first READ's start to the last one's end (wall
+  clock, measured inside EngineCore), with attributes ``kvmesh.images`` (embeddings
+  reported), ``kvmesh.embedding_bytes`` (bytes READ, shared READs included),
+  ``kvmesh.outcome`` (``read``: every embedding came from E; ``fallback``: none did;
+  ``partial``), ``kvmesh.fallback_reasons``, ``kvmesh.encoder_agents`` (E's NIXL
+  agents) and ``kvmesh.unreported``; and the ``kvmesh_worker_embedding_*`` metrics.
+  Embeddings with no report (the prefix cache held the image, or vLLM ended the
+  request without a final EngineCore output) are counted as ``unreported``; no span
+  when nothing was reported. A malformed report is logged and counted ``unreported``
+  (the request itself is fine).
 - ``Abort`` aborts by request id; ``found`` tells whether it was running.
 - ``GetLoad`` returns the engine's load, its cumulative counters and the number of active
   API requests.
@@ -55,6 +70,7 @@ from protos import common_pb2, kv_events_pb2, worker_pb2, worker_pb2_grpc
 from services.common import kv_params
 from services.common.telemetry import tracer
 from services.encoder.images import ImageLimits, InputError, check_count, open_image
+from workers.ec.core import TransferReport, transfer_reports
 from workers.ec.proto import ec_transfer_params
 from workers.engines.base import (
     Engine,
@@ -66,6 +82,7 @@ from workers.engines.base import (
     validate_sampling,
 )
 from workers.kv.event_relay import KvEventRelay
+from workers.metrics import WorkerMetrics, worker_metrics
 
 log = logging.getLogger(__name__)
 # vLLM's own bounds on a cache salt (validate_cache_salt).
@@ -103,8 +120,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     def __init__(self, engine: Engine, worker_id: str,
                  relay: KvEventRelay | None = None,
-                 image_limits: ImageLimits | None = None) -> None:
+                 image_limits: ImageLimits | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._engine = engine
+        self.metrics = metrics or worker_metrics(worker_id)
         self._image_limits = image_limits or ImageLimits()
         self._relay = relay
         self._worker_id = worker_id
@@ -196,6 +215,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         t_first_tok: int | None = None
         prefill_ns: int | None = None
         cached = 0
+        ec_params: dict[str, Any] | None = None
         self._active += 1
         try:
             try:
@@ -204,7 +224,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         t_first_tok = time.time_ns()
                         if out.prefill_s is not None:
                             prefill_ns = int(out.prefill_s * 1e9)
+                        if out.queue_s is not None:
+                            self.metrics.observe_queue(out.queue_s)
                     cached = out.cached_tokens
+                    if out.ec_transfer_params:
+                        ec_params = out.ec_transfer_params
                     resp = worker_pb2.GenerateResponse(
                         token_ids=out.token_ids, text=out.text, worker_id=self._worker_id
                     )
@@ -238,6 +262,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         finally:
             self._active -= 1
             self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)
+            if request.embeddings:
+                self._record_transfers(attrs, ec_params, len(request.embeddings))
 
     def _record_spans(
         self,
@@ -258,6 +284,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for name, start, stop in spans:
             span = self._tracer.start_span(name, start_time=start, attributes=attrs)
             span.end(end_time=max(stop, start))
+
+    def _record_transfers(self, attrs: dict[str, str | int],
+                          ec_params: dict[str, Any] | None, embeddings: int) -> None:
+        """The ``embedding_transfer`` span and metrics (see the module docstring)."""
+        try:
+            reports = transfer_reports(ec_params)
+        except ValueError as exc:
+            log.warning("request %s: bad EC transfer report from the engine: %s",
+                        attrs.get("kvmesh.request_id"), exc)
+            reports = []
+        unreported = max(0, embeddings - len(reports))
+        self.metrics.observe_transfers(reports, unreported)
+        if not reports:
+            return
+        span_attrs = {**attrs, **transfer_span_attributes(reports),
+                      "kvmesh.unreported": unreported}
+        start = min(r.start_ns for r in reports)
+        span = self._tracer.start_span("embedding_transfer", start_time=start,
+                                       attributes=span_attrs)
+        span.end(end_time=max(start, *(r.end_ns for r in reports)))
 
     async def Abort(  # noqa: N802
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -289,4 +335,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return self._relay.state()
 
 
-__all__ = ["WorkerServicer", "sampling_from_proto"]
+def transfer_span_attributes(reports: list[TransferReport]) -> dict[str, str | int]:
+    """The ``embedding_transfer`` span's attributes of one request's reports."""
+    fallbacks = [r for r in reports if r.outcome == "fallback"]
+    outcome = ("fallback" if len(fallbacks) == len(reports)
+               else "partial" if fallbacks else "read")
+    return {
+        "kvmesh.images": len(reports),
+        "kvmesh.embedding_bytes": sum(r.nbytes for r in reports),
+        "kvmesh.outcome": outcome,
+        "kvmesh.fallback_reasons": ",".join(sorted({r.reason for r in fallbacks})),
+        "kvmesh.encoder_agents": ",".join(sorted({r.agent for r in reports if r.agent})),
+    }
+
+
+__all__ = ["WorkerServicer", "sampling_from_proto", "transfer_span_attributes"]

@@ -8,6 +8,8 @@ agents do not share a process) on the tiny random Idefics3 (:mod:`workers.model.
   :data:`LEASE_S`;
 - C: ``ec_consumer``; Z: ``ec_consumer`` whose vision tower and connector weights are
   all zero (the negative control: it can only give A's tokens with E's embedding);
+- C's final output carries its transfer report (:class:`workers.ec.core.TransferReport`:
+  a READ, then a fallback for a lease-expired slot);
 - last, the fallback backend: vLLM's ECExampleConnector producer and a zeroed-vision
   consumer (a shared folder), from :func:`workers.ec.configs.ec_transfer_config`.
 
@@ -29,7 +31,7 @@ import pytest
 
 from tests.waiting import wait_for_sync
 from workers.ec.configs import ec_env, ec_transfer_config, nixl_ec_transfer_config
-from workers.ec.core import PARAMS_KEY, STATS_BYTES, unpack_stats
+from workers.ec.core import PARAMS_KEY, STATS_BYTES, transfer_reports, unpack_stats
 from workers.model.tiny_vlm import ensure_tiny_vlm, prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -194,7 +196,14 @@ def test_consumer_reads_embedding_from_producer(
 ) -> None:
     params = _encode(producer, "a", "img-a")
     assert slot_held(params)  # E keeps it for the consumer
-    assert consumer.tokens(_request("a", "img-a"), params) == reference["a"]
+    out = consumer.run(_request("a", "img-a"), ec_params=params)
+    assert list(out.outputs[0].token_ids) == reference["a"]
+    # The consumer's report of its READ, on the final output (from EngineCore's process).
+    (rep,) = transfer_reports(out.ec_transfer_params)
+    assert (rep.mm_hash, rep.outcome, rep.reason, rep.nbytes) == ("img-a", "read", "",
+                                                                  4 * 128 * 4), rep
+    assert rep.agent == params["img-a"][PARAMS_KEY]["agent"]
+    assert 0 < rep.start_ns <= rep.end_ns and rep.seconds > 0, rep
     wait_for_sync(lambda: stats(params)["released"] >= 1, LEASE_S / 2,
                   "E freed the embedding on the consumer's read notification")
     s = stats(params)
@@ -226,7 +235,11 @@ def test_unread_embedding_freed_when_lease_ends(
     wait_for_sync(lambda: not slot_held(params), LEASE_S + 30, "E's lease freed the slot")
     assert stats(params)["expired"] >= expired0 + 1
     # A consumer holding the stale descriptor encodes the image itself: same tokens.
-    assert consumer.tokens(_request("b", "img-b"), params) == reference["b"]
+    out = consumer.run(_request("b", "img-b"), ec_params=params)
+    assert list(out.outputs[0].token_ids) == reference["b"]
+    (rep,) = transfer_reports(out.ec_transfer_params)
+    assert (rep.mm_hash, rep.outcome, rep.reason, rep.nbytes) == ("img-b", "fallback",
+                                                                  "bad_slot", 0), rep
 
 
 def test_example_connector_fallback(vlm: Path, zeroed_vlm: Path, engine_env: None,

@@ -20,6 +20,10 @@ The flow (the orchestrator carries E's answer to the consumer):
    ``SamplingParams.extra_args = {"ec_transfer_params": <E's params>}``. Its scheduler
    READs each embedding from E over NIXL into its staging region before it schedules the
    request; the worker puts it into vLLM's encoder cache, so vLLM skips the encoder.
+   The consumer's ``request_finished`` returns, as the request's ``ec_transfer_params``,
+   a :class:`~workers.ec.core.TransferReport` per embedding (READ or fallback, bytes,
+   start/end): the worker records the ``embedding_transfer`` span and metrics from the
+   final ``RequestOutput`` (:mod:`workers.service`).
 3. The READ notifies E, which unpins the slot; E unpins it anyway when the lease
    (``lease_s``) ends: the KV handoff's delayed-free rule. An unpinned slot is freed, or
    with ``retain_mib`` kept as E's embedding cache until evicted (LRU); the consumer

@@ -31,6 +31,17 @@ No vLLM, NIXL, I/O or clock here: callers pass ``now`` (seconds, any monotonic o
   (``retain_mib``) and evicted first when a new slot needs room. A retained slot is never
   pinned: a consumer reading it relies on the read protocol (header, payload, header
   again; see :mod:`workers.ec.scheduler`) to see an eviction, never wrong bytes.
+- :class:`TransferReport`: what a consumer measured for one embedding of a request (its
+  NIXL READ, or why it fell back to a local encode): the ``mm_hash``, the ``outcome``
+  (:data:`OUTCOMES`: ``read``, ``shared`` (a READ another live request started) or
+  ``fallback`` with its ``reason``), the payload bytes, wall-clock ``start_ns`` /
+  ``end_ns`` (``time.time_ns``: one clock for every process on the host, so a span can
+  be drawn from them elsewhere), the monotonic ``seconds`` in between, and E's NIXL
+  ``agent``. The consumer's ``request_finished`` returns them as the request's
+  ``ec_transfer_params[TRANSFERS_KEY]`` (a list of :meth:`TransferReport.to_dict`), which
+  vLLM carries to the request's final ``RequestOutput`` whether EngineCore runs in the
+  caller's process or not; :func:`transfer_reports` reads them back (ValueError naming
+  the bad field).
 """
 
 from __future__ import annotations
@@ -57,6 +68,9 @@ WORKER_STATS_OFFSET = 64  # the worker half's block; the scheduler half's is at 
 STATS_BYTES = 128
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+TRANSFERS_KEY = "kvmesh_transfers"  # a consumer's ec_transfer_params[TRANSFERS_KEY]
+OUTCOMES = ("read", "shared", "fallback")
 
 
 @dataclass(frozen=True)
@@ -381,3 +395,55 @@ class RetainLru:
         self.take(victim)
         self.evicted += 1
         return victim
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    """One embedding of a request, as the consumer got it (see the module docstring)."""
+
+    mm_hash: str
+    outcome: str  # one of OUTCOMES
+    reason: str = ""  # fallback: bad_descriptor, no_staging_space, read_error, timeout, ...
+    nbytes: int = 0  # payload bytes READ (0 for a fallback)
+    start_ns: int = 0  # wall clock (time.time_ns): the READ started (or the failure)
+    end_ns: int = 0  # the READ was seen complete and verified (or failed)
+    seconds: float = 0.0  # monotonic seconds from start to end
+    agent: str = ""  # E's NIXL agent ("" when the descriptor was unreadable)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mm_hash": self.mm_hash, "outcome": self.outcome, "reason": self.reason,
+                "nbytes": self.nbytes, "start_ns": self.start_ns, "end_ns": self.end_ns,
+                "seconds": self.seconds, "agent": self.agent}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> TransferReport:
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"transfer report must be a mapping, got {type(raw).__name__}")
+        if raw.get("outcome") not in OUTCOMES:
+            raise ValueError(f"transfer report field 'outcome' must be one of {OUTCOMES}, "
+                             f"got {raw.get('outcome')!r}")
+        for key, kinds in (("mm_hash", (str,)), ("reason", (str,)), ("agent", (str,)),
+                           ("nbytes", (int,)), ("start_ns", (int,)), ("end_ns", (int,)),
+                           ("seconds", (int, float))):
+            value = raw.get(key)
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise ValueError(f"transfer report field {key!r} must be "
+                                 f"{kinds[0].__name__}, got {value!r}")
+        if raw["nbytes"] < 0 or raw["seconds"] < 0 or raw["end_ns"] < raw["start_ns"]:
+            raise ValueError(f"transfer report of {raw['mm_hash']!r}: negative bytes or "
+                             f"time ({raw['nbytes']} B, {raw['seconds']} s, "
+                             f"{raw['start_ns']}..{raw['end_ns']} ns)")
+        return cls(raw["mm_hash"], raw["outcome"], raw["reason"], raw["nbytes"],
+                   raw["start_ns"], raw["end_ns"], float(raw["seconds"]), raw["agent"])
+
+
+def transfer_reports(ec_transfer_params: Mapping[str, Any] | None) -> list[TransferReport]:
+    """The consumer's reports in a request's final ``ec_transfer_params`` ([] when it
+    has none); ValueError naming the bad field."""
+    if not ec_transfer_params or TRANSFERS_KEY not in ec_transfer_params:
+        return []
+    raw = ec_transfer_params[TRANSFERS_KEY]
+    if not isinstance(raw, list):
+        raise ValueError(f"ec_transfer_params[{TRANSFERS_KEY!r}] must be a list, got "
+                         f"{type(raw).__name__}")
+    return [TransferReport.from_dict(r) for r in raw]

@@ -53,9 +53,22 @@ vLLM's encoder cache; the bytes cross between them by memcpy, between engines by
 - ``has_cache_item(mm_hash)``: whether it is ready. ``update_state_after_alloc``: a
   ready item vLLM now expects from us becomes a ``load`` in the next
   :class:`~workers.ec.metadata.EcMeta`; the worker copies it into the encoder cache.
-- ``request_finished`` → ``(False, None)``: the request's staging slots are freed when no
-  other request uses them (a READ still in flight is parked until it ends).
-- ``counters()``: reads, read bytes, read failures by reason, local fallbacks.
+- ``request_finished`` → ``(False, params)``: the request's staging slots are freed when
+  no other request uses them (a READ still in flight is parked until it ends); ``params``
+  is ``{TRANSFERS_KEY: [TransferReport.to_dict(), ...]}`` with one
+  :class:`~workers.ec.core.TransferReport` per distinct item of the request that came
+  with a kvmesh descriptor and was looked at (``read`` by this request's READ,
+  ``shared`` when another live request's READ brought it, ``fallback`` with the reason),
+  or None when there is none. vLLM puts it on the request's final ``RequestOutput``
+  (``ec_transfer_params``), across the EngineCore process boundary. Timing: the READ's
+  start is when it was issued; its end is when a scheduling step polled it and found
+  the verifying header READ done (so it includes up to one engine step of polling
+  delay). Not reported: items whose tokens the prefix cache already held (no READ at
+  all), and requests vLLM ends without a final EngineCore output (aborted, or stopped by
+  a stop string, which the output processor detects and then aborts in EngineCore):
+  their READs are still in ``counters()``.
+- ``counters()``: reads, read bytes, read time (``read_us``), read failures by reason,
+  local fallbacks.
 
 ``shutdown()`` (both): stops the thread, releases NIXL, unmaps and removes the region.
 """
@@ -76,11 +89,13 @@ from workers.ec.core import (
     NOTIF_PREFIX,
     PARAMS_KEY,
     STATS_BYTES,
+    TRANSFERS_KEY,
     Descriptor,
     EcSettings,
     LeaseBook,
     RetainLru,
     SlotAllocator,
+    TransferReport,
     check_header,
     pack_stats,
     payload_bytes,
@@ -326,6 +341,22 @@ class _Read:
     deadline: float = 0.0
     started: float = 0.0
     holders: set[str] = field(default_factory=set)
+    owner: str = ""  # the request whose READ this is (others get outcome "shared")
+    reason: str = ""  # why it failed
+    start_ns: int = 0  # wall clock, for the report
+    end_ns: int = 0
+    seconds: float = 0.0
+
+    def report(self, mm_hash: str, req_id: str) -> TransferReport:
+        d = self.desc
+        if self.state == "failed":
+            return TransferReport(mm_hash, "fallback", self.reason, 0, self.start_ns,
+                                  max(self.end_ns, self.start_ns), self.seconds,
+                                  d.agent if d is not None else "")
+        assert d is not None
+        outcome = "read" if req_id == self.owner else "shared"
+        return TransferReport(mm_hash, outcome, "", d.nbytes, self.start_ns,
+                              max(self.end_ns, self.start_ns), self.seconds, d.agent)
 
 
 class ConsumerScheduler(_Half):
@@ -334,8 +365,10 @@ class ConsumerScheduler(_Half):
     side = "consumer"
 
     def __init__(self, vllm_config: VllmConfig, settings: EcSettings,
-                 clock: Clock = time.monotonic) -> None:
+                 clock: Clock = time.monotonic,
+                 wall_ns: Callable[[], int] = time.time_ns) -> None:
         super().__init__(vllm_config, settings, clock)
+        self._wall_ns = wall_ns
         self._items: dict[str, _Read] = {}
         self._loads: list[SlotItem] = []
         self._parked: list[tuple[Any, int]] = []  # (in-flight xfer, staging offset)
@@ -354,7 +387,8 @@ class ConsumerScheduler(_Half):
                 entry = params.get(feature.identifier)
                 if not isinstance(entry, Mapping) or PARAMS_KEY not in entry:
                     continue  # not from a kvmesh E: vLLM encodes it here
-                item = self._start(feature.identifier, entry[PARAMS_KEY])
+                item = self._start(feature.identifier, entry[PARAMS_KEY],
+                                   request.request_id)
                 self._items[feature.identifier] = item
             item.holders.add(request.request_id)
             if item.state in _IN_FLIGHT:
@@ -381,21 +415,31 @@ class ConsumerScheduler(_Half):
         return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        reports: dict[str, TransferReport] = {}
         for feature in request.mm_features:
             item = self._items.get(feature.identifier)
-            if item is None:
+            if item is None or request.request_id not in item.holders:
                 continue
+            if item.state not in _IN_FLIGHT:
+                reports[feature.identifier] = item.report(feature.identifier,
+                                                          request.request_id)
             item.holders.discard(request.request_id)
             if not item.holders:
                 del self._items[feature.identifier]
                 self._release(item)
-        return False, None
+        if not reports:
+            return False, None
+        return False, {TRANSFERS_KEY: [r.to_dict() for r in reports.values()]}
 
     # -- internals ----------------------------------------------------------------------
 
     def _fail(self, mm_hash: str, item: _Read, reason: str, detail: str) -> None:
         self._release(item)  # before the state changes: an in-flight READ is parked
-        item.state = "failed"
+        item.state, item.reason = "failed", reason
+        item.end_ns = self._wall_ns()
+        if item.started:
+            item.seconds = max(0.0, self._clock() - item.started)
+        item.start_ns = item.start_ns or item.end_ns
         with self._lock:
             self._counters[f"read_failures_{reason}"] += 1
             self._counters["local_fallbacks"] += 1
@@ -413,14 +457,14 @@ class ConsumerScheduler(_Half):
                 self._alloc.free(item.offset)
         item.offset, item.xfer = -1, None
 
-    def _start(self, mm_hash: str, raw: Any) -> _Read:
+    def _start(self, mm_hash: str, raw: Any, req_id: str) -> _Read:
         try:
             desc = Descriptor.from_params(raw)
         except ValueError as exc:
-            item = _Read(None)
+            item = _Read(None, owner=req_id)
             self._fail(mm_hash, item, "bad_descriptor", str(exc))
             return item
-        item = _Read(desc)
+        item = _Read(desc, owner=req_id)
         with self._lock:
             offset = self._alloc.allocate(desc.slot_bytes + HEADER_BYTES)
         if offset is None:
@@ -428,6 +472,7 @@ class ConsumerScheduler(_Half):
             return item
         item.offset = offset
         now = self._clock()
+        item.start_ns = self._wall_ns()
         try:
             item.xfer = self.endpoint.start_read(
                 self.region.addr + offset, desc.addr, desc.slot_bytes, desc.agent,
@@ -482,10 +527,12 @@ class ConsumerScheduler(_Half):
             self._fail(mm_hash, item, "bad_slot", "the slot was freed while it was read")
             return
         item.state = "ready"
+        item.end_ns = self._wall_ns()
+        item.seconds = max(0.0, self._clock() - item.started)
         with self._lock:
             self._counters["reads"] += 1
             self._counters["read_bytes"] += desc.nbytes
-            self._counters["read_us"] += int((self._clock() - item.started) * 1e6)
+            self._counters["read_us"] += int(item.seconds * 1e6)
 
     def _poll_parked(self) -> None:
         still = []

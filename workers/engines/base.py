@@ -149,6 +149,9 @@ class EngineOutput:
     # Set on the final output when the engine's KV connector returns handoff parameters
     # (a prefill request's coordinates for the decode side to load its KV from).
     kv_transfer_params: dict[str, Any] | None = None
+    # Set on the final output when the engine's EC connector returns parameters (an EC
+    # consumer: its per-embedding transfer reports, :func:`workers.ec.core.transfer_reports`).
+    ec_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

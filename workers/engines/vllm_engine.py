@@ -27,6 +27,8 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   expands it), and ``ec_transfer_params`` as ``SamplingParams.extra_args`` (as vLLM's
   OpenAI server passes them), read by an ``ec_consumer``'s connector; an item without
   a usable embedding is encoded here. ``prompt_tokens`` is then vLLM's expanded count.
+  The final output carries ``RequestOutput.ec_transfer_params`` (an EC consumer's
+  per-embedding transfer reports, :class:`workers.ec.core.TransferReport`).
 - ``info``: ``EngineInfo("vllm", served name, model folder, block size, max_model_len,
   kv_layout, handoff)`` as vLLM resolved them (:mod:`workers.kv.layout`).
 - ``generate(request)``: validates the request *before* vLLM sees it (empty prompt,
@@ -475,6 +477,7 @@ class VllmEngine(Engine):
                         completion_tokens=completion,
                         cached_tokens=out.num_cached_tokens or 0,
                         kv_transfer_params=out.kv_transfer_params if out.finished else None,
+                        ec_transfer_params=out.ec_transfer_params if out.finished else None,
                     )
                     if not timed and comp.token_ids:
                         timed = True
