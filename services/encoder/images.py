@@ -5,7 +5,10 @@ e.g. ``images[1].data_url``, and whose message says what is wrong):
 
 - :class:`ImageLimits`: ``max_images`` per request, ``max_bytes`` per image file,
   ``max_pixels`` (width × height) per image, the accepted ``formats`` (PIL names; PNG and
-  JPEG by default). ``validate()`` raises ValueError for a bad limit.
+  JPEG by default), and ``remote_urls``: whether a request may name an image by an
+  http(s) URL (the frontend's ``--allow-remote-images``; only the frontend fetches, see
+  :mod:`services.frontend.remote_images`). ``validate()`` raises ValueError for a bad
+  limit.
 - :class:`ImageFlags`: the limits as config fields (``--max-images``,
   ``--max-image-bytes``, ``--max-pixels``), a dataclass mixin for the services that take
   images (the encoder, the frontend); ``limits()`` builds the :class:`ImageLimits`.
@@ -44,6 +47,7 @@ class ImageLimits:
     max_bytes: int = 16 << 20
     max_pixels: int = 4096 * 4096
     formats: tuple[str, ...] = ("PNG", "JPEG")
+    remote_urls: bool = False
 
     def validate(self) -> None:
         for name in ("max_images", "max_bytes", "max_pixels"):

@@ -11,7 +11,10 @@ private network). ``--shared-prefix-cache`` lets all tenants share one prefix ca
 Images (EPD): ``--max-images`` per request, ``--max-image-bytes`` per file and
 ``--max-pixels`` per image (:class:`~services.encoder.images.ImageLimits`, the checks the
 encoder applies too), and ``--encode-timeout-s`` for the encoder's Encode call (past it,
-the worker encodes the images itself). Remote image URLs are not fetched (no flag).
+the worker encodes the images itself). Remote (http/https) image URLs are refused (400)
+unless ``--allow-remote-images`` (``KVMESH_ALLOW_REMOTE_IMAGES``); then the frontend
+fetches them (:mod:`~services.frontend.remote_images`) within
+``--remote-image-max-bytes`` per body and ``--remote-image-timeout-s`` per fetch.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from services.frontend.pipeline import (
     DEFAULT_MIGRATION_LIMIT,
     Pipeline,
 )
+from services.frontend.remote_images import RemoteImageLimits
 from services.frontend.service import FrontendServicer
 
 log = logging.getLogger(__name__)
@@ -106,6 +110,20 @@ class FrontendConfig(BaseConfig, ImageFlags):
         metadata={"help": "longest wait for the encoder's embeddings (then the worker "
                           "encodes the images itself)"}
     )
+    allow_remote_images: bool = dataclasses.field(
+        default=False, metadata={"help": "fetch http(s) image URLs (opt-in: clients can then "
+                                         "make the frontend GET any address it reaches)"}
+    )
+    remote_image_max_bytes: int = dataclasses.field(
+        default=16 << 20, metadata={"help": "bytes per fetched image body at most"}
+    )
+    remote_image_timeout_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "longest time for one remote image fetch "
+                                        "(redirects and body included)"}
+    )
+
+    def remote_image_limits(self) -> RemoteImageLimits:
+        return RemoteImageLimits(self.remote_image_max_bytes, self.remote_image_timeout_s)
 
     def load_api_keys(self) -> ApiKeys:
         """The configured keys (KeyFileError / OSError for a bad key or file)."""
@@ -135,6 +153,7 @@ class FrontendConfig(BaseConfig, ImageFlags):
             out.append(f"encode_timeout_s must be > 0, got {self.encode_timeout_s}")
         try:
             self.limits().validate()
+            self.remote_image_limits().validate()
         except ValueError as exc:
             out.append(str(exc))
         try:
@@ -181,8 +200,10 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         log.warning("no API key configured (--api-key, KVMESH_API_KEYS, --api-key-file): "
                     "the frontend's HTTP and gRPC APIs are open to anyone who reaches them")
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
-                        tls=tls, image_limits=cfg.limits(),
-                        encode_timeout_s=cfg.encode_timeout_s)
+                        tls=tls, image_limits=dataclasses.replace(
+                            cfg.limits(), remote_urls=cfg.allow_remote_images),
+                        encode_timeout_s=cfg.encode_timeout_s,
+                        remote_images=cfg.remote_image_limits())
     # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
     # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

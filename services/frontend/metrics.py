@@ -17,6 +17,10 @@ worker failure, by the failed stage (agg, prefill, decode, timeout) |
 encoded itself, by reason (``no_encoder``, or the encoder's failure: ``UNAVAILABLE``, \
 ``DEADLINE_EXCEEDED``, ...) |
 | ``kvmesh_frontend_encode_seconds`` | the Encode call (queue, encode and cache lookups) |
+| ``kvmesh_frontend_remote_image_fetches_total{outcome}`` | remote image URLs fetched \
+(``--allow-remote-images``), by outcome (``ok``, ``too_large``, ``timeout``, \
+``http_status``, ``unreachable``, ``redirect``, ``content_type``) |
+| ``kvmesh_frontend_remote_image_fetch_seconds`` | one remote image fetch, any outcome |
 | ``kvmesh_frontend_auth_failures_total{api}`` | requests refused for a missing or bad API \
 key (401 / UNAUTHENTICATED), by API (http, grpc) |
 | ``kvmesh_prompt_tokens_total`` | prompt tokens (usage) of finished requests |
@@ -69,6 +73,12 @@ class FrontendMetrics:
         self.encode_seconds = Histogram("kvmesh_frontend_encode_seconds",
                                         "The encoder's Encode call", buckets=_BUCKETS,
                                         registry=r)
+        self.remote_fetches = Counter("kvmesh_frontend_remote_image_fetches",
+                                      "Remote image URLs fetched, by outcome", ["outcome"],
+                                      registry=r)
+        self.remote_fetch_seconds = Histogram("kvmesh_frontend_remote_image_fetch_seconds",
+                                              "One remote image fetch", buckets=_BUCKETS,
+                                              registry=r)
         self.migrations = Counter("kvmesh_frontend_migrations",
                                   "Requests migrated after a worker failure, by stage",
                                   ["stage"], registry=r)
@@ -133,6 +143,11 @@ class FrontendMetrics:
         """A finished request's usage."""
         self.prompt_tokens.inc(max(prompt_tokens, 0))
         self.completion_tokens.inc(max(completion_tokens, 0))
+
+    def observe_remote_fetch(self, outcome: str, seconds: float) -> None:
+        """One remote image fetch ended (``ok`` or why not)."""
+        self.remote_fetches.labels(outcome).inc()
+        self.remote_fetch_seconds.observe(max(seconds, 0.0))
 
     def observe_rejection(self, reason: str) -> None:
         """A request admission control rejected."""

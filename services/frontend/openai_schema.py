@@ -22,12 +22,16 @@ Pure: no I/O. Contract:
   ...}}`` (or ``"image_url": "<url>"``) must be a ``data:image/png|jpeg;base64,`` URL
   (:func:`services.encoder.images.data_url_bytes`: the media type, base64 and the byte
   limit are checked here, the 400 naming ``messages[i].content[j].image_url.url``);
-  ``http(s)://`` URLs are refused ("remote image URLs are not supported": kvmesh fetches
-  nothing); more than ``ImageLimits.max_images`` images in a request is a 400 naming the
-  first part over the limit. The decoded bytes are ``ParsedRequest.images``
-  (:class:`ImagePart`, in prompt order) and the message's content becomes a tuple of
-  parts, ``("text", text)`` and ``("image", "")``; the pixel checks need a decode and are
-  the pipeline's. A message whose parts are all text stays one string, as before.
+  ``http(s)://`` URLs are refused ("remote image URLs are not supported") unless
+  ``ImageLimits.remote_urls`` (the frontend's ``--allow-remote-images``): then the part
+  keeps the URL in ``ImagePart.url`` (``data`` empty) and the pipeline fetches it
+  (:mod:`services.frontend.remote_images`: byte and time limits, a 400 naming the same
+  field when the fetch fails); other schemes are refused as before. More than
+  ``ImageLimits.max_images`` images in a request is a 400 naming the first part over
+  the limit. The decoded bytes are ``ParsedRequest.images`` (:class:`ImagePart`, in
+  prompt order) and the message's content becomes a tuple of parts, ``("text", text)``
+  and ``("image", "")``; the pixel checks need a decode and are the pipeline's. A message whose
+  parts are all text stays one string, as before.
 - Every integer is range-checked against the protobuf field that carries it (``seed``
   int64, ``top_k``/``max_tokens``/token ids int32), so nothing out of range reaches the
   serialiser.
@@ -97,6 +101,7 @@ class ImagePart:
 
     field: str
     data: bytes
+    url: str = ""  # a remote (http/https) image, fetched by the pipeline; data is then b""
 
 
 # A message's content: a string, or (images present) parts ("text", text) / ("image", "").
@@ -374,6 +379,8 @@ def _image_bytes(part: dict[str, Any], where: str, images: list[ImagePart],
     if len(images) >= limits.max_images:
         raise _bad(f"{where}: at most {limits.max_images} images per request", where)
     if url.split(":", 1)[0].lower() in ("http", "https"):
+        if limits.remote_urls:
+            return ImagePart(url_field, b"", url)
         raise _bad(f"{url_field}: remote image URLs are not supported; send the image as a "
                    "data: URL (data:image/png;base64,...)", url_field)
     try:

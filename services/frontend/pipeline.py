@@ -51,12 +51,15 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   stream never waits for it, and its failures, e.g. an older router without the RPC, are
   ignored).
 - **Images** (EPD): ``prepare`` refuses images for a model no worker lists ``images``
-  for (400), then checks and expands them (:func:`services.frontend.images.mm_prompt`:
-  a bad image is a 400 naming its field); ``job.token_ids`` is then the prompt as the
-  model sees it (context length, usage, routing) and ``job.mm`` holds the engine's
-  prompt (one marker per image) and each image's bytes, content hash, mm_hash and
-  placeholder range. Each attempt's RouteRequest carries ``mm_items`` (the router
-  hashes the prompt with the images' keys and picks an encoder); then the frontend
+  for (400), fetches remote ones when allowed (``--allow-remote-images``:
+  :func:`services.frontend.remote_images.fetch_parts`, on the event loop, a failed fetch
+  a 400 naming its field), then checks and expands them
+  (:func:`services.frontend.images.mm_prompt`: a bad image is a 400 naming its field);
+  ``job.token_ids`` is then the prompt as the model sees it (context length, usage,
+  routing) and ``job.mm`` holds the engine's prompt (one marker per image) and each
+  image's bytes, content hash, mm_hash and placeholder range. Each attempt's
+  RouteRequest carries ``mm_items`` (the router hashes the prompt with the images' keys
+  and picks an encoder); then the frontend
   calls ``Encoder.Encode`` on the chosen E (as role frontend, E's server role
   ``encoder``; ``encode_timeout_s``) and sends the worker the images and E's
   EmbeddingDescriptors. A text-only request never touches an encoder.
@@ -114,6 +117,7 @@ from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
+from services.frontend.remote_images import RemoteImageFetcher, RemoteImageLimits, fetch_parts
 
 log = logging.getLogger(__name__)
 DEFAULT_MIGRATION_LIMIT = 3
@@ -298,7 +302,8 @@ class Pipeline:
     def __init__(self, catalog: ModelCatalog, router_address: Callable[[], str | None],
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT,
                  tls: MeshTls | None = None, image_limits: ImageLimits | None = None,
-                 encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S) -> None:
+                 encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S,
+                 remote_images: RemoteImageLimits | None = None) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         if not encode_timeout_s > 0:
@@ -311,6 +316,10 @@ class Pipeline:
         self._pool = ChannelPool(tls, "worker")
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
+        # remote image URLs (parse_chat lets them through only with image_limits.remote_urls)
+        self.remote_images = (RemoteImageFetcher(remote_images or RemoteImageLimits(),
+                                                 self.metrics.observe_remote_fetch)
+                              if self.image_limits.remote_urls else None)
         self.migration_limit = migration_limit
         self._background: set[asyncio.Future[None]] = set()
 
@@ -421,8 +430,8 @@ class Pipeline:
         except Exception as exc:  # noqa: BLE001 - a model folder without a processor
             raise ApiError(400, f"the model {req.model!r} has no image processor: "
                            f"{type(exc).__name__}: {exc}", param="messages") from exc
-        parts = [(p.field, p.data) for p in req.images]
         try:
+            parts = await fetch_parts(self.remote_images, req.images)  # remote URLs: fetched
             return await asyncio.to_thread(mm_prompt, ids, parts, req.cache_salt,
                                            self.image_limits, expander)
         except InputError as exc:
