@@ -88,7 +88,9 @@ class WorkerConfig(BaseConfig):
     )
     ec_role: str = dataclasses.field(
         default="", metadata={"help": "EPD: 'ec_consumer' reads image embeddings an encoder "
-                                      "published (a multimodal model; empty: off)"}
+                                      "published (a multimodal model; empty: off): an agg "
+                                      "worker for E/PD, the prefill worker for E/P/D (its "
+                                      "decode worker needs none)"}
     )
     ec_backend: str = dataclasses.field(
         default="nixl", metadata={"help": "EC connector: nixl (kvmesh's, default) or example "

@@ -7,10 +7,28 @@ NOT_SERVING, revokes its lease, stops it and exits with code 3 for its superviso
 (``kvmesh up``) to restart it.
 
 EPD: ``--ec-role ec_consumer`` gives the vLLM engine the EC connector
-(:func:`workers.ec.configs.ec_transfer_config`, ``--ec-backend``), ``--max-images`` as
-vLLM's per-prompt image limit and the worker's :class:`ImageLimits`, and UCX on the
-worker's host for its EngineCore; the record then lists the capability ``images``
-(and ``ec_consumer``) when the engine accepts images.
+(:func:`workers.ec.configs.ec_transfer_config`, ``--ec-backend``) and UCX on the
+worker's host for its EngineCore; ``--max-images`` is vLLM's per-prompt image limit
+(every vLLM worker; a text-only model ignores it) and the worker's :class:`ImageLimits`;
+the record lists the capability ``images`` (and ``ec_consumer``) when the engine
+accepts images. The deployments:
+
+- E/PD: an ``agg`` worker with ``--ec-role ec_consumer``.
+- E/P/D: P is ``--role prefill --ec-role ec_consumer``: its engine has both the EC
+  connector (E's embeddings in) and the NIXL KV connector (the prompt's KV out to D),
+  each with its own NIXL agent. D is a plain ``--role decode`` worker and needs **the
+  images with their mm_hashes and P's KV, never the embeddings**: after the NIXL READ
+  vLLM recomputes only the prompt's last token, which is text (images come only in chat
+  messages, and the chat template's generation prompt follows them), so D's scheduler
+  never schedules the vision encoder (were that token an image's, D would encode the
+  image itself); but vLLM's processor still expands each image marker into the image's
+  placeholder tokens (its prompt update wants the image item), and the mm_hash
+  (``multi_modal_uuids``) goes into D's block hashes (``("mm", mm_hash, offset)`` extra
+  keys), so D's prefix-cache keys equal P's and the router's, and a different image
+  behind the same text is no false local hit on D. A request the router serves on D
+  alone (conditional disaggregation) is an aggregated one there: D encodes its images
+  itself. Proved in ``tests/integration/test_epd_mesh.py`` with the vision towers of P
+  and D zeroed.
 """
 
 from __future__ import annotations
@@ -41,11 +59,16 @@ ROLE = {
 
 
 def resolve_model_path(path: str) -> str:
-    """'tiny' → the locally generated test model; 'smollm2' → the prepared SmolLM2."""
+    """'tiny' → the locally generated test model; 'tiny-vlm' → the locally built tiny
+    Idefics3 (EPD); 'smollm2' → the prepared SmolLM2."""
     if path == "tiny":
         from workers.model.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    if path == "tiny-vlm":
+        from workers.model.tiny_vlm import ensure_tiny_vlm
+
+        return str(ensure_tiny_vlm())
     if path == "smollm2":
         from workers.model.prepare import prepare_smollm2
 
@@ -68,7 +91,10 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
         from workers.kv.configs import worker_kv_transfer
 
         kv = worker_kv_transfer(cfg)
-        kwargs: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs}
+        # vLLM's per-prompt image limit on every vLLM worker (a text-only model ignores
+        # it): an E/P/D decode worker has no EC role but takes the images too.
+        kwargs: dict[str, Any] = {"max_num_seqs": cfg.max_num_seqs,
+                                  "limit_mm_per_prompt": {"image": cfg.max_images}}
         env = dict(kv.env)
         if cfg.ec_role:  # EPD: this worker reads embeddings from encoders
             from workers.ec.configs import ec_env, ec_transfer_config
@@ -76,7 +102,6 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
             kwargs["ec_transfer_config"] = ec_transfer_config(
                 "ec_consumer", "example" if cfg.ec_backend == "example" else "nixl",
                 shared_storage_path=cfg.ec_shared_path or None)
-            kwargs["limit_mm_per_prompt"] = {"image": cfg.max_images}
             env = {**ec_env(cfg.public_host), **env}
         return create_engine(
             "vllm",

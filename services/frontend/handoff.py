@@ -30,9 +30,14 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   (``kvmesh.predicted_cached_tokens`` on ``prefill`` for P, ``kvmesh.predicted_d_cached_tokens``
   on ``kv_transfer`` for D; 0 when the router does not send its block size).
 
-EPD: a request's ``images`` go on every GenerateRequest (agg, P and D: vLLM's prompt
-update needs the image items), E's ``embeddings`` only to the worker that computes the
-prompt (agg, or P); D gets the prompt's KV from P. (E/P/D is not exercised yet.)
+EPD: a request's ``images`` (data and mm_hash) go on every GenerateRequest (agg, P and
+D), E's ``embeddings`` only to the worker that computes the prompt (agg, or P: E/PD,
+E/P/D). D gets the prompt's KV from P and recomputes only its last token, which is text,
+so it never runs the vision encoder and needs no embedding; it still needs each image,
+for vLLM's processor (its prompt update expands the image marker into the placeholder
+tokens), and its mm_hash, which vLLM puts into D's block hashes: D's prefix-cache keys
+then equal P's and the router's, and another image behind the same text is no false hit
+on D (:mod:`workers.main`; tested in ``tests/integration/test_epd_mesh.py``).
 
 The order of events is decided by the pure :class:`~services.frontend.handoff_machine.
 HandoffMachine`; this module is its driver: one task per call (and one for the push timer)
