@@ -58,7 +58,7 @@ class WorkerChoice(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., handoff: _Optional[_Union[_discovery_pb2.KvHandoff, _Mapping]] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
-    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks", "block_size", "predicted_overlap_by_tier", "predicted_prefill_overlap_by_tier", "overlap_source", "prompt_blocks", "encoder")
+    __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks", "block_size", "predicted_overlap_by_tier", "predicted_prefill_overlap_by_tier", "overlap_source", "prompt_blocks", "encoder", "encoder_skipped")
     class PredictedOverlapByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,7 @@ class RouteResponse(_message.Message):
     OVERLAP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PROMPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_SKIPPED_FIELD_NUMBER: _ClassVar[int]
     worker: WorkerChoice
     prefill: WorkerChoice
     policy: str
@@ -99,7 +100,8 @@ class RouteResponse(_message.Message):
     overlap_source: str
     prompt_blocks: int
     encoder: EncoderChoice
-    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., predicted_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., predicted_prefill_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., overlap_source: _Optional[str] = ..., prompt_blocks: _Optional[int] = ..., encoder: _Optional[_Union[EncoderChoice, _Mapping]] = ...) -> None: ...
+    encoder_skipped: str
+    def __init__(self, worker: _Optional[_Union[WorkerChoice, _Mapping]] = ..., prefill: _Optional[_Union[WorkerChoice, _Mapping]] = ..., policy: _Optional[str] = ..., reason: _Optional[str] = ..., disaggregated: _Optional[bool] = ..., predicted_overlap_blocks: _Optional[int] = ..., predicted_prefill_overlap_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., predicted_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., predicted_prefill_overlap_by_tier: _Optional[_Mapping[str, int]] = ..., overlap_source: _Optional[str] = ..., prompt_blocks: _Optional[int] = ..., encoder: _Optional[_Union[EncoderChoice, _Mapping]] = ..., encoder_skipped: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

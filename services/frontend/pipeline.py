@@ -67,8 +67,10 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   worker encodes the images itself (it holds the vision tower; vLLM encodes any item
   without a usable embedding, as the EC consumer does when a READ fails), counted in
   ``kvmesh_frontend_encode_fallbacks_total{reason}`` (``no_encoder`` when the router
-  picked none, else E's status code name, e.g. ``UNAVAILABLE`` for an E killed
-  mid-request, ``DEADLINE_EXCEEDED``) and logged once per reason. Only E's
+  found none, ``not_ec_consumer`` when the worker computing the prompt is no EC
+  consumer, e.g. D served alone in E/P/D, else E's status code name, e.g.
+  ``UNAVAILABLE`` for an E killed mid-request, ``DEADLINE_EXCEEDED``) and logged once
+  per reason. Only E's
   INVALID_ARGUMENT (the image itself is bad) reaches the client, as a 400. The attempt's
   routing entry (and the router's encoder pick with it) is released exactly once
   whatever happens during the Encode call.
@@ -454,7 +456,10 @@ class Pipeline:
         (the failure policy of the module docstring)."""
         assert job.mm is not None
         if not route.HasField("encoder"):
-            self._fallback("no_encoder", job, "the router picked no encoder")
+            reason = route.encoder_skipped or "no_encoder"
+            self._fallback(reason, job, "the router picked no encoder" if
+                           reason == "no_encoder" else "the worker computing the prompt "
+                           "reads no embeddings")
             return []
         enc = route.encoder
         stub = encoder_pb2_grpc.EncoderStub(self._pool.get(enc.address, "encoder"))

@@ -29,7 +29,11 @@ Contract:
   ``("mm", identifier, offset)``, :mod:`services.common.block_hash`), and once the
   worker is chosen the :class:`~services.router.encoders.EncoderPicker` picks the
   encoder (cache affinity, then load; not one in ``exclude_instance_ids``):
-  ``RouteResponse.encoder``, unset when none serves the model. A text-only request
+  ``RouteResponse.encoder``, unset when none serves the model
+  (``encoder_skipped = "no_encoder"``) or when the worker that computes the prompt (P, or
+  the aggregated worker) does not list the capability ``ec_consumer``
+  (``"not_ec_consumer"``: it encodes the images itself, e.g. D served alone in E/P/D,
+  so no encoder is asked for embeddings nobody would read). A text-only request
   never gets one, and its routing is unchanged. ``set_encoders`` applies the etcd
   snapshot of component ``encoder``.
 - ``Release``: ends the request's load accounting (pending prefill included) and its
@@ -330,13 +334,25 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
         if plan.prefill is not None:
             resp.prefill.CopyFrom(self._choice(plan.prefill))
+        if spans:
+            self._pick_encoder(request, plan.prefill or plan.worker, spans, resp)
+        return resp
+
+    def _pick_encoder(self, request: router_pb2.RouteRequest, computes: WorkerRecord,
+                      spans: Sequence[MmSpan], resp: router_pb2.RouteResponse) -> None:
+        """Sets ``resp.encoder``, or ``resp.encoder_skipped`` (see the module docstring)."""
+        rec = self._records.get(computes.instance_id)
+        if rec is None or "ec_consumer" not in rec.capabilities:
+            resp.encoder_skipped = "not_ec_consumer"
+            return
         pick = self.encoders.pick(request.request_id, request.model,
                                   [s.identifier for s in spans], request.exclude_instance_ids)
-        if pick is not None:
-            resp.encoder.CopyFrom(router_pb2.EncoderChoice(
-                instance_id=pick.encoder.instance_id, address=pick.encoder.address,
-                affinity_items=pick.affinity_items))
-        return resp
+        if pick is None:
+            resp.encoder_skipped = "no_encoder"
+            return
+        resp.encoder.CopyFrom(router_pb2.EncoderChoice(
+            instance_id=pick.encoder.instance_id, address=pick.encoder.address,
+            affinity_items=pick.affinity_items))
 
     def _choice(self, worker: WorkerRecord) -> router_pb2.WorkerChoice:
         choice = router_pb2.WorkerChoice(

@@ -79,17 +79,18 @@ class FakeContext:
         raise Aborted(code, details)
 
 
-def _worker(i: str) -> discovery_pb2.InstanceRecord:
+def _worker(i: str, *caps: str) -> discovery_pb2.InstanceRecord:
     return discovery_pb2.InstanceRecord(instance_id=i, component="worker", address=f"a-{i}",
                                         model="m", role=discovery_pb2.WORKER_ROLE_AGG,
-                                        block_size=4, max_model_len=4096)
+                                        block_size=4, max_model_len=4096,
+                                        capabilities=["images", *caps])
 
 
 def _servicer(source: object | None = None) -> RouterServicer:
     core = RouterCore(policy=default_registry().create("kv", random.Random(0)),
                       clock=lambda: 0.0)
     s = RouterServicer(core, {}, source or HistorySource())  # type: ignore[arg-type]
-    s.set_records({"w1": _worker("w1")})
+    s.set_records({"w1": _worker("w1", "ec_consumer")})
     s.set_encoders({"e1": discovery_pb2.InstanceRecord(
         instance_id="e1", component="encoder", address="enc:1", model="m",
         role=discovery_pb2.WORKER_ROLE_ENCODE)})
@@ -121,7 +122,17 @@ async def test_route_picks_an_encoder_for_images_only() -> None:
     assert s.encoders.in_flight() == {"e1": 0}  # E's part ended before the first token
     excluded = await s.Route(_route("x", "img-a", exclude_instance_ids=["e1"]),
                              FakeContext())  # type: ignore[arg-type]
-    assert not excluded.HasField("encoder")
+    assert not excluded.HasField("encoder") and excluded.encoder_skipped == "no_encoder"
+    assert text.encoder_skipped == ""
+
+
+async def test_no_encoder_is_asked_when_the_computing_worker_reads_no_embeddings() -> None:
+    """E.g. D served alone in E/P/D: it encodes the images itself, so E is left alone."""
+    s = _servicer()
+    s.set_records({"w1": _worker("w1")})  # images, but no ec_consumer
+    resp = await s.Route(_route("i", "img-a"), FakeContext())  # type: ignore[arg-type]
+    assert not resp.HasField("encoder") and resp.encoder_skipped == "not_ec_consumer"
+    assert s.encoders.in_flight() == {"e1": 0} and s.encoders.affinity_size() == 0
 
 
 @pytest.mark.parametrize(("items", "words"), [
