@@ -98,8 +98,19 @@ FINISH = {
 }
 
 
+# SamplingParams fields no engine serves yet: refused (INVALID_ARGUMENT), never ignored.
+UNSERVED_SAMPLING = ("logprobs", "prompt_logprobs", "structured", "logit_bias",
+                     "min_tokens", "min_p")
+
+
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
-    """Converts protobuf sampling params to the engine's dataclass."""
+    """Converts protobuf sampling params to the engine's dataclass; EngineError naming a
+    field of :data:`UNSERVED_SAMPLING` that is set."""
+    for name in UNSERVED_SAMPLING:
+        value = getattr(p, name)
+        if (p.HasField(name) if name in ("logprobs", "prompt_logprobs", "structured",
+                                         "min_p") else bool(value)):
+            raise EngineError(f"sampling.{name} is not served by this worker (yet)")
     return Sampling(
         max_tokens=p.max_tokens,
         temperature=p.temperature if p.HasField("temperature") else None,

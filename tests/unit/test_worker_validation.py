@@ -156,3 +156,20 @@ def test_sampling_from_the_wire_keeps_nan_for_the_check() -> None:
     assert s.top_p is None and math.isnan(s.temperature or 0.0)
     with pytest.raises(EngineError, match="sampling.temperature"):
         validate_sampling(s)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs", "structured",
+                                   "logit_bias", "min_tokens", "min_p"])
+def test_sampling_fields_no_engine_serves_yet_are_refused(field: str) -> None:
+    from protos import common_pb2
+    from workers.engines.base import EngineError
+    from workers.service import sampling_from_proto
+
+    values: dict[str, object] = {
+        "logprobs": 0, "prompt_logprobs": 1, "min_tokens": 2, "min_p": 0.1,
+        "structured": common_pb2.StructuredOutputs(json_object=True),
+        "logit_bias": {5: 1.0}}
+    p = common_pb2.SamplingParams(max_tokens=4, **{field: values[field]})  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match=f"sampling.{field} is not served"):
+        sampling_from_proto(p)
+    sampling_from_proto(common_pb2.SamplingParams(max_tokens=4))  # nothing set: fine
