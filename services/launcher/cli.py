@@ -1,7 +1,8 @@
 """The ``kvmesh`` command line.
 
 - ``kvmesh up``: launch a local mesh (etcd, redis, router, prefill + decode workers or one
-  aggregated worker, frontend) and supervise it: a child that dies is logged and restarted
+  aggregated worker, frontend; with ``--epd`` also encoders, on ``tiny-vlm`` by default:
+  E/P/D, or E/PD with ``--mode agg``) and supervise it: a child that dies is logged and restarted
   with backoff (:mod:`services.launcher.up`, restart counts in ``<log-dir>/status.tsv``);
   SIGINT (Ctrl-C) or SIGTERM stops everything in reverse start order and exits 0. Its
   flags are :class:`MeshSpec`'s fields, added by :func:`services.common.config.add_fields`:
@@ -50,10 +51,15 @@ def _up(args: argparse.Namespace) -> int:
     if problems:
         print("kvmesh up: invalid configuration: " + "; ".join(problems), file=sys.stderr)
         return 2
-    if args.model == "smollm2":
+    model = spec.served_model()
+    if model == "smollm2":
         from workers.model.prepare import prepare_smollm2
 
         prepare_smollm2(progress=True)
+    elif model == "tiny-vlm":  # built once here, not by each child at the same time
+        from workers.model.tiny_vlm import ensure_tiny_vlm
+
+        ensure_tiny_vlm()
     mesh = LocalMesh(spec)
     stop = {"now": False}
 
@@ -65,21 +71,29 @@ def _up(args: argparse.Namespace) -> int:
     layout = ("1 aggregated worker" if args.mode == "agg" else
               "prefill + decode workers, " + ("simulated KV handoff" if args.engine == "mock"
                                               else f"{args.handoff} KV handoff over NIXL"))
-    print(f"starting kvmesh (model {args.model}, {args.engine} engine, {layout}); logs in "
+    if spec.epd:
+        layout = (f"{'E/PD' if args.mode == 'agg' else 'E/P/D'}: {spec.encoders} "
+                  f"encoder{'s' if spec.encoders > 1 else ''} (embeddings over NIXL), "
+                  + layout)
+    print(f"starting kvmesh (model {model}, {args.engine} engine, {layout}); logs in "
           f"{spec.log_dir}", flush=True)
     try:
         url = mesh.start()
-        model = _first_model(url, _client_key(""))
+        served = _first_model(url, _client_key(""))
     except (RuntimeError, OSError) as exc:  # urllib's HTTPError/URLError are OSErrors
         print(f"kvmesh up failed: {exc}", file=sys.stderr)
         mesh.stop()
         return 1
     grpc_mode = (f"mTLS, certificates in {mesh.tls_dir}" if mesh.tls_dir else
                  "INSECURE (--insecure)")
-    print(f"\nkvmesh is serving {model} at {url}\n\n"
+    images = ("  images: chat content parts {\"type\": \"image_url\", \"image_url\": {\"url\": "
+              "\"data:image/png;base64,...\"}} (PNG or JPEG; text-only requests skip the "
+              "encoder)\n\n" if spec.epd else "")
+    print(f"\nkvmesh is serving {served} at {url}\n\n"
           f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
-          f"    -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", "
+          f"    -d '{{\"model\": \"{served}\", \"messages\": [{{\"role\": \"user\", "
           f"\"content\": \"What is the capital of France?\"}}]}}'\n\n"
+          f"{images}"
           f"  kvmesh chat --url {url} \"What is the capital of France?\"\n\n"
           f"  internal gRPC: {grpc_mode}\n\n"
           "Press Ctrl-C to stop.", flush=True)

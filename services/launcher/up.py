@@ -6,11 +6,27 @@ indexer (with ``indexer="remote"``), the router (with the spec's admission contr
 worker(s) (publishing KV events to
 Redis) and the frontend (each ``python -m ...`` in its own process group,
 configured through ``KVMESH_*`` env vars), and waits until the frontend's ``/health``
-answers 200 (a worker registered). With ``planner=True`` it then starts
+answers 200 (a worker registered; with ``epd`` also the encoders, see below). With
+``planner=True`` it then starts
 ``python -m services.planner`` with the dry-run actuator (it publishes desired counts,
 scrapes the frontend's ``/metrics``, changes nothing). ``stop()`` stops everything it
 started, in reverse start order, by PID. Logs go to ``log_dir/<name>.log``. A child that
 dies while ``start()`` waits fails the start (and stops the rest).
+
+EPD (``epd=True``, ``kvmesh up --epd``): ``encoders`` encoder children ``encoder-<i>``
+(``python -m services.encoder``, vLLM as an ``ec_producer``, identity ``encoder``) start
+after the router, and the LM workers read image embeddings from them: mode ``disagg``
+(default) is **E/P/D** (the prefill workers are ``--ec-role ec_consumer``; a decode worker
+gets the images with the request, for vLLM's prompt processing, and P's KV over NIXL as
+usual, never an embedding), mode ``agg`` is **E/PD** (each aggregated worker an
+``ec_consumer``). The model defaults to ``tiny-vlm`` (the locally built tiny Idefics3,
+:mod:`workers.model.tiny_vlm`); a text-only model is refused by :meth:`MeshSpec.problems`
+(``smollm2``, ``tiny``, or a folder whose ``config.json`` has no ``vision_config``), as
+are ``--engine mock`` and ``--encoders`` without ``--epd``. The frontend, the workers and
+the encoders get the same image limit (``KVMESH_MAX_IMAGES``). The start also waits until
+``encoders`` encoder records are in etcd (the router watches them; a request before that
+would be encoded by the worker itself). Text-only requests never touch E. Without
+``--epd`` a multimodal model is served by workers that encode their images themselves.
 
 Supervision: once started, :meth:`LocalMesh.supervise` (called by ``kvmesh up`` every
 0.2 s) restarts any child that exited without being asked to, whatever its exit code or
@@ -21,7 +37,9 @@ exit is one log line (name, pid, exit code or signal, the delay, the child's log
 restart another; the restarted child keeps its name, command line and environment (etcd
 and Redis their ports and data, the frontend its HTTP port; a worker registers anew, with
 a new gRPC port, and a new id only when insecure), appends to its log, and rewrites its
-``<name>.pid``.
+``<name>.pid``. The exited child's process group is signalled too (SIGTERM when the exit
+is noticed, SIGKILL before the restart and at ``stop()``): a SIGKILLed worker or encoder
+would otherwise leave its vLLM EngineCore running, holding memory and its NIXL region.
 ``log_dir/status.tsv`` is rewritten on every change: a header, then one tab-separated line
 per child ``name pid state restarts last_exit address`` (state: running, restarting,
 crashloop, stopped; ``-`` where empty); it is for people and tests to read, no service
@@ -63,10 +81,12 @@ naming the flag and its ``KVMESH_*`` variable; ``LocalMesh`` does not re-check t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -131,7 +151,8 @@ def _fixed(default: Any) -> Any:
 class MeshSpec:
     """What to launch; the fields with a flag are ``kvmesh up``'s flags."""
 
-    model: str = _opt("smollm2", "smollm2 | tiny | model folder")
+    model: str = _opt("auto", "smollm2 | tiny | tiny-vlm | model folder | auto (smollm2; "
+                      "tiny-vlm with --epd)")
     http_port: int = _opt(8000, "the frontend's HTTP port")
     mode: str = _opt("disagg", "disagg: 1 prefill + 1 decode worker (default); "
                      "agg: 1 aggregated", MODES)
@@ -151,12 +172,16 @@ class MeshSpec:
     admission_itl_slo_ms: float = _opt(50.0, "admission control's ITL target in ms")
     planner: bool = _opt(False, "also run the planner (dry-run actuator: publishes desired "
                          "counts)")
+    epd: bool = _opt(False, "EPD: also run encoder(s) on the multimodal model, the LM "
+                     "workers reading image embeddings from them (disagg: E/P/D, agg: E/PD)")
+    encoders: int = _opt(1, "encoders (E) with --epd")
     insecure: bool = _opt(False, "plaintext gRPC inside the mesh, no authorization (default: "
                           "mTLS with certificates generated into the state folder)")
     namespace: str = _fixed("kvmesh")
     kv_cache_gib: float = _opt(1.0, "KV cache per worker in GiB")
     max_model_len: int = _opt(2048, "longest sequence (tokens) a worker takes")
     block_size: int = _fixed(32)
+    max_images: int = _fixed(4)  # images per request: frontend, workers and encoders
     lease_ttl: int = _fixed(5)
     log_dir: Path = field(default_factory=lambda: Path(".kvmesh/logs"),
                           metadata={"help": "folder of the processes' logs"})
@@ -175,13 +200,53 @@ class MeshSpec:
                 out.append(f"{_flag(name)} must not be empty")
         if not 0 <= self.http_port <= 65535:
             out.append(f"{_flag('http_port')} out of range: {self.http_port}")
-        for name in ("workers", "max_model_len"):
+        for name in ("workers", "max_model_len", "encoders"):
             if getattr(self, name) < 1:
                 out.append(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_cache_gib", "admission_ttft_slo_ms", "admission_itl_slo_ms"):
             if not getattr(self, name) > 0:
                 out.append(f"{_flag(name)} must be > 0, got {getattr(self, name)}")
+        if self.epd:
+            if self.engine != "vllm":
+                out.append(f"{_flag('epd')} needs {_flag('engine')} vllm (the encoder and "
+                           f"the EC consumers are vLLM), got {self.engine!r}")
+            if (why := text_only(self.served_model())) is not None:
+                out.append(f"{_flag('epd')} needs a multimodal model, but {_flag('model')} "
+                           f"{self.served_model()!r} {why}")
+        elif self.encoders != 1:
+            out.append(f"{_flag('encoders')} ({self.encoders}) needs {_flag('epd')}")
         return out
+
+    def served_model(self) -> str:
+        """The model to serve: ``model`` unless ``auto``: then ``tiny-vlm`` with ``epd``,
+        else ``smollm2``."""
+        if self.model != "auto":
+            return self.model
+        return "tiny-vlm" if self.epd else "smollm2"
+
+
+MULTIMODAL_MODELS = ("tiny-vlm",)
+TEXT_MODELS = ("smollm2", "tiny")
+
+
+def text_only(model: str) -> str | None:
+    """Why ``model`` (a name :func:`workers.main.resolve_model_path` knows, or a folder)
+    cannot serve images, or None when it can: a folder is multimodal when its
+    ``config.json`` has a ``vision_config`` (as Idefics3, SmolVLM and llava have)."""
+    if model in MULTIMODAL_MODELS:
+        return None
+    if model in TEXT_MODELS:
+        return "is a text-only model (use tiny-vlm, or a multimodal model folder)"
+    path = Path(model) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        return f"has no readable config.json ({exc.strerror or exc})"
+    except ValueError as exc:
+        return f"has a config.json that is no JSON ({exc})"
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return "is a text-only model (its config.json has no vision_config)"
+    return None
 
 
 # Users' API keys (the frontend's alone); KVMESH_FRONTEND_API_KEY is the planner's.
@@ -209,6 +274,14 @@ def health(url: str) -> tuple[int, dict[str, object]]:
         return err.code, {}
     except (urllib.error.URLError, OSError, ValueError):
         return 0, {}
+
+
+def _signal_group(child: Child, sig: int) -> None:
+    """Signals the process group of ``child`` (each child leads its own): the processes
+    it started, such as vLLM's EngineCore, outlive a SIGKILLed child otherwise. Nothing
+    when the group is gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, sig)
 
 
 @dataclass
@@ -288,6 +361,7 @@ class LocalMesh:
             state = self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
             roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
             names = [f"{role}-{i}" for role in roles for i in range(s.workers)]
+            model = s.served_model()
             self._setup_tls(state, names)
             port, peer, certs = free_port(), free_port(), self.tls_dir
             self.etcd = self._track(start_etcd(state, s.log_dir, port, peer, certs),
@@ -301,11 +375,16 @@ class LocalMesh:
                 self._python("indexer", "services.indexer")  # identity "indexer"
             self._python("router", "services.router", KVMESH_POLICY=s.policy,
                          KVMESH_INDEXER=s.indexer, **self.admission_env())
+            images = {"KVMESH_MAX_IMAGES": str(s.max_images)}
+            for i in range(s.encoders if s.epd else 0):
+                self._python(f"encoder-{i}", "services.encoder", identity="encoder",
+                             KVMESH_MODEL_PATH=model, **images)
             for role in roles:
                 for i in range(s.workers):
                     self._python(f"{role}-{i}", "workers", identity=f"worker-{role}-{i}",
-                                 **self._worker_tls(f"{role}-{i}"),
-                                 KVMESH_MODEL_PATH=s.model,
+                                 **self._worker_tls(f"{role}-{i}"), **images,
+                                 **self.ec_env(role),
+                                 KVMESH_MODEL_PATH=model,
                                  KVMESH_ENGINE=s.engine,
                                  KVMESH_ROLE=role, KVMESH_HANDOFF=s.handoff if role != "agg"
                                  else "none", KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
@@ -315,7 +394,7 @@ class LocalMesh:
             front_scrape, planner_scrape = scrape_keys(os.environ, secrets.token_hex) \
                 if s.planner else ({}, {})
             front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port),
-                                 **front_scrape)
+                                 **images, **front_scrape)
             self.url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + s.start_timeout_s
 
@@ -325,7 +404,9 @@ class LocalMesh:
                         raise RuntimeError(f"{c.name} exited ({c.proc.returncode}):\n"
                                            f"{c.log_tail()}")
                 code, body = health(self.url)
-                return code == 200 and int(str(body.get("workers", 0))) >= s.workers * len(roles)
+                if code != 200 or int(str(body.get("workers", 0))) < s.workers * len(roles):
+                    return False
+                return not s.epd or self.registered("encoder") >= s.encoders
 
             wait_until(ready, front, max(deadline - time.monotonic(), 1), "the mesh to serve")
             if s.planner:
@@ -347,6 +428,7 @@ class LocalMesh:
             if self.supervisor.pending(c.name) or c.alive():
                 continue
             how = describe_exit(c.proc.returncode)
+            _signal_group(c, signal.SIGTERM)  # what it left behind (a vLLM EngineCore)
             d = self.supervisor.exited(c.name, how, now)
             loop = (f"; crash loop ({d.exits_in_window} exits within "
                     f"{self.supervisor.policy.crashloop_window_s:g} s)" if d.crashloop else "")
@@ -362,6 +444,7 @@ class LocalMesh:
     def _restart(self, name: str, now: float) -> None:
         at = next(i for i, c in enumerate(self.children) if c.name == name)
         old, recipe = self.children[at], self._recipes[name]
+        _signal_group(old, signal.SIGKILL)  # anything of the old group still there
         state = self.supervisor.state(name)
         try:
             with open(old.log_path, "ab") as log:
@@ -434,6 +517,52 @@ class LocalMesh:
             return {}
         return {"KVMESH_WORKER_ID": name}
 
+    def ec_env(self, role: str) -> dict[str, str]:
+        """A worker's EPD settings: with ``epd`` the aggregated and prefill workers read
+        embeddings from the encoders (``ec_consumer``); decode workers take the images
+        with the request and P's KV, never an embedding."""
+        consumer = self.spec.epd and role in ("agg", "prefill")
+        return {"KVMESH_EC_ROLE": "ec_consumer" if consumer else ""}
+
+    def records(self, component: str) -> list[Any]:
+        """The ``component`` records (``discovery_pb2.InstanceRecord``) in etcd now, read
+        as the admin certificate with certificates; raises when etcd does not answer
+        within 5 s."""
+        import asyncio
+
+        from protos import discovery_pb2
+        from services.common.discovery import etcd_client, instances_prefix
+
+        assert self.etcd is not None
+        address, tls = self.etcd.address, None
+        if self.tls_dir is not None:
+            from services.common.tls import MeshTls
+
+            tls = MeshTls.load(self.tls_dir, "admin")
+        prefix = instances_prefix(self.spec.namespace, component).encode()
+
+        async def read() -> list[Any]:
+            client = etcd_client(address, tls)
+            try:
+                await client.connect()
+                kvs = await client.get_prefix(prefix)
+            finally:
+                await client.close()
+            out = []
+            for kv in kvs:
+                rec = discovery_pb2.InstanceRecord()
+                rec.ParseFromString(kv.value)
+                out.append(rec)
+            return out
+        return asyncio.run(asyncio.wait_for(read(), 5))
+
+    def registered(self, component: str) -> int:
+        """How many ``component`` records are in etcd now (0 when etcd does not answer)."""
+        try:
+            return len(self.records(component))
+        except Exception:  # noqa: BLE001  etcd busy or restarting: not yet
+            return 0
+
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""
         s = self.spec
@@ -449,6 +578,7 @@ class LocalMesh:
         """Stops every child, in reverse start order, by PID (no restarts after this)."""
         for child in reversed(self.children):
             child.stop()
+            _signal_group(child, signal.SIGKILL)  # a dead leader's orphans, if any
         if self.children:
             self._write_status(stopped=True)
         for child in self.children:

@@ -1,6 +1,8 @@
 """``kvmesh up`` end to end, driven with the official openai client: on vLLM (tiny model),
-and as a supervisor on mock workers (a killed child comes back, Redis keeps its data
-across a restart, children die with a SIGKILLed ``kvmesh up``)."""
+with ``--epd`` (E/P/D on the tiny VLM: an image chat through the encoder, which is
+restarted after a SIGKILL), and as a supervisor on mock workers (a killed child comes
+back, Redis keeps its data across a restart, children die with a SIGKILLed ``kvmesh
+up``)."""
 
 from __future__ import annotations
 
@@ -193,6 +195,129 @@ def test_ctrl_c_stops_everything_it_started(tmp_path: Path) -> None:
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(
             f"/proc/{pid}/status").read_text().lower(), pid
+
+
+# --- EPD: ``kvmesh up --epd`` (E/P/D on the tiny VLM), images over HTTP, E supervised.
+
+def _png_url(seed: int) -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, size=(64, 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _scrape(url: str) -> dict[str, float]:
+    """``url``'s Prometheus samples, ``name{k=v,...}`` (labels sorted) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    return {f"{s.name}{{{','.join(f'{k}={v}' for k, v in sorted(s.labels.items()))}}}":
+            float(s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples}
+
+
+def _group(pgid: int) -> set[int]:
+    """Live (non-zombie) processes of process group ``pgid``."""
+    out = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.add(int(stat.parent.name))
+    return out
+
+
+async def _encoders(mesh: Supervised) -> list[discovery_pb2.InstanceRecord]:
+    client = etcd_client(mesh.address("etcd"), mesh.tls("admin"))
+    await client.connect()
+    try:
+        recs = []
+        for kv in await client.get_prefix(instances_prefix("kvmesh", "encoder").encode()):
+            rec = discovery_pb2.InstanceRecord()
+            rec.ParseFromString(kv.value)
+            recs.append(rec)
+        return recs
+    finally:
+        await client.close()
+
+
+@pytest.mark.vllm
+async def test_kvmesh_up_epd_serves_images_through_a_supervised_encoder(
+        tmp_path: Path) -> None:
+    """``kvmesh up --epd``: E/P/D on tiny-vlm with mTLS. An image chat over HTTP is 200
+    with completion tokens and E encoded it (E's /metrics: one miss, one vision encoder
+    run; the frontend counts no fallback); the same image again is an E cache hit and
+    text never reaches E. A SIGKILLed encoder is restarted with its process group gone
+    (no orphaned EngineCore), registers anew, and encodes the next image."""
+    log_dir = tmp_path / "logs"
+    with kvmesh_up(log_dir, "--epd", "--kv-cache-gib", "0.25", "--max-model-len", "1024",
+                   timeout_s=600) as (proc, url, out):
+        mesh = Supervised(proc, url, log_dir, out)
+        assert "E/P/D: 1 encoder (embeddings over NIXL), prefill + decode workers" in \
+            out.read_text()
+        assert {"encoder-0", "prefill-0", "decode-0"} <= set(mesh.status())
+        (enc,) = await _encoders(mesh)
+        assert enc.metrics_address and enc.pid == int(mesh.status()["encoder-0"]["pid"])
+        c = client(url)
+        assert [m.id for m in c.models.list()] == ["tiny-idefics3"]
+
+        def chat(image_seed: int | None) -> int:
+            parts: list[dict[str, object]] = [{"type": "text", "text": "Describe it."}]
+            if image_seed is not None:
+                parts.insert(0, {"type": "image_url",
+                                 "image_url": {"url": _png_url(image_seed)}})
+            resp = c.chat.completions.create(
+                model="tiny-idefics3", max_tokens=6, temperature=0,
+                messages=[{"role": "user", "content": parts}],  # type: ignore[misc,list-item]
+            )
+            assert resp.usage is not None
+            return resp.usage.completion_tokens
+
+        def e_counts(rec: discovery_pb2.InstanceRecord) -> tuple[float, float, float]:
+            m = _scrape(f"http://{rec.metrics_address}/metrics")
+            return (m["kvmesh_encoder_cache_misses_total{}"],
+                    m["kvmesh_encoder_cache_hits_total{}"], m["kvmesh_encoder_encodes_total{}"])
+
+        def fallbacks() -> float:
+            return sum(v for k, v in _scrape(f"{url}/metrics").items()
+                       if k.startswith("kvmesh_frontend_encode_fallbacks_total{"))
+
+        assert chat(1) >= 1
+        assert e_counts(enc) == (1, 0, 1)  # E encoded the image
+        assert chat(1) >= 1 and chat(None) >= 1
+        assert e_counts(enc) == (1, 1, 1)  # a cache hit; the text never reached E
+        assert fallbacks() == 0
+
+        old = int(mesh.status()["encoder-0"]["pid"])
+        assert len(_group(old)) >= 2, "the encoder and its EngineCore"
+        os.kill(old, signal.SIGKILL)
+        wait_for_sync(lambda: mesh.status()["encoder-0"]["pid"] != str(old)
+                      and mesh.status()["encoder-0"]["state"] == "running", 30,
+                      lambda: f"encoder-0 restarted; {mesh.status()}")
+        assert mesh.status()["encoder-0"]["last_exit"] == "SIGKILL"
+        wait_for_sync(lambda: not _group(old), 30,
+                      lambda: f"encoder's old process group gone, left: {_group(old)}")
+        new = int(mesh.status()["encoder-0"]["pid"])
+        recs: list[discovery_pb2.InstanceRecord] = []
+
+        async def registered_anew() -> bool:
+            nonlocal recs
+            recs = await _encoders(mesh)
+            return [r.pid for r in recs] == [new]
+        await wait_for(registered_anew, 300, lambda: f"only pid {new} registered: {recs}",
+                       interval_s=0.5)
+        assert chat(2) >= 1
+        assert e_counts(recs[0]) == (1, 0, 1)
+        assert fallbacks() == 0
 
 
 # --- supervision, on mock workers (no vLLM): one launched mesh for the three tests below,

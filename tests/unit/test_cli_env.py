@@ -31,6 +31,10 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "admission_itl_slo_ms": ("12.5", 12.5),
     "planner": ("yes", True),
     "insecure": ("yes", True),
+    # --epd refuses the mock engine and tiny model sampled above (and --encoders needs
+    # --epd): their non-defaults are test_launcher_cli's test_epd_* tests.
+    "epd": ("no", False),
+    "encoders": ("1", 1),
 }
 
 

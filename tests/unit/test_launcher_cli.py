@@ -6,6 +6,7 @@ import http.server
 import json
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -64,3 +65,46 @@ def test_kvmesh_up_gives_its_planner_a_metrics_only_key() -> None:
                                   "KVMESH_METRICS_API_KEYS": "other"}, lambda: "unused")
     assert front == {"KVMESH_METRICS_API_KEYS": "other,given"}
     assert planner == {"KVMESH_FRONTEND_API_KEY": "given"}
+
+
+def test_epd_flags_default_to_the_tiny_vlm_and_are_checked(tmp_path: Path) -> None:
+    from services.common.config import from_args
+    from services.launcher.cli import build_parser
+    from services.launcher.up import MeshSpec
+
+    args = build_parser({"KVMESH_EPD": "1", "KVMESH_ENCODERS": "2"}).parse_args(["up"])
+    spec = from_args(MeshSpec, args)
+    assert (spec.epd, spec.encoders, spec.served_model()) == (True, 2, "tiny-vlm")
+    assert spec.problems() == []
+    assert MeshSpec().served_model() == "smollm2"  # without --epd: as before
+    assert MeshSpec(epd=True, model="tiny").served_model() == "tiny"
+    (tmp_path / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text('{"vision_config": {}, "text_config": {}}')
+    assert MeshSpec(epd=True, model=str(vlm)).problems() == []
+    cases = {
+        "smollm2": "--epd (KVMESH_EPD) needs a multimodal model, but --model (KVMESH_MODEL) "
+                   "'smollm2' is a text-only model",
+        str(tmp_path): "its config.json has no vision_config",
+        str(tmp_path / "nowhere"): "has no readable config.json",
+    }
+    for model, words in cases.items():
+        (problem,) = MeshSpec(epd=True, model=model).problems()
+        assert words in problem, problem
+    (problem,) = MeshSpec(epd=True, engine="mock").problems()
+    assert "--epd (KVMESH_EPD) needs --engine (KVMESH_ENGINE) vllm" in problem
+    (problem,) = MeshSpec(encoders=2).problems()
+    assert problem == "--encoders (KVMESH_ENCODERS) (2) needs --epd (KVMESH_EPD)"
+    (problem,) = MeshSpec(epd=True, encoders=0).problems()
+    assert problem == "--encoders (KVMESH_ENCODERS) must be >= 1, got 0"
+
+
+def test_epd_workers_read_embeddings_only_where_they_prefill() -> None:
+    from services.launcher.up import LocalMesh, MeshSpec
+
+    epd = LocalMesh(MeshSpec(epd=True))
+    assert {r: epd.ec_env(r)["KVMESH_EC_ROLE"] for r in ("agg", "prefill", "decode")} == {
+        "agg": "ec_consumer", "prefill": "ec_consumer", "decode": ""}
+    plain = LocalMesh(MeshSpec())
+    assert {plain.ec_env(r)["KVMESH_EC_ROLE"] for r in ("agg", "prefill", "decode")} == {""}
