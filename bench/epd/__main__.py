@@ -1,0 +1,3 @@
+from bench.epd.run import entry
+
+entry()
