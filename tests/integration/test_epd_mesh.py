@@ -54,6 +54,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from protos import (
     encoder_pb2,
@@ -489,6 +490,36 @@ class TestEpdDisaggregated:
         for role, worker in (("P", e_p_d.p), ("D", e_p_d.d)):
             await wait_for(lambda w=worker: _idle(w.server.address), 20,  # type: ignore[misc]
                            f"{role} idle")
+
+
+async def test_one_trace_holds_the_encode_and_the_embedding_transfer(
+    epd: EpdMesh, spans: InMemorySpanExporter,
+) -> None:
+    """The frontend's ``encode`` span (the Encode call on E) and the worker's
+    ``embedding_transfer`` span (the NIXL READ of E's embedding, measured in vLLM's
+    EngineCore) are in the request's trace, in that order, with E's id and the bytes."""
+    job, chunks = await epd.frontend.pipeline.run(parse_chat(_body(_url(_png(5)))))
+    async for _ in chunks:
+        pass
+
+    def finished() -> list[Any]:
+        return list(spans.get_finished_spans())
+
+    await wait_for(lambda: any(s.name == "embedding_transfer" for s in finished())
+                   and any(s.name == "frontend.request"
+                           and s.attributes.get("kvmesh.request_id") == job.request_id
+                           for s in finished()), 30, "the request's spans")
+    (root,) = [s for s in finished() if s.name == "frontend.request"
+               and s.attributes.get("kvmesh.request_id") == job.request_id]
+    trace_spans = [s for s in finished() if s.context.trace_id == root.context.trace_id]
+    (encode,) = [s for s in trace_spans if s.name == "encode"]
+    (xfer,) = [s for s in trace_spans if s.name == "embedding_transfer"]
+    (enc,) = epd.router.servicer.encoders.encoders()
+    assert encode.attributes["kvmesh.encoder_id"] == enc.instance_id
+    assert encode.attributes["kvmesh.images"] == 1
+    assert xfer.attributes["kvmesh.outcome"] == "read", dict(xfer.attributes)
+    assert int(xfer.attributes["kvmesh.embedding_bytes"]) > 0
+    assert encode.end_time <= xfer.start_time <= xfer.end_time <= root.end_time
 
 
 async def test_encoder_killed_mid_request_falls_back_to_the_worker_and_leaks_nothing(
