@@ -20,19 +20,28 @@ Contract:
   status other than 2xx), ``unreachable`` (connection or protocol failure),
   ``redirect`` (a redirect to a scheme other than http(s), without a ``Location``, or
   more than ``max_redirects``), ``content_type`` (a ``Content-Type`` that is neither
-  ``image/*`` nor ``application/octet-stream``). Redirects are followed by hand so that
+  ``image/*`` nor ``application/octet-stream``; a response without one is let through to
+  the format check), ``content_encoding`` (anything but identity: the request asks for
+  ``Accept-Encoding: identity`` and the raw body is counted, so a compressed "bomb"
+  cannot inflate past ``max_bytes``), ``bad_url`` (a URL httpx refuses, not http(s),
+  without a host, a port out of range, or with credentials; also any other failure of
+  the client on a URL or hop). Redirects are followed by hand so that
   each hop is checked. The image format itself (PNG/JPEG), bytes and pixels are checked
   afterwards by the usual image checks (:func:`services.encoder.images.open_image`).
-  Environment proxies are not used (``trust_env=False``). ``on_fetch(outcome,
-  seconds)`` is called once per fetch (``ok`` or the error's outcome), e.g. for metrics.
+  Environment proxies are not used (``trust_env=False``), and httpx's INFO request log
+  (it names whole URLs, query strings included) is silenced. ``on_fetch(outcome,
+  seconds)`` is called once per fetch (``ok``, the error's outcome, or ``cancelled``),
+  e.g. for metrics.
 - :func:`fetch_parts(fetcher, parts)`: the ``(field, bytes)`` of each image part in
-  order, remote ones fetched concurrently; the first error (in part order) is raised,
-  and a remote part without a fetcher (remote URLs not allowed) is refused.
+  order, remote ones fetched concurrently; the first error (in part order) is raised
+  and the fetches still running are cancelled, and a remote part without a fetcher
+  (remote URLs not allowed) is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +51,9 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from services.encoder.images import InputError
+
+# httpx logs every request's full URL (credentials, signed query strings) at INFO.
+logging.getLogger("httpx").setLevel(logging.WARNING)
 
 SCHEMES = ("http", "https")
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -93,6 +105,7 @@ class RemoteImageFetcher:
         started = time.monotonic()
         outcome = "ok"
         try:
+            _check_url(url, field)
             async with asyncio.timeout(self.limits.timeout_s):
                 return await self._fetch(url, field)
         except RemoteImageError as exc:
@@ -102,6 +115,13 @@ class RemoteImageFetcher:
             outcome = "timeout"
             raise RemoteImageError(field, outcome, f"remote image timed out after "
                                    f"{self.limits.timeout_s} s ({_where(url)})") from exc
+        except asyncio.CancelledError:  # the request went away, or an earlier part failed
+            outcome = "cancelled"
+            raise
+        except Exception as exc:  # anything else httpx/anyio raise: a bad URL or hop
+            outcome = "bad_url"
+            raise RemoteImageError(field, outcome, f"remote image URL unusable "
+                                   f"({_where(url)}): {type(exc).__name__}") from exc
         finally:
             if self._on_fetch is not None:
                 self._on_fetch(outcome, time.monotonic() - started)
@@ -112,7 +132,11 @@ class RemoteImageFetcher:
                                      trust_env=False, transport=self._transport) as client:
             for _ in range(self.limits.max_redirects + 1):
                 try:
-                    async with client.stream("GET", url) as resp:
+                    _check_url(url, field)
+                    # identity only: a compressed body would be inflated past the cap
+                    # before it could be counted (a gzip bomb).
+                    async with client.stream("GET", url, headers={
+                            "Accept-Encoding": "identity"}) as resp:
                         if resp.status_code in _REDIRECTS:
                             url = self._next_hop(url, resp, field)
                             continue
@@ -147,6 +171,11 @@ class RemoteImageFetcher:
         if kind and not kind.startswith(_CONTENT_TYPES_OK):
             raise RemoteImageError(field, "content_type", f"remote image: content type "
                                    f"{kind!r} is not an image ({_where(url)})")
+        encoding = resp.headers.get("content-encoding", "").strip().lower()
+        if encoding not in ("", "identity"):
+            raise RemoteImageError(field, "content_encoding", f"remote image: content "
+                                   f"encoding {encoding!r} refused, only identity "
+                                   f"({_where(url)})")
         cap = self.limits.max_bytes
         declared = resp.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
@@ -154,7 +183,7 @@ class RemoteImageFetcher:
                                    f"(Content-Length {declared}, {_where(url)})")
         chunks: list[bytes] = []
         total = 0
-        async for chunk in resp.aiter_bytes():
+        async for chunk in resp.aiter_raw():  # the bytes as sent: nothing inflated
             total += len(chunk)
             if total > cap:  # stop reading: the rest is never downloaded
                 raise RemoteImageError(field, "too_large", f"remote image over {cap} "
@@ -163,11 +192,37 @@ class RemoteImageFetcher:
         return b"".join(chunks)
 
 
+def _check_url(url: str, field: str) -> None:
+    """RemoteImageError ``bad_url`` for a URL httpx would refuse, or one with
+    credentials (they would travel to every redirect target)."""
+    try:
+        parsed = httpx.URL(url)
+        port = parsed.port
+    except Exception as exc:  # httpx.InvalidURL, ValueError for a bad port, ...
+        raise RemoteImageError(field, "bad_url", f"remote image URL is malformed "
+                               f"({_where(url)}): {type(exc).__name__}") from exc
+    if parsed.scheme not in SCHEMES or not parsed.host:
+        raise RemoteImageError(field, "bad_url", f"remote image URL must be http(s) with "
+                               f"a host ({_where(url)})")
+    if port is not None and not 0 < port < 65536:
+        raise RemoteImageError(field, "bad_url", f"remote image URL port out of range "
+                               f"({_where(url)})")
+    if parsed.userinfo:
+        raise RemoteImageError(field, "bad_url", "remote image URL must not carry "
+                               f"credentials ({_where(url)})")
+
+
 def _where(url: str) -> str:
-    """The URL without its query and credentials, for messages."""
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = f":{parts.port}" if parts.port else ""
+    """The URL without its query and credentials, for messages (never raises)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or "?"
+    except ValueError:  # e.g. an unbalanced IPv6 bracket
+        return "an unparsable URL"
+    try:
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:  # a port that is no number or out of range
+        port = ":?"
     return f"{parts.scheme}://{host}{port}{parts.path}"
 
 
@@ -182,11 +237,15 @@ async def fetch_parts(fetcher: RemoteImageFetcher | None,
     if fetcher is None or not any(p.url for p in parts):
         return [(p.field, p.data) for p in parts]
 
-    async def one(p: Any) -> bytes:
-        return await fetcher.fetch(p.url, p.field) if p.url else p.data
-
-    results = await asyncio.gather(*(one(p) for p in parts), return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [(p.field, r) for p, r in zip(parts, results, strict=True)]  # type: ignore[misc]
+    tasks = [asyncio.ensure_future(fetcher.fetch(p.url, p.field)) if p.url else None
+             for p in parts]
+    try:
+        out: list[tuple[str, bytes]] = []
+        for p, task in zip(parts, tasks, strict=True):  # in part order: the first error
+            out.append((p.field, p.data if task is None else await task))
+        return out
+    finally:  # an earlier part failed (or the request was cancelled): stop the rest
+        pending = [t for t in tasks if t is not None and not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)

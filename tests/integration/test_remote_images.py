@@ -12,7 +12,9 @@ URL is still refused. No vLLM; runtime a few seconds.
 
 from __future__ import annotations
 
+import gzip
 import io
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -55,6 +57,7 @@ class Site:
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.encodings: list[str] = []  # each request's Accept-Encoding
         site = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -76,6 +79,7 @@ class Site:
 
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
                 path = self.path.split("?", 1)[0]
+                site.encodings.append(self.headers.get("Accept-Encoding", ""))
                 if path == "/cat.png":
                     self._head(200, "image/png", len(PNG))
                     self.wfile.write(PNG)
@@ -106,6 +110,10 @@ class Site:
                     self._head(302, length=0, location="ftp://127.0.0.1/cat.png")
                 elif path == "/loop":
                     self._head(302, length=0, location="/loop")
+                elif path == "/gzip":  # a gzip "bomb": tiny on the wire, CAP x 64 inflated
+                    body = gzip.compress(b"\0" * (CAP * 64))
+                    self._head(200, "image/png", len(body), **{"Content-Encoding": "gzip"})
+                    self.wfile.write(body)
                 elif path == "/page":
                     self._head(200, "text/html", 13)
                     self.wfile.write(b"<html></html>")
@@ -157,6 +165,7 @@ async def test_fetch_outcomes(site: Site) -> None:
         ("/redirect-ftp", "redirect", "redirect to a non-http(s) URL (ftp:) refused"),
         ("/loop", "redirect", "more than 2 redirects"),
         ("/page", "content_type", "content type 'text/html' is not an image"),
+        ("/gzip", "content_encoding", "content encoding 'gzip' refused, only identity"),
     ]
     for path, outcome, words in cases:
         with pytest.raises(RemoteImageError) as info:
@@ -169,6 +178,31 @@ async def test_fetch_outcomes(site: Site) -> None:
         await fetcher.fetch(f"http://127.0.0.1:{_closed_port()}/x.png", FIELD)
     assert info.value.outcome == "unreachable" and "unreachable" in str(info.value)
     assert seen == ["ok"] * 3 + [c[1] for c in cases] + ["unreachable"]
+    assert set(site.encodings) == {"identity"}  # never asked for a compressed body
+
+
+@pytest.mark.parametrize("url", [
+    "http://[::1/x.png", "http://127.0.0.1:99999/x.png", "http://user:pw@127.0.0.1/x.png",
+    "http:///x.png", "http://127.0.0.1/a\x00b.png"])
+async def test_unusable_urls_are_bad_url_never_a_500(url: str,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[str] = []
+    fetcher = RemoteImageFetcher(RemoteImageLimits(timeout_s=1.0),
+                                 lambda outcome, _s: seen.append(outcome))
+    with caplog.at_level(logging.DEBUG), pytest.raises(RemoteImageError) as info:
+        await fetcher.fetch(url, FIELD)
+    assert info.value.outcome == "bad_url" and info.value.field == FIELD, str(info.value)
+    assert seen == ["bad_url"]
+    assert "pw" not in str(info.value)
+
+
+async def test_fetched_urls_never_reach_the_log(site: Site,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """httpx logs each request's URL at INFO (the frontend's default level)."""
+    fetcher = RemoteImageFetcher(RemoteImageLimits(timeout_s=2.0))
+    with caplog.at_level(logging.INFO):
+        await fetcher.fetch(site.url("/cat.png") + "?X-Amz-Signature=s3cr3t", FIELD)
+    assert "s3cr3t" not in caplog.text
 
 
 async def test_fetch_parts_order_and_refusal(site: Site) -> None:
@@ -179,6 +213,14 @@ async def test_fetch_parts_order_and_refusal(site: Site) -> None:
     with pytest.raises(RemoteImageError) as info:
         await fetch_parts(fetcher, bad)
     assert info.value.field == "a"  # the first failing part, in prompt order
+    # A failing part cancels the fetches still running (here one that never ends).
+    seen: list[str] = []
+    slow_fetcher = RemoteImageFetcher(RemoteImageLimits(max_bytes=CAP, timeout_s=60.0),
+                                      lambda outcome, _s: seen.append(outcome))
+    with pytest.raises(RemoteImageError) as info:
+        await fetch_parts(slow_fetcher, [ImagePart("a", b"", site.url("/missing")),
+                                         ImagePart("b", b"", site.url("/slow"))])
+    assert info.value.field == "a" and sorted(seen) == ["cancelled", "http_status"]
     with pytest.raises(ValueError, match="b: remote image URLs are not supported"):
         await fetch_parts(None, parts)
 
