@@ -37,9 +37,12 @@ exit is one log line (name, pid, exit code or signal, the delay, the child's log
 restart another; the restarted child keeps its name, command line and environment (etcd
 and Redis their ports and data, the frontend its HTTP port; a worker registers anew, with
 a new gRPC port, and a new id only when insecure), appends to its log, and rewrites its
-``<name>.pid``. The exited child's process group is signalled too (SIGTERM when the exit
-is noticed, SIGKILL before the restart and at ``stop()``): a SIGKILLed worker or encoder
-would otherwise leave its vLLM EngineCore running, holding memory and its NIXL region.
+``<name>.pid``. The exited child's process group is SIGKILLed as soon as the exit is
+noticed, while the child is still an unreaped zombie (exits are detected with
+``waitid(WNOWAIT)``): a SIGKILLed worker or encoder would otherwise leave its vLLM
+EngineCore running, holding memory and its NIXL region, and the zombie keeps the group id
+from being reused, so no other process's group is ever signalled; a reaped child's group
+never is. ``stop()`` does the same after SIGTERM (SIGKILL after 10 s).
 ``log_dir/status.tsv`` is rewritten on every change: a header, then one tab-separated line
 per child ``name pid state restarts last_exit address`` (state: running, restarting,
 crashloop, stopped; ``-`` where empty); it is for people and tests to read, no service
@@ -276,12 +279,42 @@ def health(url: str) -> tuple[int, dict[str, object]]:
         return 0, {}
 
 
-def _signal_group(child: Child, sig: int) -> None:
-    """Signals the process group of ``child`` (each child leads its own): the processes
-    it started, such as vLLM's EngineCore, outlive a SIGKILLed child otherwise. Nothing
-    when the group is gone."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(child.pid, sig)
+def _exited(child: Child) -> bool:
+    """Whether ``child`` has exited, **without reaping it**: its zombie keeps its pid, and
+    so its process group id, from being reused, so :func:`_finish` can still signal the
+    group safely. True for a child already reaped (returncode set)."""
+    if child.proc.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, child.pid,
+                         os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped behind Popen's back: nothing is held any more
+        child.proc.poll()
+        return True
+
+
+def _finish(child: Child) -> None:
+    """SIGKILLs what is left of an exited ``child``'s process group (each child leads its
+    own: the processes it started, such as vLLM's EngineCore, outlive a SIGKILLed child
+    otherwise), then reaps it. Only while the child is unreaped, i.e. while its zombie
+    holds the group id: a reaped child's id may belong to another process by now, so its
+    group is never signalled."""
+    if child.proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGKILL)
+        child.proc.wait()
+
+
+def _stop_child(child: Child, timeout_s: float = 10.0) -> None:
+    """SIGTERM to a running child's group, SIGKILL after ``timeout_s``; then
+    :func:`_finish` (the group's leftovers die with it)."""
+    if not _exited(child):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while not _exited(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    _finish(child)
 
 
 @dataclass
@@ -311,6 +344,7 @@ class LocalMesh:
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._recipes: dict[str, _Recipe] = {}
         self._state: Path | None = None
+        self._etcd_error = ""  # the last failed etcd read of registered(), for messages
         self._tls: dict[str, str] = {}
         self.tls_dir: Path | None = None
 
@@ -400,15 +434,29 @@ class LocalMesh:
 
             def ready() -> bool:
                 for c in self.children:
-                    if not c.alive():
+                    if _exited(c):
+                        _finish(c)  # its group's leftovers go while it still holds the id
                         raise RuntimeError(f"{c.name} exited ({c.proc.returncode}):\n"
                                            f"{c.log_tail()}")
                 code, body = health(self.url)
                 if code != 200 or int(str(body.get("workers", 0))) < s.workers * len(roles):
                     return False
-                return not s.epd or self.registered("encoder") >= s.encoders
+                if not s.epd:
+                    return True
+                if time.monotonic() < polled[0] + 0.5:  # etcd is read twice a second
+                    return False
+                polled[0] = time.monotonic()
+                return self.registered("encoder") >= s.encoders
 
-            wait_until(ready, front, max(deadline - time.monotonic(), 1), "the mesh to serve")
+            polled = [0.0]
+            try:
+                wait_until(ready, front, max(deadline - time.monotonic(), 1),
+                           "the mesh to serve")
+            except RuntimeError as exc:
+                if self._etcd_error:  # why the encoders never showed up, not just "timed out"
+                    raise RuntimeError(f"{exc}\nthe last etcd read of the encoders failed: "
+                                       f"{self._etcd_error}") from exc
+                raise
             if s.planner:
                 self._python("planner", "services.planner", KVMESH_ACTUATOR="dry_run",
                              KVMESH_MODE="agg" if s.mode == "agg" else "disagg",
@@ -425,10 +473,10 @@ class LocalMesh:
         now = self._clock()
         changed = False
         for c in self.children:
-            if self.supervisor.pending(c.name) or c.alive():
+            if self.supervisor.pending(c.name) or not _exited(c):
                 continue
+            _finish(c)  # what it left behind (a vLLM EngineCore) goes now, then it is reaped
             how = describe_exit(c.proc.returncode)
-            _signal_group(c, signal.SIGTERM)  # what it left behind (a vLLM EngineCore)
             d = self.supervisor.exited(c.name, how, now)
             loop = (f"; crash loop ({d.exits_in_window} exits within "
                     f"{self.supervisor.policy.crashloop_window_s:g} s)" if d.crashloop else "")
@@ -444,7 +492,6 @@ class LocalMesh:
     def _restart(self, name: str, now: float) -> None:
         at = next(i for i, c in enumerate(self.children) if c.name == name)
         old, recipe = self.children[at], self._recipes[name]
-        _signal_group(old, signal.SIGKILL)  # anything of the old group still there
         state = self.supervisor.state(name)
         try:
             with open(old.log_path, "ab") as log:
@@ -557,11 +604,16 @@ class LocalMesh:
         return asyncio.run(asyncio.wait_for(read(), 5))
 
     def registered(self, component: str) -> int:
-        """How many ``component`` records are in etcd now (0 when etcd does not answer)."""
+        """How many ``component`` records are in etcd now (0 when etcd does not answer:
+        the error is kept in ``_etcd_error`` for the start's timeout message, and
+        cleared by the next read that works)."""
         try:
-            return len(self.records(component))
-        except Exception:  # noqa: BLE001  etcd busy or restarting: not yet
+            found = len(self.records(component))
+        except Exception as exc:  # noqa: BLE001  etcd busy or restarting: not yet
+            self._etcd_error = f"{type(exc).__name__}: {exc}"
             return 0
+        self._etcd_error = ""
+        return found
 
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""
@@ -577,8 +629,7 @@ class LocalMesh:
     def stop(self) -> None:
         """Stops every child, in reverse start order, by PID (no restarts after this)."""
         for child in reversed(self.children):
-            child.stop()
-            _signal_group(child, signal.SIGKILL)  # a dead leader's orphans, if any
+            _stop_child(child)
         if self.children:
             self._write_status(stopped=True)
         for child in self.children:
