@@ -274,7 +274,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._active -= 1
             self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)
             if request.embeddings:
-                self._record_transfers(attrs, ec_params, len(request.embeddings))
+                self._record_transfers(attrs, ec_params,
+                                       {e.mm_hash for e in request.embeddings})
 
     def _record_spans(
         self,
@@ -297,15 +298,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             span.end(end_time=max(stop, start))
 
     def _record_transfers(self, attrs: dict[str, str | int],
-                          ec_params: dict[str, Any] | None, embeddings: int) -> None:
-        """The ``embedding_transfer`` span and metrics (see the module docstring)."""
+                          ec_params: dict[str, Any] | None, embeddings: set[str]) -> None:
+        """The ``embedding_transfer`` span and metrics (see the module docstring);
+        ``embeddings``: the mm_hashes E sent (the connector reports once per distinct
+        image, so an image twice in a prompt is one report)."""
         try:
             reports = transfer_reports(ec_params)
         except ValueError as exc:
             log.warning("request %s: bad EC transfer report from the engine: %s",
                         attrs.get("kvmesh.request_id"), exc)
             reports = []
-        unreported = max(0, embeddings - len(reports))
+        unreported = len(embeddings - {r.mm_hash for r in reports})
         self.metrics.observe_transfers(reports, unreported)
         if not reports:
             return

@@ -137,5 +137,15 @@ async def test_reports_become_span_and_metrics(spans: InMemorySpanExporter) -> N
         assert metrics.sample("kvmesh_worker_embedding_transfers_total",
                               outcome="unreported") == 2
         assert metrics.sample("kvmesh_worker_queue_seconds_count") == 4
+        # One image twice in a prompt: one report (per distinct image), none unreported.
+        spans.clear()
+        engine.reports = [_report("a", "read", nbytes=2048, start_ns=T0,
+                                  end_ns=T0 + 1_000_000, seconds=0.001)]
+        twice = [images[0], images[0]]
+        await _run(stub, _req("r5", twice, [_descriptor("a"), _descriptor("a")]))
+        (span,) = [s for s in spans.get_finished_spans() if s.name == "embedding_transfer"]
+        assert span.attributes is not None and span.attributes["kvmesh.unreported"] == 0
+        assert metrics.sample("kvmesh_worker_embedding_transfers_total",
+                              outcome="unreported") == 2
     finally:
         await server.stop(None)
