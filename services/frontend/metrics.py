@@ -14,8 +14,8 @@ worker failure, by the failed stage (agg, prefill, decode, timeout) |
 | ``kvmesh_frontend_encodes_total{outcome}`` | images sent to an encoder (EPD), by outcome \
 (``hit``: from its embedding cache, ``miss``: encoded) |
 | ``kvmesh_frontend_encode_fallbacks_total{reason}`` | requests whose images the LM worker \
-encoded itself, by reason (``no_encoder``, ``not_ec_consumer``, or the encoder's failure: ``UNAVAILABLE``, \
-``DEADLINE_EXCEEDED``, ...) |
+encoded itself, by reason (``no_encoder``, ``not_ec_consumer``, or the encoder's \
+failure: ``UNAVAILABLE``, ``DEADLINE_EXCEEDED``, ...) |
 | ``kvmesh_frontend_encode_seconds`` | the Encode call (queue, encode and cache lookups) |
 | ``kvmesh_frontend_remote_image_fetches_total{outcome}`` | remote image URLs fetched \
 (``--allow-remote-images``), by outcome (``ok``, ``too_large``, ``timeout``, \
