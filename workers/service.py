@@ -6,7 +6,10 @@ Contract:
   naming the field for an empty prompt or a negative token id, a ``cache_salt`` over
   :data:`MAX_CACHE_SALT_CHARS` characters or with ``@ / \\`` or NUL (vLLM's rules), a
   bad sampling field
-  (:func:`workers.engines.base.validate_sampling`), malformed ``kv_transfer`` params or
+  (:func:`workers.engines.base.validate_sampling`), an optional sampling feature
+  (``logprobs``, ``prompt_logprobs``, ``structured``, ``logit_bias``, ``min_tokens``,
+  ``min_p``) the engine does not serve (:attr:`Engine.serves`; ``sampling.<feature> is not
+  served``: never ignored), malformed ``kv_transfer`` params or
   ones the engine's handoff mode must not get
   (:func:`services.common.kv_params.validate_request`), or anything the engine refuses
   with EngineError. ``cache_salt`` (the tenant's) goes to the engine unchanged: its
@@ -19,7 +22,8 @@ Contract:
   an image's ``mm_hash`` and be a valid descriptor (``embeddings[i]``), and become the
   engine's ``ec_transfer_params`` (:func:`workers.ec.proto.ec_transfer_params`); an
   image without one is encoded by the engine. It streams one GenerateResponse per
-  engine delta, and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
+  engine delta (with its ``logprobs``, one per token, and, on the first chunk, the
+  ``prompt_logprobs``), and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
   when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
   the engine raised EngineDeadError) every in-flight and later call ends UNAVAILABLE
@@ -78,7 +82,10 @@ from workers.engines.base import (
     EngineError,
     EngineRequest,
     KvHandoffError,
+    PositionLogprobs,
     Sampling,
+    StructuredOutputs,
+    TokenLogprob,
     validate_sampling,
 )
 from workers.kv.event_relay import KvEventRelay
@@ -98,19 +105,23 @@ FINISH = {
 }
 
 
-# SamplingParams fields no engine serves yet: refused (INVALID_ARGUMENT), never ignored.
-UNSERVED_SAMPLING = ("logprobs", "prompt_logprobs", "structured", "logit_bias",
-                     "min_tokens", "min_p")
+def structured_from_proto(p: common_pb2.StructuredOutputs) -> StructuredOutputs:
+    """The oneof ``kind`` as :class:`StructuredOutputs` (no kind: none set, which
+    :func:`validate_sampling` refuses; ``json_object=false`` counts as no kind)."""
+    kind = p.WhichOneof("kind")
+    return StructuredOutputs(
+        json_schema=p.json_schema if kind == "json_schema" else None,
+        json_object=kind == "json_object" and p.json_object,
+        regex=p.regex if kind == "regex" else None,
+        choice=tuple(p.choice.choices) if kind == "choice" else None,
+        grammar=p.grammar if kind == "grammar" else None,
+        compact_json=p.compact_json,
+    )
 
 
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
-    """Converts protobuf sampling params to the engine's dataclass; EngineError naming a
-    field of :data:`UNSERVED_SAMPLING` that is set."""
-    for name in UNSERVED_SAMPLING:
-        value = getattr(p, name)
-        if (p.HasField(name) if name in ("logprobs", "prompt_logprobs", "structured",
-                                         "min_p") else bool(value)):
-            raise EngineError(f"sampling.{name} is not served by this worker (yet)")
+    """Converts protobuf sampling params to the engine's dataclass (unset optional fields
+    stay None; nothing is checked here: see :func:`validate_sampling`)."""
     return Sampling(
         max_tokens=p.max_tokens,
         temperature=p.temperature if p.HasField("temperature") else None,
@@ -123,7 +134,31 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
         presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else None,
         frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else None,
         repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
+        logprobs=p.logprobs if p.HasField("logprobs") else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        structured=(structured_from_proto(p.structured) if p.HasField("structured")
+                    else None),
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        min_tokens=p.min_tokens,
+        min_p=p.min_p if p.HasField("min_p") else None,
     )
+
+
+def check_served(sampling: Sampling, engine: Engine) -> None:
+    """EngineError naming the first optional feature ``sampling`` sets that ``engine``
+    does not serve (:attr:`Engine.serves`): refused, never ignored."""
+    for name in sampling.features():
+        if name not in engine.serves:
+            info = engine.info
+            raise EngineError(f"sampling.{name} is not served by engine {info.engine} "
+                              f"(model {info.model})")
+
+
+def position_logprobs_to_proto(p: PositionLogprobs) -> common_pb2.PositionLogprobs:
+    def tok(t: TokenLogprob) -> common_pb2.TokenLogprob:
+        return common_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob, rank=t.rank)
+
+    return common_pb2.PositionLogprobs(token=tok(p.token), top=[tok(t) for t in p.top])
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -163,6 +198,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             raise EngineError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters "
                               f"without '@', '/', '\\' or NUL (got {len(salt)} characters)")
         sampling = sampling_from_proto(request.sampling)
+        check_served(sampling, self._engine)
         validate_sampling(sampling)
         kv_transfer = None
         if request.HasField("kv_transfer"):
@@ -243,6 +279,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     resp = worker_pb2.GenerateResponse(
                         token_ids=out.token_ids, text=out.text, worker_id=self._worker_id
                     )
+                    resp.logprobs.extend(position_logprobs_to_proto(p) for p in out.logprobs)
+                    if out.prompt_logprobs:
+                        resp.prompt_logprobs.extend(position_logprobs_to_proto(p)
+                                                    for p in out.prompt_logprobs)
                     if out.kv_transfer_params:
                         resp.kv_transfer.CopyFrom(kv_params.from_dict(out.kv_transfer_params))
                     if out.finished:
@@ -363,4 +403,5 @@ def transfer_span_attributes(reports: list[TransferReport]) -> dict[str, str | i
     }
 
 
-__all__ = ["WorkerServicer", "sampling_from_proto", "transfer_span_attributes"]
+__all__ = ["WorkerServicer", "check_served", "position_logprobs_to_proto",
+           "sampling_from_proto", "structured_from_proto", "transfer_span_attributes"]

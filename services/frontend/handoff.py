@@ -14,6 +14,15 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   Until D's first output a P failure ends the request, and D waits for P's push at most
   ``PUSH_TIMEOUT_S``; after it a P failure is only logged (warning). D's finish chunk is
   passed on once P has reported (so it carries P's hits), at most ``PUSH_TIMEOUT_S`` later.
+- Sampling (P/D): P's request drops :data:`P_DROPPED` (``structured``, ``logprobs``,
+  ``logit_bias``, ``min_tokens``): P's one token is discarded and D generates every
+  output token from the prompt's KV (recomputing the last prompt token), so grammar
+  state, logprobs, biases and penalties all start on D and equal the aggregated run's.
+  P keeps the rest (its prefix hashes and block keys do not depend on sampling). D gets
+  the full sampling but ``prompt_logprobs`` (:data:`D_DROPPED`: D computes no prompt
+  position); P computes them and they go out on the first chunk of the stream, as from
+  an aggregated worker (push: D's first chunk waits until P has answered; if P failed
+  after its WRITE the chunk goes without them, with a warning).
 - Every failure of a worker call raises :class:`HandoffError` (never a raw gRPC error, never
   a silent half result): a gRPC error, a stream that ends without output or without a
   finish chunk, P without handoff parameters (pull), no first output from D within
@@ -118,10 +127,26 @@ def _finished(resp: worker_pb2.GenerateResponse) -> bool:
     return resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
-def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
-    """P runs the prompt with max_tokens=1 and answers with handoff parameters."""
+# Sampling fields P never gets: its one token is discarded (D generates every output token
+# from the prompt's KV, so grammar state, logprobs and biases start on D), and min_tokens
+# would exceed P's max_tokens=1.
+P_DROPPED = ("structured", "logprobs", "logit_bias", "min_tokens")
+# ... and D never gets: D loads the prompt's KV and computes no prompt position (P does).
+D_DROPPED = ("prompt_logprobs",)
+
+
+def _sampling_without(req: Request, names: Sequence[str]) -> common_pb2.SamplingParams:
     sampling = common_pb2.SamplingParams()
     sampling.CopyFrom(req.sampling)
+    for name in names:
+        sampling.ClearField(name)
+    return sampling
+
+
+def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
+    """P runs the prompt with max_tokens=1 and answers with handoff parameters; see
+    :data:`P_DROPPED`."""
+    sampling = _sampling_without(req, P_DROPPED)
     sampling.max_tokens = 1
     sampling.ignore_eos = True
     p_req = req.generate_request(sampling=sampling)
@@ -133,7 +158,9 @@ def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
 
 def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
         worker_pb2.GenerateRequest):
-    d_req = req.generate_request(embeddings=False)  # D gets the prompt's KV from P
+    # D gets the prompt's KV from P, and the full sampling but D_DROPPED
+    d_req = req.generate_request(embeddings=False,
+                                 sampling=_sampling_without(req, D_DROPPED))
     d_req.kv_transfer.CopyFrom(params)
     d_req.kv_transfer.do_remote_prefill = True
     d_req.kv_transfer.do_remote_decode = False
@@ -175,6 +202,13 @@ class _Run:
         self.machine = hm.HandoffMachine(
             self.mode if self.mode in ("agg", "push") else "pull")
         self.events: asyncio.Queue[hm.Event] = asyncio.Queue()
+        # Prompt logprobs: P computes them (D loads the prompt's KV), the client gets them
+        # on the first chunk; push holds D's first chunk until P has settled.
+        self.want_prompt_logprobs = (route.disaggregated
+                                     and req.sampling.HasField("prompt_logprobs"))
+        self.p_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
+        self.p_settled = asyncio.Event()
+        self.first_out = True
         self.tasks: dict[str, asyncio.Task[None]] = {}  # the latest of each name
         self.started: list[asyncio.Task[None]] = []  # all, re-armed timers included
 
@@ -245,6 +279,12 @@ class _Run:
 
     def _outgoing(self, effect: hm.EmitChunk) -> worker_pb2.GenerateResponse:
         resp: worker_pb2.GenerateResponse = effect.chunk  # type: ignore[assignment]
+        if self.first_out and self.want_prompt_logprobs:
+            if not self.p_prompt_logprobs:  # push only: P failed after its WRITE
+                log.warning("request %s: prefill worker %s gave no prompt logprobs",
+                            self.req.request_id, self.route.prefill.instance_id)
+            resp.prompt_logprobs.extend(self.p_prompt_logprobs)
+        self.first_out = False
         if self.mode != "agg" and _finished(resp):
             # The client's cached_tokens are the prompt tokens nobody had to compute: P's
             # prefix hits. D's count (with the KV it received) stays in the decode span.
@@ -293,6 +333,8 @@ class _Run:
                 try:
                     async for resp in call:
                         last = resp
+                        if resp.prompt_logprobs and not self.p_prompt_logprobs:
+                            self.p_prompt_logprobs = list(resp.prompt_logprobs)
                 finally:
                     call.cancel()
                 if last is None or not _finished(last):
@@ -306,6 +348,7 @@ class _Run:
                     span.set_status(Status(StatusCode.ERROR, event.reason))
         except Exception as exc:  # every failure becomes an event
             event = hm.PrefillFailed(_rpc_reason(exc), exc)
+        self.p_settled.set()
         if isinstance(event, hm.PrefillDone) and mode != "push":
             last = event.result  # type: ignore[assignment]
             assert last is not None
@@ -345,8 +388,12 @@ class _Run:
                     call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
                         d_req, timeout=WORKER_TIMEOUT_S)
             start = time.monotonic()
+            hold = self.mode == "push" and self.want_prompt_logprobs
             try:
                 async for resp in call:
+                    if hold:  # the first chunk carries P's prompt logprobs (_outgoing)
+                        await self.p_settled.wait()
+                        hold = False
                     if xfer is not None:
                         decode = self._observe_decode(resp, choice, xfer, decode, start)
                     self.events.put_nowait(hm.DecodeChunk(resp, _finished(resp)))

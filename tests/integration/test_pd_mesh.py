@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,13 +23,18 @@ from protos import (
     discovery_pb2,
     frontend_pb2,
     frontend_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
     worker_pb2,
     worker_pb2_grpc,
 )
 from services.common.config import load_config
 from services.common.discovery import Registration
+from services.common.grpc_client import ChannelPool
 from services.common.procs import Child
+from services.frontend.handoff import Request, run_plan
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.frontend.metrics import FrontendMetrics
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.integration.conftest import Mesh, base_args, wait_routable
 from tests.waiting import wait_for
@@ -104,6 +111,78 @@ async def generate(address: str, model: str, prompt: str, max_tokens: int = 12) 
 
 def ids(chunks: list[frontend_pb2.CompletionChunk]) -> list[int]:
     return [t for c in chunks for t in c.token_ids]
+
+
+# Greedy structured output (a JSON schema, through xgrammar) with logprobs, prompt
+# logprobs, min_tokens and a logit_bias that bans whitespace tokens (JSON allows
+# whitespace, in which the random tiny model would loop): what
+# test_*_sampling_matches_aggregated ask of agg, P/D pull and push.
+SO_SCHEMA = ('{"type": "object", "properties": {"color": {"enum": ["red", "green"]}, "ok": '
+             '{"type": "boolean"}}, "required": ["color", "ok"], '
+             '"additionalProperties": false}')
+
+
+@functools.cache
+def whitespace_bias(model_path: str) -> dict[int, float]:
+    """-100 for every token of the model's tokenizer that decodes to whitespace only."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    texts = {i: str(tok.decode([i])) for i in range(len(tok))}
+    return {i: -100.0 for i, text in texts.items() if text and not text.strip()}
+
+
+def so_sampling(model_path: str) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        max_tokens=24, temperature=0.0, logprobs=2, prompt_logprobs=1, min_tokens=2,
+        logit_bias=whitespace_bias(model_path),
+        structured=common_pb2.StructuredOutputs(json_schema=SO_SCHEMA))
+
+
+async def worker_run(address: str, rid: str, tokens: list[int],
+                     sampling: common_pb2.SamplingParams) -> list[worker_pb2.GenerateResponse]:
+    """One aggregated GenerateRequest straight to the worker at ``address``."""
+    async with grpc.aio.insecure_channel(address) as ch:
+        return [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(
+            worker_pb2.GenerateRequest(request_id=rid, model="tiny", token_ids=tokens,
+                                       sampling=sampling), timeout=180)]
+
+
+async def plan_run(router_address: str, rid: str, tokens: list[int],
+                   sampling: common_pb2.SamplingParams) -> list[worker_pb2.GenerateResponse]:
+    """The router's (disaggregated) plan for ``tokens``, run by the frontend's handoff
+    driver (services.frontend.handoff.run_plan), then released."""
+    pool = ChannelPool()
+    async with grpc.aio.insecure_channel(router_address) as ch:
+        router = router_pb2_grpc.RouterStub(ch)
+        route = await router.Route(router_pb2.RouteRequest(
+            request_id=rid, model="tiny", token_ids=tokens, max_tokens=sampling.max_tokens))
+        try:
+            assert route.disaggregated, route.reason
+            return [r async for r in run_plan(pool, Request(rid, "tiny", tokens, sampling),
+                                              route, FrontendMetrics())]
+        finally:
+            await router.Release(router_pb2.ReleaseRequest(request_id=rid))
+            await pool.close()
+
+
+def assert_same_sampling(got: list[worker_pb2.GenerateResponse],
+                         ref: list[worker_pb2.GenerateResponse]) -> None:
+    """Token for token: ids, finish, text; logprobs (sampled and top-k ids and ranks,
+    values to float error) and the first chunk's prompt logprobs."""
+    def positions(resps: list[worker_pb2.GenerateResponse], attr: str) -> list[tuple]:  # type: ignore[type-arg]
+        return [(p.token.token_id, p.token.rank, round(p.token.logprob, 3),
+                 [(t.token_id, t.rank) for t in p.top])
+                for r in resps for p in getattr(r, attr)]
+
+    assert [t for r in got for t in r.token_ids] == [t for r in ref for t in r.token_ids]
+    assert "".join(r.text for r in got) == "".join(r.text for r in ref)
+    assert got[-1].finish_reason == ref[-1].finish_reason
+    for attr in ("logprobs", "prompt_logprobs"):
+        assert positions(got, attr) == positions(ref, attr), attr
+    n = sum(len(r.token_ids) for r in ref)
+    assert len(positions(ref, "logprobs")) == n and ref[0].prompt_logprobs
+    assert all(not r.prompt_logprobs for r in got[1:])
 
 
 async def load(address: str) -> worker_pb2.LoadReport:
@@ -383,3 +462,20 @@ async def test_ttft_decomposes_from_the_trace(pd: PdMesh, spans: InMemorySpanExp
     assert handoff.end_time <= frontend_decode[0].start_time
     assert handoff.attributes["kvmesh.decode_worker_id"] == pd.d_id
     assert d_first.attributes["kvmesh.remote_prefill"] is True
+
+
+async def test_structured_output_and_logprobs_match_aggregated(
+        pd: PdMesh, mesh: Mesh, tiny_model: str) -> None:
+    """P gets neither grammar, bias nor logprobs (handoff.P_DROPPED) and its token is
+    dropped; D generates every token under the grammar, P computes the prompt logprobs:
+    equal to aggregated, token for token."""
+    tokens = [1, *range(300, 340)]
+    ref = await worker_run(mesh.worker_address, "so-agg-pull", tokens, so_sampling(tiny_model))
+    text = "".join(r.text for r in ref)
+    assert ref[-1].finish_reason == common_pb2.FINISH_REASON_STOP, text
+    assert set(json.loads(text)) == {"color", "ok"}
+    got = await plan_run(pd.routers["always"].server.address, "so-pull", tokens,
+                         so_sampling(tiny_model))
+    assert_same_sampling(got, ref)
+    await wait_idle(pd.p_address)
+    await wait_idle(pd.d_address)

@@ -7,12 +7,23 @@ from collections.abc import AsyncIterator
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from protos import common_pb2
 from services.common.config import load_config
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterConfig, start_router
 from tests.integration.conftest import Mesh, base_args, wait_routable
-from tests.integration.test_pd_mesh import generate, ids, last_spans, wait_idle, words
+from tests.integration.test_pd_mesh import (
+    assert_same_sampling,
+    generate,
+    ids,
+    last_spans,
+    plan_run,
+    so_sampling,
+    wait_idle,
+    words,
+    worker_run,
+)
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server
 
@@ -41,7 +52,7 @@ async def push_front(etcd: Child, spans: InMemorySpanExporter,
         router.server.address], {}))
     try:
         await wait_routable(router, 2, "P and D")
-        yield front, [s.address for s in servers]
+        yield front, [*(s.address for s in servers), router.server.address]
     finally:
         await front.server.stop()
         await router.server.stop()
@@ -52,7 +63,7 @@ async def push_front(etcd: Child, spans: InMemorySpanExporter,
 async def test_push_handoff_matches_aggregated_tokens(
     push_front: tuple[FrontendApp, list[str]], mesh: Mesh, spans: InMemorySpanExporter
 ) -> None:
-    front, (p_addr, d_addr) = push_front
+    front, (p_addr, d_addr, _) = push_front
     for seed, n in ((61, 25), (62, 60)):
         text = words(seed, n)
         ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
@@ -66,5 +77,20 @@ async def test_push_handoff_matches_aggregated_tokens(
     ref = ids(await generate(mesh.frontend.server.address, "tiny", text))
     got = await generate(front.server.address, "tiny", text)
     assert ids(got) == ref and got[-1].usage.cached_tokens > 0
+    await wait_idle(p_addr)
+    await wait_idle(d_addr)
+
+
+async def test_push_structured_output_and_logprobs_match_aggregated(
+    push_front: tuple[FrontendApp, list[str]], mesh: Mesh, tiny_model: str
+) -> None:
+    """As test_pd_mesh's pull test: D's grammar-constrained tokens, logprobs and P's
+    prompt logprobs (on the first chunk, D's held until P answered) equal aggregated."""
+    _, (p_addr, d_addr, router_addr) = push_front
+    tokens = [1, *range(340, 380)]
+    ref = await worker_run(mesh.worker_address, "so-agg-push", tokens, so_sampling(tiny_model))
+    assert ref[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    got = await plan_run(router_addr, "so-push", tokens, so_sampling(tiny_model))
+    assert_same_sampling(got, ref)
     await wait_idle(p_addr)
     await wait_idle(d_addr)

@@ -12,9 +12,16 @@ import pytest
 
 from protos import common_pb2, worker_pb2
 from services.common.kv_params import KvParamsError, from_dict, to_dict, validate_request
-from workers.engines.base import EngineError, Sampling, validate_sampling
+from workers.engines.base import (
+    EngineError,
+    PositionLogprobs,
+    Sampling,
+    StructuredOutputs,
+    TokenLogprob,
+    validate_sampling,
+)
 from workers.kv.nixl import decode_params_from_prefill, prefill_params, push_decode_params
-from workers.service import sampling_from_proto
+from workers.service import check_served, position_logprobs_to_proto, sampling_from_proto
 
 # What a vLLM NIXL P returns on its final output (pull mode).
 P_OUT = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
@@ -158,18 +165,94 @@ def test_sampling_from_the_wire_keeps_nan_for_the_check() -> None:
         validate_sampling(s)
 
 
-@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs", "structured",
-                                   "logit_bias", "min_tokens", "min_p"])
-def test_sampling_fields_no_engine_serves_yet_are_refused(field: str) -> None:
-    from protos import common_pb2
-    from workers.engines.base import EngineError
-    from workers.service import sampling_from_proto
+SO = StructuredOutputs
 
-    values: dict[str, object] = {
-        "logprobs": 0, "prompt_logprobs": 1, "min_tokens": 2, "min_p": 0.1,
-        "structured": common_pb2.StructuredOutputs(json_object=True),
-        "logit_bias": {5: 1.0}}
-    p = common_pb2.SamplingParams(max_tokens=4, **{field: values[field]})  # type: ignore[arg-type]
-    with pytest.raises(EngineError, match=f"sampling.{field} is not served"):
-        sampling_from_proto(p)
-    sampling_from_proto(common_pb2.SamplingParams(max_tokens=4))  # nothing set: fine
+
+def test_good_optional_features_pass() -> None:
+    for s in (greedy(logprobs=0), greedy(logprobs=20, prompt_logprobs=0),
+              greedy(logit_bias=((0, -100.0), (5, 100.0))), greedy(min_tokens=4),
+              greedy(min_p=0.0), greedy(min_p=1.0),
+              greedy(structured=SO(json_schema='{"type": "object"}', compact_json=True)),
+              greedy(structured=SO(json_object=True)), greedy(structured=SO(regex="a+")),
+              greedy(structured=SO(choice=("yes", "no"))),
+              greedy(structured=SO(grammar='root ::= "a"'))):
+        validate_sampling(s)
+
+
+@pytest.mark.parametrize("field,value,where", [
+    ("logprobs", -1, "logprobs"),
+    ("logprobs", 21, "logprobs"),
+    ("prompt_logprobs", 21, "prompt_logprobs"),
+    ("logit_bias", ((-1, 1.0),), "logit_bias"),
+    ("logit_bias", ((3, 100.5),), "logit_bias[3]"),
+    ("logit_bias", ((3, math.nan),), "logit_bias[3]"),
+    ("min_tokens", -1, "min_tokens"),
+    ("min_tokens", 5, "min_tokens"),  # > max_tokens=4
+    ("min_p", 1.5, "min_p"),
+    ("min_p", math.nan, "min_p"),
+    ("structured", SO(), "structured"),
+    ("structured", SO(regex="a", grammar="b"), "structured"),
+    ("structured", SO(json_schema="{not json"), "structured.json_schema"),
+    ("structured", SO(json_schema="[1]"), "structured.json_schema"),
+    ("structured", SO(regex=" "), "structured.regex"),
+    ("structured", SO(grammar=""), "structured.grammar"),
+    ("structured", SO(choice=()), "structured.choice"),
+    ("structured", SO(regex="a", compact_json=True), "structured.compact_json"),
+])
+def test_bad_optional_features_are_refused_naming_the_field(field: str, value: Any,
+                                                            where: str) -> None:
+    with pytest.raises(EngineError, match=re.escape(f"sampling.{where} ")):
+        validate_sampling(greedy(**{field: value}))
+
+
+def test_features_names_what_a_request_sets() -> None:
+    assert greedy().features() == []
+    assert greedy(min_p=0.0, logprobs=0, structured=SO(json_object=True),
+                  logit_bias=((1, 0.0),), min_tokens=1, prompt_logprobs=0).features() == [
+        "logprobs", "prompt_logprobs", "structured", "logit_bias", "min_tokens", "min_p"]
+
+
+def test_optional_features_from_the_wire() -> None:
+    p = common_pb2.SamplingParams(
+        max_tokens=4, logprobs=0, prompt_logprobs=3, logit_bias={7: -2.5, 3: 1.0},
+        min_tokens=2, min_p=0.25,
+        structured=common_pb2.StructuredOutputs(
+            choice=common_pb2.ChoiceList(choices=["a", "b"]), compact_json=False))
+    s = sampling_from_proto(p)
+    assert (s.logprobs, s.prompt_logprobs, s.min_tokens, s.min_p) == (0, 3, 2, 0.25)
+    assert s.logit_bias == ((3, 1.0), (7, -2.5))
+    assert s.structured == SO(choice=("a", "b"))
+    none = sampling_from_proto(common_pb2.SamplingParams(max_tokens=4))
+    assert none.features() == [] and none.structured is None and none.logprobs is None
+    for kind, msg in (("json_schema", common_pb2.StructuredOutputs(json_schema="{}")),
+                      ("json_object", common_pb2.StructuredOutputs(json_object=True)),
+                      ("regex", common_pb2.StructuredOutputs(regex="x")),
+                      ("grammar", common_pb2.StructuredOutputs(grammar="g"))):
+        got = sampling_from_proto(common_pb2.SamplingParams(max_tokens=1, structured=msg))
+        assert got.structured is not None and got.structured.kinds() == [kind]
+    # a StructuredOutputs with no kind (or json_object=false) is refused by the check
+    for msg in (common_pb2.StructuredOutputs(),
+                common_pb2.StructuredOutputs(json_object=False)):
+        got = sampling_from_proto(common_pb2.SamplingParams(max_tokens=1, structured=msg))
+        with pytest.raises(EngineError, match=re.escape("sampling.structured must set")):
+            validate_sampling(got)
+
+
+class _Engine:
+    serves = frozenset({"min_p"})
+    info = type("Info", (), {"engine": "e", "model": "m"})()
+
+
+def test_an_unserved_feature_is_refused_naming_it() -> None:
+    check_served(greedy(min_p=0.5), _Engine())  # type: ignore[arg-type]
+    with pytest.raises(EngineError, match=re.escape("sampling.logprobs is not served by "
+                                                    "engine e (model m)")):
+        check_served(greedy(min_p=0.5, logprobs=1), _Engine())  # type: ignore[arg-type]
+
+
+def test_logprobs_to_proto() -> None:
+    p = PositionLogprobs(TokenLogprob(5, -1.5, 3), (TokenLogprob(1, -0.1, 1),
+                                                   TokenLogprob(2, -0.9, 2)))
+    pb = position_logprobs_to_proto(p)
+    assert (pb.token.token_id, pb.token.logprob, pb.token.rank) == (5, -1.5, 3)
+    assert [(t.token_id, t.rank) for t in pb.top] == [(1, 1), (2, 2)]

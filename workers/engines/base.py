@@ -34,7 +34,22 @@ worker servicer calls it): :class:`EngineError` naming the field for ``max_token
 a NaN or infinite float, ``temperature < 0``, ``top_p`` outside (0, 1], ``top_k < -1``,
 ``presence_penalty``/``frequency_penalty`` outside [-2, 2], ``repetition_penalty <= 0``
 or a negative stop token id (OpenAI's and vLLM's ranges). Seeds are not checked: any
-int64 is a valid seed (vLLM reads -1 as none).
+int64 is a valid seed (vLLM reads -1 as none). The optional features
+(:data:`OPTIONAL_FEATURES`): ``logprobs``/``prompt_logprobs`` outside [0,
+:data:`MAX_LOGPROBS`] (vLLM's default ``max_logprobs``), a ``logit_bias`` id < 0 or a
+bias outside [-100, 100] or not finite, ``min_tokens`` < 0 or > ``max_tokens``,
+``min_p`` outside [0, 1], and a ``structured`` (:class:`StructuredOutputs`) with no kind
+or more than one, an empty regex/grammar/choice list, a ``json_schema`` that is not a
+JSON object, or ``compact_json`` on a kind that is not JSON.
+
+**Optional features**: an engine lists the ones it serves in :attr:`Engine.serves`; the
+worker servicer refuses a request that sets one the engine does not serve
+(INVALID_ARGUMENT naming ``sampling.<feature>``), so nothing is ever silently ignored.
+Log-probabilities come back on :class:`EngineOutput`: ``logprobs`` holds one
+:class:`PositionLogprobs` per token of ``token_ids`` (the sampled token with its
+log-probability and rank, and the ``logprobs`` most likely tokens at that position, rank
+1 first), ``prompt_logprobs`` (first output only) one per prompt token (the first has
+none: its entry is the token alone, logprob 0, rank 0).
 
 Everything that crosses a process boundary is a plain dataclass here; the worker
 service converts to and from protobuf.
@@ -44,6 +59,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import json
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -64,9 +80,61 @@ class EngineDeadError(Exception):
     reason (what :meth:`Engine.wait_dead` returns)."""
 
 
+# Sampling features an engine may or may not serve (Engine.serves), by Sampling field.
+OPTIONAL_FEATURES = ("logprobs", "prompt_logprobs", "structured", "logit_bias",
+                     "min_tokens", "min_p")
+# The most top log-probabilities one position may ask for (vLLM's max_logprobs default).
+MAX_LOGPROBS = 20
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrained decoding (vLLM's structured outputs): exactly one kind is set.
+
+    ``json_schema``: a JSON schema as JSON text; ``json_object``: any JSON object;
+    ``regex``; ``choice``: exactly one of these strings; ``grammar``: EBNF/GBNF.
+    ``compact_json``: no optional whitespace in JSON (vLLM's disable_any_whitespace).
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    compact_json: bool = False
+
+    def kinds(self) -> list[str]:
+        """The kinds set (a valid value has exactly one)."""
+        return [k for k in STRUCTURED_KINDS
+                if (self.json_object if k == "json_object" else getattr(self, k) is not None)]
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token and its log-probability; ``rank`` 1 = the most likely token (0: none,
+    the first prompt token)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+
+
+@dataclass(frozen=True)
+class PositionLogprobs:
+    """One position: the token there and the most likely tokens (rank order)."""
+
+    token: TokenLogprob
+    top: tuple[TokenLogprob, ...] = ()
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling parameters for one request (OpenAI semantics; temperature 0 = greedy)."""
+    """Sampling parameters for one request (OpenAI semantics; temperature 0 = greedy).
+
+    The fields after ``repetition_penalty`` are the optional features
+    (:data:`OPTIONAL_FEATURES`); :meth:`features` names those a request sets.
+    """
 
     max_tokens: int
     temperature: float | None = None
@@ -79,6 +147,61 @@ class Sampling:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    # top log-probabilities per generated / prompt position (None: none computed)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: StructuredOutputs | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
+    min_tokens: int = 0
+    min_p: float | None = None
+
+    def features(self) -> list[str]:
+        """The optional features this request sets, in :data:`OPTIONAL_FEATURES` order."""
+        unset: dict[str, object] = {"logit_bias": (), "min_tokens": 0}
+        return [f for f in OPTIONAL_FEATURES if getattr(self, f) != unset.get(f)]
+
+
+def _validate_structured(so: StructuredOutputs) -> None:
+    kinds = so.kinds()
+    if len(kinds) != 1:
+        raise EngineError("sampling.structured must set exactly one of "
+                          f"{', '.join(STRUCTURED_KINDS)}; got {kinds or 'none'}")
+    kind = kinds[0]
+    if kind in ("regex", "grammar") and not str(getattr(so, kind)).strip():
+        raise EngineError(f"sampling.structured.{kind} must not be empty")
+    if kind == "choice" and (not so.choice or any(not isinstance(c, str) for c in so.choice)):
+        raise EngineError("sampling.structured.choice must be a non-empty list of strings")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.json_schema or "")
+        except ValueError as exc:
+            raise EngineError(f"sampling.structured.json_schema is not valid JSON: {exc}"
+                              ) from exc
+        if not isinstance(schema, dict):
+            raise EngineError("sampling.structured.json_schema must be a JSON object, got "
+                              f"{type(schema).__name__}")
+    if so.compact_json and kind not in ("json_schema", "json_object"):
+        raise EngineError(f"sampling.structured.compact_json applies to JSON only, not {kind}")
+
+
+def _validate_features(s: Sampling) -> None:
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(s, name)
+        if value is not None and not 0 <= value <= MAX_LOGPROBS:
+            raise EngineError(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    for token, bias in s.logit_bias:
+        if token < 0:
+            raise EngineError(f"sampling.logit_bias token ids must be >= 0, got {token}")
+        if not (math.isfinite(bias) and -100 <= bias <= 100):
+            raise EngineError(f"sampling.logit_bias[{token}] must be in [-100, 100], "
+                              f"got {bias}")
+    if not 0 <= s.min_tokens <= s.max_tokens:
+        raise EngineError(f"sampling.min_tokens must be in [0, max_tokens={s.max_tokens}], "
+                          f"got {s.min_tokens}")
+    if s.min_p is not None and not (math.isfinite(s.min_p) and 0 <= s.min_p <= 1):
+        raise EngineError(f"sampling.min_p must be in [0, 1], got {s.min_p}")
+    if s.structured is not None:
+        _validate_structured(s.structured)
 
 
 def validate_sampling(s: Sampling) -> None:
@@ -106,6 +229,7 @@ def validate_sampling(s: Sampling) -> None:
     negative = [t for t in s.stop_token_ids if t < 0]
     if negative:
         raise EngineError(f"sampling.stop_token_ids must be >= 0, got {negative[0]}")
+    _validate_features(s)
 
 
 @dataclass(frozen=True)
@@ -152,6 +276,10 @@ class EngineOutput:
     # Set on the final output when the engine's EC connector returns parameters (an EC
     # consumer: its per-embedding transfer reports, :func:`workers.ec.core.transfer_reports`).
     ec_transfer_params: dict[str, Any] | None = None
+    # With sampling.logprobs: one entry per token of token_ids; with
+    # sampling.prompt_logprobs, on the first output: one per prompt token.
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +311,10 @@ class EngineInfo:
 
 class Engine(abc.ABC):
     """Base class of all engines; see the module docstring for each method's contract."""
+
+    #: The optional sampling features (:data:`OPTIONAL_FEATURES`) this engine serves;
+    #: a request setting another is refused by the worker. Default: none.
+    serves: frozenset[str] = frozenset()
 
     @property
     @abc.abstractmethod

@@ -39,6 +39,24 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   ``num_cached_tokens`` (prefix-cache hit) and, on the first output with tokens,
   ``queue_s``/``prefill_s`` from vLLM's EngineCore timestamps. ``None`` sampling fields
   take the model's ``generation_config.json`` defaults, else vLLM's.
+  **Every optional sampling feature is served** (``serves`` = all of
+  :data:`~workers.engines.base.OPTIONAL_FEATURES`), mapped onto vLLM's ``SamplingParams``:
+  ``logprobs``, ``prompt_logprobs``, ``logit_bias`` (vLLM refuses ids outside the
+  vocabulary: EngineError naming ``sampling.logit_bias``), ``min_tokens``, ``min_p`` and
+  ``structured`` as ``structured_outputs=StructuredOutputsParams(json=, json_object=,
+  regex=, choice=, grammar=)`` (vLLM's "auto" backend: xgrammar here). ``compact_json``
+  is refused (EngineError naming ``sampling.structured.compact_json``) unless the engine
+  was built with ``structured_outputs_config.disable_any_whitespace`` (engine_kwargs):
+  vLLM 0.32 reads that flag per engine only, never per request (on such an engine every
+  JSON constraint is compact). A constraint is checked by vLLM's own validation on a probe
+  *before* submission (:meth:`VllmEngine._check_structured`): one vLLM rejects is an
+  EngineError naming ``sampling.structured`` and never reaches EngineCore (one malformed
+  request must not kill the engine). Each delta's ``logprobs`` are its new tokens'
+  positions only (vLLM's raw log-probabilities, before temperature, penalties, bias or
+  grammar mask: its default ``logprobs_mode``), each the sampled token with its rank and
+  the top ``logprobs`` tokens by rank; the first output with vLLM's prompt logprobs
+  carries ``prompt_logprobs`` (vLLM reads no prefix cache for such a request, so every
+  prompt position is computed).
   ``request.kv_transfer_params`` reach the KV connector as vLLM's OpenAI server passes
   them (``SamplingParams.extra_args["kv_transfer_params"]``, a copy); the final output
   carries ``RequestOutput.kv_transfer_params`` (P: where D loads the prompt's KV from).
@@ -93,6 +111,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -104,6 +123,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.periodic import Periodic
 from workers.engines.base import (
+    OPTIONAL_FEATURES,
     Engine,
     EngineDeadError,
     EngineError,
@@ -112,7 +132,10 @@ from workers.engines.base import (
     EngineOutput,
     EngineRequest,
     KvHandoffError,
+    PositionLogprobs,
     Sampling,
+    StructuredOutputs,
+    TokenLogprob,
 )
 from workers.engines.vllm_stats import StatsRecorder
 from workers.kv.layout import handoff_of, kv_layout
@@ -130,7 +153,8 @@ _START_LOCK = threading.Lock()
 _FINISH_REASONS = {"stop": "stop", "repetition": "stop", "length": "length", "abort": "abort"}
 # Sampling fields that fall back to the model's generation_config.json when None.
 _DEFAULTABLE = tuple(
-    "temperature top_p top_k presence_penalty frequency_penalty repetition_penalty".split()
+    "temperature top_p top_k presence_penalty frequency_penalty repetition_penalty min_p"
+    .split()
 )
 # How often the death watch reads AsyncLLM.errored (vLLM's monitor thread itself waits
 # on the EngineCore process sentinel with a 1 s timeout).
@@ -218,6 +242,47 @@ def _first_token_times(metrics: Any) -> tuple[float | None, float | None]:
     return max(0.0, scheduled - queued), max(0.0, first - scheduled)
 
 
+def structured_params(so: StructuredOutputs) -> Any:
+    """vLLM's ``StructuredOutputsParams`` of ``so`` (one kind; ``compact_json`` is vLLM's
+    ``disable_any_whitespace``)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    return StructuredOutputsParams(
+        json=so.json_schema, json_object=True if so.json_object else None, regex=so.regex,
+        choice=list(so.choice) if so.choice is not None else None, grammar=so.grammar,
+        disable_any_whitespace=so.compact_json)
+
+
+def position_logprobs(token_id: int, entries: Any, k: int) -> PositionLogprobs:
+    """One position of vLLM's logprobs (``{token id: Logprob}``): ``token_id``'s entry and
+    the top ``k`` by rank (the sampled token among them only when its rank is <= k)."""
+    own = entries[token_id]
+    top = sorted(((tid, lp) for tid, lp in entries.items() if lp.rank is not None
+                  and lp.rank <= k), key=lambda item: item[1].rank)
+    return PositionLogprobs(
+        token=TokenLogprob(token_id, float(own.logprob), int(own.rank or 0)),
+        top=tuple(TokenLogprob(tid, float(lp.logprob), int(lp.rank)) for tid, lp in top[:k]))
+
+
+def sample_logprobs(token_ids: list[int], logprobs: Any, k: int) -> list[PositionLogprobs]:
+    """vLLM's per-delta sample logprobs (one dict per new token) as ours."""
+    if len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM gave {len(logprobs)} logprobs for {len(token_ids)} tokens")
+    return [position_logprobs(t, entries, k)
+            for t, entries in zip(token_ids, logprobs, strict=True)]
+
+
+def prompt_logprobs_of(prompt: list[int], logprobs: Any, k: int) -> list[PositionLogprobs]:
+    """vLLM's prompt logprobs (None for the first position) as ours: the first prompt
+    token alone with logprob 0 and rank 0."""
+    if len(logprobs) != len(prompt):
+        raise RuntimeError(f"vLLM gave {len(logprobs)} prompt logprobs for a prompt of "
+                           f"{len(prompt)} tokens")
+    return [PositionLogprobs(TokenLogprob(t, 0.0, 0)) if entries is None
+            else position_logprobs(t, entries, k)
+            for t, entries in zip(prompt, logprobs, strict=True)]
+
+
 def _set_vllm_env(config: VllmEngineConfig) -> None:
     """Environment vLLM reads at import/start; must run before ``import vllm``."""
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -241,6 +306,8 @@ def _set_vllm_env(config: VllmEngineConfig) -> None:
 
 class VllmEngine(Engine):
     """An in-process ``AsyncLLM``; see the module docstring for each method's contract."""
+
+    serves = frozenset(OPTIONAL_FEATURES)
 
     def __init__(self, config: VllmEngineConfig) -> None:
         self.config = config
@@ -422,9 +489,15 @@ class VllmEngine(Engine):
             extra = {"kv_transfer_params": dict(kv_transfer_params)}
         if ec_transfer_params:
             extra = {**(extra or {}), "ec_transfer_params": dict(ec_transfer_params)}
+        if sampling.structured is not None:
+            kw["structured_outputs"] = structured_params(sampling.structured)
         try:
             return SamplingParams(
                 max_tokens=sampling.max_tokens,
+                logprobs=sampling.logprobs,
+                prompt_logprobs=sampling.prompt_logprobs,
+                logit_bias=dict(sampling.logit_bias) or None,
+                min_tokens=sampling.min_tokens,
                 seed=sampling.seed,
                 stop=list(sampling.stop) or None,
                 stop_token_ids=list(sampling.stop_token_ids) or None,
@@ -436,6 +509,29 @@ class VllmEngine(Engine):
         except ValueError as exc:  # vLLM's VLLMValidationError is a ValueError too
             raise EngineError(f"invalid sampling parameters: {exc}") from exc
 
+    def _check_structured(self, llm: AsyncLLM, so: StructuredOutputs) -> None:
+        """vLLM's own validation of ``so`` (backend choice, xgrammar's parse of the
+        schema, regex, choices or grammar), run on a probe before the request is
+        submitted, so a constraint vLLM rejects is an EngineError naming
+        ``sampling.structured`` and never reaches EngineCore's grammar compiler."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+
+        proc = llm.input_processor
+        compact = bool(getattr(proc.structured_outputs_config, "disable_any_whitespace", False))
+        if so.compact_json and not compact:
+            # vLLM 0.32's backends read disable_any_whitespace from the engine's config
+            # only; the request's field is ignored, so ours is refused, never ignored.
+            raise EngineError("sampling.structured.compact_json is not served by this "
+                              "engine (vLLM sets it per engine: structured_outputs_config"
+                              ".disable_any_whitespace is off)")
+        probe = SamplingParams(max_tokens=1, structured_outputs=structured_params(so))
+        try:
+            probe._validate_structured_outputs(proc.model_config,
+                                               proc.structured_outputs_config, proc.tokenizer)
+        except (VLLMClientError, ValueError) as exc:  # VLLMValidationError, ...
+            raise EngineError(f"sampling.structured: {exc}") from exc
+
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
@@ -444,6 +540,8 @@ class VllmEngine(Engine):
         if self._dead is not None and self._dead.done():
             raise EngineDeadError(self._dead.result())
         self._check(request)
+        if request.sampling.structured is not None:
+            self._check_structured(llm, request.sampling.structured)
         kv = self._handoff_params(request.kv_transfer_params)
         params = self.sampling_params(request.sampling, kv, request.ec_transfer_params)
         # rendered: no tokenizer call; cache_salt isolates the tenant's prefix cache
@@ -452,6 +550,8 @@ class VllmEngine(Engine):
         n_prompt = len(request.prompt_token_ids)
         completion = 0
         timed = False
+        k_sample, k_prompt = request.sampling.logprobs, request.sampling.prompt_logprobs
+        prompt_sent = k_prompt is None
         self._live.add(rid)
         try:
             outputs: AsyncGenerator[Any, None] = llm.generate(prompt, params, rid)
@@ -479,6 +579,14 @@ class VllmEngine(Engine):
                         kv_transfer_params=out.kv_transfer_params if out.finished else None,
                         ec_transfer_params=out.ec_transfer_params if out.finished else None,
                     )
+                    if k_sample is not None and comp.token_ids:
+                        delta.logprobs = sample_logprobs(list(comp.token_ids),
+                                                         comp.logprobs or [], k_sample)
+                    if not prompt_sent and k_prompt is not None and out.prompt_logprobs:
+                        prompt_sent = True
+                        delta.prompt_logprobs = prompt_logprobs_of(
+                            list(out.prompt_token_ids or request.prompt_token_ids),
+                            out.prompt_logprobs, k_prompt)
                     if not timed and comp.token_ids:
                         timed = True
                         delta.queue_s, delta.prefill_s = _first_token_times(out.metrics)
@@ -490,7 +598,9 @@ class VllmEngine(Engine):
                 raise EngineDeadError("the engine was shut down") from exc
             raise EngineDeadError(self._mark_dead(llm)) from exc
         except (VLLMClientError, ValueError) as exc:
-            raise EngineError(str(exc)) from exc
+            name = getattr(exc, "parameter", None)  # VLLMValidationError's
+            known = name in {f.name for f in dataclasses.fields(Sampling)}
+            raise EngineError(f"sampling.{name}: {exc}" if known else str(exc)) from exc
         finally:
             self._live.discard(rid)
 

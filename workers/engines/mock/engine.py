@@ -31,6 +31,13 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   ``max_tokens``/``max_model_len``, "stop" on ``stop_token_ids`` or ``eos_token_id``
   (unless ``ignore_eos``; with the default ``eos_token_id=None`` requests always run to
   ``max_tokens``). Stop *strings* and temperature are ignored.
+  Optional sampling features (``serves``): ``min_tokens`` is served (before that many
+  outputs a stop token is never sampled, the next candidate is), and ``min_p`` (it only
+  drops tokens less likely than the top one, which a greedy model never picks: a no-op
+  here, as for greedy vLLM). Refused by the worker (INVALID_ARGUMENT ``sampling.<field>
+  is not served by engine mock``), as the mock has no token distribution to draw them
+  from: ``logprobs``, ``prompt_logprobs``, ``logit_bias`` and ``structured`` (no model,
+  no tokenizer to constrain).
   Handoff (a simulation; no KV data moves anywhere): ``kv_transfer_params`` with
   ``do_remote_decode`` (the prefill side, called with ``max_tokens=1``) runs normally and
   its final output carries ``{"do_remote_prefill": True, "remote_engine_id": <this
@@ -141,6 +148,9 @@ class MockEngineConfig:
 
 class MockEngine(Engine):
     """A simulated engine; see the module docstring for each method's contract."""
+
+    # min_p never changes a greedy pick; min_tokens suppresses stop tokens (see generate).
+    serves = frozenset({"min_tokens", "min_p"})
 
     def __init__(self, config: MockEngineConfig | None = None, *,
                  event_sink: EventSink | None = None,
@@ -282,7 +292,8 @@ class MockEngine(Engine):
         sim = SimRequest(
             request_id=rid, prompt=list(request.prompt_token_ids), max_tokens=s.max_tokens,
             ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
-            sampling_seed=s.seed, remote_prefill=bool(params.get("do_remote_prefill")),
+            sampling_seed=s.seed, min_tokens=s.min_tokens,
+            remote_prefill=bool(params.get("do_remote_prefill")),
             remote_decode=bool(params.get("do_remote_decode")), cache_salt=request.cache_salt)
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._streams[rid] = queue

@@ -42,7 +42,8 @@ Contract of :class:`Scheduler`:
   little-endian u32, mod ``vocab_size``; so a request re-sent with prompt + the tokens
   generated so far continues the identical sequence, which request migration relies on),
   and finishes with "length" (``max_tokens`` or ``max_model_len`` reached) or "stop"
-  (``eos_token_id`` unless ``ignore_eos``, or a ``stop_token_ids`` token). Finished
+  (``eos_token_id`` unless ``ignore_eos``, or a ``stop_token_ids`` token; before
+  ``min_tokens`` outputs such a token is never sampled: the next candidate is taken). Finished
   requests free their blocks (which stay cached until evicted). Requests aborted during the
   step are skipped. One :class:`StepOutput` per request that produced a token or finished;
   the first carries ``cached_tokens``, ``queue_s`` and ``prefill_s``; a finished
@@ -136,6 +137,7 @@ class SimRequest:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     sampling_seed: int | None = None
+    min_tokens: int = 0  # stop tokens (eos, stop_token_ids) suppressed before this many
     remote_prefill: bool = False  # decode side of a handoff: prompt KV is received
     remote_decode: bool = False  # prefill side: answer with handoff parameters
     cache_salt: str = ""  # the tenant's prefix-cache salt (blocks hash with it)
@@ -243,9 +245,22 @@ class Scheduler:
 
     def _sample(self, req: SimRequest) -> int:
         """The next token: the hash of everything before it (intdigest does not finalize
-        the streaming state), then the state absorbs the token."""
+        the streaming state), then the state absorbs the token. Before ``min_tokens``
+        outputs a stop token (eos, ``stop_token_ids``) is suppressed, as vLLM masks its
+        logit: the next candidate (digest + i, i = 1, 2, ...) is taken instead; only the
+        token taken enters the state."""
         h = req.token_hash
-        tok = int(h.intdigest() % self.config.vocab_size)
+        digest, vocab = h.intdigest(), self.config.vocab_size
+        tok = int(digest % vocab)
+        if req.num_output < req.min_tokens:
+            banned = set(req.stop_token_ids)
+            if self.config.eos_token_id is not None:
+                banned.add(self.config.eos_token_id)
+            if sum(0 <= t < vocab for t in banned) < vocab:  # else nothing is left
+                i = 0
+                while tok in banned:
+                    i += 1
+                    tok = int((digest + i) % vocab)
         h.update(_U32LE.pack(tok))
         return tok
 
