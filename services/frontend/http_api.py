@@ -9,7 +9,9 @@ Contract:
 - ``POST /v1/completions`` and ``POST /v1/chat/completions``: OpenAI request and response
   shapes, ``stream: true`` as server-sent events ending with ``data: [DONE]``,
   ``stream_options.include_usage`` honoured, ``usage.prompt_tokens_details.cached_tokens``
-  always reported.
+  always reported. ``n`` > 1 and batches of prompts fan out (:mod:`.fanout`: choices
+  interleaved in streams, each with its index and finish, one usage); log-probabilities
+  and echo are shaped as vLLM's server shapes them (:mod:`.shapes`).
 - Every error is ``{"error": {message, type, param, code}}`` with a 4xx for client mistakes
   (malformed JSON, wrong types, unknown model, context overflow) and 5xx for upstream
   failures. An admission rejection is 503 ``overloaded_error`` (``code`` = the reason)
@@ -43,7 +45,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.frontend import fanout
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
+from services.frontend.fanout import FanJob, Tally
+from services.frontend.models import Tokenizer
 from services.frontend.openai_schema import (
     ApiError,
     ParsedRequest,
@@ -53,16 +58,9 @@ from services.frontend.openai_schema import (
     parse_completion,
     with_tenant,
 )
-from services.frontend.pipeline import Chunk, Job, Pipeline
+from services.frontend.pipeline import Chunk, Pipeline
+from services.frontend.shapes import Shapes
 from services.frontend.tokenize_api import add_routes as add_tokenize_routes
-
-
-def _usage(last: Chunk | None) -> dict[str, Any]:
-    p = last.prompt_tokens if last else 0
-    c = last.completion_tokens if last else 0
-    cached = last.cached_tokens if last else 0
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -94,58 +92,20 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class _Shapes:
-    """Builds the OpenAI response objects for one job."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.chat = job.req.kind == "chat"
-        prefix = "chatcmpl-" if self.chat else "cmpl-"
-        self.id = prefix + job.request_id
-        self.object = "chat.completion" if self.chat else "text_completion"
-        self.chunk_object = "chat.completion.chunk" if self.chat else "text_completion"
-
-    def head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.job.created,
-                "model": self.job.req.model}
-
-    def full(self, text: str, last: Chunk | None) -> dict[str, Any]:
-        finish = last.finish_reason if last else None
-        if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant",
-                                                              "content": text},
-                                      "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self.head(self.object), "choices": [choice], "usage": _usage(last)}
-
-    def delta(self, text: str, finish: str | None, first: bool = False) -> dict[str, Any]:
-        if self.chat:
-            d: dict[str, Any] = {"role": "assistant", "content": text} if first else (
-                {"content": text} if text or finish is None else {})
-            choice: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None,
-                                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        return {**self.head(self.chunk_object), "choices": [choice]}
-
-    def usage_chunk(self, last: Chunk | None) -> dict[str, Any]:
-        return {**self.head(self.chunk_object), "choices": [], "usage": _usage(last)}
-
-
-async def _sse_stream(job: Job, chunks: AsyncIterator[Chunk]) -> AsyncIterator[bytes]:
-    shapes = _Shapes(job)
-    last: Chunk | None = None
+async def _sse_stream(shapes: Shapes, fan: FanJob,
+                      chunks: AsyncIterator[tuple[int, Chunk]]) -> AsyncIterator[bytes]:
+    tally = Tally(fan)
     try:
         if shapes.chat:
-            yield _sse(shapes.delta("", None, first=True))
-        async for chunk in chunks:
-            if chunk.text or chunk.finish_reason:
-                yield _sse(shapes.delta(chunk.text, chunk.finish_reason))
-            if chunk.finish_reason is not None:
-                last = chunk
-        if job.req.include_usage:
-            yield _sse(shapes.usage_chunk(last))
+            for role in shapes.role_chunks():
+                yield _sse(role)
+        async for index, chunk in chunks:
+            tally.see(index, chunk)
+            choice = shapes.add(index, chunk)
+            if choice is not None:
+                yield _sse(shapes.chunk_object(choice))
+        if fan.req.include_usage:
+            yield _sse(shapes.usage_chunk(tally.usage()))
         yield _sse("[DONE]")
     except ApiError as err:
         yield _sse(error_body(err))
@@ -255,8 +215,12 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         ]}
 
     async def _serve(req: ParsedRequest, who: Tenant) -> Response:
-        job, chunks = await pipeline.run(with_tenant(req, who.cache_salt))
-        shapes = _Shapes(job)
+        fan, chunks = await fanout.run(pipeline, with_tenant(req, who.cache_salt))
+        try:
+            shapes = Shapes(fan, await _speller(fan))
+        except BaseException:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            raise
         if req.stream:
             # Pull the first chunk before answering so early errors get a real status code.
             try:
@@ -270,26 +234,34 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                 await chunks.aclose()  # type: ignore[attr-defined]
                 raise
 
-            async def replay() -> AsyncIterator[Chunk]:
-                yield first
-                async for c in chunks:
-                    yield c
+            async def replay() -> AsyncIterator[tuple[int, Chunk]]:
+                try:
+                    yield first
+                    async for c in chunks:
+                        yield c
+                finally:
+                    await chunks.aclose()  # type: ignore[attr-defined]
 
-            return StreamingResponse(_sse_stream(job, replay()), media_type="text/event-stream",
+            return StreamingResponse(_sse_stream(shapes, fan, replay()),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        text: list[str] = []
-        last: Chunk | None = None
+        tally = Tally(fan)
         try:
-            async for chunk in chunks:
-                text.append(chunk.text)
-                if chunk.finish_reason is not None:
-                    last = chunk
+            async for index, chunk in chunks:
+                tally.see(index, chunk)
+                shapes.add(index, chunk)
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
-        if last is None:  # see the streaming case: never a 200 without a finish
+        if not tally.done:  # see the streaming case: never a 200 without a finish
             raise ApiError(502, "the worker stream ended without finishing",
                            type="upstream_error")
-        return JSONResponse(shapes.full("".join(text), last))
+        return JSONResponse(shapes.full(tally.usage()))
+
+    async def _speller(fan: FanJob) -> Tokenizer | None:
+        """The model's tokenizer when the shapes need it (log-probabilities, echo)."""
+        if fan.req.sampling.logprobs is None and not fan.req.echo:
+            return None
+        return await asyncio.to_thread(pipeline.catalog.tokenizer, fan.prompts[0].model)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -9,7 +9,8 @@ Contract:
 - ``get(name)`` returns :class:`ModelInfo` or None.
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
   and returns a :class:`Tokenizer`.
-- :class:`Tokenizer` encodes prompts and renders chat messages with the model's own chat
+- :class:`Tokenizer` encodes prompts, spells tokens as vLLM's log-probabilities do
+  (``token_texts``) and renders chat messages with the model's own chat
   template (``add_generation_prompt=True``); a message whose content is parts (images)
   is rendered as the template's ``[{"type": "text", ...}, {"type": "image"}]`` list.
 - ``ModelInfo.accepts_images``: some worker of the model lists the capability ``images``.
@@ -19,6 +20,7 @@ Contract:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -91,6 +93,36 @@ class Tokenizer:
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token string (the vocabulary's spelling, e.g. ``Ġworld``)."""
         return [str(t) for t in self._tok.convert_ids_to_tokens(list(ids))]
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each id decoded alone, as vLLM spells tokens in log-probabilities
+        (``convert_ids_list_to_tokens``: ``decode([id])``, with the leading spaces a
+        SentencePiece ``Metaspace`` piece stands for restored). Unlike vLLM, a token that
+        is part of a multi-byte character is not corrected from its neighbours: it keeps
+        its replacement character."""
+        texts = [str(self._tok.decode([i]) or "") for i in ids]
+        marker = self._space_marker()
+        if marker is None:
+            return texts
+        out = []
+        for raw, text in zip(self._tok.convert_ids_to_tokens(list(ids)), texts, strict=True):
+            lead = len(raw or "") - len((raw or "").lstrip(marker))
+            have = len(text) - len(text.lstrip(" "))
+            out.append(" " * (lead - have) + text if lead > have else text)
+        return out
+
+    def _space_marker(self) -> str | None:
+        """The Metaspace replacement character of the tokenizer, or None."""
+        if not hasattr(self, "_marker"):
+            marker = None
+            backend = getattr(self._tok, "backend_tokenizer", None)
+            if backend is not None:
+                pre = json.loads(backend.to_str()).get("pre_tokenizer") or {}
+                subs = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+                marker = next((p.get("replacement", "\u2581") for p in subs
+                               if p.get("type") == "Metaspace"), None)
+            self._marker: str | None = marker
+        return self._marker
 
     @property
     def vocab_size(self) -> int:

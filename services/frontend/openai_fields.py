@@ -7,8 +7,9 @@ for the first field, in body order, that is
 
 - **unknown**: in none of the tables below (OpenAI itself answers "Unrecognized request
   argument supplied"), or a field of the other endpoint (``messages`` on completions);
-- **recognised but not supported by kvmesh** (OpenAI's ``logprobs``, ``tools``,
-  ``response_format``, ...; vLLM's extensions such as ``min_p`` or ``kv_transfer_params``)
+- **recognised but not supported by kvmesh** (OpenAI's ``tools``, ``tool_choice``,
+  ``best_of``, ``suffix``, ...; vLLM's extensions such as ``bad_words`` or
+  ``kv_transfer_params``)
   and set to anything but its no-op value (:data:`NO_OP`: ``null``, or the value that
   asks for nothing, e.g. ``response_format: {"type": "text"}``, ``echo: false``,
   ``tools: []``): a client asking for JSON, a tool call or log-probabilities must learn
@@ -16,8 +17,10 @@ for the first field, in body order, that is
 
 Accepted: the fields the parser reads (:data:`SUPPORTED`) and OpenAI's fields that do not
 change what is generated (:data:`NO_EFFECT`: ``user``, ``metadata``,
-``safety_identifier``, ``prompt_cache_key``); None when every field is accepted. ``n`` is
-the parser's (only 1). A message's own keys are checked by
+``safety_identifier``, ``prompt_cache_key``); None when every field is accepted. Served
+since issue 15 (validated by the parser): ``n``, ``logprobs`` (chat: a boolean, with
+``top_logprobs``; completions: an integer k), ``echo`` (completions), ``response_format``,
+``logit_bias``, vLLM's ``min_tokens`` and ``min_p``. A message's own keys are checked by
 :func:`message_problem`: ``role`` and ``content`` are accepted; ``name`` (the chat
 templates served render no participant names), ``tool_calls``, ``tool_call_id``,
 ``function_call`` and ``refusal`` are refused until they are served.
@@ -32,13 +35,16 @@ COMMON = frozenset({
     "stream_options", "presence_penalty", "frequency_penalty", "ignore_eos", "n",
     "request_id", "cache_salt", "stop_token_ids", "repetition_penalty",
 })
+# Served on both endpoints: structured outputs, logit_bias and vLLM's min_tokens / min_p.
+SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs"})
 SUPPORTED = {
-    "completion": COMMON | {"prompt"},
-    "chat": COMMON | {"messages", "max_completion_tokens"},
+    "completion": COMMON | SAMPLING | {"prompt", "echo"},
+    "chat": COMMON | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"},
 }
 NO_EFFECT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
 
-# Recognised fields kvmesh does not serve yet, each with the values that ask for nothing.
+# Recognised fields kvmesh does not serve yet, each with the values that ask for nothing
+# (a field SUPPORTED on one endpoint is still checked here on the other: ``echo`` on chat).
 _NONE: tuple[Any, ...] = (None,)
 NO_OP: dict[str, tuple[Any, ...]] = {
     # OpenAI (both endpoints or one of them)

@@ -32,6 +32,22 @@ Pure: no I/O. Contract:
   prompt order) and the message's content becomes a tuple of parts, ``("text", text)``
   and ``("image", "")``; the pixel checks need a decode and are the pipeline's. A message whose
   parts are all text stays one string, as before.
+- **Sampling surface** (issue 15), each a 400 naming the field when malformed:
+  ``n`` (1..:data:`MAX_N`; ``ParsedRequest.n``, fanned out by :mod:`.fanout`);
+  ``logprobs`` — chat: a boolean, ``top_logprobs`` 0..:data:`MAX_LOGPROBS` (> 0 needs
+  ``logprobs: true``, as vLLM); completions: an integer k in 0..MAX_LOGPROBS — becomes
+  ``SamplingSpec.logprobs`` (the top-k count; None = none); ``echo`` (completions: the
+  prompt prepended; with ``logprobs`` also ``SamplingSpec.prompt_logprobs`` = k);
+  ``response_format`` ``{"type": "text"}`` → none, ``json_object`` →
+  ``Structured("json_object")``, ``json_schema`` (``json_schema.schema`` an object) →
+  ``Structured("json_schema", <the schema as compact JSON>)``, any other type a 400;
+  ``logit_bias`` an object of token-id strings to numbers, each clamped to [-100, 100] as
+  vLLM does (the ids are checked against the vocabulary by the pipeline, which has the
+  tokenizer); vLLM's ``min_tokens`` (0..max_tokens) and ``min_p`` (0..1).
+- **Batches** (completions): ``prompt`` may be a list of strings or a list of token-id
+  lists; ``ParsedRequest.batch`` then holds every prompt (``prompt`` /
+  ``prompt_token_ids`` the first) and :func:`split_batch` gives one request per prompt.
+  A list of one prompt is that prompt.
 - Every integer is range-checked against the protobuf field that carries it (``seed``
   int64, ``top_k``/``max_tokens``/token ids int32), so nothing out of range reaches the
   serialiser.
@@ -40,6 +56,7 @@ Pure: no I/O. Contract:
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -47,6 +64,9 @@ from services.encoder.images import ImageLimits, InputError, data_url_bytes
 from services.frontend.openai_fields import field_problem, message_problem
 
 MAX_STOP = 4
+MAX_N = 128  # OpenAI's limit on n
+MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (and vLLM's default max_logprobs)
+MAX_BATCH = 256  # prompts in one /v1/completions request
 MAX_JSON_DEPTH = 64
 TOO_DEEP = "is nested too deeply"
 _SCALARS = frozenset({int, float, bool, type(None)})
@@ -78,6 +98,16 @@ def error_body(err: ApiError) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Structured:
+    """Constrained decoding: ``kind`` json_object | json_schema | regex | choice | grammar;
+    ``value`` the schema (JSON text), regex or grammar; ``choices`` for ``choice``."""
+
+    kind: str
+    value: str = ""
+    choices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """Validated sampling parameters. ``max_tokens`` None = fill from the context."""
 
@@ -93,6 +123,13 @@ class SamplingSpec:
     # vLLM's extensions
     stop_token_ids: tuple[int, ...] = ()
     repetition_penalty: float | None = None
+    # issue 15: the top-k counts of log-probabilities (None: none computed)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured: Structured | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    min_p: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +163,18 @@ class ParsedRequest:
     # the body: a client cannot pick another tenant's cache), see with_tenant. "": unsalted.
     cache_salt: str = ""
     client_salt: str = ""  # the body's cache_salt (vLLM's extension), "" when absent
+    n: int = 1  # choices per prompt
+    echo: bool = False  # completions: the prompt is prepended to each choice
+    # completions with several prompts: every prompt (str or token ids), in order
+    batch: tuple[str | tuple[int, ...], ...] = ()
+
+
+def split_batch(req: ParsedRequest) -> list[ParsedRequest]:
+    """One request per prompt of ``req`` (itself when it is no batch)."""
+    if not req.batch:
+        return [req]
+    return [replace(req, batch=(), prompt=p if isinstance(p, str) else None,
+                    prompt_token_ids=None if isinstance(p, str) else p) for p in req.batch]
 
 
 def with_tenant(req: ParsedRequest, tenant_salt: str) -> ParsedRequest:
@@ -256,9 +305,6 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
             if max_tokens <= 0:
                 raise _bad(f"'{name}' must be > 0, got {max_tokens}", name)
             break
-    n = _opt_int(body, "n")
-    if n is not None and n != 1:
-        raise _bad("only n=1 is supported", "n")
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=_opt_number(body, "temperature", 0.0, 2.0),
@@ -271,7 +317,91 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
         frequency_penalty=_opt_number(body, "frequency_penalty", -2.0, 2.0),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         repetition_penalty=_positive(body, "repetition_penalty"),
+        structured=_response_format(body),
+        logit_bias=_logit_bias(body),
+        min_tokens=_min_tokens(body, max_tokens),
+        min_p=_opt_number(body, "min_p", 0.0, 1.0),
     )
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = _opt_int(body, "n", 1, MAX_N)
+    return 1 if n is None else n
+
+
+def _min_tokens(body: dict[str, Any], max_tokens: int | None) -> int:
+    v = _opt_int(body, "min_tokens", 0)
+    if v is None:
+        return 0
+    if max_tokens is not None and v > max_tokens:
+        raise _bad(f"'min_tokens' ({v}) must be less than or equal to 'max_tokens' "
+                   f"({max_tokens})", "min_tokens")
+    return v
+
+
+def _response_format(body: dict[str, Any]) -> Structured | None:
+    v = body.get("response_format")
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise _bad("'response_format' must be an object", "response_format")
+    kind = v.get("type")
+    extra = next((k for k in v if k not in ("type", "json_schema")), None)
+    if extra is not None:
+        raise _bad(f"Unrecognized key in response_format: '{extra}'", f"response_format.{extra}")
+    if kind == "text" or kind == "json_object":
+        if "json_schema" in v:
+            raise _bad(f"response_format.json_schema is only for type 'json_schema', not "
+                       f"{kind!r}", "response_format.json_schema")
+        return None if kind == "text" else Structured("json_object")
+    if kind == "json_schema":
+        spec = v.get("json_schema")
+        if not isinstance(spec, dict):
+            raise _bad("response_format.json_schema must be an object with a 'schema'",
+                       "response_format.json_schema")
+        bad = next((k for k in spec if k not in ("name", "description", "schema", "strict")),
+                   None)
+        if bad is not None:
+            raise _bad(f"Unrecognized key in response_format.json_schema: '{bad}'",
+                       f"response_format.json_schema.{bad}")
+        schema = spec.get("schema")
+        if not isinstance(schema, dict):
+            raise _bad("response_format.json_schema.schema must be a JSON schema object",
+                       "response_format.json_schema.schema")
+        return Structured("json_schema", json.dumps(schema, separators=(",", ":")))
+    raise _bad(f"response_format.type must be one of 'text', 'json_object', 'json_schema'; "
+               f"got {kind!r}", "response_format.type")
+
+
+def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    v = body.get("logit_bias")
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise _bad("'logit_bias' must be an object of token ids to biases", "logit_bias")
+    out = []
+    for key, bias in v.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()
+                and int(key) <= INT32_MAX):
+            raise _bad(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or bias != bias:
+            raise _bad(f"logit_bias[{key!r}] must be a number", "logit_bias")
+        out.append((int(key), min(100.0, max(-100.0, float(bias)))))  # vLLM clamps
+    return tuple(out)
+
+
+def _logprobs_count(body: dict[str, Any], name: str) -> int | None:
+    return _opt_int(body, name, 0, MAX_LOGPROBS)
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """The chat top-k count: None without ``logprobs: true``."""
+    want = _opt_bool(body, "logprobs")
+    top = _logprobs_count(body, "top_logprobs")
+    if top and not want:
+        raise _bad("when using 'top_logprobs', 'logprobs' must be set to true",
+                   "top_logprobs")
+    return (top or 0) if want else None
 
 
 def _token_ids(body: dict[str, Any], name: str) -> tuple[int, ...]:
@@ -331,40 +461,57 @@ def _require_object(body: Any) -> dict[str, Any]:
     return body
 
 
+def _one_prompt(prompt: Any, param: str) -> str | tuple[int, ...]:
+    """A prompt: a non-empty string or a non-empty list of token ids."""
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _bad(f"'{param}' must not be empty", param)
+        return prompt
+    if isinstance(prompt, list) and prompt and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
+        if bad is not None:
+            raise _bad(f"'{param}' token ids must be between 0 and {INT32_MAX}, got {bad}",
+                       param)
+        return tuple(prompt)
+    raise _bad(f"'{param}' must be a string, a list of token ids, or a list of either",
+               param)
+
+
+def _prompts(body: dict[str, Any]) -> list[str | tuple[int, ...]]:
+    """The completions prompt(s): one, or a batch (see the module docstring)."""
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _bad("'prompt' is required", "prompt")
+    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+        if len(prompt) > MAX_BATCH:
+            raise _bad(f"'prompt' takes at most {MAX_BATCH} prompts", "prompt")
+        return [_one_prompt(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
+                for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
 def parse_completion(body: Any) -> ParsedRequest:
     """Validates a /v1/completions body."""
     body = _require_object(body)
     _check_fields(body, "completion")
     model = _model(body)
-    prompt = body.get("prompt")
-    text: str | None = None
-    ids: tuple[int, ...] | None = None
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise _bad("'prompt' must not be empty", "prompt")
-        text = prompt
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
-        if bad is not None:
-            raise _bad(f"'prompt' token ids must be between 0 and {INT32_MAX}, got {bad}",
-                       "prompt")
-        ids = tuple(prompt)
-    elif prompt is None:
-        raise _bad("'prompt' is required", "prompt")
-    else:
-        raise _bad("'prompt' must be a string, a list of token ids, or a list of one of "
-                   "those (batches are not supported)", "prompt")
+    prompts = _prompts(body)
+    first = prompts[0]
     stream, include_usage = _stream(body)
     sampling = _sampling(body, ("max_tokens",))
+    echo = _opt_bool(body, "echo")
+    k = None if body.get("logprobs") is False else _logprobs_count(body, "logprobs")
     return ParsedRequest(
         kind="completion", model=model,
-        sampling=replace(sampling, max_tokens=sampling.max_tokens or 16),
-        stream=stream, include_usage=include_usage, prompt=text, prompt_token_ids=ids,
-        request_id=_request_id(body), client_salt=_client_salt(body),
+        sampling=replace(sampling, max_tokens=sampling.max_tokens or 16, logprobs=k,
+                         prompt_logprobs=k if echo else None),
+        stream=stream, include_usage=include_usage,
+        prompt=first if isinstance(first, str) else None,
+        prompt_token_ids=None if isinstance(first, str) else first,
+        request_id=_request_id(body), client_salt=_client_salt(body), n=_n(body), echo=echo,
+        batch=tuple(prompts) if len(prompts) > 1 else (),
     )
 
 
@@ -446,9 +593,11 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
     stream, include_usage = _stream(body)
     return ParsedRequest(
         kind="chat", model=model,
-        sampling=_sampling(body, ("max_completion_tokens", "max_tokens")),
+        sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),
+                         logprobs=_chat_logprobs(body)),
         stream=stream, include_usage=include_usage, messages=tuple(out),
         images=tuple(images), request_id=_request_id(body), client_salt=_client_salt(body),
+        n=_n(body),
     )
 
 
@@ -468,4 +617,7 @@ def check_context(req: ParsedRequest, prompt_tokens: int, max_model_len: int) ->
                        f"({prompt_tokens} in the prompt, {max_tokens} for the completion). "
                        "Please reduce the length of the prompt or max_tokens.",
                        param="max_tokens", code="context_length_exceeded")
+    if req.sampling.min_tokens > max_tokens:
+        raise _bad(f"'min_tokens' ({req.sampling.min_tokens}) must be less than or equal to "
+                   f"'max_tokens' ({max_tokens})", "min_tokens")
     return replace(req, sampling=replace(req.sampling, max_tokens=max_tokens))

@@ -29,7 +29,11 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   continues without an error, a repeated or a missing token (exact for greedy decoding,
   except with presence/frequency/repetition penalties, as the carried tokens become
   prompt tokens, and for a stop string straddling the migration boundary, which neither
-  attempt sees whole; a sampled request continues from a fresh sampler state). The
+  attempt sees whole; a sampled request continues from a fresh sampler state).
+  ``min_tokens`` shrinks by the carried tokens and ``prompt_logprobs`` are not asked
+  again (the first chunk had them); a structured-output request migrates only before
+  its first token (its grammar state would restart on the carried tokens): after one,
+  the client gets the failure's error. The
   finishing chunk's usage counts the
   original prompt and every generated token; "length" means ``max_tokens`` across
   attempts. ``kvmesh_frontend_migrations_total{stage}`` counts migrations; once the
@@ -74,6 +78,15 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   INVALID_ARGUMENT (the image itself is bad) reaches the client, as a 400. The attempt's
   routing entry (and the router's encoder pick with it) is released exactly once
   whatever happens during the Encode call.
+- **Log-probabilities** (issue 15): ``sampling_proto`` sends the job's ``logprobs`` /
+  ``prompt_logprobs`` top-k counts, ``structured``, ``logit_bias`` (ids checked against
+  the vocabulary in ``prepare``: 400), ``min_tokens`` and ``min_p``; each Chunk carries
+  the worker's per-token ``logprobs`` and the first token's chunk the prompt's
+  (:func:`check_logprobs`: a worker answering other counts is a 502, never a short
+  answer). After a migration the continuation's log-probabilities are the new
+  worker's (the prompt's were sent with the first token and are not repeated).
+- **Several choices / prompts** (``n`` > 1, batches) are :mod:`.fanout`'s: each choice is
+  one job streamed by :meth:`Pipeline.stream`, so everything above holds per choice.
 - Outcomes: a request the consumer abandoned before its finish counts
   ``outcome="cancelled"`` (not an error, no traceback); see :mod:`.metrics`.
 - Each request records a root span ``frontend.request`` with children ``frontend.tokenize``
@@ -94,7 +107,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -148,7 +161,9 @@ class Job:
 
 @dataclass
 class Chunk:
-    """One delta of output."""
+    """One delta of output. With ``sampling.logprobs`` set, ``logprobs`` holds one entry
+    per token of ``token_ids`` (the worker's, checked); with ``prompt_logprobs``, the
+    first chunk holds one per prompt token (the first has none: logprob 0, rank 0)."""
 
     text: str
     token_ids: list[int]
@@ -157,6 +172,8 @@ class Chunk:
     completion_tokens: int = 0
     cached_tokens: int = 0
     predicted_cached_tokens: int = 0
+    logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
 
 
 def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size: int) -> int:
@@ -291,11 +308,37 @@ def sampling_proto(job: Job) -> common_pb2.SamplingParams:
                                   stop_token_ids=list(s.stop_token_ids),
                                   ignore_eos=s.ignore_eos)
     for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty"):
+                 "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
+                 "min_p"):
         value = getattr(s, name)
         if value is not None:
             setattr(p, name, value)
+    p.min_tokens = s.min_tokens
+    for token_id, bias in s.logit_bias:
+        p.logit_bias[token_id] = bias
+    if s.structured is not None:
+        st = s.structured
+        if st.kind == "json_object":
+            p.structured.json_object = True
+        elif st.kind == "choice":
+            p.structured.choice.choices.extend(st.choices)
+        else:  # json_schema | regex | grammar: the text
+            setattr(p.structured, st.kind, st.value)
     return p
+
+
+def check_logprobs(job: Job, resp: worker_pb2.GenerateResponse, first: bool) -> None:
+    """ApiError 502 when the worker's log-probabilities do not match what was asked (one
+    per token; the prompt's on the first chunk): never a silently short answer."""
+    s = job.req.sampling
+    if s.logprobs is not None and len(resp.logprobs) != len(resp.token_ids):
+        raise ApiError(502, f"the worker returned {len(resp.logprobs)} log-probabilities for "
+                       f"{len(resp.token_ids)} tokens", type="upstream_error")
+    if first and s.prompt_logprobs is not None and resp.token_ids and (
+            len(resp.prompt_logprobs) != len(job.token_ids)):
+        raise ApiError(502, f"the worker returned {len(resp.prompt_logprobs)} prompt "
+                       f"log-probabilities for a prompt of {len(job.token_ids)} tokens",
+                       type="upstream_error")
 
 
 class Pipeline:
@@ -398,6 +441,11 @@ class Pipeline:
     def catalog(self) -> ModelCatalog:
         return self._catalog
 
+    @property
+    def tracer(self) -> trace.Tracer:
+        """The frontend's tracer (:mod:`.fanout` opens its request spans with it)."""
+        return self._tracer
+
     async def prepare(self, req: ParsedRequest) -> Job:
         """Resolves the model, tokenizes and checks the context length; the job carries
         ``req.cache_salt`` (the tenant's) to the router and the workers."""
@@ -419,6 +467,13 @@ class Pipeline:
                 ids = mm.token_ids
                 span.set_attribute("kvmesh.images", len(mm.images))
             span.set_attribute("kvmesh.prompt_tokens", len(ids))
+            if req.sampling.logit_bias:
+                tok = await asyncio.to_thread(self._catalog.tokenizer, info)
+                bad = next((t for t, _ in req.sampling.logit_bias if t >= tok.vocab_size),
+                           None)
+                if bad is not None:
+                    raise ApiError(400, f"logit_bias token id {bad} is out of the model's "
+                                   f"vocabulary (size {tok.vocab_size})", param="logit_bias")
         req = check_context(req, len(ids), info.max_model_len)
         rid = req.request_id or uuid.uuid4().hex
         return Job(rid, req, info, ids, int(time.time()), req.cache_salt, mm)
@@ -540,6 +595,7 @@ class Pipeline:
         path, outcome, finished = "none", "error", False
         started = last_at = time.monotonic()
         first_token = True
+        prompt_sent = False  # the prompt's log-probabilities went out (first token)
         try:
             for attempt in range(self.migration_limit + 1):
                 carried = len(generated)
@@ -566,6 +622,10 @@ class Pipeline:
                 attempt_sampling = common_pb2.SamplingParams()
                 attempt_sampling.CopyFrom(sampling)
                 attempt_sampling.max_tokens = max_tokens - carried
+                if carried:  # the carried tokens are prompt now (min_tokens counts them;
+                    # the prompt logprobs went out with the first attempt's first chunk)
+                    attempt_sampling.min_tokens = max(0, sampling.min_tokens - carried)
+                    attempt_sampling.ClearField("prompt_logprobs")
                 images: list[worker_pb2.ImageItem] = []
                 embeddings: list[encoder_pb2.EmbeddingDescriptor] = []
                 if job.mm is not None:
@@ -599,7 +659,14 @@ class Pipeline:
                                 w.address, None, "worker ended the stream without finishing")
                             break
                         pending = None
-                        chunk = Chunk(resp.text, list(resp.token_ids))
+                        first_tokens = bool(resp.token_ids) and not prompt_sent
+                        check_logprobs(job, resp, first_tokens)
+                        chunk = Chunk(resp.text, list(resp.token_ids),
+                                      logprobs=list(resp.logprobs))
+                        if first_tokens:
+                            prompt_sent = True
+                            if job.req.sampling.prompt_logprobs is not None:
+                                chunk.prompt_logprobs = list(resp.prompt_logprobs)
                         if resp.token_ids:
                             now = time.monotonic()
                             if attempt_first:
@@ -627,7 +694,10 @@ class Pipeline:
                     await asyncio.shield(self._spawn(
                         self._end_attempt(router, mesh_id, pending, responses)))
                 assert failure is not None
-                if not failure.migratable or attempt >= self.migration_limit:
+                # A grammar's state would restart on the carried tokens: a structured
+                # request migrates only before its first token.
+                if (not failure.migratable or attempt >= self.migration_limit
+                        or (generated and sampling.HasField("structured"))):
                     raise failure.error() from cause
                 log.info("request %s: %s worker %s failed (%s); migrating with %d tokens "
                          "generated", job.request_id, failure.stage, failure.instance_id,

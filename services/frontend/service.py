@@ -8,6 +8,15 @@ admission rejection (``overloaded_error``) → RESOURCE_EXHAUSTED with the messa
 ``retry-after`` (seconds) and ``kvmesh-admission-reason`` trailing metadata.
 ``ListModels`` lists the served models.
 
+Issue 15: ``n`` (choices fan out as over HTTP, :mod:`.fanout`; each chunk carries its
+``index``, each choice's last one its ``finish_reason``, the stream's last one the
+request's usage), ``echo`` (completions), and from ``sampling`` (the same
+``common.SamplingParams`` the workers take): ``logprobs`` (the top-k count; chunks carry
+``common.PositionLogprobs``, token ids rather than strings), ``structured`` (json_object
+or json_schema, as ``response_format``; the other kinds are refused), ``logit_bias``,
+``min_tokens``, ``min_p``; ``prompt_logprobs`` is set by ``echo`` with ``logprobs`` and
+refused when sent.
+
 API keys (:mod:`.auth`): with keys configured, both methods need the metadata
 ``authorization: Bearer <key>`` and answer UNAUTHENTICATED (the reason, never the key)
 without a valid one, before the request is looked at; the key's tenant's cache salt goes
@@ -16,13 +25,27 @@ with the request. No keys: open.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
 
 import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
+from services.frontend import fanout
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
-from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec, with_tenant
+from services.frontend.fanout import Tally
+from services.frontend.openai_schema import (
+    MAX_LOGPROBS,
+    MAX_N,
+    ApiError,
+    ParsedRequest,
+    SamplingSpec,
+    Structured,
+    with_tenant,
+)
 from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
@@ -46,7 +69,89 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         raise ApiError(400, "'repetition_penalty' must be > 0", param="repetition_penalty")
     if any(t < 0 for t in s.stop_token_ids):
         raise ApiError(400, "'stop_token_ids' must be >= 0", param="stop_token_ids")
-    sampling = SamplingSpec(
+    sampling = replace(_base_sampling(s), **_issue15_sampling(req))
+    n = req.n or 1
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {req.n}", param="n")
+    which = req.WhichOneof("input")
+    rid = req.request_id or None
+    if req.echo and which != "prompt":
+        raise ApiError(400, "'echo' is for completions (a prompt), not chat", param="echo")
+    if which == "prompt":
+        if not req.prompt:
+            raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        return ParsedRequest("completion", req.model, sampling, stream=True, prompt=req.prompt,
+                             request_id=rid, n=n, echo=req.echo)
+    if which == "messages":
+        if not req.messages.messages:
+            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+        msgs = []
+        for m in req.messages.messages:
+            if m.role not in ("system", "user", "assistant", "developer", "tool"):
+                raise ApiError(400, f"unknown message role {m.role!r}", param="messages")
+            msgs.append((m.role, m.content))
+        return ParsedRequest("chat", req.model, sampling, stream=True, messages=tuple(msgs),
+                             request_id=rid, n=n)
+    raise ApiError(400, "one of 'prompt' or 'messages' is required", param="prompt")
+
+
+def _issue15_sampling(req: frontend_pb2.CompletionRequest) -> dict[str, Any]:
+    """The log-probability, structured-output, logit_bias, min_tokens and min_p options
+    of ``req.sampling`` (the same checks as the OpenAI parser's, 400 naming the field)."""
+    s = req.sampling
+    out: dict[str, Any] = {}
+    if s.HasField("logprobs"):
+        if not 0 <= s.logprobs <= MAX_LOGPROBS:
+            raise ApiError(400, f"'logprobs' must be between 0 and {MAX_LOGPROBS}",
+                           param="logprobs")
+        out["logprobs"] = s.logprobs
+        if req.echo:
+            out["prompt_logprobs"] = s.logprobs
+    if s.HasField("prompt_logprobs"):
+        raise ApiError(400, "'prompt_logprobs' is set by 'echo' with 'logprobs'",
+                       param="prompt_logprobs")
+    if s.HasField("structured"):
+        kind = s.structured.WhichOneof("kind")
+        if kind not in ("json_object", "json_schema") or s.structured.compact_json:
+            raise ApiError(400, "'structured' takes json_object or json_schema (as "
+                           f"response_format), got {kind or 'nothing'}"
+                           f"{' with compact_json' if s.structured.compact_json else ''}",
+                           param="structured")
+        if kind == "json_object":
+            if not s.structured.json_object:
+                raise ApiError(400, "'structured.json_object' must be true", param="structured")
+            out["structured"] = Structured("json_object")
+        else:
+            try:
+                schema = json.loads(s.structured.json_schema)
+            except ValueError as exc:
+                raise ApiError(400, f"'structured.json_schema' is not JSON: {exc}",
+                               param="structured.json_schema") from None
+            if not isinstance(schema, dict):
+                raise ApiError(400, "'structured.json_schema' must be a JSON schema object",
+                               param="structured.json_schema")
+            out["structured"] = Structured("json_schema",
+                                           json.dumps(schema, separators=(",", ":")))
+    bias = []
+    for token_id, value in sorted(s.logit_bias.items()):
+        if token_id < 0 or value != value:
+            raise ApiError(400, f"logit_bias[{token_id}] is not a token id and a number",
+                           param="logit_bias")
+        bias.append((token_id, min(100.0, max(-100.0, value))))
+    out["logit_bias"] = tuple(bias)
+    if s.min_tokens < 0 or (s.max_tokens and s.min_tokens > s.max_tokens):
+        raise ApiError(400, "'min_tokens' must be between 0 and 'max_tokens'",
+                       param="min_tokens")
+    out["min_tokens"] = s.min_tokens
+    if s.HasField("min_p"):
+        if not 0.0 <= s.min_p <= 1.0:
+            raise ApiError(400, "'min_p' must be between 0 and 1", param="min_p")
+        out["min_p"] = s.min_p
+    return out
+
+
+def _base_sampling(s: common_pb2.SamplingParams) -> SamplingSpec:
+    return SamplingSpec(
         max_tokens=s.max_tokens or None,
         temperature=s.temperature if s.HasField("temperature") else None,
         top_p=s.top_p if s.HasField("top_p") else None,
@@ -60,24 +165,6 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
                             else None),
     )
-    which = req.WhichOneof("input")
-    rid = req.request_id or None
-    if which == "prompt":
-        if not req.prompt:
-            raise ApiError(400, "'prompt' must not be empty", param="prompt")
-        return ParsedRequest("completion", req.model, sampling, stream=True, prompt=req.prompt,
-                             request_id=rid)
-    if which == "messages":
-        if not req.messages.messages:
-            raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-        msgs = []
-        for m in req.messages.messages:
-            if m.role not in ("system", "user", "assistant", "developer", "tool"):
-                raise ApiError(400, f"unknown message role {m.role!r}", param="messages")
-            msgs.append((m.role, m.content))
-        return ParsedRequest("chat", req.model, sampling, stream=True, messages=tuple(msgs),
-                             request_id=rid)
-    raise ApiError(400, "one of 'prompt' or 'messages' is required", param="prompt")
 
 
 class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
@@ -108,19 +195,33 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
     ) -> AsyncIterator[frontend_pb2.CompletionChunk]:
         who = await self._tenant(context)
         try:
-            job, chunks = await self._pipeline.run(
-                with_tenant(parse_proto(request), who.cache_salt))
+            fan, chunks = await fanout.run(
+                self._pipeline, with_tenant(parse_proto(request), who.cache_salt))
+            tally = Tally(fan)
+            started: set[int] = set()
+            tok = (await asyncio.to_thread(self._pipeline.catalog.tokenizer,
+                                           fan.prompts[0].model) if fan.req.echo else None)
             try:
-                async for c in chunks:
+                async for index, c in chunks:
+                    tally.see(index, c)
                     out = frontend_pb2.CompletionChunk(
-                        request_id=job.request_id, text=c.text, token_ids=c.token_ids,
-                        model=job.req.model)
+                        request_id=fan.request_id, text=c.text, token_ids=c.token_ids,
+                        model=fan.req.model, index=index, logprobs=c.logprobs)
+                    if fan.req.echo and c.token_ids and index not in started:
+                        started.add(index)
+                        job = fan.prompt_of(index)
+                        prompt = job.req.prompt
+                        if prompt is None and tok is not None:
+                            prompt = tok.decode(job.token_ids, skip_special_tokens=False)
+                        out.text = (prompt or "") + c.text
+                        out.prompt_logprobs.extend(c.prompt_logprobs)
                     if c.finish_reason is not None:
                         out.finish_reason = FINISH.get(c.finish_reason,
                                                        common_pb2.FINISH_REASON_STOP)
-                        out.usage.CopyFrom(common_pb2.Usage(
-                            prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                            cached_tokens=c.cached_tokens))
+                        if tally.done:
+                            p, done, cached = tally.usage()
+                            out.usage.CopyFrom(common_pb2.Usage(
+                                prompt_tokens=p, completion_tokens=done, cached_tokens=cached))
                     yield out
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]

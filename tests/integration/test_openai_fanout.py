@@ -1,0 +1,190 @@
+"""Issue 15's fan-out (``n`` > 1, batches of prompts) with the official ``openai`` client
+through a live mock mesh: real etcd and Redis, two in-process mock workers (the fleet),
+a ``kv`` router, frontends (one with ``--migration-limit 0``).
+
+The mock's tokens are a function of the sampling seed and the prompt, so choice c of a
+request with seed s equals a single request with seed s + c (vLLM's parallel-sampling
+seeds), and the usage can be checked exactly.
+
+- completions, a batch of 2 prompts x n=3: indexes 0..5 in prompt-major order, each equal
+  to its single request, usage = each prompt once + every choice's tokens;
+- chat streaming n=2: chunks of both choices interleaved, one role delta and one finish
+  per choice, one usage chunk; the texts equal the non-streamed ones;
+- gRPC ``n``: chunks carry their index, the last one the request's usage;
+- a choice's worker stopped mid-stream: the client gets an error naming the choice, the
+  other choices are cancelled on their workers and every router entry is released;
+- a choice the worker refuses (the mock computes no log-probabilities): a 400 naming the
+  field, nothing left in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
+from services.common.config import load_config
+from services.common.procs import Child
+from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.router.main import RouterApp, RouterConfig, start_router
+from tests.integration.conftest import base_args, wait_routable
+from tests.waiting import wait_for
+from workers.fleet import Fleet, FleetConfig, start_fleet
+
+NS = "fanout"
+MODEL = "mock"
+
+
+@dataclass
+class FanMesh:
+    fleet: Fleet
+    router: RouterApp
+    frontend: FrontendApp
+    strict: FrontendApp  # --migration-limit 0
+
+    def client(self, front: FrontendApp | None = None) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=(front or self.frontend).base_url + "/v1",
+                                  api_key="none", max_retries=0, timeout=60)
+
+    def in_flight(self) -> int:
+        return self.router.servicer._core.in_flight_count()  # noqa: SLF001
+
+    def running(self) -> int:
+        return sum(w.engine.load().num_running for w in self.fleet.workers)
+
+
+@pytest.fixture(scope="module")
+async def mesh(etcd: Child, redis_server: Child, tiny_model: str) -> AsyncIterator[FanMesh]:
+    args = [*base_args(etcd.address, NS), "--redis-url", f"redis://{redis_server.address}"]
+    fleet = await start_fleet(load_config(FleetConfig, [
+        *args, "--workers", "2", "--block-size", "16", "--num-blocks", "1024",
+        "--max-model-len", "4096", "--worker-id", "fan-", "--model-path", tiny_model,
+        "--model-name", MODEL], {}))
+    router = await start_router(load_config(RouterConfig, [
+        *args, "--policy", "kv", "--load-poll-s", "0.2"], {}))
+    front = [*args, "--http-port", "0", "--router-address", router.server.address]
+    frontend = await start_frontend(load_config(FrontendConfig, front, {}))
+    strict = await start_frontend(load_config(FrontendConfig,
+                                              [*front, "--migration-limit", "0"], {}))
+    try:
+        await wait_routable(router, 2, "the mock workers")
+        await wait_for(lambda: all(f.pipeline.catalog.get(MODEL) is not None
+                                   for f in (frontend, strict)), 30, "the frontends' models")
+        yield FanMesh(fleet, router, frontend, strict)
+    finally:
+        for f in (frontend, strict):
+            await f.server.stop()
+        await router.server.stop()
+        await fleet.stop()
+
+
+async def released(mesh: FanMesh) -> None:
+    await wait_for(lambda: mesh.in_flight() == 0 and mesh.running() == 0, 10,
+                   lambda: f"every entry released (router {mesh.in_flight()}, "
+                           f"workers running {mesh.running()})")
+
+
+async def test_batch_times_n_is_indexed_seeded_and_counted_once(mesh: FanMesh) -> None:
+    client = mesh.client()
+    prompts = [list(range(100, 140)), list(range(300, 323))]
+    resp = await client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=5,
+                                           seed=11)
+    assert [c.index for c in resp.choices] == list(range(6))
+    singles = []
+    for p, prompt in enumerate(prompts):
+        for c in range(3):
+            one = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
+                                                  seed=11 + c)
+            singles.append(one)
+            assert resp.choices[p * 3 + c].text == one.choices[0].text, (p, c)
+    assert len({c.text for c in resp.choices[:3]}) == 3  # other seeds, other samples
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == len(prompts[0]) + len(prompts[1])
+    assert resp.usage.completion_tokens == 6 * 5
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 30
+    assert resp.usage.prompt_tokens_details is not None
+    cached = resp.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 0 <= cached <= resp.usage.prompt_tokens
+    await released(mesh)
+
+
+async def test_chat_stream_with_n_interleaves_choices(mesh: FanMesh) -> None:
+    client = mesh.client()
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "tell me two stories"}]
+    full = await client.chat.completions.create(model=MODEL, messages=messages, n=2,
+                                                max_tokens=12, seed=3)
+    assert [c.index for c in full.choices] == [0, 1]
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=messages, n=2, max_tokens=12, seed=3, stream=True,
+        stream_options={"include_usage": True})
+    texts, roles, finishes, usage, order = ["", ""], [0, 0], [0, 0], [], []
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage.append(chunk.usage)
+        for c in chunk.choices:
+            order.append(c.index)
+            roles[c.index] += c.delta.role == "assistant"
+            texts[c.index] += c.delta.content or ""
+            finishes[c.index] += c.finish_reason is not None
+    assert roles == [1, 1] and finishes == [1, 1] and len(usage) == 1
+    assert texts == [c.message.content for c in full.choices]
+    assert usage[0].completion_tokens == 24
+    assert full.usage is not None and usage[0].prompt_tokens == full.usage.prompt_tokens
+    assert order[:2] == [0, 1]  # the role deltas, then chunks as they come
+    await released(mesh)
+
+
+async def test_grpc_n_chunks_carry_their_index_and_the_usage_last(mesh: FanMesh) -> None:
+    async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
+        chunks = [c async for c in frontend_pb2_grpc.FrontendStub(ch).Generate(
+            frontend_pb2.CompletionRequest(
+                model=MODEL, prompt="grpc fan out", n=3, request_id="g1",
+                sampling=common_pb2.SamplingParams(max_tokens=4, seed=5)))]
+    by_index: dict[int, list[int]] = {}
+    for c in chunks:
+        by_index.setdefault(c.index, []).extend(c.token_ids)
+        assert c.request_id == "g1"
+    assert sorted(by_index) == [0, 1, 2] and all(len(v) == 4 for v in by_index.values())
+    finishes = [c.index for c in chunks if c.finish_reason]
+    assert sorted(finishes) == [0, 1, 2]
+    assert [c.HasField("usage") for c in chunks].count(True) == 1 and chunks[-1].usage
+    assert chunks[-1].usage.completion_tokens == 12
+    await released(mesh)
+
+
+async def test_a_refused_choice_is_a_400_and_nothing_is_left(mesh: FanMesh) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        await mesh.client().completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
+                                               logprobs=2)
+    assert "logprobs" in str(err.value)
+    await released(mesh)
+
+
+async def test_a_choice_failing_mid_stream_cancels_the_others(mesh: FanMesh) -> None:
+    """Last in the module: it stops a worker."""
+    stream = await mesh.client(mesh.strict).completions.create(
+        model=MODEL, prompt=list(range(500, 540)), n=4, max_tokens=2000, stream=True,
+        extra_body={"ignore_eos": True})
+    seen: set[int] = set()
+    stopping: list[asyncio.Future[None]] = []
+    with pytest.raises(openai.APIError) as err:
+        async for chunk in stream:
+            seen.update(c.index for c in chunk.choices)
+            if len(seen) == 4 and not stopping:
+                busy = [w for w in mesh.fleet.workers if w.engine.load().num_running]
+                assert busy, "no worker runs the choices"
+                # its gRPC server goes at once (no grace, no engine abort): the streams
+                # of the choices there break, and with --migration-limit 0 they fail
+                grpc_server = busy[0].server._server  # noqa: SLF001
+                assert grpc_server is not None
+                stopping.append(asyncio.ensure_future(grpc_server.stop(0)))
+    assert stopping and "choice" in str(err.value), err.value
+    await stopping[0]
+    await released(mesh)
