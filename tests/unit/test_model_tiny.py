@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,3 +121,61 @@ def test_default_path_uses_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: 
     assert paths.models_dir() == tmp_path / "models"
     monkeypatch.delenv("KVMESH_CACHE_DIR")
     assert paths.cache_dir() == Path("~/.cache/kvmesh").expanduser()
+
+
+TOOLS_FREE_CHATS: list[list[dict[str, Any]]] = [
+    [{"role": "user", "content": "Hi?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}],
+    [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+     {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+    [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": ""},
+     {"role": "tool", "content": "sunny"}, {"role": "user", "content": ""}],
+    [{"role": "user", "content": "  spaces \n and ünïcode 🚀 <|im_end|> inside "}],
+]
+
+
+@pytest.mark.parametrize("generation", [True, False])
+def test_tools_free_chats_render_as_format_version_1(tiny_dir: Path,
+                                                     generation: bool) -> None:
+    """Version 2's tools branch changes nothing for a chat without tools: the same token
+    ids as the version-1 ChatML template, with and without the generation prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    assert tok.chat_template == tiny.CHATML_TEMPLATE != tiny.CHATML_TEMPLATE_V1
+    for msgs in TOOLS_FREE_CHATS:
+        new = tok.apply_chat_template(msgs, add_generation_prompt=generation,
+                                      return_dict=False)
+        old = tok.apply_chat_template(msgs, add_generation_prompt=generation,
+                                      chat_template=tiny.CHATML_TEMPLATE_V1,
+                                      return_dict=False)
+        assert list(new) == list(old) and len(old) > 2, msgs
+
+
+def test_chat_template_renders_tools_hermes_style(tiny_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tool: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "", "tool_calls": [{
+                "id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    text = tok.apply_chat_template(msgs, tools=[tool], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.\n\n" + tiny.TOOLS_SYSTEM_HEAD + "\n"
+        + json.dumps(tool) + tiny.TOOLS_SYSTEM_TAIL + "<|im_end|>\n"
+        "<|im_start|>user\nHi?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>tool\nsunny<|im_end|>\n"
+        "<|im_start|>assistant\n")
+    # without a system message the tools get their own
+    alone = str(tok.apply_chat_template(msgs[1:2], tools=[tool], tokenize=False,
+                                        add_generation_prompt=True))
+    assert alone.startswith("<|im_start|>system\n# Tools\n") and alone.endswith(
+        "<|im_start|>user\nHi?<|im_end|>\n<|im_start|>assistant\n")

@@ -21,7 +21,8 @@ Contract:
 
 Folder layout: ``config.json``, ``generation_config.json``, ``model.safetensors`` (float32,
 untied ``lm_head``), ``tokenizer.json``, ``tokenizer_config.json`` (with a ChatML
-``chat_template``), ``special_tokens_map.json`` and the marker ``.kvmesh-complete``.
+``chat_template`` that renders tools hermes-style, :data:`CHATML_TEMPLATE`),
+``special_tokens_map.json`` and the marker ``.kvmesh-complete``.
 Special token ids: ``<|endoftext|>`` = 0 (pad/unk), ``<|im_start|>`` = 1 (bos),
 ``<|im_end|>`` = 2 (eos), as in SmolLM2.
 """
@@ -37,7 +38,7 @@ from workers.model.paths import ensure_generated, marker_matches, write_json
 
 DEFAULT_SEED = 0
 DEFAULT_NAME = "tiny-llama"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the chat template's tools branch (CHATML_TEMPLATE)
 VOCAB_SIZE = 768
 
 ENDOFTEXT = "<|endoftext|>"
@@ -46,9 +47,48 @@ IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
-CHATML_TEMPLATE = (
+# The ChatML template of format version 1: what a prompt without tools renders as (kept
+# exactly, token for token, by the template below).
+CHATML_TEMPLATE_V1 = (
     "{%- for message in messages -%}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- endif -%}"
+)
+# Format version 2: ChatML plus a hermes / Qwen-style tools branch, so tool_choice "auto"
+# is served on the tiny model. With ``tools`` the first system message gains the tool list
+# (``<tools></tools>``, one JSON object per line) and the ``<tool_call>`` format; an
+# assistant's ``tool_calls`` render as ``<tool_call>{"name", "arguments"}</tool_call>``
+# after its content. Everything else renders exactly as version 1.
+# (Brief: the tiny tokenizer spends about a token per byte of JSON, and the tests' models
+# have short contexts.)
+TOOLS_SYSTEM_HEAD = "# Tools\n\nYou may call these functions:\n<tools>"
+TOOLS_SYSTEM_TAIL = (
+    "\n</tools>\n\nReturn each call within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+CHATML_TEMPLATE = (
+    "{%- set skip_first = false -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{{- messages[0]['content'] + '\\n\\n' -}}"
+    "{%- set skip_first = true -%}"
+    "{%- endif -%}"
+    "{{- " + repr(TOOLS_SYSTEM_HEAD) + " -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- " + repr(TOOLS_SYSTEM_TAIL) + " + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if not (loop.first and skip_first) -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}"
+    "{%- for call in message['tool_calls'] or [] -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' "
+    "+ (call['function']['arguments'] | tojson) + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
