@@ -11,7 +11,11 @@ Contract:
   ``stream_options.include_usage`` honoured, ``usage.prompt_tokens_details.cached_tokens``
   always reported. ``n`` > 1 and batches of prompts fan out (:mod:`.fanout`: choices
   interleaved in streams, each with its index and finish, one usage); log-probabilities
-  and echo are shaped as vLLM's server shapes them (:mod:`.shapes`).
+  and echo are shaped as vLLM's server shapes them (:mod:`.shapes`). Chat ``tools``:
+  the model's tool calls are parsed with vLLM's hermes parser, whole and streamed
+  (``tool_calls`` deltas), see :mod:`.tools`, :mod:`.tool_chat` and :mod:`.shapes`.
+- ``POST /v1/responses``: OpenAI's Responses API, run by the chat path (tools, structured
+  outputs and tenants included), see :mod:`.responses_api`.
 - Every error is ``{"error": {message, type, param, code}}`` with a 4xx for client mistakes
   (malformed JSON, wrong types, unknown model, context overflow) and 5xx for upstream
   failures. An admission rejection is 503 ``overloaded_error`` (``code`` = the reason)
@@ -45,7 +49,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.frontend import fanout
+from services.frontend import fanout, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import FanJob, Tally
 from services.frontend.models import Tokenizer
@@ -59,6 +63,7 @@ from services.frontend.openai_schema import (
     with_tenant,
 )
 from services.frontend.pipeline import Chunk, Pipeline
+from services.frontend.responses_api import add_routes as add_responses_routes
 from services.frontend.shapes import Shapes
 from services.frontend.tokenize_api import add_routes as add_tokenize_routes
 
@@ -92,25 +97,38 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-async def _sse_stream(shapes: Shapes, fan: FanJob,
-                      chunks: AsyncIterator[tuple[int, Chunk]]) -> AsyncIterator[bytes]:
+async def _chunk_objects(shapes: Shapes, fan: FanJob,
+                         chunks: AsyncIterator[tuple[int, Chunk]]) -> AsyncIterator[
+                             dict[str, Any]]:
+    """A stream's payloads: the role deltas (chat), each choice object's chunk, the usage
+    chunk (``include_usage``); a failure part-way ends it with ``{"error": ...}``."""
     tally = Tally(fan)
     try:
         if shapes.chat:
             for role in shapes.role_chunks():
-                yield _sse(role)
+                yield role
         async for index, chunk in chunks:
             tally.see(index, chunk)
             choice = shapes.add(index, chunk)
             if choice is not None:
-                yield _sse(shapes.chunk_object(choice))
+                yield shapes.chunk_object(choice)
         if fan.req.include_usage:
-            yield _sse(shapes.usage_chunk(tally.usage()))
-        yield _sse("[DONE]")
+            yield shapes.usage_chunk(tally.usage())
     except ApiError as err:
-        yield _sse(error_body(err))
+        yield error_body(err)
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
+
+
+async def _sse_stream(objects: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    try:
+        async for obj in objects:
+            yield _sse(obj)
+            if "error" in obj:
+                return
+        yield _sse("[DONE]")
+    finally:
+        await objects.aclose()  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -214,7 +232,10 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
             for m in pipeline.catalog.all()
         ]}
 
-    async def _serve(req: ParsedRequest, who: Tenant) -> Response:
+    async def _objects(req: ParsedRequest, who: Tenant) -> dict[str, Any] | AsyncIterator[
+            dict[str, Any]]:
+        """Runs ``req``: the response dict, or (``stream``) the iterator of chunk dicts
+        (see :func:`_chunk_objects`); an error before the first chunk is raised."""
         fan, chunks = await fanout.run(pipeline, with_tenant(req, who.cache_salt))
         try:
             shapes = Shapes(fan, await _speller(fan))
@@ -230,7 +251,10 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                 # with neither is an upstream fault, never an empty 200.
                 raise ApiError(502, "the worker stream ended before its first chunk",
                                type="upstream_error") from None
-            except ApiError:
+            except ApiError as err:
+                await chunks.aclose()  # type: ignore[attr-defined]
+                raise tool_chat.explain(fan.req, err) from None
+            except BaseException:
                 await chunks.aclose()  # type: ignore[attr-defined]
                 raise
 
@@ -242,24 +266,31 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                 finally:
                     await chunks.aclose()  # type: ignore[attr-defined]
 
-            return StreamingResponse(_sse_stream(shapes, fan, replay()),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return _chunk_objects(shapes, fan, replay())
         tally = Tally(fan)
         try:
             async for index, chunk in chunks:
                 tally.see(index, chunk)
                 shapes.add(index, chunk)
+        except ApiError as err:
+            raise tool_chat.explain(fan.req, err) from None
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
         if not tally.done:  # see the streaming case: never a 200 without a finish
             raise ApiError(502, "the worker stream ended without finishing",
                            type="upstream_error")
-        return JSONResponse(shapes.full(tally.usage()))
+        return shapes.full(tally.usage())
+
+    async def _serve(req: ParsedRequest, who: Tenant) -> Response:
+        result = await _objects(req, who)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(_sse_stream(result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     async def _speller(fan: FanJob) -> Tokenizer | None:
-        """The model's tokenizer when the shapes need it (log-probabilities, echo)."""
-        if fan.req.sampling.logprobs is None and not fan.req.echo:
+        """The model's tokenizer when the shapes need it (log-probabilities, echo, tools)."""
+        if fan.req.sampling.logprobs is None and not fan.req.echo and fan.req.tools is None:
             return None
         return await asyncio.to_thread(pipeline.catalog.tokenizer, fan.prompts[0].model)
 
@@ -274,6 +305,12 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         body = await _json_body(request, lim)
         return await _serve(parse_chat(body, pipeline.image_limits), who)
 
+    async def run_chat(body: dict[str, Any], request: Request) -> dict[str, Any] | (
+            AsyncIterator[dict[str, Any]]):
+        """A chat body run as ``POST /v1/chat/completions`` runs it (for /v1/responses)."""
+        return await _objects(parse_chat(body, pipeline.image_limits), tenant(request))
+
     add_tokenize_routes(app, pipeline.catalog, tenant, lambda r: _json_body(r, lim))
+    add_responses_routes(app, run_chat, tenant, lambda r: _json_body(r, lim))
     app.state.started = time.time()
     return app

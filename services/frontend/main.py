@@ -35,6 +35,7 @@ from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.common.tls import tls_for
 from services.encoder.images import ImageFlags
+from services.frontend import tool_chat
 from services.frontend.auth import ApiKeys, KeyFileError, merge_api_key_flags
 from services.frontend.http_api import HttpLimits, create_app
 from services.frontend.http_server import http_config
@@ -236,6 +237,9 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     # users reach the gRPC Frontend API with an API key, not a mesh certificate
     server = MeshServer(cfg, "frontend", [spec], record_factory=record,
                         on_stop=[stop_http, workers.close, routers.close], client_auth=False)
+    # vLLM's tool parser imports in 10-18 s: in a thread, so text requests do not wait
+    # (a tools request that comes first waits for it, see tool_chat.WARMUP)
+    tool_chat.WARMUP.start()
     await server.start()
     return FrontendApp(server, pipeline, http, http_port, http_task)
 

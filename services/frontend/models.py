@@ -13,6 +13,11 @@ Contract:
   (``token_texts``) and renders chat messages with the model's own chat
   template (``add_generation_prompt=True``); a message whose content is parts (images)
   is rendered as the template's ``[{"type": "text", ...}, {"type": "image"}]`` list.
+  Tool calling (:mod:`.tools`): ``apply_chat(..., extras=, tools=)`` merges
+  ``extras[i]`` (an assistant's ``tool_calls``, a tool message's ``tool_call_id``) into
+  message i's dict and hands ``tools`` (the OpenAI chat tool dicts) to the template;
+  without them the template's arguments are exactly as before. ``tool_support()`` is
+  what the template renders (:func:`.tools.template_support`), probed once per model.
 - ``ModelInfo.accepts_images``: some worker of the model lists the capability ``images``.
   ``expander(info)``: the model's :class:`~services.frontend.images.ImageExpander`
   (loaded once, blocking: call from a thread); ValueError when it has none.
@@ -24,11 +29,12 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from protos import discovery_pb2
+from services.frontend import tools as tool_calls
 from services.frontend.images import ImageExpander
 
 log = logging.getLogger(__name__)
@@ -66,26 +72,51 @@ class Tokenizer:
         ``add_special_tokens``)."""
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def hf(self) -> Any:
+        """The Hugging Face tokenizer (what vLLM's tool parser takes)."""
+        return self._tok
+
     def apply_chat(self, messages: Sequence[tuple[str, Any]], *,
                    add_generation_prompt: bool = True,
                    continue_final_message: bool = False,
-                   add_special_tokens: bool = False) -> list[int]:
+                   add_special_tokens: bool = False,
+                   extras: Mapping[int, Mapping[str, Any]] | None = None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of the chat-templated conversation, by default ending with the
-        assistant prompt (content parts, see the module docstring); the keywords are the
-        chat template's (``continue_final_message``: the last message left open;
-        ``add_special_tokens``: the tokenizer's BOS on top of the template's)."""
+        assistant prompt (content parts, extras and tools: see the module docstring);
+        the keywords are the chat template's (``continue_final_message``: the last
+        message left open; ``add_special_tokens``: the tokenizer's BOS on top of the
+        template's)."""
         def content(c: Any) -> Any:
             if isinstance(c, str):
                 return c
+            if c is None:
+                return ""
             return [{"type": "text", "text": text} if kind == "text" else {"type": kind}
                     for kind, text in c]
 
+        more = extras or {}
+        kwargs: dict[str, Any] = {} if tools is None else {"tools": tools}
         rendered = self._tok.apply_chat_template(
-            [{"role": r, "content": content(c)} for r, c in messages],
+            [{"role": r, "content": content(c), **more.get(i, {})}
+             for i, (r, c) in enumerate(messages)],
             tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
+            continue_final_message=continue_final_message, **kwargs,
         )
         return list(self._tok.encode(rendered, add_special_tokens=add_special_tokens))
+
+    def tool_support(self) -> tool_calls.TemplateSupport:
+        """What the chat template renders of tools (probed once; see the module doc)."""
+        if not hasattr(self, "_tool_support"):
+            def render(messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None) -> str:
+                kwargs: dict[str, Any] = {} if tools is None else {"tools": tools}
+                return str(self._tok.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True, **kwargs))
+
+            self._tool_support = tool_calls.template_support(render)
+        return self._tool_support
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))

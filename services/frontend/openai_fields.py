@@ -7,9 +7,9 @@ for the first field, in body order, that is
 
 - **unknown**: in none of the tables below (OpenAI itself answers "Unrecognized request
   argument supplied"), or a field of the other endpoint (``messages`` on completions);
-- **recognised but not supported by kvmesh** (OpenAI's ``tools``, ``tool_choice``,
-  ``best_of``, ``suffix``, ...; vLLM's extensions such as ``bad_words`` or
-  ``kv_transfer_params``)
+- **recognised but not supported by kvmesh** (OpenAI's ``best_of``, ``suffix``,
+  ``functions``, ...; ``tools`` and ``tool_choice`` on completions; vLLM's extensions
+  such as ``bad_words`` or ``kv_transfer_params``)
   and set to anything but its no-op value (:data:`NO_OP`: ``null``, or the value that
   asks for nothing, e.g. ``response_format: {"type": "text"}``, ``echo: false``,
   ``tools: []``): a client asking for JSON, a tool call or log-probabilities must learn
@@ -20,10 +20,12 @@ change what is generated (:data:`NO_EFFECT`: ``user``, ``metadata``,
 ``safety_identifier``, ``prompt_cache_key``); None when every field is accepted. Served
 since issue 15 (validated by the parser): ``n``, ``logprobs`` (chat: a boolean, with
 ``top_logprobs``; completions: an integer k), ``echo`` (completions), ``response_format``,
-``logit_bias``, vLLM's ``min_tokens`` and ``min_p``. A message's own keys are checked by
-:func:`message_problem`: ``role`` and ``content`` are accepted; ``name`` (the chat
-templates served render no participant names), ``tool_calls``, ``tool_call_id``,
-``function_call`` and ``refusal`` are refused until they are served.
+``logit_bias``, vLLM's ``min_tokens`` and ``min_p``, and on chat ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (validated by :mod:`.tools`). A message's own
+keys are checked by :func:`message_problem`: ``role``, ``content``, ``tool_calls`` and
+``tool_call_id`` are accepted (their values are :func:`.tools.message_extras`'s to check;
+``content`` may be null); ``name`` (the chat templates served render no participant
+names), ``function_call`` and ``refusal`` are refused until they are served.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ COMMON = frozenset({
 SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs"})
 SUPPORTED = {
     "completion": COMMON | SAMPLING | {"prompt", "echo"},
-    "chat": COMMON | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs"},
+    "chat": COMMON | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs",
+                                 "tools", "tool_choice", "parallel_tool_calls"},
 }
 NO_EFFECT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
 
@@ -57,7 +60,7 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),  # no effect without tools (refused)
+    "parallel_tool_calls": (None, True, False),  # completions: no effect without tools
     "functions": (None, []),
     "function_call": (None, "none"),
     "service_tier": (None, "auto", "default"),
@@ -102,8 +105,8 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "response_prefix": _NONE,
 }
-MESSAGE_KEYS = frozenset({"role", "content"})
-MESSAGE_REFUSED = ("tool_calls", "tool_call_id", "function_call", "refusal", "audio", "name")
+MESSAGE_KEYS = frozenset({"role", "content", "tool_calls", "tool_call_id"})
+MESSAGE_REFUSED = ("function_call", "refusal", "audio", "name")
 
 
 def _is_no_op(name: str, value: Any) -> bool:
@@ -138,7 +141,8 @@ def message_problem(message: dict[str, Any], index: int) -> tuple[str, str] | No
         param = f"messages[{index}].{key}"
         if key in MESSAGE_REFUSED:
             why = ("participant names are not rendered" if key == "name"
-                   else "tool calling is not served")
+                   else "use tool_calls" if key == "function_call"
+                   else "it is not served")
             return f"{param} is not supported by kvmesh (yet): {why}", param
         return f"Unrecognized key in messages[{index}]: '{key}'", param
     return None

@@ -44,6 +44,11 @@ Pure: no I/O. Contract:
   ``logit_bias`` an object of token-id strings to numbers, each clamped to [-100, 100] as
   vLLM does (the ids are checked against the vocabulary by the pipeline, which has the
   tokenizer); vLLM's ``min_tokens`` (0..max_tokens) and ``min_p`` (0..1).
+- **Tools** (chat): ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are checked by
+  :func:`.tools.parse_tools` (``ParsedRequest.tools``; :func:`.tools.conflict` refuses
+  ``response_format`` with a forced call), and the messages' ``tool_calls`` /
+  ``tool_call_id`` by :func:`.tools.message_extras` (``ParsedRequest.message_extras``; a
+  null ``content`` is ``""``).
 - **Batches** (completions): ``prompt`` may be a list of strings or a list of token-id
   lists; ``ParsedRequest.batch`` then holds every prompt (``prompt`` /
   ``prompt_token_ids`` the first) and :func:`split_batch` gives one request per prompt.
@@ -58,10 +63,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.encoder.images import ImageLimits, InputError, data_url_bytes
 from services.frontend.openai_fields import field_problem, message_problem
+
+if TYPE_CHECKING:
+    from services.frontend.tools import ToolRequest
 
 MAX_STOP = 4
 MAX_N = 128  # OpenAI's limit on n
@@ -167,6 +175,10 @@ class ParsedRequest:
     echo: bool = False  # completions: the prompt is prepended to each choice
     # completions with several prompts: every prompt (str or token ids), in order
     batch: tuple[str | tuple[int, ...], ...] = ()
+    # chat tool calling (:mod:`.tools`): the validated tools and tool_choice (None: no
+    # tools), and per message index the tool keys its template dict gets
+    tools: ToolRequest | None = None
+    message_extras: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def split_batch(req: ParsedRequest) -> list[ParsedRequest]:
@@ -590,9 +602,16 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
                        f"developer, tool; got {role!r}", f"messages[{i}].role")
         out.append(("system" if role == "developer" else role,
                     _content(m.get("content"), i, images, limits)))
+    from services.frontend import tools  # it imports this module
+
+    tool_req = tools.parse_tools(body)
+    err = tools.conflict(tool_req, body)
+    if err is not None:
+        raise err
+    extras = tools.message_extras(msgs)
     stream, include_usage = _stream(body)
     return ParsedRequest(
-        kind="chat", model=model,
+        kind="chat", model=model, tools=tool_req, message_extras=extras,
         sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),
                          logprobs=_chat_logprobs(body)),
         stream=stream, include_usage=include_usage, messages=tuple(out),

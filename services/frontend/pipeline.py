@@ -85,6 +85,8 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   (:func:`check_logprobs`: a worker answering other counts is a 502, never a short
   answer). After a migration the continuation's log-probabilities are the new
   worker's (the prompt's were sent with the first token and are not repeated).
+- **Tools** (chat): ``prepare`` checks them against the model's template, waits for
+  vLLM's tool parser and constrains ``required`` / named calls (:mod:`.tool_chat`).
 - **Several choices / prompts** (``n`` > 1, batches) are :mod:`.fanout`'s: each choice is
   one job streamed by :meth:`Pipeline.stream`, so everything above holds per choice.
 - Outcomes: a request the consumer abandoned before its finish counts
@@ -127,6 +129,7 @@ from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
 from services.common.tls import MeshTls
 from services.encoder.images import ImageLimits, InputError
+from services.frontend import tool_chat
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.metrics import FrontendMetrics
@@ -458,8 +461,10 @@ class Pipeline:
                 ids = list(req.prompt_token_ids)
             else:
                 tok = await asyncio.to_thread(self._catalog.tokenizer, info)
-                if req.kind == "chat":
-                    ids = await asyncio.to_thread(tok.apply_chat, req.messages)
+                if req.kind == "chat":  # tool calling: :mod:`.tool_chat`
+                    req = await tool_chat.prepare(req, tok)
+                    ids = await asyncio.to_thread(tok.apply_chat, req.messages,
+                                                  **tool_chat.chat_kwargs(req))
                 else:
                     ids = await asyncio.to_thread(tok.encode, req.prompt or "")
             mm = await self._images(req, info, ids) if req.images else None

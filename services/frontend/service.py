@@ -15,7 +15,9 @@ request's usage), ``echo`` (completions), and from ``sampling`` (the same
 ``common.PositionLogprobs``, token ids rather than strings), ``structured`` (json_object
 or json_schema, as ``response_format``; the other kinds are refused), ``logit_bias``,
 ``min_tokens``, ``min_p``; ``prompt_logprobs`` is set by ``echo`` with ``logprobs`` and
-refused when sent.
+refused when sent. Tool calling is HTTP-only for now: ``CompletionRequest`` has no tools
+field (nothing a client sends is dropped) and ``common.ChatMessage`` carries no
+``tool_calls`` / ``tool_call_id``.
 
 API keys (:mod:`.auth`): with keys configured, both methods need the metadata
 ``authorization: Bearer <key>`` and answer UNAUTHENTICATED (the reason, never the key)

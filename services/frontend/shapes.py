@@ -26,6 +26,13 @@ over a :class:`~services.frontend.fanout.FanJob`), matching vLLM's OpenAI server
   or the token-id prompt decoded with its special tokens); with ``logprobs`` the prompt's
   tokens lead the logprobs, the first with null ``token_logprobs`` and ``top_logprobs``.
   Streaming: both go with the choice's first chunk that has tokens.
+- **Tool calls** (chat with ``tools``): each choice has its own
+  :class:`~services.frontend.tools.ToolCallParser` (vLLM's hermes parser, over the
+  tokenizer's ``hf`` tokenizer). Streaming, a chunk's ``delta`` is the parser's (content
+  and/or ``tool_calls`` pieces; a chunk it holds back sends nothing unless it finishes or
+  carries log-probabilities) and the finishing chunk's reason is
+  ``stream_finish_reason``'s; the full response's ``message`` and ``finish_reason`` are
+  ``finish``'s (``content`` null and ``tool_calls`` when the model called a tool).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from protos import common_pb2
+from services.frontend import tools
 from services.frontend.fanout import FanJob
 from services.frontend.pipeline import Chunk
 
@@ -159,6 +167,9 @@ class Shapes:
         self._spell = Speller(tok)
         self.k = fan.req.sampling.logprobs
         self._choices = [_Choice() for _ in fan.choices]
+        tool_req = fan.req.tools if self.chat else None
+        self._parsers = ([tools.ToolCallParser(getattr(tok, "hf", tok), tool_req)
+                          for _ in fan.choices] if tool_req is not None else None)
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.fan.created,
@@ -197,6 +208,8 @@ class Shapes:
         st.text.append(text)
         if chunk.finish_reason is not None:
             st.finish = chunk.finish_reason
+        if self._parsers is not None:
+            return self._tool_delta(index, text, chunk.finish_reason, lp)
         if not (text or chunk.finish_reason or lp):
             return None
         if self.chat:
@@ -205,6 +218,20 @@ class Shapes:
                     "finish_reason": chunk.finish_reason}
         return {"index": index, "text": text, "logprobs": lp,
                 "finish_reason": chunk.finish_reason}
+
+    def _tool_delta(self, index: int, text: str, finish: str | None,
+                    lp: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A chat stream's choice object through the choice's tool parser."""
+        if not self.fan.req.stream:
+            return None  # the full response parses the whole text once (``full``)
+        assert self._parsers is not None
+        parser = self._parsers[index]
+        delta = parser.delta(text, finished=finish is not None)
+        if delta is None and finish is None and lp is None:
+            return None
+        return {"index": index, "delta": delta or {}, "logprobs": lp,
+                "finish_reason": None if finish is None
+                else parser.stream_finish_reason(finish)}
 
     def chunk_object(self, choice: dict[str, Any]) -> dict[str, Any]:
         return {**self.head(self.chunk_object_name), "choices": [choice]}
@@ -220,8 +247,13 @@ class Shapes:
             text = "".join(st.text)
             if self.chat:
                 lp = {"content": st.content} if self.k is not None else None
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": st.finish})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                finish = st.finish
+                if self._parsers is not None:
+                    out = self._parsers[i].finish(text, st.finish)
+                    message, finish = out.message(), out.finish_reason
+                choices.append({"index": i, "message": message, "logprobs": lp,
+                                "finish_reason": finish})
             else:
                 lp = (st.logprobs or completion_logprobs([], [], self._spell, 0, 0)[0]
                       ) if self.k is not None else None

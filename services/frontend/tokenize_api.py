@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -55,6 +55,8 @@ class TokenizeRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    # messages[i]'s tool_calls / tool_call_id (rendered by the template, as in a chat)
+    extras: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -116,7 +118,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         return TokenizeRequest(model, messages=chat.messages,
                                add_special_tokens=_bool(body, "add_special_tokens", False),
                                add_generation_prompt=gen, continue_final_message=cont,
-                               return_token_strs=strs)
+                               return_token_strs=strs, extras=chat.message_extras)
     _check_keys(body, _COMPLETION)
     prompt = body.get("prompt")
     if prompt is None:
@@ -174,7 +176,7 @@ def add_routes(app: FastAPI, catalog: ModelCatalog,
             ids = await asyncio.to_thread(
                 tok.apply_chat, req.messages, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
-                add_special_tokens=req.add_special_tokens)
+                add_special_tokens=req.add_special_tokens, extras=req.extras)
         else:
             ids = await asyncio.to_thread(tok.encode, req.prompt or "",
                                           req.add_special_tokens)

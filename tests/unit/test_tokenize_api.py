@@ -84,6 +84,24 @@ async def test_chat_ids_are_the_templates_and_the_ones_a_chat_routes_with(
     assert len(bare.json()["tokens"]) < len(r.json()["tokens"])
 
 
+async def test_tool_call_history_is_rendered_as_a_chat_renders_it(
+    client: TestClient, pipeline: Pipeline,
+) -> None:
+    """An assistant's tool_calls and the tool's answer are in the ids, as in a chat."""
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {
+                       "name": "weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = client.post("/tokenize", json={"model": MODEL, "messages": history})
+    assert r.status_code == 200, r.text
+    job = await pipeline.prepare(parse_chat({"model": MODEL, "messages": history}))
+    assert r.json()["tokens"] == job.token_ids
+    plain = client.post("/tokenize", json={"model": MODEL, "messages": [
+        history[0], {"role": "assistant", "content": ""}, history[2]]})
+    assert len(r.json()["tokens"]) > len(plain.json()["tokens"])  # the call is rendered
+
+
 def test_detokenize_round_trips_with_special_tokens_kept(client: TestClient, hf: Any) -> None:
     ids = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
     r = client.post("/detokenize", json={"model": MODEL, "tokens": ids})

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from services.frontend import tools as T
 from services.frontend.openai_schema import ApiError
 from workers.model.paths import models_dir
-from workers.model.tiny import CHATML_TEMPLATE, ensure_tiny_model
+from workers.model.tiny import CHATML_TEMPLATE, CHATML_TEMPLATE_V1, ensure_tiny_model
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -216,16 +216,19 @@ def _jinja(template: str) -> T.Render:
 
 
 def test_template_support_probe() -> None:
-    assert T.template_support(_jinja(CHATML_TEMPLATE)) == T.TemplateSupport(False, False)
+    assert T.template_support(_jinja(CHATML_TEMPLATE_V1)) == T.TemplateSupport(False, False)
     assert T.template_support(_jinja(TOOLS_TEMPLATE)) == T.TemplateSupport(True, True)
+    assert T.template_support(_jinja(CHATML_TEMPLATE)) == T.TemplateSupport(True, True)
 
 
-def test_served_templates_render_no_tools(tokenizer: Any) -> None:
+def test_served_templates_tiny_renders_tools_smollm2_does_not(tokenizer: Any) -> None:
+    """The tiny model's template (format version 2) renders tools and tool calls, so
+    ``auto`` is served there; SmolLM2's renders neither (``auto`` refused)."""
     def render(tok: Any) -> T.Render:
         return lambda m, t: str(tok.apply_chat_template(
             m, tools=t, tokenize=False, add_generation_prompt=True))
 
-    assert T.template_support(render(tokenizer)) == T.TemplateSupport(False, False)
+    assert T.template_support(render(tokenizer)) == T.TemplateSupport(True, True)
     smol = models_dir() / "SmolLM2-135M-Instruct"
     if (smol / "tokenizer_config.json").exists():
         from transformers import AutoTokenizer
