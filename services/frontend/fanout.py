@@ -16,7 +16,14 @@ Shared by the HTTP and gRPC APIs. Contract of :func:`run(pipeline, req)`, which 
   a batch's different prompts spread over workers by load. Nothing is pinned.
 - **Index** as OpenAI's: ``prompt_index * n + choice``. **Seeds**: a given ``seed``
   becomes ``seed + choice`` for each choice (wrapped into int64), as vLLM's parallel
-  sampling seeds its child requests; without a seed each choice samples freshly.
+  sampling seeds its child requests; without a seed each choice samples freshly. The
+  seed -1 means "no seed" to vLLM, so it is skipped: when ``seed < -1 <= seed + choice``
+  the choice gets ``seed + choice + 1`` (every choice's seed stays distinct and set); a
+  client's ``seed: -1`` is no seed for every choice (vLLM reads it so before fanning out).
+- **Prompt log-probabilities** (echo with logprobs): only choice 0 of each prompt asks
+  for them (one prefill that computes every prompt position, not n); its entries go on
+  the first chunk with tokens of each of the prompt's other choices too, whose chunks
+  are held back (in order) until choice 0's first chunk came.
 - **Chunks** of all choices are interleaved as they arrive, each tagged with its index;
   every choice ends with its own finishing chunk (``finish_reason`` and that choice's
   usage). The consumer asks :class:`Tally` for the request's usage.
@@ -39,6 +46,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -73,15 +81,21 @@ class FanJob:
 
 
 def _seed(seed: int | None, choice: int) -> int | None:
-    if seed is None or choice == 0:
+    """``seed + choice`` wrapped into int64, skipping -1 (module docstring)."""
+    if seed is None or seed == -1 or choice == 0:
         return seed
-    return (seed + choice - INT64_MIN) % 2**64 + INT64_MIN
+    raw = seed + choice
+    if seed < -1 <= raw:
+        raw += 1
+    return (raw - INT64_MIN) % 2**64 + INT64_MIN
 
 
 def choice_job(job: Job, base_id: str, index: int, choice: int) -> Job:
     """The Job of choice ``choice`` (overall ``index``) of the prompt ``job``."""
     s = job.req.sampling
-    req = replace(job.req, n=1, batch=(), sampling=replace(s, seed=_seed(s.seed, choice)))
+    req = replace(job.req, n=1, batch=(), sampling=replace(
+        s, seed=_seed(s.seed, choice),
+        prompt_logprobs=s.prompt_logprobs if choice == 0 else None))  # choice 0's are shared
     return replace(job, request_id=f"{base_id}-{index}", req=req)
 
 
@@ -170,24 +184,75 @@ async def _merged(pipeline: Pipeline, fan: FanJob, ctx: Context,
 
     tasks = [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(fan.choices)]
     live = len(tasks)
+    share = _PromptShare(fan)
     try:
         while live:
             index, item = await queue.get()
             if item is None:
                 live -= 1
+                for out in share.ended(index):
+                    yield out
             elif isinstance(item, ApiError):
                 raise _choice_error(index, item) from item
             elif isinstance(item, BaseException):
                 raise ApiError(500, f"choice {index}: internal error: {item}",
                                type="internal_error") from item
             else:
-                yield index, item
+                for out in share.see(index, item):
+                    yield out
     except BaseException as exc:
         if not isinstance(exc, GeneratorExit | asyncio.CancelledError):
             span.record_exception(exc)
         raise
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        span.end()
+        try:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        finally:  # a re-cancelled gather must not skip it
+            span.end()
+
+
+class _PromptShare:
+    """Choice 0's prompt log-probabilities for the prompt's other choices (module
+    docstring); a pass-through when no prompt log-probabilities were asked (or n = 1)."""
+
+    def __init__(self, fan: FanJob) -> None:
+        self.n = fan.n
+        self.on = fan.n > 1 and fan.req.sampling.prompt_logprobs is not None
+        self.entries: dict[int, list[Any]] = {}  # prompt index -> choice 0's entries
+        self.held: dict[int, list[tuple[int, Chunk]]] = {}  # prompt index -> held chunks
+        self.started: set[int] = set()  # choices whose first chunk with tokens went out
+
+    def _out(self, index: int, chunk: Chunk) -> tuple[int, Chunk]:
+        if index % self.n and chunk.token_ids and index not in self.started:
+            chunk.prompt_logprobs = list(self.entries[index // self.n])
+        if chunk.token_ids:
+            self.started.add(index)
+        return index, chunk
+
+    def _release(self, prompt: int, entries: list[Any]) -> list[tuple[int, Chunk]]:
+        self.entries[prompt] = entries
+        return [self._out(i, c) for i, c in self.held.pop(prompt, [])]
+
+    def see(self, index: int, chunk: Chunk) -> list[tuple[int, Chunk]]:
+        """What goes out now that choice ``index`` sent ``chunk``."""
+        if not self.on:
+            return [(index, chunk)]
+        prompt = index // self.n
+        if index % self.n == 0:
+            out = [(index, chunk)]
+            if chunk.token_ids and prompt not in self.entries:
+                out += self._release(prompt, list(chunk.prompt_logprobs))
+            return out
+        if prompt not in self.entries:
+            self.held.setdefault(prompt, []).append((index, chunk))
+            return []
+        return [self._out(index, chunk)]
+
+    def ended(self, index: int) -> list[tuple[int, Chunk]]:
+        """Choice ``index`` ended: choice 0 without a token releases what it held (their
+        echo then lacks the prompt's entries; the shapes' check fails loudly)."""
+        if not self.on or index % self.n or index // self.n in self.entries:
+            return []
+        return self._release(index // self.n, [])

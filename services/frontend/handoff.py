@@ -21,12 +21,16 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   P keeps the rest (its prefix hashes and block keys do not depend on sampling). D gets
   the full sampling but ``prompt_logprobs`` (:data:`D_DROPPED`: D computes no prompt
   position); P computes them and they go out on the first chunk of the stream, as from
-  an aggregated worker (push: D's first chunk waits until P has answered; if P failed
-  after its WRITE the chunk goes without them, with a warning).
+  an aggregated worker (push: D's first chunk waits until P has settled, so a P that
+  fails, even after its WRITE, fails the request at P's stage before any chunk went
+  out). A P that settled without them (none came on its stream) is a
+  :class:`HandoffError` of stage ``prefill`` (no code) when D's first chunk is due: the
+  pipeline treats it as any P failure (migration), never a chunk without them.
 - Every failure of a worker call raises :class:`HandoffError` (never a raw gRPC error, never
   a silent half result): a gRPC error, a stream that ends without output or without a
-  finish chunk, P without handoff parameters (pull), no first output from D within
-  ``PUSH_TIMEOUT_S`` (push; stage ``timeout``, named after D). See its attributes.
+  finish chunk, P without handoff parameters (pull) or without the prompt logprobs asked
+  for, no first output from D within ``PUSH_TIMEOUT_S`` (push; stage ``timeout``, named
+  after D). See its attributes.
 - Cancelling or closing the iterator cancels every call in flight, which aborts the request
   on those workers; when the iterator is over (finished, failed or closed) no task of it is
   left running.
@@ -280,9 +284,11 @@ class _Run:
     def _outgoing(self, effect: hm.EmitChunk) -> worker_pb2.GenerateResponse:
         resp: worker_pb2.GenerateResponse = effect.chunk  # type: ignore[assignment]
         if self.first_out and self.want_prompt_logprobs:
-            if not self.p_prompt_logprobs:  # push only: P failed after its WRITE
-                log.warning("request %s: prefill worker %s gave no prompt logprobs",
-                            self.req.request_id, self.route.prefill.instance_id)
+            if not self.p_prompt_logprobs:  # P settled without them: P's failure
+                p = self.route.prefill
+                raise HandoffError(f"prefill worker {p.instance_id} ({p.address}) returned "
+                                   "no prompt logprobs", stage="prefill",
+                                   instance_id=p.instance_id, address=p.address)
             resp.prompt_logprobs.extend(self.p_prompt_logprobs)
         self.first_out = False
         if self.mode != "agg" and _finished(resp):

@@ -20,8 +20,12 @@ Contract:
   (malformed JSON, wrong types, unknown model, context overflow) and 5xx for upstream
   failures. An admission rejection is 503 ``overloaded_error`` (``code`` = the reason)
   with a ``Retry-After`` header (whole seconds, rounded up). An error after streaming
-  began is sent as a final ``data: {"error": ...}`` event. A client that disconnects
-  cancels the request on the worker.
+  began is sent as a final ``data: {"error": ...}`` event followed by ``data: [DONE]``
+  (as vLLM), an unexpected exception as such an event of type ``internal_error`` (never
+  a silently truncated stream). A client that disconnects cancels the request on the
+  workers, streamed or not: a non-streamed request (and a stream before its first chunk)
+  races the ASGI ``http.disconnect``, and on it the request's chunks are closed (every
+  choice's worker calls aborted, its router entry released).
 - **API keys** (:mod:`.auth`): with keys configured, ``/v1/*`` (and ``/metrics`` when
   ``metrics_auth``) need ``Authorization: Bearer <key>``, checked before the body is
   read; a missing or unknown key is 401 ``{"error": {message, "type":
@@ -39,9 +43,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +71,8 @@ from services.frontend.pipeline import Chunk, Pipeline
 from services.frontend.responses_api import add_routes as add_responses_routes
 from services.frontend.shapes import Shapes
 from services.frontend.tokenize_api import add_routes as add_tokenize_routes
+
+log = logging.getLogger(__name__)
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -116,19 +123,60 @@ async def _chunk_objects(shapes: Shapes, fan: FanJob,
             yield shapes.usage_chunk(tally.usage())
     except ApiError as err:
         yield error_body(err)
+    except Exception as exc:  # never a silently truncated stream
+        log.exception("request %s: the stream failed", fan.request_id)
+        yield error_body(ApiError(500, f"internal error: {exc}", type="internal_error"))
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]
 
 
 async def _sse_stream(objects: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """The objects as server-sent events; after an error event the stream ends with
+    ``[DONE]``, as vLLM's does."""
     try:
         async for obj in objects:
             yield _sse(obj)
             if "error" in obj:
-                return
+                break
         yield _sse("[DONE]")
     finally:
         await objects.aclose()  # type: ignore[attr-defined]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone. The body is read by now, so the next ASGI
+    message is ``http.disconnect``, which the server sends when the connection closes
+    (Starlette's TestClient: only after the response). A ``receive`` that fails says
+    nothing about the client: then this waits until cancelled."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - see the docstring
+        log.debug("receive() failed while waiting for a disconnect", exc_info=True)
+        await asyncio.Event().wait()
+
+
+async def _unless_disconnected(request: Request,
+                               work: Coroutine[Any, Any, Response]) -> Response:
+    """``work``'s response; when the client disconnects first, ``work`` is cancelled
+    (which closes the request's chunks: its choices' worker calls are aborted and their
+    router entries released) and a 499 nobody reads is answered."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler itself is cancelled
+        if not task.done():
+            task.cancel()
+        gone.cancel()
+        await asyncio.wait([task, gone])
+    if not task.cancelled() and task.exception() is None:
+        return task.result()  # a response: sending it handles a client gone meanwhile
+    if not gone.cancelled():
+        if not task.cancelled():
+            task.exception()  # retrieved: the client is gone, nobody reads it
+        return Response(status_code=499)
+    return task.result()  # raises the work's error
 
 
 @dataclass(frozen=True)
@@ -297,13 +345,15 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         who = tenant(request)
-        return await _serve(parse_completion(await _json_body(request, lim)), who)
+        return await _unless_disconnected(
+            request, _serve(parse_completion(await _json_body(request, lim)), who))
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         who = tenant(request)
         body = await _json_body(request, lim)
-        return await _serve(parse_chat(body, pipeline.image_limits), who)
+        return await _unless_disconnected(
+            request, _serve(parse_chat(body, pipeline.image_limits), who))
 
     async def run_chat(body: dict[str, Any], request: Request) -> dict[str, Any] | (
             AsyncIterator[dict[str, Any]]):

@@ -44,6 +44,13 @@ Pure: no I/O. Contract:
   ``logit_bias`` an object of token-id strings to numbers, each clamped to [-100, 100] as
   vLLM does (the ids are checked against the vocabulary by the pipeline, which has the
   tokenizer); vLLM's ``min_tokens`` (0..max_tokens) and ``min_p`` (0..1).
+  Sizes: ``n`` x the number of prompts at most :data:`MAX_CHOICES` (:func:`check_choices`,
+  a 400 naming ``n``), the schema's compact JSON at most :data:`MAX_STRUCTURED_BYTES`
+  (400 naming ``response_format``), at most :data:`MAX_LOGIT_BIAS` ``logit_bias`` entries.
+- ``stream_options`` (with ``stream: true`` only, as vLLM): ``include_usage`` (a boolean
+  or null) and ``continuous_usage_stats`` false or null; ``continuous_usage_stats: true``
+  (usage on every chunk) is refused as not supported, any other key is a 400 naming
+  ``stream_options.<key>``.
 - **Tools** (chat): ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are checked by
   :func:`.tools.parse_tools` (``ParsedRequest.tools``; :func:`.tools.conflict` refuses
   ``response_format`` with a forced call), and the messages' ``tool_calls`` /
@@ -75,6 +82,9 @@ MAX_STOP = 4
 MAX_N = 128  # OpenAI's limit on n
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit (and vLLM's default max_logprobs)
 MAX_BATCH = 256  # prompts in one /v1/completions request
+MAX_CHOICES = 256  # sub-requests of one request: n x prompts (check_choices)
+MAX_STRUCTURED_BYTES = 64 << 10  # a json_schema's text (UTF-8), as the workers cap it
+MAX_LOGIT_BIAS = 1024  # logit_bias entries, as the workers cap them
 MAX_JSON_DEPTH = 64
 TOO_DEEP = "is nested too deeply"
 _SCALARS = frozenset({int, float, bool, type(None)})
@@ -380,7 +390,11 @@ def _response_format(body: dict[str, Any]) -> Structured | None:
         if not isinstance(schema, dict):
             raise _bad("response_format.json_schema.schema must be a JSON schema object",
                        "response_format.json_schema.schema")
-        return Structured("json_schema", json.dumps(schema, separators=(",", ":")))
+        text = json.dumps(schema, separators=(",", ":"))
+        if len(text.encode()) > MAX_STRUCTURED_BYTES:
+            raise _bad(f"response_format.json_schema.schema is {len(text.encode())} bytes as "
+                       f"compact JSON; at most {MAX_STRUCTURED_BYTES}", "response_format")
+        return Structured("json_schema", text)
     raise _bad(f"response_format.type must be one of 'text', 'json_object', 'json_schema'; "
                f"got {kind!r}", "response_format.type")
 
@@ -391,6 +405,9 @@ def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
         return ()
     if not isinstance(v, dict):
         raise _bad("'logit_bias' must be an object of token ids to biases", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got {len(v)}",
+                   "logit_bias")
     out = []
     for key, bias in v.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()
@@ -443,7 +460,22 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
     if opts is not None:
         if not isinstance(opts, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
-        include_usage = bool(opts.get("include_usage", False))
+        if opts and not stream:
+            raise _bad("Stream options can only be defined when `stream=True`.",
+                       "stream_options")
+        extra = next((k for k in opts if k not in ("include_usage",
+                                                   "continuous_usage_stats")), None)
+        if extra is not None:
+            raise _bad(f"Unrecognized key in stream_options: {extra!r}",
+                       f"stream_options.{extra}")
+        for key in ("include_usage", "continuous_usage_stats"):
+            if not isinstance(opts.get(key, False), bool | None):
+                raise _bad(f"'stream_options.{key}' must be a boolean, got "
+                           f"{type(opts[key]).__name__}", f"stream_options.{key}")
+        if opts.get("continuous_usage_stats"):
+            raise _bad("'stream_options.continuous_usage_stats' (usage on every chunk) is "
+                       "not supported", "stream_options.continuous_usage_stats")
+        include_usage = bool(opts.get("include_usage"))
     return stream, include_usage
 
 
@@ -504,6 +536,13 @@ def _prompts(body: dict[str, Any]) -> list[str | tuple[int, ...]]:
     return [_one_prompt(prompt, "prompt")]
 
 
+def check_choices(n: int, prompts: int) -> None:
+    """ApiError 400 naming ``n`` when ``n`` x ``prompts`` exceeds :data:`MAX_CHOICES`."""
+    if n * prompts > MAX_CHOICES:
+        raise _bad(f"'n' ({n}) x {prompts} prompt(s) is {n * prompts} sub-requests; at most "
+                   f"{MAX_CHOICES} per request", "n")
+
+
 def parse_completion(body: Any) -> ParsedRequest:
     """Validates a /v1/completions body."""
     body = _require_object(body)
@@ -514,6 +553,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     stream, include_usage = _stream(body)
     sampling = _sampling(body, ("max_tokens",))
     echo = _opt_bool(body, "echo")
+    check_choices(_n(body), len(prompts))
     k = None if body.get("logprobs") is False else _logprobs_count(body, "logprobs")
     return ParsedRequest(
         kind="completion", model=model,
@@ -610,6 +650,7 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
         raise err
     extras = tools.message_extras(msgs)
     stream, include_usage = _stream(body)
+    check_choices(_n(body), 1)
     return ParsedRequest(
         kind="chat", model=model, tools=tool_req, message_extras=extras,
         sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),

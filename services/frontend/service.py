@@ -15,7 +15,9 @@ request's usage), ``echo`` (completions), and from ``sampling`` (the same
 ``common.PositionLogprobs``, token ids rather than strings), ``structured`` (json_object
 or json_schema, as ``response_format``; the other kinds are refused), ``logit_bias``,
 ``min_tokens``, ``min_p``; ``prompt_logprobs`` is set by ``echo`` with ``logprobs`` and
-refused when sent. Tool calling is HTTP-only for now: ``CompletionRequest`` has no tools
+refused when sent. The size limits are the OpenAI parser's (``MAX_CHOICES`` sub-requests,
+``MAX_STRUCTURED_BYTES`` of schema, ``MAX_LOGIT_BIAS`` entries), INVALID_ARGUMENT naming
+the field. Tool calling is HTTP-only for now: ``CompletionRequest`` has no tools
 field (nothing a client sends is dropped) and ``common.ChatMessage`` carries no
 ``tool_calls`` / ``tool_call_id``.
 
@@ -40,12 +42,15 @@ from services.frontend import fanout
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import Tally
 from services.frontend.openai_schema import (
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
+    MAX_STRUCTURED_BYTES,
     ApiError,
     ParsedRequest,
     SamplingSpec,
     Structured,
+    check_choices,
     with_tenant,
 )
 from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
@@ -75,6 +80,7 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
     n = req.n or 1
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {req.n}", param="n")
+    check_choices(n, 1)
     which = req.WhichOneof("input")
     rid = req.request_id or None
     if req.echo and which != "prompt":
@@ -124,6 +130,9 @@ def _issue15_sampling(req: frontend_pb2.CompletionRequest) -> dict[str, Any]:
                 raise ApiError(400, "'structured.json_object' must be true", param="structured")
             out["structured"] = Structured("json_object")
         else:
+            if len(s.structured.json_schema.encode()) > MAX_STRUCTURED_BYTES:
+                raise ApiError(400, "'structured.json_schema' takes at most "
+                               f"{MAX_STRUCTURED_BYTES} bytes", param="structured.json_schema")
             try:
                 schema = json.loads(s.structured.json_schema)
             except ValueError as exc:
@@ -134,6 +143,9 @@ def _issue15_sampling(req: frontend_pb2.CompletionRequest) -> dict[str, Any]:
                                param="structured.json_schema")
             out["structured"] = Structured("json_schema",
                                            json.dumps(schema, separators=(",", ":")))
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got "
+                       f"{len(s.logit_bias)}", param="logit_bias")
     bias = []
     for token_id, value in sorted(s.logit_bias.items()):
         if token_id < 0 or value != value:
@@ -201,9 +213,9 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                 self._pipeline, with_tenant(parse_proto(request), who.cache_salt))
             tally = Tally(fan)
             started: set[int] = set()
-            tok = (await asyncio.to_thread(self._pipeline.catalog.tokenizer,
-                                           fan.prompts[0].model) if fan.req.echo else None)
             try:
+                tok = (await asyncio.to_thread(self._pipeline.catalog.tokenizer,
+                                               fan.prompts[0].model) if fan.req.echo else None)
                 async for index, c in chunks:
                     tally.see(index, c)
                     out = frontend_pb2.CompletionChunk(

@@ -4,7 +4,11 @@ code; closing the iterator or the push timer leaves no task running and the work
 the frontend blames a push timeout on P.
 
 Failures are real: a closed port (UNAVAILABLE), the worker's own validation
-(INVALID_ARGUMENT), and a simulated P→D link too slow for the push timer.
+(INVALID_ARGUMENT), and a simulated P→D link too slow for the push timer. Prompt
+logprobs on push (the mock computes none): a scripted P (:class:`ScriptedP`, a gRPC
+worker that answers as P would, with or without them, or fails after its first chunk)
+next to the fleet's real D; a P failure, or a P without the prompt logprobs asked for, is
+a HandoffError at P's stage before any chunk goes out.
 """
 
 from __future__ import annotations
@@ -181,6 +185,81 @@ async def test_closing_the_iterator_cancels_every_call(fleet: Fleet, pool: Chann
     assert not tasks_of(rid)
     for w in fleet.workers:
         await wait_idle(w.address)
+
+
+class ScriptedP(worker_pb2_grpc.WorkerServicer):
+    """A push P: its one token, then its finish (with ``prompt_logprobs`` entries, one per
+    prompt token, when ``logprobs``); ``fail``: INTERNAL after the first chunk instead."""
+
+    def __init__(self, *, logprobs: bool = True, fail: bool = False) -> None:
+        self.logprobs, self.fail = logprobs, fail
+        self.requests: list[worker_pb2.GenerateRequest] = []
+
+    async def Generate(self, request: worker_pb2.GenerateRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[
+                           worker_pb2.GenerateResponse]:
+        self.requests.append(request)
+        yield worker_pb2.GenerateResponse(token_ids=[7])
+        if self.fail:
+            await context.abort(grpc.StatusCode.INTERNAL, "P broke after its write")
+        lps = [common_pb2.PositionLogprobs(token=common_pb2.TokenLogprob(token_id=t))
+               for t in request.token_ids] if self.logprobs else []
+        yield worker_pb2.GenerateResponse(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, prompt_logprobs=lps,
+            usage=common_pb2.Usage(prompt_tokens=len(request.token_ids), completion_tokens=1))
+
+
+@pytest.fixture
+async def scripted() -> AsyncIterator[tuple[ScriptedP, str]]:
+    p = ScriptedP()
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(p, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield p, f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+def with_prompt_logprobs(rid: str) -> Request:
+    req = request(rid)
+    req.sampling.prompt_logprobs = 1
+    return req
+
+
+async def test_push_sends_ps_prompt_logprobs_on_the_first_chunk(
+        fleet: Fleet, pool: ChannelPool, scripted: tuple[ScriptedP, str]) -> None:
+    p, addr = scripted
+    out = await collect(pool, with_prompt_logprobs("plp-ok"), plan(fleet, "push", p_addr=addr))
+    assert [len(r.prompt_logprobs) for r in out] == [len(PROMPT)] + [0] * (len(out) - 1)
+    assert p.requests[0].sampling.prompt_logprobs == 1  # P computes them, D does not
+    assert sum(len(r.token_ids) for r in out) == 6
+
+
+@pytest.mark.parametrize("fault", ["no_logprobs", "fails"])
+async def test_a_push_p_without_its_prompt_logprobs_fails_at_ps_stage(
+        fleet: Fleet, pool: ChannelPool, scripted: tuple[ScriptedP, str], fault: str) -> None:
+    """P failing after its WRITE, or finishing without the prompt logprobs: D's first
+    chunk never goes out without them; the request fails at P's stage, which the
+    pipeline migrates (excluding and reporting P) like any P failure."""
+    p, addr = scripted
+    p.logprobs, p.fail = fault != "no_logprobs", fault == "fails"
+    route = plan(fleet, "push", p_addr=addr)
+    rid = f"plp-{fault}"
+    got: list[worker_pb2.GenerateResponse] = []
+    with pytest.raises(HandoffError) as err:
+        async for resp in run_plan(pool, with_prompt_logprobs(rid), route, FrontendMetrics()):
+            got.append(resp)
+    e = err.value
+    assert got == []  # nothing without the prompt logprobs
+    code = grpc.StatusCode.INTERNAL if fault == "fails" else None
+    assert (e.stage, e.code, e.address) == ("prefill", code, addr), str(e)
+    failure = worker_failure(e, route)
+    assert (failure.stage, failure.instance_id, failure.migratable) == (
+        "prefill", route.prefill.instance_id, True)
+    assert not tasks_of(rid)
+    await wait_idle(route.worker.address)
 
 
 async def test_cancelling_during_prefill_cancels_p(fleet: Fleet, pool: ChannelPool) -> None:

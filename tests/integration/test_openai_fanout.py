@@ -7,9 +7,14 @@ request with seed s equals a single request with seed s + c (vLLM's parallel-sam
 seeds), and the usage can be checked exactly.
 
 - completions, a batch of 2 prompts x n=3: indexes 0..5 in prompt-major order, each equal
-  to its single request, usage = each prompt once + every choice's tokens;
-- chat streaming n=2: chunks of both choices interleaved, one role delta and one finish
-  per choice, one usage chunk; the texts equal the non-streamed ones;
+  to its single request, usage = each prompt once + every choice's tokens, and
+  cached_tokens = each prompt's first choice's hits (every worker holds both prompts,
+  so every choice hits: counting them all would count each prompt three times);
+- chat streaming n=2: chunks of both choices interleaved (each choice's content starts
+  before the other's finish), per choice its role delta first and its finish last, one
+  usage chunk after both; the texts equal the non-streamed ones;
+- a non-streamed n=4 request whose client closes its connection mid-generation: every
+  choice is aborted on its worker and its router entry released;
 - gRPC ``n``: chunks carry their index, the last one the request's usage;
 - a choice's worker stopped mid-stream: the client gets an error naming the choice, the
   other choices are cancelled on their workers and every router entry is released;
@@ -20,6 +25,7 @@ seeds), and the usage can be checked exactly.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -28,7 +34,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
+from protos import common_pb2, frontend_pb2, frontend_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
@@ -39,6 +45,7 @@ from workers.fleet import Fleet, FleetConfig, start_fleet
 
 NS = "fanout"
 MODEL = "mock"
+BLOCK = 16
 
 
 @dataclass
@@ -63,7 +70,7 @@ class FanMesh:
 async def mesh(etcd: Child, redis_server: Child, tiny_model: str) -> AsyncIterator[FanMesh]:
     args = [*base_args(etcd.address, NS), "--redis-url", f"redis://{redis_server.address}"]
     fleet = await start_fleet(load_config(FleetConfig, [
-        *args, "--workers", "2", "--block-size", "16", "--num-blocks", "1024",
+        *args, "--workers", "2", "--block-size", str(BLOCK), "--num-blocks", "1024",
         "--max-model-len", "4096", "--worker-id", "fan-", "--model-path", tiny_model,
         "--model-name", MODEL], {}))
     router = await start_router(load_config(RouterConfig, [
@@ -90,9 +97,21 @@ async def released(mesh: FanMesh) -> None:
                            f"workers running {mesh.running()})")
 
 
+async def warm(mesh: FanMesh, prompt: list[int]) -> None:
+    """Every worker computes ``prompt`` once (unsalted, as the frontend sends it)."""
+    for w in mesh.fleet.workers:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            async for _ in worker_pb2_grpc.WorkerStub(ch).Generate(worker_pb2.GenerateRequest(
+                    request_id=f"warm-{w.address}-{prompt[0]}", token_ids=prompt, model=MODEL,
+                    sampling=common_pb2.SamplingParams(max_tokens=1))):
+                pass
+
+
 async def test_batch_times_n_is_indexed_seeded_and_counted_once(mesh: FanMesh) -> None:
     client = mesh.client()
     prompts = [list(range(100, 140)), list(range(300, 323))]
+    for prompt in prompts:  # so every choice, wherever it runs, hits the prompt's blocks
+        await warm(mesh, prompt)
     resp = await client.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=5,
                                            seed=11)
     assert [c.index for c in resp.choices] == list(range(6))
@@ -109,8 +128,10 @@ async def test_batch_times_n_is_indexed_seeded_and_counted_once(mesh: FanMesh) -
     assert resp.usage.completion_tokens == 6 * 5
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + 30
     assert resp.usage.prompt_tokens_details is not None
-    cached = resp.usage.prompt_tokens_details.cached_tokens
-    assert cached is not None and 0 <= cached <= resp.usage.prompt_tokens
+    # each prompt's first choice hit its full blocks (never its last token), once per
+    # prompt: the other choices hit them too, and are not counted
+    hits = [(len(p) - 1) // BLOCK * BLOCK for p in prompts]
+    assert resp.usage.prompt_tokens_details.cached_tokens == sum(hits) == 48
     await released(mesh)
 
 
@@ -119,25 +140,35 @@ async def test_chat_stream_with_n_interleaves_choices(mesh: FanMesh) -> None:
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "tell me two stories"}]
     full = await client.chat.completions.create(model=MODEL, messages=messages, n=2,
-                                                max_tokens=12, seed=3)
+                                                max_tokens=32, seed=3)
     assert [c.index for c in full.choices] == [0, 1]
     stream = await client.chat.completions.create(
-        model=MODEL, messages=messages, n=2, max_tokens=12, seed=3, stream=True,
+        model=MODEL, messages=messages, n=2, max_tokens=32, seed=3, stream=True,
         stream_options={"include_usage": True})
-    texts, roles, finishes, usage, order = ["", ""], [0, 0], [0, 0], [], []
+    texts, roles, finishes, usage = ["", ""], [0, 0], [0, 0], []
+    events: list[tuple[int, str]] = []  # (index, role | content | finish | usage)
     async for chunk in stream:
         if chunk.usage is not None:
             usage.append(chunk.usage)
+            events.append((-1, "usage"))
         for c in chunk.choices:
-            order.append(c.index)
             roles[c.index] += c.delta.role == "assistant"
             texts[c.index] += c.delta.content or ""
             finishes[c.index] += c.finish_reason is not None
+            kind = ("finish" if c.finish_reason is not None else
+                    "role" if c.delta.role == "assistant" else "content")
+            events.append((c.index, kind))
     assert roles == [1, 1] and finishes == [1, 1] and len(usage) == 1
     assert texts == [c.message.content for c in full.choices]
-    assert usage[0].completion_tokens == 24
+    assert usage[0].completion_tokens == 64
     assert full.usage is not None and usage[0].prompt_tokens == full.usage.prompt_tokens
-    assert order[:2] == [0, 1]  # the role deltas, then chunks as they come
+    assert events[-1] == (-1, "usage")  # after both finishes
+    for i in (0, 1):
+        mine = [k for j, k in events if j == i]
+        assert mine[0] == "role" and mine[-1] == "finish" and "content" in mine, (i, mine)
+    # interleaved as they come: each choice's content starts before the other finished
+    for i, other in ((0, 1), (1, 0)):
+        assert events.index((i, "content")) < events.index((other, "finish")), events
     await released(mesh)
 
 
@@ -164,6 +195,26 @@ async def test_a_refused_choice_is_a_400_and_nothing_is_left(mesh: FanMesh) -> N
         await mesh.client().completions.create(model=MODEL, prompt="x", n=2, max_tokens=3,
                                                logprobs=2)
     assert "logprobs" in str(err.value)
+    await released(mesh)
+
+
+async def test_a_client_gone_ends_a_non_streamed_request(mesh: FanMesh) -> None:
+    """A non-streamed n=4 request whose client closes the connection mid-generation:
+    every choice is aborted on its worker and every router entry is released (the
+    choices would run ~4000 mock decode steps, far longer than ``released`` waits)."""
+    host, port = mesh.frontend.base_url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "prompt": list(range(700, 740)), "n": 4,
+                       "max_tokens": 4000, "ignore_eos": True}).encode()
+    _, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: kvmesh\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+                 % len(body) + body)
+    await writer.drain()
+    await wait_for(lambda: mesh.running() == 4 and mesh.in_flight() == 4, 20,
+                   lambda: f"the 4 choices running (workers {mesh.running()}, "
+                           f"router {mesh.in_flight()})")
+    writer.close()
+    await writer.wait_closed()
     await released(mesh)
 
 

@@ -13,6 +13,9 @@ import pytest
 from protos import common_pb2, worker_pb2
 from services.common.kv_params import KvParamsError, from_dict, to_dict, validate_request
 from workers.engines.base import (
+    MAX_LOGIT_BIAS,
+    MAX_STRUCTURED_BYTES,
+    MAX_STRUCTURED_CHOICES,
     EngineError,
     PositionLogprobs,
     Sampling,
@@ -175,7 +178,10 @@ def test_good_optional_features_pass() -> None:
               greedy(structured=SO(json_schema='{"type": "object"}', compact_json=True)),
               greedy(structured=SO(json_object=True)), greedy(structured=SO(regex="a+")),
               greedy(structured=SO(choice=("yes", "no"))),
-              greedy(structured=SO(grammar='root ::= "a"'))):
+              greedy(structured=SO(grammar='root ::= "a"')),
+              greedy(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS))),
+              greedy(structured=SO(regex="a" * MAX_STRUCTURED_BYTES)),
+              greedy(structured=SO(choice=("a",) * MAX_STRUCTURED_CHOICES))):
         validate_sampling(s)
 
 
@@ -198,6 +204,15 @@ def test_good_optional_features_pass() -> None:
     ("structured", SO(grammar=""), "structured.grammar"),
     ("structured", SO(choice=()), "structured.choice"),
     ("structured", SO(regex="a", compact_json=True), "structured.compact_json"),
+    # size caps: what the engine is asked to compile or apply
+    ("logit_bias", tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS + 1)), "logit_bias"),
+    ("structured", SO(json_schema='{"d":"' + "x" * MAX_STRUCTURED_BYTES + '"}'),
+     "structured.json_schema"),
+    ("structured", SO(regex="a" * (MAX_STRUCTURED_BYTES + 1)), "structured.regex"),
+    ("structured", SO(grammar="é" * (MAX_STRUCTURED_BYTES // 2 + 1)), "structured.grammar"),
+    ("structured", SO(choice=("a",) * (MAX_STRUCTURED_CHOICES + 1)), "structured.choice"),
+    ("structured", SO(choice=("a" * (MAX_STRUCTURED_BYTES // 2), "b" * (
+        MAX_STRUCTURED_BYTES // 2 + 1))), "structured.choice"),
 ])
 def test_bad_optional_features_are_refused_naming_the_field(field: str, value: Any,
                                                             where: str) -> None:

@@ -40,7 +40,10 @@ int64 is a valid seed (vLLM reads -1 as none). The optional features
 bias outside [-100, 100] or not finite, ``min_tokens`` < 0 or > ``max_tokens``,
 ``min_p`` outside [0, 1], and a ``structured`` (:class:`StructuredOutputs`) with no kind
 or more than one, an empty regex/grammar/choice list, a ``json_schema`` that is not a
-JSON object, or ``compact_json`` on a kind that is not JSON.
+JSON object, or ``compact_json`` on a kind that is not JSON. Sizes: a ``json_schema``,
+``regex`` or ``grammar`` over :data:`MAX_STRUCTURED_BYTES` (UTF-8), a ``choice`` of more
+than :data:`MAX_STRUCTURED_CHOICES` strings or over MAX_STRUCTURED_BYTES in all, more than
+:data:`MAX_LOGIT_BIAS` ``logit_bias`` entries.
 
 **Optional features**: an engine lists the ones it serves in :attr:`Engine.serves`; the
 worker servicer refuses a request that sets one the engine does not serve
@@ -86,6 +89,10 @@ OPTIONAL_FEATURES = ("logprobs", "prompt_logprobs", "structured", "logit_bias",
 # The most top log-probabilities one position may ask for (vLLM's max_logprobs default).
 MAX_LOGPROBS = 20
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+# Size caps on what a request may ask the engine to compile or apply (the frontend's too).
+MAX_STRUCTURED_BYTES = 64 << 10  # a json_schema, regex or grammar (UTF-8); choice: in all
+MAX_STRUCTURED_CHOICES = 1024  # strings of a choice
+MAX_LOGIT_BIAS = 1024  # logit_bias entries
 
 
 @dataclass(frozen=True)
@@ -167,6 +174,19 @@ def _validate_structured(so: StructuredOutputs) -> None:
         raise EngineError("sampling.structured must set exactly one of "
                           f"{', '.join(STRUCTURED_KINDS)}; got {kinds or 'none'}")
     kind = kinds[0]
+    if kind in ("json_schema", "regex", "grammar"):
+        size = len(str(getattr(so, kind)).encode("utf-8", errors="replace"))
+        if size > MAX_STRUCTURED_BYTES:
+            raise EngineError(f"sampling.structured.{kind} is {size} bytes; at most "
+                              f"{MAX_STRUCTURED_BYTES}")
+    if kind == "choice" and so.choice:
+        if len(so.choice) > MAX_STRUCTURED_CHOICES:
+            raise EngineError(f"sampling.structured.choice has {len(so.choice)} strings; at "
+                              f"most {MAX_STRUCTURED_CHOICES}")
+        size = sum(len(str(c).encode("utf-8", errors="replace")) for c in so.choice)
+        if size > MAX_STRUCTURED_BYTES:
+            raise EngineError(f"sampling.structured.choice is {size} bytes in all; at most "
+                              f"{MAX_STRUCTURED_BYTES}")
     if kind in ("regex", "grammar") and not str(getattr(so, kind)).strip():
         raise EngineError(f"sampling.structured.{kind} must not be empty")
     if kind == "choice" and (not so.choice or any(not isinstance(c, str) for c in so.choice)):
@@ -189,6 +209,9 @@ def _validate_features(s: Sampling) -> None:
         value = getattr(s, name)
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
             raise EngineError(f"sampling.{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+    if len(s.logit_bias) > MAX_LOGIT_BIAS:
+        raise EngineError(f"sampling.logit_bias takes at most {MAX_LOGIT_BIAS} entries, got "
+                          f"{len(s.logit_bias)}")
     for token, bias in s.logit_bias:
         if token < 0:
             raise EngineError(f"sampling.logit_bias token ids must be >= 0, got {token}")

@@ -513,7 +513,9 @@ class VllmEngine(Engine):
         """vLLM's own validation of ``so`` (backend choice, xgrammar's parse of the
         schema, regex, choices or grammar), run on a probe before the request is
         submitted, so a constraint vLLM rejects is an EngineError naming
-        ``sampling.structured`` and never reaches EngineCore's grammar compiler."""
+        ``sampling.structured`` and never reaches EngineCore's grammar compiler. Blocking
+        (xgrammar parses the constraint): :meth:`generate` runs it in a thread, so a large
+        schema never stalls the worker's event loop."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
 
@@ -541,7 +543,7 @@ class VllmEngine(Engine):
             raise EngineDeadError(self._dead.result())
         self._check(request)
         if request.sampling.structured is not None:
-            self._check_structured(llm, request.sampling.structured)
+            await asyncio.to_thread(self._check_structured, llm, request.sampling.structured)
         kv = self._handoff_params(request.kv_transfer_params)
         params = self.sampling_params(request.sampling, kv, request.ec_transfer_params)
         # rendered: no tokenizer call; cache_salt isolates the tenant's prefix cache
