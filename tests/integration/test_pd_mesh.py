@@ -204,7 +204,8 @@ async def wait_idle(address: str, within_s: float = 20.0) -> worker_pb2.LoadRepo
 
 
 async def scrape(address: str) -> dict[str, float]:
-    """A worker's /metrics as {'name{role="..."': value} (worker_id label dropped)."""
+    """A worker's role-labelled /metrics as {'name{role="..."': value} (worker_id label
+    dropped)."""
     async with httpx.AsyncClient(timeout=10) as client:
         text = (await client.get(f"http://{address}/metrics")).text
     out = {}
@@ -212,8 +213,10 @@ async def scrape(address: str) -> dict[str, float]:
         if line.startswith("kvmesh_"):
             key, value = line.rsplit(" ", 1)
             name, _, labels = key.partition("{")
-            role = next(p for p in labels.rstrip("}").split(",") if p.startswith("role="))
-            out[f"{name}{{{role}"] = float(value)
+            role = next((p for p in labels.rstrip("}").split(",") if p.startswith("role=")),
+                        None)
+            if role is not None:  # the per-request metrics carry worker_id alone
+                out[f"{name}{{{role}"] = float(value)
     return out
 
 
