@@ -17,9 +17,28 @@ or json_schema, as ``response_format``; the other kinds are refused), ``logit_bi
 ``min_tokens``, ``min_p``; ``prompt_logprobs`` is set by ``echo`` with ``logprobs`` and
 refused when sent. The size limits are the OpenAI parser's (``MAX_CHOICES`` sub-requests,
 ``MAX_STRUCTURED_BYTES`` of schema, ``MAX_LOGIT_BIAS`` entries), INVALID_ARGUMENT naming
-the field. Tool calling is HTTP-only for now: ``CompletionRequest`` has no tools
-field (nothing a client sends is dropped) and ``common.ChatMessage`` carries no
-``tool_calls`` / ``tool_call_id``.
+the field.
+
+Tool calling (chat): ``tools`` (``frontend.Tool``: name, description, the parameters'
+JSON schema as ``parameters_json`` text, strict), ``tool_choice`` (``frontend.ToolChoice``:
+a mode, and the function's name with ``MODE_FUNCTION``; unset is auto with tools) and
+``parallel_tool_calls``, and in ``messages`` an assistant's ``tool_calls``
+(``common.ToolCall``: id, name, arguments as JSON text) and a tool message's
+``tool_call_id``. :func:`parse_proto` turns them into the OpenAI dicts and validates them
+with the HTTP parser's :func:`.tools.parse_tools` / :func:`.tools.message_extras`, so the
+rules and messages are the same; an error names the proto field (``tools[i].name``,
+``tools[i].parameters_json``, ``tool_choice.function``,
+``messages[i].tool_calls[j].arguments``; ``sampling.structured`` with ``required`` or
+a named function, where HTTP names ``response_format``). Tools with a ``prompt`` are
+refused. The rest is the HTTP chat path's (:mod:`.tool_chat`: the template probe,
+``required`` / a named function as structured outputs, a worker's refusal of that
+constraint INVALID_ARGUMENT naming ``tool_choice``). Each choice's output goes through its
+own :class:`~.tools.ToolCallParser` (vLLM's hermes parser, streaming): a chunk's ``text``
+is the parser's content, its ``tool_calls`` the parser's ``frontend.ToolCallDelta``
+pieces (index; id and name on a call's first piece; arguments pieces), ``token_ids`` and
+``logprobs`` every generated token as without tools, and the choice's last chunk's
+reason the parser's (``FINISH_REASON_TOOL_CALLS`` when it streamed calls and the engine
+stopped, for ``auto`` and ``required``).
 
 API keys (:mod:`.auth`): with keys configured, both methods need the metadata
 ``authorization: Bearer <key>`` and answer UNAUTHENTICATED (the reason, never the key)
@@ -31,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
@@ -38,7 +58,7 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
-from services.frontend import fanout
+from services.frontend import fanout, tool_chat, tools
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import Tally
 from services.frontend.openai_schema import (
@@ -56,7 +76,8 @@ from services.frontend.openai_schema import (
 from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
-          "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR}
+          "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR,
+          "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS}
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
           503: grpc.StatusCode.UNAVAILABLE}
 
@@ -86,6 +107,11 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
     if req.echo and which != "prompt":
         raise ApiError(400, "'echo' is for completions (a prompt), not chat", param="echo")
     if which == "prompt":
+        if req.tools or req.HasField("tool_choice") or req.HasField("parallel_tool_calls"):
+            field = ("tools" if req.tools else "tool_choice" if req.HasField("tool_choice")
+                     else "parallel_tool_calls")
+            raise ApiError(400, f"'{field}' is for chat (messages), not a prompt",
+                           param=field)
         if not req.prompt:
             raise ApiError(400, "'prompt' must not be empty", param="prompt")
         return ParsedRequest("completion", req.model, sampling, stream=True, prompt=req.prompt,
@@ -97,10 +123,102 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         for m in req.messages.messages:
             if m.role not in ("system", "user", "assistant", "developer", "tool"):
                 raise ApiError(400, f"unknown message role {m.role!r}", param="messages")
-            msgs.append((m.role, m.content))
+            msgs.append(("system" if m.role == "developer" else m.role, m.content))
+        tool_req, extras = _tools(req)
         return ParsedRequest("chat", req.model, sampling, stream=True, messages=tuple(msgs),
-                             request_id=rid, n=n)
+                             request_id=rid, n=n, tools=tool_req, message_extras=extras)
     raise ApiError(400, "one of 'prompt' or 'messages' is required", param="prompt")
+
+
+_CHOICE_MODES = {frontend_pb2.ToolChoice.MODE_NONE: "none",
+                 frontend_pb2.ToolChoice.MODE_AUTO: "auto",
+                 frontend_pb2.ToolChoice.MODE_REQUIRED: "required"}
+# The OpenAI parser's field names -> the proto's (the message and param of its errors).
+_RENAMES = ((re.compile(r"\b(tools\[\d+\])\.function\.parameters\b"), r"\1.parameters_json"),
+            (re.compile(r"\b(tools\[\d+\]|tool_calls\[\d+\])\.function\."), r"\1."),
+            (re.compile(r"\btool_choice\.function\.name\b"), "tool_choice.function"),
+            (re.compile(r"\bresponse_format\b"), "sampling.structured"))
+
+
+def _proto_names(err: ApiError) -> ApiError:
+    """``err`` of the OpenAI tool parser with the proto's field names."""
+    message, param = err.message, err.param
+    for pattern, repl in _RENAMES:
+        message = pattern.sub(repl, message)
+        param = pattern.sub(repl, param) if param is not None else None
+    return replace(err, message=message, param=param)
+
+
+def _tool_dict(t: frontend_pb2.Tool, i: int) -> dict[str, Any]:
+    """``tools[i]`` as the OpenAI chat tool dict."""
+    fn: dict[str, Any] = {"name": t.name}
+    if t.HasField("description"):
+        fn["description"] = t.description
+    if t.parameters_json:
+        try:
+            fn["parameters"] = json.loads(t.parameters_json)
+        except ValueError as exc:
+            raise ApiError(400, f"tools[{i}].parameters_json is not JSON: {exc}",
+                           param=f"tools[{i}].parameters_json") from None
+    if t.HasField("strict"):
+        fn["strict"] = t.strict
+    return {"type": "function", "function": fn}
+
+
+def _choice_value(c: frontend_pb2.ToolChoice) -> Any:
+    """``tool_choice`` as the OpenAI value."""
+    if c.mode == frontend_pb2.ToolChoice.MODE_FUNCTION:
+        return {"type": "function", "function": {"name": c.function}}
+    if c.function:
+        raise ApiError(400, "'tool_choice.function' is only for MODE_FUNCTION",
+                       param="tool_choice.function")
+    if c.mode not in _CHOICE_MODES:
+        raise ApiError(400, "'tool_choice.mode' must be MODE_NONE, MODE_AUTO, MODE_REQUIRED "
+                       f"or MODE_FUNCTION, got {c.mode}", param="tool_choice.mode")
+    return _CHOICE_MODES[c.mode]
+
+
+def _tools(req: frontend_pb2.CompletionRequest) -> tuple[tools.ToolRequest | None,
+                                                          dict[int, dict[str, Any]]]:
+    """The chat request's tool request and message extras, validated by the OpenAI
+    parser's functions on the equivalent dicts (module docstring)."""
+    body: dict[str, Any] = {}
+    try:
+        if req.tools:
+            body["tools"] = [_tool_dict(t, i) for i, t in enumerate(req.tools)]
+        if req.HasField("tool_choice"):
+            body["tool_choice"] = _choice_value(req.tool_choice)
+        if req.HasField("parallel_tool_calls"):
+            body["parallel_tool_calls"] = req.parallel_tool_calls
+        if req.sampling.HasField("structured"):
+            body["response_format"] = {"type": req.sampling.structured.WhichOneof("kind")}
+        tool_req = tools.parse_tools(body)
+        err = tools.conflict(tool_req, body)
+        if err is not None:
+            raise err
+        messages: list[dict[str, Any]] = []
+        for m in req.messages.messages:
+            d: dict[str, Any] = {"role": m.role}
+            if m.tool_calls:
+                d["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": c.arguments}} for c in m.tool_calls]
+            if m.tool_call_id:
+                d["tool_call_id"] = m.tool_call_id
+            messages.append(d)
+        return tool_req, tools.message_extras(messages)
+    except ApiError as err:
+        raise _proto_names(err) from None
+
+
+def _call_deltas(delta: dict[str, Any]) -> list[frontend_pb2.ToolCallDelta]:
+    """A parser delta's ``tool_calls`` pieces as protobuf."""
+    out = []
+    for d in delta.get("tool_calls") or ():
+        fn = d.get("function") or {}
+        out.append(frontend_pb2.ToolCallDelta(
+            index=d.get("index", 0), id=d.get("id") or "", name=fn.get("name") or "",
+            arguments=fn.get("arguments") or ""))
+    return out
 
 
 def _issue15_sampling(req: frontend_pb2.CompletionRequest) -> dict[str, Any]:
@@ -208,19 +326,32 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
         self, request: frontend_pb2.CompletionRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[frontend_pb2.CompletionChunk]:
         who = await self._tenant(context)
+        parsed: ParsedRequest | None = None
         try:
-            fan, chunks = await fanout.run(
-                self._pipeline, with_tenant(parse_proto(request), who.cache_salt))
+            parsed = parse_proto(request)
+            fan, chunks = await fanout.run(self._pipeline, with_tenant(parsed, who.cache_salt))
             tally = Tally(fan)
             started: set[int] = set()
             try:
+                tool_req = fan.req.tools
                 tok = (await asyncio.to_thread(self._pipeline.catalog.tokenizer,
-                                               fan.prompts[0].model) if fan.req.echo else None)
+                                               fan.prompts[0].model)
+                       if fan.req.echo or tool_req is not None else None)
+                parsers = ([tools.ToolCallParser(getattr(tok, "hf", tok), tool_req)
+                            for _ in fan.choices] if tool_req is not None else None)
                 async for index, c in chunks:
                     tally.see(index, c)
                     out = frontend_pb2.CompletionChunk(
                         request_id=fan.request_id, text=c.text, token_ids=c.token_ids,
                         model=fan.req.model, index=index, logprobs=c.logprobs)
+                    finish = c.finish_reason
+                    if parsers is not None:  # chat with tools: the choice's parser
+                        parser = parsers[index]
+                        delta = parser.delta(c.text, finished=finish is not None) or {}
+                        out.text = delta.get("content") or ""
+                        out.tool_calls.extend(_call_deltas(delta))
+                        if finish is not None:
+                            finish = parser.stream_finish_reason(finish)
                     if fan.req.echo and c.token_ids and index not in started:
                         started.add(index)
                         job = fan.prompt_of(index)
@@ -229,9 +360,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
                             prompt = tok.decode(job.token_ids, skip_special_tokens=False)
                         out.text = (prompt or "") + c.text
                         out.prompt_logprobs.extend(c.prompt_logprobs)
-                    if c.finish_reason is not None:
-                        out.finish_reason = FINISH.get(c.finish_reason,
-                                                       common_pb2.FINISH_REASON_STOP)
+                    if finish is not None:
+                        out.finish_reason = FINISH.get(finish, common_pb2.FINISH_REASON_STOP)
                         if tally.done:
                             p, done, cached = tally.usage()
                             out.usage.CopyFrom(common_pb2.Usage(
@@ -240,6 +370,8 @@ class FrontendServicer(frontend_pb2_grpc.FrontendServicer):
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
         except ApiError as err:
+            if parsed is not None:  # a worker's refusal of a forced call's constraint
+                err = tool_chat.explain(parsed, err)
             if err.type == "overloaded_error":
                 await context.abort(
                     grpc.StatusCode.RESOURCE_EXHAUSTED, err.message, trailing_metadata=(

@@ -9,7 +9,11 @@ tools, so ``auto`` is served) but no structured outputs, so:
 - ``auto``: the mock's text holds no tool call, so content only, finish ``length``,
   whole and streamed (the same text), with ``n`` = 2 (one parser per choice);
 - ``/v1/responses``: the text path whole and streamed (events in order, the same text,
-  usage), ``max_output_tokens`` → ``incomplete``; refusals naming the field.
+  usage), ``max_output_tokens`` → ``incomplete``; refusals naming the field;
+- the gRPC ``Frontend``: the same validation (INVALID_ARGUMENT naming the proto field),
+  the forced-call refusal naming ``tool_choice``, ``auto`` giving the HTTP stream's
+  content (no tool calls) per choice, and a tool conversation rendered into the same
+  prompt as over HTTP.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 
+from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
 from services.common.config import load_config
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
@@ -237,4 +243,105 @@ async def test_responses_errors_from_the_chat_path_are_mapped(mesh: ToolMesh) ->
     assert isinstance(e, dict) and e["param"] == "tool_choice", e
     with pytest.raises(openai.NotFoundError):
         await mesh.client().responses.create(model="no-such-model", input="hi")
+    await released(mesh)
+
+
+# --- the gRPC Frontend -----------------------------------------------------------------------
+
+G_WEATHER = frontend_pb2.Tool(
+    name="get_weather", description="The weather in a city",
+    parameters_json='{"type": "object", "properties": {"city": {"type": "string"}}, '
+                    '"required": ["city"]}')
+G_USER = common_pb2.ChatMessage(role="user", content="weather in Paris?")
+MODE = frontend_pb2.ToolChoice
+
+
+def grpc_chat(*messages: common_pb2.ChatMessage, max_tokens: int = 8,
+              **fields: Any) -> frontend_pb2.CompletionRequest:
+    return frontend_pb2.CompletionRequest(
+        model=MODEL, messages=frontend_pb2.Messages(messages=list(messages or [G_USER])),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, seed=4), **fields)
+
+
+async def grpc_generate(mesh: ToolMesh, req: frontend_pb2.CompletionRequest
+                        ) -> list[frontend_pb2.CompletionChunk]:
+    async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
+        return [c async for c in frontend_pb2_grpc.FrontendStub(ch).Generate(req)]
+
+
+@pytest.mark.parametrize("req,words", [
+    (grpc_chat(tools=[frontend_pb2.Tool(name="bad name")]), "tools[0].name"),
+    (grpc_chat(tools=[frontend_pb2.Tool(name="f", parameters_json="{x")]),
+     "tools[0].parameters_json"),
+    (grpc_chat(tools=[G_WEATHER], tool_choice=MODE(mode=MODE.MODE_FUNCTION, function="nope")),
+     "tool_choice.function"),
+    (grpc_chat(tool_choice=MODE(mode=MODE.MODE_REQUIRED)), "tool_choice"),
+    (grpc_chat(G_USER, common_pb2.ChatMessage(role="assistant", tool_calls=[
+        common_pb2.ToolCall(id="c1", name="get_weather", arguments="{not json")])),
+     "messages[1].tool_calls[0].arguments"),
+    (grpc_chat(common_pb2.ChatMessage(role="tool", content="sunny")),
+     "messages[0].tool_call_id"),
+    (frontend_pb2.CompletionRequest(model=MODEL, prompt="x", tools=[G_WEATHER],
+                                    sampling=common_pb2.SamplingParams(max_tokens=2)),
+     "'tools' is for chat"),
+])
+async def test_grpc_bad_tool_requests_are_invalid_argument_naming_the_field(
+        mesh: ToolMesh, req: frontend_pb2.CompletionRequest, words: str) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await grpc_generate(mesh, req)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert words in (err.value.details() or ""), err.value.details()
+
+
+@pytest.mark.parametrize("choice", [MODE(mode=MODE.MODE_REQUIRED),
+                                    MODE(mode=MODE.MODE_FUNCTION, function="get_weather")])
+async def test_grpc_forced_calls_the_mock_cannot_constrain_name_tool_choice(
+        mesh: ToolMesh, choice: frontend_pb2.ToolChoice) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await grpc_generate(mesh, grpc_chat(tools=[G_WEATHER], tool_choice=choice))
+    details = err.value.details() or ""
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert details.startswith("tool_choice ") and "structured outputs" in details, details
+    await released(mesh)
+
+
+async def test_grpc_auto_is_content_only_as_over_http(mesh: ToolMesh) -> None:
+    """``auto`` (tool_choice unset) with n = 2: each choice's streamed text is the HTTP
+    response's content for the same seeded request, with no tool-call pieces."""
+    chunks = await grpc_generate(mesh, grpc_chat(tools=[G_WEATHER], n=2, max_tokens=10))
+    http = await mesh.client().chat.completions.create(
+        model=MODEL, messages=USER, tools=[WEATHER], max_tokens=10, seed=4, n=2)
+    assert not any(c.tool_calls for c in chunks)
+    for i, choice in enumerate(http.choices):
+        mine = [c for c in chunks if c.index == i]
+        assert "".join(c.text for c in mine) == choice.message.content
+        assert sum(len(c.token_ids) for c in mine) == 10
+        assert mine[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert http.usage is not None
+    assert chunks[-1].usage.prompt_tokens == http.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == 20
+    await released(mesh)
+
+
+async def test_grpc_tool_conversation_renders_as_over_http(mesh: ToolMesh) -> None:
+    """An assistant's tool call (content empty) and the tool's answer, with tool_choice
+    none: the same prompt as the HTTP request's (prompt tokens), longer than without."""
+    history = [G_USER, common_pb2.ChatMessage(role="assistant", tool_calls=[
+        common_pb2.ToolCall(id="call_1", name="get_weather", arguments='{"city": "Paris"}')]),
+        common_pb2.ChatMessage(role="tool", content="sunny", tool_call_id="call_1")]
+    chunks = await grpc_generate(mesh, grpc_chat(
+        *history, tools=[G_WEATHER], tool_choice=MODE(mode=MODE.MODE_NONE), max_tokens=3))
+    messages: list[ChatCompletionMessageParam] = [
+        *USER, {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    http = await mesh.client().chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", max_tokens=3,
+        seed=4)
+    assert http.usage is not None
+    assert chunks[-1].usage.prompt_tokens == http.usage.prompt_tokens
+    assert "".join(c.text for c in chunks) == http.choices[0].message.content
+    plain = await grpc_generate(mesh, grpc_chat(max_tokens=1))
+    assert chunks[-1].usage.prompt_tokens > plain[-1].usage.prompt_tokens
     await released(mesh)

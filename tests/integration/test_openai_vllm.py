@@ -3,7 +3,8 @@ official ``openai`` client: log-probabilities equal the worker's own (vLLM's) va
 the same prompt, shaped as vLLM's server shapes them; echo; structured outputs that parse
 and validate; logit_bias steering greedy decoding; n with a seed; tool_choice required and
 a named function (tool calls whose arguments validate, streamed deltas that reassemble to
-the same call); /v1/responses with a json_schema text format.
+the same call), and over the gRPC Frontend the same required call as over HTTP;
+/v1/responses with a json_schema text format.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 
-from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from protos import common_pb2, frontend_pb2, frontend_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.frontend.models import Tokenizer
 from tests.integration.conftest import Mesh
 
@@ -177,6 +178,43 @@ async def test_forced_tool_calls_validate_and_stream_the_same(mesh: Mesh, tiny_m
             finish = ch.finish_reason or finish
     assert len(ids) == 1 and names == fn.name and finish == c.finish_reason
     assert json.loads(args) == json.loads(fn.arguments)
+
+
+async def test_grpc_required_gives_the_http_tool_call(mesh: Mesh, tiny_model: str) -> None:
+    """tool_choice required over gRPC (typed tools, the call's pieces on the chunks) gives
+    the call the HTTP API gives for the same greedy request, finish TOOL_CALLS."""
+    bias = no_whitespace(Tokenizer(tiny_model))
+    user = "weather in Paris?"
+    body: dict[str, Any] = dict(model=mesh.model, max_tokens=80, temperature=0,
+                                messages=[{"role": "user", "content": user}],
+                                tools=[CITY_TOOL, TIME_TOOL], tool_choice="required",
+                                parallel_tool_calls=False, logit_bias=bias)
+    http = await client(mesh).chat.completions.create(**body)  # type: ignore[call-overload]
+    want = http.choices[0].message.tool_calls or []
+    assert len(want) == 1 and http.choices[0].finish_reason == "tool_calls", http.choices[0]
+    tools = [frontend_pb2.Tool(name=t["function"]["name"], parameters_json=json.dumps(
+        t["function"]["parameters"]) if "parameters" in t["function"] else "")
+        for t in (CITY_TOOL, TIME_TOOL)]
+    async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
+        chunks = [c async for c in frontend_pb2_grpc.FrontendStub(ch).Generate(
+            frontend_pb2.CompletionRequest(
+                model=mesh.model, messages=frontend_pb2.Messages(messages=[
+                    common_pb2.ChatMessage(role="user", content=user)]),
+                tools=tools, tool_choice=frontend_pb2.ToolChoice(
+                    mode=frontend_pb2.ToolChoice.MODE_REQUIRED),
+                parallel_tool_calls=False, sampling=common_pb2.SamplingParams(
+                    max_tokens=80, temperature=0.0,
+                    logit_bias={int(k): float(v) for k, v in bias.items()})))]
+    deltas = [d for c in chunks for d in c.tool_calls]
+    assert {d.index for d in deltas} == {0} and len({d.id for d in deltas if d.id}) == 1
+    assert "".join(d.name for d in deltas) == want[0].function.name
+    assert json.loads("".join(d.arguments for d in deltas)) == json.loads(
+        want[0].function.arguments)
+    assert not "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    assert http.usage is not None
+    assert chunks[-1].usage.completion_tokens == http.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == http.usage.prompt_tokens
 
 
 async def test_responses_json_schema_text_format(mesh: Mesh) -> None:
