@@ -34,10 +34,12 @@ Shared by the HTTP and gRPC APIs. Contract of :func:`run(pipeline, req)`, which 
   release). The consumer closing or cancelling the iterator does the same.
 - **Usage** (:meth:`Tally.usage`): ``prompt_tokens`` counts each prompt once (its first
   choice's count), ``completion_tokens`` sums every choice, and ``cached_tokens`` is the
-  sum over prompts of the **first choice's** (index ``prompt_index * n``) cached
-  tokens: the prompt's cache hit as the request first saw it; the other choices of a
-  prompt usually hit the blocks the first one computed, and counting those would count
-  the same prompt twice.
+  sum over prompts of the **least** cached tokens of the prompt's (finished) choices:
+  the prompt's cache hit as the request first saw it. Its choices run concurrently, and
+  those that reach a worker after another one computed the prompt hit its blocks;
+  whichever choice was scheduled first (not necessarily choice 0: a P/D handoff, or a
+  worker's scheduler, may take choice 1 first) hit only what was cached before the
+  request, the least of them. Counting the others would count the same prompt twice.
 """
 
 from __future__ import annotations
@@ -120,7 +122,9 @@ class Tally:
         firsts = [self.finals[i] for i in range(0, len(self.fan.choices), n)
                   if i in self.finals]
         prompt = sum(c.prompt_tokens for c in firsts)
-        cached = sum(c.cached_tokens for c in firsts)
+        cached = sum(min(self.finals[i].cached_tokens for i in range(p, p + n)
+                         if i in self.finals)
+                     for p in range(0, len(self.fan.choices), n) if p in self.finals)
         return prompt, sum(c.completion_tokens for c in self.finals.values()), cached
 
 
