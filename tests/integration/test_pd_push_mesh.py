@@ -1,4 +1,6 @@
-"""P/D through the mesh with vLLM's NixlPushConnector: D registers, P WRITEs."""
+"""P/D through the mesh with vLLM's NixlPushConnector: D registers, P WRITEs. The
+official ``openai`` client's requests (tests.integration.openai_pd_support) equal the
+aggregated session mesh's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterConfig, start_router
 from tests.integration.conftest import Mesh, base_args, wait_routable
+from tests.integration.openai_pd_support import CASES, assert_matches_aggregated
 from tests.integration.test_pd_mesh import (
     assert_same_sampling,
     generate,
@@ -92,5 +95,16 @@ async def test_push_structured_output_and_logprobs_match_aggregated(
     assert ref[-1].finish_reason == common_pb2.FINISH_REASON_STOP
     got = await plan_run(router_addr, "so-push", tokens, so_sampling(tiny_model))
     assert_same_sampling(got, ref)
+    await wait_idle(p_addr)
+    await wait_idle(d_addr)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+async def test_openai_client_matches_aggregated(
+        push_front: tuple[FrontendApp, list[str]], mesh: Mesh, tiny_model: str,
+        spans: InMemorySpanExporter, case: str) -> None:
+    """As test_pd_mesh's, with the push handoff."""
+    front, (p_addr, d_addr, _) = push_front
+    await assert_matches_aggregated(case, "push", front.base_url, mesh.url, tiny_model, spans)
     await wait_idle(p_addr)
     await wait_idle(d_addr)

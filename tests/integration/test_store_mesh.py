@@ -2,7 +2,9 @@
 worker wiring with ``--store-master`` (kvmesh store connector), a store node, the store
 master, the indexer, router and frontend. A prefix evicted from the engine (its prefix
 cache reset) comes back from the store: the client sees it in ``cached_tokens``, the
-tokens equal the computed ones, and the indexer lists the blocks in tier ``store``."""
+tokens equal the computed ones, and the indexer lists the blocks in tier ``store``. With
+the official ``openai`` client, JSON-schema output with logprobs over a prefix loaded from
+the store equals the aggregated session mesh's, token for token."""
 
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ from protos import indexer_pb2, indexer_pb2_grpc
 from services.common.config import load_config
 from services.common.procs import Child
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.frontend.models import Tokenizer
+from services.frontend.openai_schema import parse_chat, with_tenant
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from services.router.main import RouterApp, RouterConfig, start_router
 from services.store_master.main import StoreMasterApp, StoreMasterConfig, start_store_master
-from tests.integration.conftest import base_args, wait_routable
+from tests.integration.conftest import Mesh, base_args, wait_routable
+from tests.integration.openai_pd_support import CASES, JSON_QUESTION, assert_same, client
 from tests.integration.pd_support import prompt
 from tests.waiting import wait_for
 from workers.config import WorkerConfig
@@ -104,3 +109,38 @@ async def test_evicted_prefix_comes_back_from_the_store(smesh: StoreMesh) -> Non
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     counters = smesh.worker.engine.counters()
     assert counters["kv_external_loaded_tokens"] >= 5 * BLOCK
+
+
+async def test_json_schema_logprobs_from_the_store_match_aggregated(
+        smesh: StoreMesh, mesh: Mesh, tiny_model: str) -> None:
+    """openai_pd_support's JSON-schema case (logprobs, top_logprobs, whitespace banned):
+    computed, then with its prompt's full blocks loaded from the store (the engine's prefix
+    cache reset), both equal to the session mesh's (cold) answer; usage exact."""
+    case, tok, salt = CASES["json_schema_logprobs"], Tokenizer(tiny_model), "store-json"
+    ref = await case.run(client(mesh.url), salt, tok)
+    first = await case.run(client(smesh.frontend.base_url), salt, tok)
+    assert_same(first, ref, "computed")
+    ids = tok.apply_chat([("user", JSON_QUESTION)])
+    hit = (len(ids) - 1) // BLOCK * BLOCK
+    assert ref.usage[0] == len(ids) and hit > 0
+    body = {"model": "tiny", "messages": [{"role": "user", "content": JSON_QUESTION}],
+            "cache_salt": salt}
+    mesh_salt = with_tenant(parse_chat(body), "").cache_salt  # the open tenant's
+    async with grpc.aio.insecure_channel(smesh.indexer.server.address) as ch:
+        stub = indexer_pb2_grpc.IndexerStub(ch)
+        last: list[indexer_pb2.FindMatchesResponse] = []
+
+        async def saved() -> bool:
+            last[:] = [await stub.FindMatches(indexer_pb2.FindMatchesRequest(
+                token_ids=ids, block_size=BLOCK, cache_salt=mesh_salt))]
+            return any(o.by_tier.get("store", 0) >= hit // BLOCK for o in last[0].overlaps)
+
+        await wait_for(saved, 10, lambda: f"the prompt's {hit // BLOCK} blocks in the index "
+                                          f"with tier 'store'; last response: {last}",
+                       interval_s=0.1)
+    loaded = smesh.worker.engine.counters()["kv_external_loaded_tokens"]
+    assert await smesh.worker.engine.reset_prefix_cache()
+    again = await case.run(client(smesh.frontend.base_url), salt, tok)
+    assert_same(again.answer, ref.answer, "from the store")
+    assert again.usage == (*ref.usage[:2], hit)
+    assert smesh.worker.engine.counters()["kv_external_loaded_tokens"] - loaded == hit
