@@ -63,6 +63,7 @@ import numpy as np
 
 from bench.epd.client import Planned, data_url, png, run_load, timed_chat
 from bench.epd.report import plot, ratios, summarize, table
+from bench.pd_overhead.client import fetch_metrics, metric_delta
 from services.launcher.up import LocalMesh, MeshSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -115,28 +116,9 @@ def make_plan(n: int, image_fraction: float, n_images: int, rate: float,
     return plan
 
 
-def _metrics(url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}"] = float(s.value)
-    return out
-
-
-def _delta(before: dict[str, float], after: dict[str, float],
-           prefixes: tuple[str, ...]) -> dict[str, float]:
-    return {k: v - before.get(k, 0.0) for k, v in after.items()
-            if k.startswith(prefixes) and v - before.get(k, 0.0)}
-
-
 def _encoder_metrics(mesh: LocalMesh) -> dict[str, dict[str, float]]:
     """Each encoder's /metrics (plain HTTP, address from its etcd record)."""
-    return {rec.instance_id: _metrics(f"http://{rec.metrics_address}")
+    return {rec.instance_id: fetch_metrics(f"http://{rec.metrics_address}")
             for rec in mesh.records("encoder") if rec.metrics_address}
 
 
@@ -199,15 +181,15 @@ def run_deployment(name: str, plan: list[Planned], images: list[str],
             out["error"] = "; ".join(warm)
             out["log_tails"] = _log_tails(mesh)
             return out
-        front0, enc0 = _metrics(url), _encoder_metrics(mesh)
+        front0, enc0 = fetch_metrics(url), _encoder_metrics(mesh)
         reqs, wall = asyncio.run(run_load(url, model, plan, images, TEXT, args.max_tokens,
                                           args.request_timeout))
-        front1, enc1 = _metrics(url), _encoder_metrics(mesh)
+        front1, enc1 = fetch_metrics(url), _encoder_metrics(mesh)
         out["requests"] = [r.as_dict() for r in reqs]
         out["load_wall_s"] = wall
         out["summary"] = summarize(reqs, args.ttft_slo_ms / 1e3, args.itl_slo_ms / 1e3, wall)
-        out["frontend_delta"] = _delta(front0, front1, FRONT_PREFIXES)
-        out["encoder_delta"] = {e: _delta(enc0.get(e, {}), m, ENCODER_PREFIXES)
+        out["frontend_delta"] = metric_delta(front0, front1, FRONT_PREFIXES)
+        out["encoder_delta"] = {e: metric_delta(enc0.get(e, {}), m, ENCODER_PREFIXES)
                                 for e, m in enc1.items()}
         fallbacks = sum(v for k, v in out["frontend_delta"].items()
                         if k.startswith("kvmesh_frontend_encode_fallbacks_total"))
