@@ -107,10 +107,22 @@ class Tally:
 
     fan: FanJob
     finals: dict[int, Chunk] = field(default_factory=dict)
+    generated: dict[int, int] = field(default_factory=dict)  # tokens so far per choice
 
     def see(self, index: int, chunk: Chunk) -> None:
+        self.generated[index] = self.generated.get(index, 0) + len(chunk.token_ids)
         if chunk.finish_reason is not None:
             self.finals[index] = chunk
+
+    def running(self, index: int) -> dict[str, int]:
+        """vLLM's continuous usage of choice ``index``: its prompt's tokens and the
+        tokens it generated so far (``stream_options.continuous_usage_stats``)."""
+        final = self.finals.get(index)
+        prompt = (final.prompt_tokens if final is not None
+                  else len(self.fan.prompt_of(index).token_ids))
+        done = final.completion_tokens if final is not None else self.generated.get(index, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
 
     @property
     def done(self) -> bool:

@@ -108,17 +108,20 @@ async def _chunk_objects(shapes: Shapes, fan: FanJob,
                          chunks: AsyncIterator[tuple[int, Chunk]]) -> AsyncIterator[
                              dict[str, Any]]:
     """A stream's payloads: the role deltas (chat), each choice object's chunk, the usage
-    chunk (``include_usage``); a failure part-way ends it with ``{"error": ...}``."""
+    chunk (``include_usage``; with ``continuous_usage_stats`` every chunk also carries its
+    choice's usage so far, as vLLM's); a failure part-way ends it with ``{"error": ...}``."""
     tally = Tally(fan)
+    continuous = fan.req.continuous_usage
     try:
         if shapes.chat:
-            for role in shapes.role_chunks():
-                yield role
+            for i, role in enumerate(shapes.role_chunks()):
+                yield {**role, "usage": tally.running(i)} if continuous else role
         async for index, chunk in chunks:
             tally.see(index, chunk)
             choice = shapes.add(index, chunk)
             if choice is not None:
-                yield shapes.chunk_object(choice)
+                obj = shapes.chunk_object(choice)
+                yield {**obj, "usage": tally.running(index)} if continuous else obj
         if fan.req.include_usage:
             yield shapes.usage_chunk(tally.usage())
     except ApiError as err:

@@ -48,9 +48,10 @@ Pure: no I/O. Contract:
   a 400 naming ``n``), the schema's compact JSON at most :data:`MAX_STRUCTURED_BYTES`
   (400 naming ``response_format``), at most :data:`MAX_LOGIT_BIAS` ``logit_bias`` entries.
 - ``stream_options`` (with ``stream: true`` only, as vLLM): ``include_usage`` (a boolean
-  or null) and ``continuous_usage_stats`` false or null; ``continuous_usage_stats: true``
-  (usage on every chunk) is refused as not supported, any other key is a 400 naming
-  ``stream_options.<key>``.
+  or null) and ``continuous_usage_stats`` (a boolean or null: usage on every chunk, as
+  vLLM's, ``ParsedRequest.continuous_usage``); ``continuous_usage_stats: true`` without
+  ``include_usage: true`` is a 400 naming it (vLLM ignores it then), any other key is a
+  400 naming ``stream_options.<key>``.
 - **Tools** (chat): ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are checked by
   :func:`.tools.parse_tools` (``ParsedRequest.tools``; :func:`.tools.conflict` refuses
   ``response_format`` with a forced call), and the messages' ``tool_calls`` /
@@ -172,6 +173,7 @@ class ParsedRequest:
     sampling: SamplingSpec
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
     messages: tuple[tuple[str, Content], ...] = field(default_factory=tuple)
@@ -453,10 +455,11 @@ def _positive(body: dict[str, Any], name: str) -> float | None:
     return v
 
 
-def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
+def _stream(body: dict[str, Any]) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage) of the body (module docstring)."""
     stream = _opt_bool(body, "stream")
     opts = body.get("stream_options")
-    include_usage = False
+    include_usage = continuous = False
     if opts is not None:
         if not isinstance(opts, dict):
             raise _bad("'stream_options' must be an object", "stream_options")
@@ -472,11 +475,13 @@ def _stream(body: dict[str, Any]) -> tuple[bool, bool]:
             if not isinstance(opts.get(key, False), bool | None):
                 raise _bad(f"'stream_options.{key}' must be a boolean, got "
                            f"{type(opts[key]).__name__}", f"stream_options.{key}")
-        if opts.get("continuous_usage_stats"):
-            raise _bad("'stream_options.continuous_usage_stats' (usage on every chunk) is "
-                       "not supported", "stream_options.continuous_usage_stats")
         include_usage = bool(opts.get("include_usage"))
-    return stream, include_usage
+        continuous = bool(opts.get("continuous_usage_stats"))
+        if continuous and not include_usage:
+            raise _bad("'stream_options.continuous_usage_stats' needs "
+                       "'stream_options.include_usage': true",
+                       "stream_options.continuous_usage_stats")
+    return stream, include_usage, continuous
 
 
 def _request_id(body: dict[str, Any]) -> str | None:
@@ -550,7 +555,7 @@ def parse_completion(body: Any) -> ParsedRequest:
     model = _model(body)
     prompts = _prompts(body)
     first = prompts[0]
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous = _stream(body)
     sampling = _sampling(body, ("max_tokens",))
     echo = _opt_bool(body, "echo")
     check_choices(_n(body), len(prompts))
@@ -559,7 +564,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         kind="completion", model=model,
         sampling=replace(sampling, max_tokens=sampling.max_tokens or 16, logprobs=k,
                          prompt_logprobs=k if echo else None),
-        stream=stream, include_usage=include_usage,
+        stream=stream, include_usage=include_usage, continuous_usage=continuous,
         prompt=first if isinstance(first, str) else None,
         prompt_token_ids=None if isinstance(first, str) else first,
         request_id=_request_id(body), client_salt=_client_salt(body), n=_n(body), echo=echo,
@@ -649,13 +654,14 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
     if err is not None:
         raise err
     extras = tools.message_extras(msgs)
-    stream, include_usage = _stream(body)
+    stream, include_usage, continuous = _stream(body)
     check_choices(_n(body), 1)
     return ParsedRequest(
         kind="chat", model=model, tools=tool_req, message_extras=extras,
         sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),
                          logprobs=_chat_logprobs(body)),
-        stream=stream, include_usage=include_usage, messages=tuple(out),
+        stream=stream, include_usage=include_usage, continuous_usage=continuous,
+        messages=tuple(out),
         images=tuple(images), request_id=_request_id(body), client_salt=_client_salt(body),
         n=_n(body),
     )

@@ -28,6 +28,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import openai
@@ -169,6 +170,46 @@ async def test_chat_stream_with_n_interleaves_choices(mesh: FanMesh) -> None:
     # interleaved as they come: each choice's content starts before the other finished
     for i, other in ((0, 1), (1, 0)):
         assert events.index((i, "content")) < events.index((other, "finish")), events
+    await released(mesh)
+
+
+async def test_continuous_usage_counts_each_choice_as_it_grows(mesh: FanMesh) -> None:
+    """vLLM's ``continuous_usage_stats``: every chunk's usage is its choice's prompt and
+    the tokens that choice produced so far; the last usage chunk is the request's."""
+    client = mesh.client()
+    for make in ("chat", "completion"):
+        opts: Any = {"include_usage": True, "continuous_usage_stats": True}
+        if make == "chat":
+            stream: Any = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "count up"}], n=2,
+                max_tokens=6, seed=5, stream=True, stream_options=opts)
+        else:
+            stream = await client.completions.create(
+                model=MODEL, prompt=[list(range(40, 60)), list(range(70, 81))], max_tokens=6,
+                seed=5, stream=True, stream_options=opts)
+        seen: dict[int, list[int]] = {0: [], 1: []}
+        prompts: dict[int, int] = {}
+        last = None
+        async for chunk in stream:
+            assert chunk.usage is not None, chunk  # every chunk carries usage
+            if not chunk.choices:
+                last = chunk.usage
+                continue
+            (c,) = chunk.choices
+            u = chunk.usage
+            assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+            prompts.setdefault(c.index, u.prompt_tokens)
+            assert u.prompt_tokens == prompts[c.index]
+            seen[c.index].append(u.completion_tokens)
+        assert last is not None
+        for i in (0, 1):  # grows one token per chunk, from 0 (chat's role chunk) or 1
+            assert seen[i] == sorted(seen[i]) and seen[i][-1] == 6, (make, i, seen[i])
+            assert seen[i][0] == (0 if make == "chat" else 1), (make, i, seen[i])
+        assert last.completion_tokens == 12
+        n_prompts = 1 if make == "chat" else 2
+        assert last.prompt_tokens == (prompts[0] if n_prompts == 1 else prompts[0] + prompts[1])
+        if make == "completion":
+            assert (prompts[0], prompts[1]) == (20, 11)
     await released(mesh)
 
 

@@ -124,7 +124,7 @@ def test_stream_options_are_strict(opts: Any, param: str) -> None:
         err = refused(parse, {**body, "stream": True, "stream_options": opts})
         assert err.param == param, err
     if param.endswith("continuous_usage_stats") and opts["continuous_usage_stats"] is True:
-        assert "not supported" in err.message
+        assert "include_usage" in err.message  # vLLM would ignore it without include_usage
 
 
 def test_stream_options_that_are_served() -> None:
@@ -136,6 +136,12 @@ def test_stream_options_that_are_served() -> None:
     assert usage({"include_usage": None, "continuous_usage_stats": None}) is False
     assert usage({}) is False and usage(None, stream=False) is False
     assert usage({}, stream=False) is False
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    for parse, body in ((parse_chat, CHAT), (parse_completion, {"model": "m", "prompt": "x"})):
+        req = parse({**body, "stream": True, "stream_options": both})
+        assert req.include_usage and req.continuous_usage
+        assert not parse({**body, "stream": True,
+                          "stream_options": {"include_usage": True}}).continuous_usage
     # as vLLM: options without a stream are a mistake
     err = refused(parse_chat, {**CHAT, "stream_options": {"include_usage": True}})
     assert err.param == "stream_options"
