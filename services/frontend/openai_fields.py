@@ -20,7 +20,7 @@ change what is generated (:data:`NO_EFFECT`: ``user``, ``metadata``,
 ``safety_identifier``, ``prompt_cache_key``); None when every field is accepted. Served
 since issue 15 (validated by the parser): ``n``, ``logprobs`` (chat: a boolean, with
 ``top_logprobs``; completions: an integer k), ``echo`` (completions), ``response_format``,
-``logit_bias``, vLLM's ``min_tokens`` and ``min_p``, and on chat ``tools``,
+``logit_bias``, vLLM's ``min_tokens``, ``min_p`` and ``structured_outputs``, and on chat ``tools``,
 ``tool_choice`` and ``parallel_tool_calls`` (validated by :mod:`.tools`). A message's own
 keys are checked by :func:`message_problem`: ``role``, ``content``, ``tool_calls`` and
 ``tool_call_id`` are accepted (their values are :func:`.tools.message_extras`'s to check;
@@ -38,7 +38,8 @@ COMMON = frozenset({
     "request_id", "cache_salt", "stop_token_ids", "repetition_penalty",
 })
 # Served on both endpoints: structured outputs, logit_bias and vLLM's min_tokens / min_p.
-SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs"})
+SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs",
+                      "structured_outputs"})
 SUPPORTED = {
     "completion": COMMON | SAMPLING | {"prompt", "echo"},
     "chat": COMMON | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs",
@@ -82,7 +83,6 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": _NONE,
     "allowed_token_ids": _NONE,
     "truncate_prompt_tokens": _NONE,
-    "structured_outputs": _NONE,
     "guided_json": _NONE,
     "guided_regex": _NONE,
     "guided_choice": _NONE,

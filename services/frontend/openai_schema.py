@@ -47,6 +47,8 @@ Pure: no I/O. Contract:
   Sizes: ``n`` x the number of prompts at most :data:`MAX_CHOICES` (:func:`check_choices`,
   a 400 naming ``n``), the schema's compact JSON at most :data:`MAX_STRUCTURED_BYTES`
   (400 naming ``response_format``), at most :data:`MAX_LOGIT_BIAS` ``logit_bias`` entries.
+  vLLM's ``structured_outputs`` (regex, choice, grammar, json, json_object) is parsed by
+  :mod:`.structured` into the same ``SamplingSpec.structured``.
 - ``stream_options`` (with ``stream: true`` only, as vLLM): ``include_usage`` (a boolean
   or null) and ``continuous_usage_stats`` (a boolean or null: usage on every chunk, as
   vLLM's, ``ParsedRequest.continuous_usage``); ``continuous_usage_stats: true`` without
@@ -341,7 +343,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
         frequency_penalty=_opt_number(body, "frequency_penalty", -2.0, 2.0),
         stop_token_ids=_token_ids(body, "stop_token_ids"),
         repetition_penalty=_positive(body, "repetition_penalty"),
-        structured=_response_format(body),
+        structured=_structured(body),
         logit_bias=_logit_bias(body),
         min_tokens=_min_tokens(body, max_tokens),
         min_p=_opt_number(body, "min_p", 0.0, 1.0),
@@ -399,6 +401,12 @@ def _response_format(body: dict[str, Any]) -> Structured | None:
         return Structured("json_schema", text)
     raise _bad(f"response_format.type must be one of 'text', 'json_object', 'json_schema'; "
                f"got {kind!r}", "response_format.type")
+
+
+def _structured(body: dict[str, Any]) -> Structured | None:
+    from services.frontend import structured  # it imports this module
+
+    return structured.combined(_response_format(body), body)
 
 
 def _logit_bias(body: dict[str, Any]) -> tuple[tuple[int, float], ...]:

@@ -12,8 +12,9 @@ Issue 15: ``n`` (choices fan out as over HTTP, :mod:`.fanout`; each chunk carrie
 ``index``, each choice's last one its ``finish_reason``, the stream's last one the
 request's usage), ``echo`` (completions), and from ``sampling`` (the same
 ``common.SamplingParams`` the workers take): ``logprobs`` (the top-k count; chunks carry
-``common.PositionLogprobs``, token ids rather than strings), ``structured`` (json_object
-or json_schema, as ``response_format``; the other kinds are refused), ``logit_bias``,
+``common.PositionLogprobs``, token ids rather than strings), ``structured`` (any kind:
+json_schema, json_object, regex, choice, grammar, checked as HTTP's ``structured_outputs``
+by :mod:`.structured`; ``compact_json`` is refused), ``logit_bias``,
 ``min_tokens``, ``min_p``; ``prompt_logprobs`` is set by ``echo`` with ``logprobs`` and
 refused when sent. The size limits are the OpenAI parser's (``MAX_CHOICES`` sub-requests,
 ``MAX_STRUCTURED_BYTES`` of schema, ``MAX_LOGIT_BIAS`` entries), INVALID_ARGUMENT naming
@@ -58,14 +59,13 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
-from services.frontend import fanout, tool_chat, tools
+from services.frontend import fanout, structured, tool_chat, tools
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import Tally
 from services.frontend.openai_schema import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
-    MAX_STRUCTURED_BYTES,
     ApiError,
     ParsedRequest,
     SamplingSpec,
@@ -237,30 +237,7 @@ def _issue15_sampling(req: frontend_pb2.CompletionRequest) -> dict[str, Any]:
         raise ApiError(400, "'prompt_logprobs' is set by 'echo' with 'logprobs'",
                        param="prompt_logprobs")
     if s.HasField("structured"):
-        kind = s.structured.WhichOneof("kind")
-        if kind not in ("json_object", "json_schema") or s.structured.compact_json:
-            raise ApiError(400, "'structured' takes json_object or json_schema (as "
-                           f"response_format), got {kind or 'nothing'}"
-                           f"{' with compact_json' if s.structured.compact_json else ''}",
-                           param="structured")
-        if kind == "json_object":
-            if not s.structured.json_object:
-                raise ApiError(400, "'structured.json_object' must be true", param="structured")
-            out["structured"] = Structured("json_object")
-        else:
-            if len(s.structured.json_schema.encode()) > MAX_STRUCTURED_BYTES:
-                raise ApiError(400, "'structured.json_schema' takes at most "
-                               f"{MAX_STRUCTURED_BYTES} bytes", param="structured.json_schema")
-            try:
-                schema = json.loads(s.structured.json_schema)
-            except ValueError as exc:
-                raise ApiError(400, f"'structured.json_schema' is not JSON: {exc}",
-                               param="structured.json_schema") from None
-            if not isinstance(schema, dict):
-                raise ApiError(400, "'structured.json_schema' must be a JSON schema object",
-                               param="structured.json_schema")
-            out["structured"] = Structured("json_schema",
-                                           json.dumps(schema, separators=(",", ":")))
+        out["structured"] = _structured(s.structured)
     if len(s.logit_bias) > MAX_LOGIT_BIAS:
         raise ApiError(400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} entries, got "
                        f"{len(s.logit_bias)}", param="logit_bias")
@@ -280,6 +257,32 @@ def _issue15_sampling(req: frontend_pb2.CompletionRequest) -> dict[str, Any]:
             raise ApiError(400, "'min_p' must be between 0 and 1", param="min_p")
         out["min_p"] = s.min_p
     return out
+
+
+def _structured(so: common_pb2.StructuredOutputs) -> Structured:
+    """``sampling.structured`` through the HTTP ``structured_outputs`` parser (its checks
+    and sizes), errors naming the proto's fields."""
+    if so.compact_json:
+        raise ApiError(400, "'structured.compact_json' is not supported per request (vLLM "
+                       "sets it per engine)", param="structured.compact_json")
+    kind = so.WhichOneof("kind")
+    value: dict[str, Any] = {}
+    if kind == "json_schema":
+        value["json"] = so.json_schema
+    elif kind == "choice":
+        value["choice"] = list(so.choice.choices)
+    elif kind is not None:
+        value[kind] = getattr(so, kind)
+    try:
+        parsed = structured.parse_structured_outputs(value)
+    except ApiError as err:
+        param = ("structured.json_schema" if err.param == "structured_outputs.json"
+                 else (err.param or "").replace("structured_outputs", "structured"))
+        message = err.message.replace("structured_outputs.json ", "structured.json_schema ")
+        raise ApiError(400, message.replace("structured_outputs", "structured"),
+                       param=param) from None
+    assert parsed is not None
+    return parsed
 
 
 def _base_sampling(s: common_pb2.SamplingParams) -> SamplingSpec:

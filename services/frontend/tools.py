@@ -231,9 +231,16 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
 
 
 def conflict(tool_req: ToolRequest | None, body: dict[str, Any]) -> ApiError | None:
-    """A 400 when ``response_format`` asks for a format a forced tool call overrides."""
+    """A 400 when ``response_format`` or ``structured_outputs`` asks for a format a forced
+    tool call overrides."""
+    if tool_req is None or not tool_req.constrained:
+        return None
+    if body.get("structured_outputs") is not None:
+        return _bad("structured_outputs cannot be combined with tool_choice 'required' or a "
+                    "named function (the tool call's schema constrains the output)",
+                    "structured_outputs")
     fmt = body.get("response_format")
-    if tool_req is None or not tool_req.constrained or fmt is None:
+    if fmt is None:
         return None
     if isinstance(fmt, dict) and fmt.get("type") == "text":
         return None

@@ -4,7 +4,8 @@ the same prompt, shaped as vLLM's server shapes them; echo; structured outputs t
 and validate; logit_bias steering greedy decoding; n with a seed; tool_choice required and
 a named function (tool calls whose arguments validate, streamed deltas that reassemble to
 the same call), and over the gRPC Frontend the same required call as over HTTP;
-/v1/responses with a json_schema text format.
+/v1/responses with a json_schema text format; vLLM's ``structured_outputs`` (regex,
+choice, grammar).
 """
 
 from __future__ import annotations
@@ -112,6 +113,44 @@ async def test_response_format_json_schema_and_object(mesh: Mesh, tiny_model: st
         assert isinstance(json.loads(text), dict)
     else:  # cut by max_tokens (a random model may write keys forever): an object's start
         assert text.startswith("{"), text
+
+
+async def test_vllm_structured_outputs_regex_choice_grammar(mesh: Mesh) -> None:
+    """vLLM's ``structured_outputs`` extension (regex, choice, grammar), over HTTP and
+    over gRPC's ``sampling.structured``; a regex vLLM cannot compile is a 400 naming
+    ``sampling.structured`` and the worker keeps serving."""
+    import re
+
+    c = client(mesh)
+    cases: list[tuple[dict[str, Any], Any]] = [
+        ({"regex": "[a-c]{3}x"}, lambda t: re.fullmatch("[a-c]{3}x", t)),
+        ({"choice": ["sunny day", "rain"]}, lambda t: t in ("sunny day", "rain")),
+        ({"grammar": 'root ::= "ab" | "cd"'}, lambda t: t in ("ab", "cd")),
+    ]
+    for so, ok in cases:
+        resp = await c.completions.create(model=mesh.model, prompt="weather:", max_tokens=12,
+                                          temperature=0, extra_body={"structured_outputs": so})
+        text = resp.choices[0].text
+        assert resp.choices[0].finish_reason == "stop" and ok(text), (so, resp.choices[0])
+        chat = await c.chat.completions.create(
+            model=mesh.model, messages=[{"role": "user", "content": "weather?"}],
+            max_tokens=12, temperature=0, extra_body={"structured_outputs": so})
+        assert ok(chat.choices[0].message.content or ""), (so, chat.choices[0])
+    async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
+        stub = frontend_pb2_grpc.FrontendStub(ch)
+        text = ""
+        async for chunk in stub.Generate(frontend_pb2.CompletionRequest(
+                model=mesh.model, prompt="weather:", sampling=common_pb2.SamplingParams(
+                    max_tokens=12, temperature=0.0, structured=common_pb2.StructuredOutputs(
+                        choice=common_pb2.ChoiceList(choices=["sunny day", "rain"]))))):
+            text += chunk.text
+        assert text in ("sunny day", "rain")
+    with pytest.raises(openai.BadRequestError) as err:
+        await c.completions.create(model=mesh.model, prompt="x", max_tokens=2,
+                                   extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert "structured" in str(err.value.body), err.value.body
+    again = await c.completions.create(model=mesh.model, prompt="x", max_tokens=2)
+    assert again.choices[0].finish_reason is not None
 
 
 async def test_logit_bias_steers_greedy_decoding(mesh: Mesh, tiny_model: str) -> None:

@@ -192,6 +192,15 @@ def test_grpc_request_options() -> None:
     assert (req.n, req.echo, s.logprobs, s.prompt_logprobs, s.min_tokens) == (2, True, 2, 2, 1)
     assert s.logit_bias == ((3, 100.0),) and s.min_p == 0.5
     assert s.structured == Structured("json_schema", '{"type":"object"}')
+    for so, want in ((common_pb2.StructuredOutputs(regex="a+"), Structured("regex", "a+")),
+                     (common_pb2.StructuredOutputs(grammar="root ::= \"x\""),
+                      Structured("grammar", 'root ::= "x"')),
+                     (common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(
+                         choices=["yes", "no"])), Structured("choice", choices=("yes", "no")))):
+        got = parse_proto(frontend_pb2.CompletionRequest(
+            model="m", prompt="x", sampling=common_pb2.SamplingParams(max_tokens=2,
+                                                                      structured=so)))
+        assert got.sampling.structured == want
     cases: list[tuple[dict[str, Any], str]] = [
         (dict(n=500, sampling=common_pb2.SamplingParams(max_tokens=2)), "n"),
         (dict(echo=True, sampling=common_pb2.SamplingParams(max_tokens=2),
@@ -202,7 +211,15 @@ def test_grpc_request_options() -> None:
          "prompt_logprobs"),
         (dict(sampling=common_pb2.SamplingParams(max_tokens=2, min_tokens=3)), "min_tokens"),
         (dict(sampling=common_pb2.SamplingParams(
-            max_tokens=2, structured=common_pb2.StructuredOutputs(regex="a+"))), "structured"),
+            max_tokens=2, structured=common_pb2.StructuredOutputs())), "structured"),
+        (dict(sampling=common_pb2.SamplingParams(max_tokens=2, structured=(
+            common_pb2.StructuredOutputs(json_object=True, compact_json=True)))),
+         "structured.compact_json"),
+        (dict(sampling=common_pb2.SamplingParams(max_tokens=2, structured=(
+            common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList())))),
+         "structured.choice"),
+        (dict(sampling=common_pb2.SamplingParams(max_tokens=2, structured=(
+            common_pb2.StructuredOutputs(json_object=False)))), "structured.json_object"),
         (dict(sampling=common_pb2.SamplingParams(
             max_tokens=2, structured=common_pb2.StructuredOutputs(json_schema="["))),
          "structured.json_schema"),
