@@ -21,7 +21,9 @@ change what is generated (:data:`NO_EFFECT`: ``user``, ``metadata``,
 since issue 15 (validated by the parser): ``n``, ``logprobs`` (chat: a boolean, with
 ``top_logprobs``; completions: an integer k), ``echo`` (completions), ``response_format``,
 ``logit_bias``, vLLM's ``min_tokens``, ``min_p`` and ``structured_outputs``, and on chat ``tools``,
-``tool_choice`` and ``parallel_tool_calls`` (validated by :mod:`.tools`). A message's own
+``tool_choice`` and ``parallel_tool_calls`` (validated by :mod:`.tools`), vLLM's
+``add_generation_prompt`` and ``continue_final_message``, and on both
+``add_special_tokens``. A message's own
 keys are checked by :func:`message_problem`: ``role``, ``content``, ``tool_calls`` and
 ``tool_call_id`` are accepted (their values are :func:`.tools.message_extras`'s to check;
 ``content`` may be null); ``name`` (the chat templates served render no participant
@@ -41,9 +43,11 @@ COMMON = frozenset({
 SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs",
                       "structured_outputs"})
 SUPPORTED = {
-    "completion": COMMON | SAMPLING | {"prompt", "echo"},
+    "completion": COMMON | SAMPLING | {"prompt", "echo", "add_special_tokens"},
     "chat": COMMON | SAMPLING | {"messages", "max_completion_tokens", "top_logprobs",
-                                 "tools", "tool_choice", "parallel_tool_calls"},
+                                 "tools", "tool_choice", "parallel_tool_calls",
+                                 "add_generation_prompt", "continue_final_message",
+                                 "add_special_tokens"},
 }
 NO_EFFECT = frozenset({"user", "metadata", "safety_identifier", "prompt_cache_key"})
 
@@ -93,9 +97,6 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "priority": (None, 0),
     "kv_transfer_params": _NONE,
     "vllm_xargs": _NONE,
-    "add_special_tokens": _NONE,
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
     "echo_prompt": _NONE,
     "chat_template": _NONE,
     "chat_template_kwargs": _NONE,

@@ -175,6 +175,11 @@ class ParsedRequest:
     sampling: SamplingSpec
     stream: bool = False
     include_usage: bool = False
+    # vLLM's prompt rendering options: chat template (chat) and the tokenizer's special
+    # tokens (None: the endpoint's default, chat false, completions true)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
@@ -292,13 +297,29 @@ def check_json(body: Any) -> None:
     raise _bad(f"{_path(path)} {problem}", _path(path) if path else None)
 
 
-def _opt_bool(body: dict[str, Any], name: str) -> bool:
-    v = body.get(name, False)
+def _opt_bool(body: dict[str, Any], name: str, default: Any = False) -> Any:
+    """The boolean ``body[name]``; ``default`` when absent or null."""
+    v = body.get(name)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
         raise _bad(f"'{name}' must be a boolean, got {type(v).__name__}", name)
     return v
+
+
+def _render(body: dict[str, Any]) -> dict[str, Any]:
+    """A chat's template options (vLLM's): not both ``add_generation_prompt`` and
+    ``continue_final_message``; the latter needs an assistant message last."""
+    gen = _opt_bool(body, "add_generation_prompt", True)
+    cont = _opt_bool(body, "continue_final_message", False)
+    if gen and cont:
+        raise _bad("Cannot set both `continue_final_message` and `add_generation_prompt` to "
+                   "True.", "continue_final_message")
+    if cont and body["messages"][-1].get("role") != "assistant":
+        raise _bad("'continue_final_message' continues the last message, which must be the "
+                   "assistant's", "continue_final_message")
+    return {"add_generation_prompt": gen, "continue_final_message": cont,
+            "add_special_tokens": _opt_bool(body, "add_special_tokens", None)}
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -576,6 +597,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         prompt=first if isinstance(first, str) else None,
         prompt_token_ids=None if isinstance(first, str) else first,
         request_id=_request_id(body), client_salt=_client_salt(body), n=_n(body), echo=echo,
+        add_special_tokens=_opt_bool(body, "add_special_tokens", None),
         batch=tuple(prompts) if len(prompts) > 1 else (),
     )
 
@@ -669,7 +691,7 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
         sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),
                          logprobs=_chat_logprobs(body)),
         stream=stream, include_usage=include_usage, continuous_usage=continuous,
-        messages=tuple(out),
+        messages=tuple(out), **_render(body),
         images=tuple(images), request_id=_request_id(body), client_salt=_client_salt(body),
         n=_n(body),
     )

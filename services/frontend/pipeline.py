@@ -463,10 +463,15 @@ class Pipeline:
                 tok = await asyncio.to_thread(self._catalog.tokenizer, info)
                 if req.kind == "chat":  # tool calling: :mod:`.tool_chat`
                     req = await tool_chat.prepare(req, tok)
-                    ids = await asyncio.to_thread(tok.apply_chat, req.messages,
-                                                  **tool_chat.chat_kwargs(req))
+                    ids = await asyncio.to_thread(
+                        tok.apply_chat, req.messages, **tool_chat.chat_kwargs(req),
+                        add_generation_prompt=req.add_generation_prompt,
+                        continue_final_message=req.continue_final_message,
+                        add_special_tokens=bool(req.add_special_tokens))
                 else:
-                    ids = await asyncio.to_thread(tok.encode, req.prompt or "")
+                    ids = await asyncio.to_thread(
+                        tok.encode, req.prompt or "",
+                        req.add_special_tokens is None or req.add_special_tokens)
             mm = await self._images(req, info, ids) if req.images else None
             if mm is not None:
                 ids = mm.token_ids

@@ -213,6 +213,36 @@ async def test_continuous_usage_counts_each_choice_as_it_grows(mesh: FanMesh) ->
     await released(mesh)
 
 
+async def test_rendering_options_prompt_what_tokenize_counts(mesh: FanMesh) -> None:
+    """``continue_final_message`` / ``add_generation_prompt`` / ``add_special_tokens``:
+    the prompt a chat or completion is served with is the one /tokenize renders with
+    the same options (and the options change it)."""
+    import httpx
+
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello, I"}]
+    variants: list[dict[str, Any]] = [
+        {}, {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_special_tokens": True}]
+    counts = []
+    async with httpx.AsyncClient(base_url=mesh.frontend.base_url, timeout=30) as http:
+        for opts in variants:
+            tok = (await http.post("/tokenize", json={"model": MODEL, "messages": msgs,
+                                                      **opts})).json()["count"]
+            resp = await mesh.client().chat.completions.create(
+                model=MODEL, messages=msgs, max_tokens=1, extra_body=opts)  # type: ignore[arg-type]
+            assert resp.usage is not None and resp.usage.prompt_tokens == tok, (opts, tok)
+            counts.append(tok)
+        for opts in ({}, {"add_special_tokens": False}):
+            tok = (await http.post("/tokenize", json={"model": MODEL, "prompt": "one two",
+                                                      **opts})).json()["count"]
+            one = await mesh.client().completions.create(model=MODEL, prompt="one two",
+                                                         max_tokens=1, extra_body=opts)
+            assert one.usage is not None and one.usage.prompt_tokens == tok, (opts, tok)
+    assert len(set(counts[:3])) == 3, counts  # each template option renders another prompt
+    await released(mesh)
+
+
 async def test_grpc_n_chunks_carry_their_index_and_the_usage_last(mesh: FanMesh) -> None:
     async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
         chunks = [c async for c in frontend_pb2_grpc.FrontendStub(ch).Generate(
