@@ -37,7 +37,7 @@ from typing import Any
 COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "stream_options", "presence_penalty", "frequency_penalty", "ignore_eos", "n",
-    "request_id", "cache_salt", "stop_token_ids", "repetition_penalty",
+    "request_id", "cache_salt", "stop_token_ids", "repetition_penalty", "return_token_ids",
 })
 # Served on both endpoints: structured outputs, logit_bias and vLLM's min_tokens / min_p.
 SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs",
@@ -93,7 +93,6 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "guided_grammar": _NONE,
     "guided_decoding_backend": _NONE,
     "return_tokens_as_token_ids": (None, False),
-    "return_token_ids": (None, False),
     "priority": (None, 0),
     "kv_transfer_params": _NONE,
     "vllm_xargs": _NONE,

@@ -180,6 +180,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
@@ -319,7 +320,8 @@ def _render(body: dict[str, Any]) -> dict[str, Any]:
         raise _bad("'continue_final_message' continues the last message, which must be the "
                    "assistant's", "continue_final_message")
     return {"add_generation_prompt": gen, "continue_final_message": cont,
-            "add_special_tokens": _opt_bool(body, "add_special_tokens", None)}
+            "add_special_tokens": _opt_bool(body, "add_special_tokens", None),
+            "return_token_ids": _opt_bool(body, "return_token_ids")}
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -598,6 +600,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         prompt_token_ids=None if isinstance(first, str) else first,
         request_id=_request_id(body), client_salt=_client_salt(body), n=_n(body), echo=echo,
         add_special_tokens=_opt_bool(body, "add_special_tokens", None),
+        return_token_ids=_opt_bool(body, "return_token_ids"),
         batch=tuple(prompts) if len(prompts) > 1 else (),
     )
 

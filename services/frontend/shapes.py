@@ -33,6 +33,11 @@ over a :class:`~services.frontend.fanout.FanJob`), matching vLLM's OpenAI server
   carries log-probabilities) and the finishing chunk's reason is
   ``stream_finish_reason``'s; the full response's ``message`` and ``finish_reason`` are
   ``finish``'s (``content`` null and ``tool_calls`` when the model called a tool).
+- **return_token_ids** (vLLM's extension): each choice carries ``token_ids`` (what it
+  generated; streamed, each chunk's own, and a chunk with tokens is sent even when it adds
+  no text), and the prompt's ids go as ``prompt_token_ids``: on completions per choice
+  (streamed: with its first chunk that has tokens), on chat at the top level (streamed:
+  the role chunks).
 """
 
 from __future__ import annotations
@@ -145,6 +150,7 @@ class _Choice:
     logprobs: dict[str, Any] | None = None  # completions logprobs
     offset: int = 0
     started: bool = False  # its first chunk with tokens went out (echo)
+    token_ids: list[int] = field(default_factory=list)  # generated (return_token_ids)
 
 
 def usage_object(usage: tuple[int, int, int]) -> dict[str, Any]:
@@ -170,6 +176,7 @@ class Shapes:
         tool_req = fan.req.tools if self.chat else None
         self._parsers = ([tools.ToolCallParser(getattr(tok, "hf", tok), tool_req)
                           for _ in fan.choices] if tool_req is not None else None)
+        self.ids = fan.req.return_token_ids
 
     def head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.fan.created,
@@ -188,7 +195,9 @@ class Shapes:
         text, lp = chunk.text, None
         ids: list[int] = list(chunk.token_ids)
         entries: list[common_pb2.PositionLogprobs | None] = list(chunk.logprobs)
-        if self.fan.req.echo and not st.started and chunk.token_ids:
+        first = not st.started and bool(chunk.token_ids)
+        st.token_ids.extend(chunk.token_ids)
+        if self.fan.req.echo and first:
             prompt = self.fan.prompt_of(index)
             text = self._prompt_text(index) + text
             if self.k is not None:
@@ -209,25 +218,31 @@ class Shapes:
         if chunk.finish_reason is not None:
             st.finish = chunk.finish_reason
         if self._parsers is not None:
-            return self._tool_delta(index, text, chunk.finish_reason, lp)
-        if not (text or chunk.finish_reason or lp):
+            out = self._tool_delta(index, text, chunk.finish_reason, lp, chunk.token_ids)
+        elif not (text or chunk.finish_reason or lp or (self.ids and chunk.token_ids)):
             return None
-        if self.chat:
+        elif self.chat:
             delta = {"content": text} if text or chunk.finish_reason is None else {}
-            return {"index": index, "delta": delta, "logprobs": lp,
-                    "finish_reason": chunk.finish_reason}
-        return {"index": index, "text": text, "logprobs": lp,
-                "finish_reason": chunk.finish_reason}
+            out = {"index": index, "delta": delta, "logprobs": lp,
+                   "finish_reason": chunk.finish_reason}
+        else:
+            out = {"index": index, "text": text, "logprobs": lp,
+                   "finish_reason": chunk.finish_reason}
+        if out is not None and self.ids:
+            out["token_ids"] = list(chunk.token_ids)
+            if first and not self.chat:
+                out["prompt_token_ids"] = self.fan.prompt_of(index).token_ids
+        return out
 
     def _tool_delta(self, index: int, text: str, finish: str | None,
-                    lp: dict[str, Any] | None) -> dict[str, Any] | None:
+                    lp: dict[str, Any] | None, ids: Sequence[int]) -> dict[str, Any] | None:
         """A chat stream's choice object through the choice's tool parser."""
         if not self.fan.req.stream:
             return None  # the full response parses the whole text once (``full``)
         assert self._parsers is not None
         parser = self._parsers[index]
         delta = parser.delta(text, finished=finish is not None)
-        if delta is None and finish is None and lp is None:
+        if delta is None and finish is None and lp is None and not (self.ids and ids):
             return None
         return {"index": index, "delta": delta or {}, "logprobs": lp,
                 "finish_reason": None if finish is None
@@ -237,8 +252,10 @@ class Shapes:
         return {**self.head(self.chunk_object_name), "choices": [choice]}
 
     def role_chunks(self) -> list[dict[str, Any]]:
-        return [self.chunk_object({"index": i, "delta": {"role": "assistant", "content": ""},
-                                   "logprobs": None, "finish_reason": None})
+        prompt = ({"prompt_token_ids": self.fan.prompt_of(0).token_ids} if self.ids else {})
+        return [{**self.chunk_object({"index": i, "delta": {"role": "assistant",
+                                                            "content": ""},
+                                      "logprobs": None, "finish_reason": None}), **prompt}
                 for i in range(len(self._choices))]
 
     def full(self, usage: tuple[int, int, int]) -> dict[str, Any]:
@@ -259,7 +276,15 @@ class Shapes:
                       ) if self.k is not None else None
                 choices.append({"index": i, "text": text, "logprobs": lp,
                                 "finish_reason": st.finish})
-        return {**self.head(self.object), "choices": choices, "usage": usage_object(usage)}
+                if self.ids:
+                    choices[-1]["prompt_token_ids"] = self.fan.prompt_of(i).token_ids
+            if self.ids:
+                choices[-1]["token_ids"] = st.token_ids
+        response = {**self.head(self.object), "choices": choices,
+                    "usage": usage_object(usage)}
+        if self.ids and self.chat:
+            response["prompt_token_ids"] = self.fan.prompt_of(0).token_ids
+        return response
 
     def usage_chunk(self, usage: tuple[int, int, int]) -> dict[str, Any]:
         return {**self.head(self.chunk_object_name), "choices": [],

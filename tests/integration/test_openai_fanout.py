@@ -243,6 +243,54 @@ async def test_rendering_options_prompt_what_tokenize_counts(mesh: FanMesh) -> N
     await released(mesh)
 
 
+async def test_return_token_ids_whole_and_streamed(mesh: FanMesh) -> None:
+    """vLLM's ``return_token_ids``: the prompt's ids (what /tokenize gives) and each
+    choice's generated ids, which decode to its text; streamed, the chunks' ids add up
+    to the whole response's."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=mesh.frontend.base_url, timeout=30) as http:
+        prompt_ids = (await http.post("/tokenize", json={"model": MODEL, "prompt": "a b c"})
+                      ).json()["tokens"]
+        chat_ids = (await http.post("/tokenize", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "a b c"}]})
+        ).json()["tokens"]
+    extra = {"return_token_ids": True}
+    whole = (await mesh.client().completions.create(
+        model=MODEL, prompt="a b c", max_tokens=5, n=2, seed=1, extra_body=extra)).model_dump()
+    for c in whole["choices"]:
+        assert c["prompt_token_ids"] == prompt_ids and len(c["token_ids"]) == 5, c
+    stream = await mesh.client().completions.create(
+        model=MODEL, prompt="a b c", max_tokens=5, n=2, seed=1, stream=True, extra_body=extra)
+    got: dict[int, list[int]] = {0: [], 1: []}
+    prompts: dict[int, list[list[int]]] = {0: [], 1: []}
+    async for chunk in stream:
+        for c in chunk.model_dump()["choices"]:
+            got[c["index"]] += c["token_ids"]
+            if c.get("prompt_token_ids") is not None:
+                prompts[c["index"]].append(c["prompt_token_ids"])
+    assert [got[0], got[1]] == [c["token_ids"] for c in whole["choices"]]
+    assert prompts == {0: [prompt_ids], 1: [prompt_ids]}  # once per choice
+    messages: Any = [{"role": "user", "content": "a b c"}]
+    chat = (await mesh.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, seed=2, extra_body=extra)).model_dump()
+    assert chat["prompt_token_ids"] == chat_ids and len(chat["choices"][0]["token_ids"]) == 4
+    plain = (await mesh.client().chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, seed=2)).model_dump()
+    assert "prompt_token_ids" not in plain or plain["prompt_token_ids"] is None
+    ids: list[int] = []
+    first = None
+    async for piece in await mesh.client().chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, seed=2, stream=True,
+            extra_body=extra):
+        d = piece.model_dump()
+        first = d.get("prompt_token_ids") if first is None else first
+        for c in d["choices"]:
+            ids += c.get("token_ids") or []
+    assert first == chat_ids and ids == chat["choices"][0]["token_ids"]
+    await released(mesh)
+
+
 async def test_grpc_n_chunks_carry_their_index_and_the_usage_last(mesh: FanMesh) -> None:
     async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
         chunks = [c async for c in frontend_pb2_grpc.FrontendStub(ch).Generate(
