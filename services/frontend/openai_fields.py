@@ -38,6 +38,7 @@ COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "stream_options", "presence_penalty", "frequency_penalty", "ignore_eos", "n",
     "request_id", "cache_salt", "stop_token_ids", "repetition_penalty", "return_token_ids",
+    "truncate_prompt_tokens", "truncation_side",
 })
 # Served on both endpoints: structured outputs, logit_bias and vLLM's min_tokens / min_p.
 SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs",
@@ -86,7 +87,6 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (None, True),
     "prompt_logprobs": _NONE,
     "allowed_token_ids": _NONE,
-    "truncate_prompt_tokens": _NONE,
     "guided_json": _NONE,
     "guided_regex": _NONE,
     "guided_choice": _NONE,

@@ -181,6 +181,7 @@ class ParsedRequest:
     continue_final_message: bool = False
     add_special_tokens: bool | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids
+    truncate: tuple[int, str] | None = None  # vLLM's truncate_prompt_tokens, its side
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
@@ -321,7 +322,25 @@ def _render(body: dict[str, Any]) -> dict[str, Any]:
                    "assistant's", "continue_final_message")
     return {"add_generation_prompt": gen, "continue_final_message": cont,
             "add_special_tokens": _opt_bool(body, "add_special_tokens", None),
-            "return_token_ids": _opt_bool(body, "return_token_ids")}
+            "return_token_ids": _opt_bool(body, "return_token_ids"),
+            "truncate": _truncate(body)}
+
+
+def _truncate(body: dict[str, Any]) -> tuple[int, str] | None:
+    """vLLM's ``truncate_prompt_tokens`` (-1: the context; >= 0) and ``truncation_side``
+    (left, the default, or right); the pipeline truncates, knowing the context."""
+    k = _opt_int(body, "truncate_prompt_tokens", -1, INT64_MAX)
+    side = body.get("truncation_side")
+    if side not in (None, "left", "right"):
+        raise _bad(f"'truncation_side' must be 'left' or 'right', got {side!r}",
+                   "truncation_side")
+    if k is None:
+        if side is not None:
+            raise _bad("'truncation_side' needs 'truncate_prompt_tokens'", "truncation_side")
+        return None
+    if k == 0:
+        raise _bad("'truncate_prompt_tokens' must be -1 or >= 1", "truncate_prompt_tokens")
+    return k, side or "left"
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -600,7 +619,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         prompt_token_ids=None if isinstance(first, str) else first,
         request_id=_request_id(body), client_salt=_client_salt(body), n=_n(body), echo=echo,
         add_special_tokens=_opt_bool(body, "add_special_tokens", None),
-        return_token_ids=_opt_bool(body, "return_token_ids"),
+        return_token_ids=_opt_bool(body, "return_token_ids"), truncate=_truncate(body),
         batch=tuple(prompts) if len(prompts) > 1 else (),
     )
 
@@ -698,6 +717,29 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
         images=tuple(images), request_id=_request_id(body), client_salt=_client_salt(body),
         n=_n(body),
     )
+
+
+def truncated(req: ParsedRequest, ids: list[int],
+              max_model_len: int) -> tuple[list[int], ParsedRequest]:
+    """vLLM's ``truncate_prompt_tokens`` k (-1: the model's context) from
+    ``truncation_side`` (left: keep the last k tokens, right: the first k): the ids, and
+    the request as one of those ids (so echo shows what was served). A 400 naming the
+    field for k above the context, or with images (their placeholders would be cut)."""
+    assert req.truncate is not None
+    k, side = req.truncate
+    k = max_model_len if k == -1 else k
+    if k > max_model_len:
+        raise ApiError(400, f"truncate_prompt_tokens ({k}) is above the model's context "
+                       f"({max_model_len} tokens)", param="truncate_prompt_tokens")
+    if req.images:
+        raise ApiError(400, "truncate_prompt_tokens is not served with images (their "
+                       "placeholders would be cut)", param="truncate_prompt_tokens")
+    if len(ids) <= k:
+        return ids, req
+    ids = ids[len(ids) - k:] if side == "left" else ids[:k]
+    if req.kind == "chat":
+        return ids, req
+    return ids, replace(req, prompt=None, prompt_token_ids=tuple(ids))
 
 
 def check_context(req: ParsedRequest, prompt_tokens: int, max_model_len: int) -> ParsedRequest:

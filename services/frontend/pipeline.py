@@ -134,7 +134,7 @@ from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
-from services.frontend.openai_schema import ApiError, ParsedRequest, check_context
+from services.frontend.openai_schema import ApiError, ParsedRequest, check_context, truncated
 from services.frontend.remote_images import RemoteImageFetcher, RemoteImageLimits, fetch_parts
 
 log = logging.getLogger(__name__)
@@ -472,6 +472,8 @@ class Pipeline:
                     ids = await asyncio.to_thread(
                         tok.encode, req.prompt or "",
                         req.add_special_tokens is None or req.add_special_tokens)
+            if req.truncate is not None:
+                ids, req = truncated(req, ids, info.max_model_len)
             mm = await self._images(req, info, ids) if req.images else None
             if mm is not None:
                 ids = mm.token_ids

@@ -240,6 +240,12 @@ async def test_rendering_options_prompt_what_tokenize_counts(mesh: FanMesh) -> N
                                                          max_tokens=1, extra_body=opts)
             assert one.usage is not None and one.usage.prompt_tokens == tok, (opts, tok)
     assert len(set(counts[:3])) == 3, counts  # each template option renders another prompt
+    ids = list(range(100, 130))
+    cut = (await mesh.client().completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, echo=True,
+        extra_body={"truncate_prompt_tokens": 7, "return_token_ids": True})).model_dump()
+    assert cut["usage"]["prompt_tokens"] == 7
+    assert cut["choices"][0]["prompt_token_ids"] == ids[-7:]
     await released(mesh)
 
 

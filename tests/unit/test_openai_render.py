@@ -52,3 +52,42 @@ def test_continuing_needs_an_assistant_message_last() -> None:
     with pytest.raises(ApiError) as err:
         parse_completion({"model": "m", "prompt": "x", "continue_final_message": True})
     assert err.value.param == "continue_final_message"  # a chat option on completions
+
+
+def test_truncation_keeps_the_side_asked_for() -> None:
+    from services.frontend.openai_schema import truncated
+
+    req = parse_completion({"model": "m", "prompt": "x", "truncate_prompt_tokens": 3})
+    assert req.truncate == (3, "left")
+    ids, out = truncated(req, [1, 2, 3, 4, 5], 100)
+    assert ids == [3, 4, 5] and out.prompt is None and out.prompt_token_ids == (3, 4, 5)
+    right = parse_completion({"model": "m", "prompt": "x", "truncate_prompt_tokens": 2,
+                              "truncation_side": "right"})
+    assert truncated(right, [1, 2, 3], 100)[0] == [1, 2]
+    whole = parse_chat({"model": "m", "messages": [USER], "truncate_prompt_tokens": -1})
+    ids, out = truncated(whole, list(range(10)), 4)
+    assert ids == [6, 7, 8, 9] and out is whole  # a chat keeps its messages
+    short = truncated(req, [1, 2], 100)
+    assert short[0] == [1, 2] and short[1] is req
+
+
+@pytest.mark.parametrize(("kw", "param"), [
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": "3"}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 3, "truncation_side": "middle"}, "truncation_side"),
+    ({"truncation_side": "left"}, "truncation_side"),
+])
+def test_bad_truncation_is_a_400_naming_the_field(kw: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as err:
+        parse_completion({"model": "m", "prompt": "x", **kw})
+    assert err.value.param == param, err.value
+
+
+def test_truncation_above_the_context_is_a_400() -> None:
+    from services.frontend.openai_schema import truncated
+
+    req = parse_completion({"model": "m", "prompt": "x", "truncate_prompt_tokens": 9})
+    with pytest.raises(ApiError) as err:
+        truncated(req, [1], 8)
+    assert err.value.param == "truncate_prompt_tokens"
