@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rkvmesh.common\"\xb4\x05\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x08\x88\x01\x01\x12\x34\n\nstructured\x18\x0e \x01(\x0b\x32 .kvmesh.common.StructuredOutputs\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.kvmesh.common.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\t\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_p\"\xb0\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.kvmesh.common.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\x0c\x63ompact_json\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"h\n\x10PositionLogprobs\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x1b.kvmesh.common.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.kvmesh.common.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.kvmesh.common.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/common.proto\x12\rkvmesh.common\"\x8e\x07\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x1d\n\x10presence_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0c \x01(\x05H\x07\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\r \x01(\x05H\x08\x88\x01\x01\x12\x34\n\nstructured\x18\x0e \x01(\x0b\x32 .kvmesh.common.StructuredOutputs\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.kvmesh.common.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x10 \x01(\x05\x12\x12\n\x05min_p\x18\x11 \x01(\x02H\t\x88\x01\x01\x12\x11\n\tbad_words\x18\x12 \x03(\t\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x14 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\n\x88\x01\x01\x12*\n\x1dspaces_between_special_tokens\x18\x16 \x01(\x08H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x08\n\x06_min_pB\x16\n\x14_skip_special_tokensB \n\x1e_spaces_between_special_tokens\"\xb0\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.kvmesh.common.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x14\n\x0c\x63ompact_json\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"?\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"h\n\x10PositionLogprobs\x12*\n\x05token\x18\x01 \x01(\x0b\x32\x1b.kvmesh.common.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.kvmesh.common.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.kvmesh.common.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,24 +33,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1367
-  _globals['_FINISHREASON']._serialized_end=1542
+  _globals['_FINISHREASON']._serialized_start=1585
+  _globals['_FINISHREASON']._serialized_end=1760
   _globals['_SAMPLINGPARAMS']._serialized_start=39
-  _globals['_SAMPLINGPARAMS']._serialized_end=731
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=529
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=577
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=734
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=910
-  _globals['_CHOICELIST']._serialized_start=912
-  _globals['_CHOICELIST']._serialized_end=941
-  _globals['_TOKENLOGPROB']._serialized_start=943
-  _globals['_TOKENLOGPROB']._serialized_end=1006
-  _globals['_POSITIONLOGPROBS']._serialized_start=1008
-  _globals['_POSITIONLOGPROBS']._serialized_end=1112
-  _globals['_USAGE']._serialized_start=1114
-  _globals['_USAGE']._serialized_end=1194
-  _globals['_TOOLCALL']._serialized_start=1196
-  _globals['_TOOLCALL']._serialized_end=1251
-  _globals['_CHATMESSAGE']._serialized_start=1253
-  _globals['_CHATMESSAGE']._serialized_end=1364
+  _globals['_SAMPLINGPARAMS']._serialized_end=949
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=689
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=737
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=952
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1128
+  _globals['_CHOICELIST']._serialized_start=1130
+  _globals['_CHOICELIST']._serialized_end=1159
+  _globals['_TOKENLOGPROB']._serialized_start=1161
+  _globals['_TOKENLOGPROB']._serialized_end=1224
+  _globals['_POSITIONLOGPROBS']._serialized_start=1226
+  _globals['_POSITIONLOGPROBS']._serialized_end=1330
+  _globals['_USAGE']._serialized_start=1332
+  _globals['_USAGE']._serialized_end=1412
+  _globals['_TOOLCALL']._serialized_start=1414
+  _globals['_TOOLCALL']._serialized_end=1469
+  _globals['_CHATMESSAGE']._serialized_start=1471
+  _globals['_CHATMESSAGE']._serialized_end=1582
 # @@protoc_insertion_point(module_scope)

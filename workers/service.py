@@ -141,6 +141,14 @@ def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
         logit_bias=tuple(sorted(p.logit_bias.items())),
         min_tokens=p.min_tokens,
         min_p=p.min_p if p.HasField("min_p") else None,
+        bad_words=tuple(p.bad_words),
+        allowed_token_ids=tuple(p.allowed_token_ids),
+        include_stop_str_in_output=p.include_stop_str_in_output,
+        skip_special_tokens=(p.skip_special_tokens if p.HasField("skip_special_tokens")
+                             else True),
+        spaces_between_special_tokens=(p.spaces_between_special_tokens
+                                       if p.HasField("spaces_between_special_tokens")
+                                       else True),
     )
 
 

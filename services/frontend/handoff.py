@@ -15,9 +15,10 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   ``PUSH_TIMEOUT_S``; after it a P failure is only logged (warning). D's finish chunk is
   passed on once P has reported (so it carries P's hits), at most ``PUSH_TIMEOUT_S`` later.
 - Sampling (P/D): P's request drops :data:`P_DROPPED` (``structured``, ``logprobs``,
-  ``logit_bias``, ``min_tokens``): P's one token is discarded and D generates every
-  output token from the prompt's KV (recomputing the last prompt token), so grammar
-  state, logprobs, biases and penalties all start on D and equal the aggregated run's.
+  ``logit_bias``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``): P's one token
+  is discarded and D generates every output token from the prompt's KV (recomputing
+  the last prompt token), so grammar state, logprobs, biases and penalties all start
+  on D and equal the aggregated run's.
   P keeps the rest (its prefix hashes and block keys do not depend on sampling). D gets
   the full sampling but ``prompt_logprobs`` (:data:`D_DROPPED`: D computes no prompt
   position); P computes them and they go out on the first chunk of the stream, as from
@@ -134,7 +135,8 @@ def _finished(resp: worker_pb2.GenerateResponse) -> bool:
 # Sampling fields P never gets: its one token is discarded (D generates every output token
 # from the prompt's KV, so grammar state, logprobs and biases start on D), and min_tokens
 # would exceed P's max_tokens=1.
-P_DROPPED = ("structured", "logprobs", "logit_bias", "min_tokens")
+P_DROPPED = ("structured", "logprobs", "logit_bias", "min_tokens", "bad_words",
+             "allowed_token_ids")
 # ... and D never gets: D loads the prompt's KV and computes no prompt position (P does).
 D_DROPPED = ("prompt_logprobs",)
 

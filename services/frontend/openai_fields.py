@@ -38,7 +38,8 @@ COMMON = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
     "stream_options", "presence_penalty", "frequency_penalty", "ignore_eos", "n",
     "request_id", "cache_salt", "stop_token_ids", "repetition_penalty", "return_token_ids",
-    "truncate_prompt_tokens", "truncation_side",
+    "truncate_prompt_tokens", "truncation_side", "bad_words", "allowed_token_ids",
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
 })
 # Served on both endpoints: structured outputs, logit_bias and vLLM's min_tokens / min_p.
 SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs",
@@ -81,12 +82,7 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "min_p": (None, 0, 0.0),
     "min_tokens": (None, 0),
     "length_penalty": (None, 1, 1.0),
-    "bad_words": (None, []),
-    "include_stop_str_in_output": (None, False),
-    "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True),
     "prompt_logprobs": _NONE,
-    "allowed_token_ids": _NONE,
     "guided_json": _NONE,
     "guided_regex": _NONE,
     "guided_choice": _NONE,

@@ -151,6 +151,12 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     min_p: float | None = None
+    # vLLM's decoding extensions (services/frontend/vllm_extras.py)
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
 
 @dataclass(frozen=True)
@@ -389,6 +395,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
         logit_bias=_logit_bias(body),
         min_tokens=_min_tokens(body, max_tokens),
         min_p=_opt_number(body, "min_p", 0.0, 1.0),
+        **_vllm_extras(body),
     )
 
 
@@ -443,6 +450,12 @@ def _response_format(body: dict[str, Any]) -> Structured | None:
         return Structured("json_schema", text)
     raise _bad(f"response_format.type must be one of 'text', 'json_object', 'json_schema'; "
                f"got {kind!r}", "response_format.type")
+
+
+def _vllm_extras(body: dict[str, Any]) -> dict[str, Any]:
+    from services.frontend import vllm_extras  # it imports this module
+
+    return vllm_extras.parse_extras(body.get)
 
 
 def _structured(body: dict[str, Any]) -> Structured | None:

@@ -129,7 +129,7 @@ from services.common.grpc_client import ChannelPool
 from services.common.telemetry import tracer
 from services.common.tls import MeshTls
 from services.encoder.images import ImageLimits, InputError
-from services.frontend import tool_chat
+from services.frontend import tool_chat, vllm_extras
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.metrics import FrontendMetrics
@@ -319,6 +319,7 @@ def sampling_proto(job: Job) -> common_pb2.SamplingParams:
     p.min_tokens = s.min_tokens
     for token_id, bias in s.logit_bias:
         p.logit_bias[token_id] = bias
+    vllm_extras.to_proto(s, p)
     if s.structured is not None:
         st = s.structured
         if st.kind == "json_object":
@@ -479,13 +480,11 @@ class Pipeline:
                 ids = mm.token_ids
                 span.set_attribute("kvmesh.images", len(mm.images))
             span.set_attribute("kvmesh.prompt_tokens", len(ids))
-            if req.sampling.logit_bias:
+            if req.sampling.logit_bias or req.sampling.allowed_token_ids:
                 tok = await asyncio.to_thread(self._catalog.tokenizer, info)
-                bad = next((t for t, _ in req.sampling.logit_bias if t >= tok.vocab_size),
-                           None)
-                if bad is not None:
-                    raise ApiError(400, f"logit_bias token id {bad} is out of the model's "
-                                   f"vocabulary (size {tok.vocab_size})", param="logit_bias")
+                err = vllm_extras.vocab_problem(req.sampling, tok.vocab_size)
+                if err is not None:
+                    raise err
         req = check_context(req, len(ids), info.max_model_len)
         rid = req.request_id or uuid.uuid4().hex
         return Job(rid, req, info, ids, int(time.time()), req.cache_salt, mm)

@@ -59,7 +59,7 @@ from typing import Any
 import grpc
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
-from services.frontend import fanout, structured, tool_chat, tools
+from services.frontend import fanout, structured, tool_chat, tools, vllm_extras
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import Tally
 from services.frontend.openai_schema import (
@@ -97,7 +97,8 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         raise ApiError(400, "'repetition_penalty' must be > 0", param="repetition_penalty")
     if any(t < 0 for t in s.stop_token_ids):
         raise ApiError(400, "'stop_token_ids' must be >= 0", param="stop_token_ids")
-    sampling = replace(_base_sampling(s), **_issue15_sampling(req))
+    sampling = replace(_base_sampling(s), **_issue15_sampling(req),
+                       **vllm_extras.from_proto(s))
     n = req.n or 1
     if not 1 <= n <= MAX_N:
         raise ApiError(400, f"'n' must be between 1 and {MAX_N}, got {req.n}", param="n")

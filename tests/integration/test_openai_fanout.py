@@ -297,6 +297,18 @@ async def test_return_token_ids_whole_and_streamed(mesh: FanMesh) -> None:
     await released(mesh)
 
 
+async def test_decoding_extensions_the_mock_does_not_serve_are_a_400(mesh: FanMesh) -> None:
+    """vLLM's decoding extensions reach the worker; the mock engine serves none of them,
+    so each is a 400 naming it, never ignored, and nothing is left behind."""
+    for extra in ({"bad_words": ["cat"]}, {"allowed_token_ids": [3]},
+                  {"include_stop_str_in_output": True}, {"skip_special_tokens": False}):
+        with pytest.raises(openai.BadRequestError) as err:
+            await mesh.client().completions.create(model=MODEL, prompt="a b", max_tokens=2,
+                                                   extra_body=extra)
+        assert next(iter(extra)) in str(err.value.body), (extra, err.value.body)
+    await released(mesh)
+
+
 async def test_grpc_n_chunks_carry_their_index_and_the_usage_last(mesh: FanMesh) -> None:
     async with grpc.aio.insecure_channel(mesh.frontend.server.address) as ch:
         chunks = [c async for c in frontend_pb2_grpc.FrontendStub(ch).Generate(

@@ -5,7 +5,8 @@ and validate; logit_bias steering greedy decoding; n with a seed; tool_choice re
 a named function (tool calls whose arguments validate, streamed deltas that reassemble to
 the same call), and over the gRPC Frontend the same required call as over HTTP;
 /v1/responses with a json_schema text format; vLLM's ``structured_outputs`` (regex,
-choice, grammar).
+choice, grammar) and decoding extensions (allowed_token_ids, bad_words,
+include_stop_str_in_output, skip_special_tokens).
 """
 
 from __future__ import annotations
@@ -151,6 +152,43 @@ async def test_vllm_structured_outputs_regex_choice_grammar(mesh: Mesh) -> None:
     assert "structured" in str(err.value.body), err.value.body
     again = await c.completions.create(model=mesh.model, prompt="x", max_tokens=2)
     assert again.choices[0].finish_reason is not None
+
+
+async def test_vllm_decoding_extensions(mesh: Mesh, tiny_model: str) -> None:
+    """vLLM's allowed_token_ids, bad_words, include_stop_str_in_output and
+    skip_special_tokens reach vLLM: each changes the greedy output as vLLM defines."""
+    tok = Tokenizer(tiny_model)
+    c = client(mesh)
+
+    async def greedy(prompt: str, n: int = 6, **extra: Any) -> Any:
+        resp = await c.completions.create(model=mesh.model, prompt=prompt, max_tokens=n,
+                                          temperature=0, extra_body={"ignore_eos": True,
+                                                                     **extra})
+        return resp.choices[0]
+
+    allowed = tok.encode(" banana apple", add_special_tokens=False)
+    only = await greedy("hello", allowed_token_ids=allowed, return_token_ids=True)
+    assert set(only.model_dump()["token_ids"]) <= set(allowed), only
+    free = await greedy("hello", return_token_ids=True)
+    ids = free.model_dump()["token_ids"]
+    # a generated token that is a word on its own (vLLM bans a one-token word everywhere)
+    word = next(t for t in ids if (w := tok.decode([t])).strip().isalpha()
+                and tok.encode(w, add_special_tokens=False) == [t])
+    banned = await greedy("hello", return_token_ids=True, bad_words=[tok.decode([word])])
+    assert word not in banned.model_dump()["token_ids"], (word, banned)
+    stop = free.text[2:4] if len(free.text) >= 4 else free.text[-1:]
+    cut = await greedy("hello", stop=[stop])
+    kept = await greedy("hello", stop=[stop], include_stop_str_in_output=True)
+    assert cut.finish_reason == kept.finish_reason == "stop"
+    assert kept.text == cut.text + stop, (cut.text, kept.text, stop)
+    eos = tok.decode([2], skip_special_tokens=False)  # <|im_end|>
+    special = await greedy("hello", n=3, allowed_token_ids=[2, 5],
+                           logit_bias={"2": 100}, skip_special_tokens=False)
+    plain = await greedy("hello", n=3, allowed_token_ids=[2, 5], logit_bias={"2": 100})
+    assert special.text == eos * 3 and plain.text == "", (special.text, plain.text)
+    with pytest.raises(openai.BadRequestError) as err:
+        await greedy("hello", allowed_token_ids=[tok.vocab_size + 5])
+    assert "allowed_token_ids" in str(err.value.body)
 
 
 async def test_logit_bias_steers_greedy_decoding(mesh: Mesh, tiny_model: str) -> None:

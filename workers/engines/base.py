@@ -38,7 +38,9 @@ int64 is a valid seed (vLLM reads -1 as none). The optional features
 (:data:`OPTIONAL_FEATURES`): ``logprobs``/``prompt_logprobs`` outside [0,
 :data:`MAX_LOGPROBS`] (vLLM's default ``max_logprobs``), a ``logit_bias`` id < 0 or a
 bias outside [-100, 100] or not finite, ``min_tokens`` < 0 or > ``max_tokens``,
-``min_p`` outside [0, 1], and a ``structured`` (:class:`StructuredOutputs`) with no kind
+``min_p`` outside [0, 1], ``bad_words`` (blank, or over :data:`MAX_BAD_WORDS` /
+:data:`MAX_BAD_WORD_BYTES`), ``allowed_token_ids`` (negative, or over
+:data:`MAX_ALLOWED_TOKEN_IDS`), and a ``structured`` (:class:`StructuredOutputs`) with no kind
 or more than one, an empty regex/grammar/choice list, a ``json_schema`` that is not a
 JSON object, or ``compact_json`` on a kind that is not JSON. Sizes: a ``json_schema``,
 ``regex`` or ``grammar`` over :data:`MAX_STRUCTURED_BYTES` (UTF-8), a ``choice`` of more
@@ -85,7 +87,9 @@ class EngineDeadError(Exception):
 
 # Sampling features an engine may or may not serve (Engine.serves), by Sampling field.
 OPTIONAL_FEATURES = ("logprobs", "prompt_logprobs", "structured", "logit_bias",
-                     "min_tokens", "min_p")
+                     "min_tokens", "min_p", "bad_words", "allowed_token_ids",
+                     "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens")
 # The most top log-probabilities one position may ask for (vLLM's max_logprobs default).
 MAX_LOGPROBS = 20
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -93,6 +97,9 @@ STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_STRUCTURED_BYTES = 64 << 10  # a json_schema, regex or grammar (UTF-8); choice: in all
 MAX_STRUCTURED_CHOICES = 1024  # strings of a choice
 MAX_LOGIT_BIAS = 1024  # logit_bias entries
+MAX_BAD_WORDS = 256  # bad_words strings, each at most MAX_BAD_WORD_BYTES (UTF-8)
+MAX_BAD_WORD_BYTES = 1024
+MAX_ALLOWED_TOKEN_IDS = 1 << 16  # allowed_token_ids entries
 
 
 @dataclass(frozen=True)
@@ -161,10 +168,20 @@ class Sampling:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), sorted by id
     min_tokens: int = 0
     min_p: float | None = None
+    bad_words: tuple[str, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()  # (): every id
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def features(self) -> list[str]:
-        """The optional features this request sets, in :data:`OPTIONAL_FEATURES` order."""
-        unset: dict[str, object] = {"logit_bias": (), "min_tokens": 0}
+        """The optional features this request sets (to other than their defaults), in
+        :data:`OPTIONAL_FEATURES` order."""
+        unset: dict[str, object] = {"logit_bias": (), "min_tokens": 0, "bad_words": (),
+                                    "allowed_token_ids": (),
+                                    "include_stop_str_in_output": False,
+                                    "skip_special_tokens": True,
+                                    "spaces_between_special_tokens": True}
         return [f for f in OPTIONAL_FEATURES if getattr(self, f) != unset.get(f)]
 
 
@@ -225,6 +242,18 @@ def _validate_features(s: Sampling) -> None:
         raise EngineError(f"sampling.min_p must be in [0, 1], got {s.min_p}")
     if s.structured is not None:
         _validate_structured(s.structured)
+    if len(s.bad_words) > MAX_BAD_WORDS:
+        raise EngineError(f"sampling.bad_words takes at most {MAX_BAD_WORDS} words, got "
+                          f"{len(s.bad_words)}")
+    for i, word in enumerate(s.bad_words):
+        if not word.strip() or len(word.encode("utf-8", errors="replace")) > MAX_BAD_WORD_BYTES:
+            raise EngineError(f"sampling.bad_words[{i}] must be a non-blank word of at most "
+                              f"{MAX_BAD_WORD_BYTES} bytes")
+    if len(s.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+        raise EngineError(f"sampling.allowed_token_ids takes at most {MAX_ALLOWED_TOKEN_IDS} "
+                          f"ids, got {len(s.allowed_token_ids)}")
+    if any(t < 0 for t in s.allowed_token_ids):
+        raise EngineError("sampling.allowed_token_ids must be token ids (>= 0)")
 
 
 def validate_sampling(s: Sampling) -> None:

@@ -42,7 +42,9 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   **Every optional sampling feature is served** (``serves`` = all of
   :data:`~workers.engines.base.OPTIONAL_FEATURES`), mapped onto vLLM's ``SamplingParams``:
   ``logprobs``, ``prompt_logprobs``, ``logit_bias`` (vLLM refuses ids outside the
-  vocabulary: EngineError naming ``sampling.logit_bias``), ``min_tokens``, ``min_p`` and
+  vocabulary: EngineError naming ``sampling.logit_bias``), ``min_tokens``, ``min_p``,
+  ``bad_words``, ``allowed_token_ids``, ``include_stop_str_in_output``, the
+  detokenizer's ``skip_special_tokens`` / ``spaces_between_special_tokens``, and
   ``structured`` as ``structured_outputs=StructuredOutputsParams(json=, json_object=,
   regex=, choice=, grammar=)`` (vLLM's "auto" backend: xgrammar here). ``compact_json``
   is refused (EngineError naming ``sampling.structured.compact_json``) unless the engine
@@ -498,6 +500,11 @@ class VllmEngine(Engine):
                 prompt_logprobs=sampling.prompt_logprobs,
                 logit_bias=dict(sampling.logit_bias) or None,
                 min_tokens=sampling.min_tokens,
+                bad_words=list(sampling.bad_words) or None,
+                allowed_token_ids=list(sampling.allowed_token_ids) or None,
+                include_stop_str_in_output=sampling.include_stop_str_in_output,
+                skip_special_tokens=sampling.skip_special_tokens,
+                spaces_between_special_tokens=sampling.spaces_between_special_tokens,
                 seed=sampling.seed,
                 stop=list(sampling.stop) or None,
                 stop_token_ids=list(sampling.stop_token_ids) or None,
