@@ -15,7 +15,8 @@ Contract:
   the model's tool calls are parsed with vLLM's hermes parser, whole and streamed
   (``tool_calls`` deltas), see :mod:`.tools`, :mod:`.tool_chat` and :mod:`.shapes`.
 - ``POST /v1/responses``: OpenAI's Responses API, run by the chat path (tools, structured
-  outputs and tenants included), see :mod:`.responses_api`.
+  outputs and tenants included), and ``GET`` / ``DELETE /v1/responses/{id}`` over the
+  per-tenant ``responses_store`` (None: nothing stored), see :mod:`.responses_api`.
 - Every error is ``{"error": {message, type, param, code}}`` with a 4xx for client mistakes
   (malformed JSON, wrong types, unknown model, context overflow) and 5xx for upstream
   failures. An admission rejection is 503 ``overloaded_error`` (``code`` = the reason)
@@ -69,6 +70,7 @@ from services.frontend.openai_schema import (
 )
 from services.frontend.pipeline import Chunk, Pipeline
 from services.frontend.responses_api import add_routes as add_responses_routes
+from services.frontend.responses_store import ResponseStore
 from services.frontend.shapes import Shapes
 from services.frontend.tokenize_api import add_routes as add_tokenize_routes
 
@@ -228,11 +230,13 @@ async def _json_body(request: Request, limits: HttpLimits) -> Any:
 
 def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                keys: ApiKeys | None = None, metrics_auth: bool = False,
-               metrics_keys: ApiKeys | None = None) -> FastAPI:
+               metrics_keys: ApiKeys | None = None,
+               responses_store: ResponseStore | None = None) -> FastAPI:
     """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None),
     behind ``keys`` (None or none configured: open; ``metrics_auth``: ``/metrics`` too,
     where ``metrics_keys`` are accepted as well: keys that read metrics and nothing else,
-    e.g. a planner's, so a scraper needs no user's key)."""
+    e.g. a planner's, so a scraper needs no user's key), storing Responses API objects in
+    ``responses_store`` (None: ``store: true`` is a 400)."""
     lim = limits or HttpLimits()
     auth = keys or ApiKeys(())
     scrapers = metrics_keys or ApiKeys(())
@@ -364,6 +368,7 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         return await _objects(parse_chat(body, pipeline.image_limits), tenant(request))
 
     add_tokenize_routes(app, pipeline.catalog, tenant, lambda r: _json_body(r, lim))
-    add_responses_routes(app, run_chat, tenant, lambda r: _json_body(r, lim))
+    add_responses_routes(app, run_chat, tenant, lambda r: _json_body(r, lim),
+                         responses_store)
     app.state.started = time.time()
     return app

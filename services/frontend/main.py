@@ -15,6 +15,12 @@ the worker encodes the images itself). Remote (http/https) image URLs are refuse
 unless ``--allow-remote-images`` (``KVMESH_ALLOW_REMOTE_IMAGES``); then the frontend
 fetches them (:mod:`~services.frontend.remote_images`) within
 ``--remote-image-max-bytes`` per body and ``--remote-image-timeout-s`` per fetch.
+
+Responses API storage (:mod:`~services.frontend.responses_store`): up to
+``--responses-store-size`` objects (``KVMESH_RESPONSES_STORE_SIZE``; 0 stores nothing, and
+``store: true`` is then a 400), ``--responses-store-mib`` in all, each kept
+``--responses-store-ttl-s`` at most, per tenant, in this frontend's memory (not shared
+between frontends, lost on restart).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import dataclasses
 import logging
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +53,7 @@ from services.frontend.pipeline import (
     Pipeline,
 )
 from services.frontend.remote_images import RemoteImageLimits
+from services.frontend.responses_store import ResponseStore
 from services.frontend.service import FrontendServicer
 
 log = logging.getLogger(__name__)
@@ -123,6 +131,28 @@ class FrontendConfig(BaseConfig, ImageFlags):
                                         "(redirects and body included)"}
     )
 
+    responses_store_size: int = dataclasses.field(
+        default=10000, metadata={"help": "Responses API objects kept for GET and "
+                                         "previous_response_id (least recently used "
+                                         "evicted); 0: store nothing (store: true is a 400)"}
+    )
+    responses_store_mib: float = dataclasses.field(
+        default=256.0, metadata={"help": "MiB of stored Responses API objects and their "
+                                         "prompts at most"}
+    )
+    responses_store_ttl_s: float = dataclasses.field(
+        default=86400.0, metadata={"help": "seconds a stored Responses API object is kept "
+                                           "at most"}
+    )
+
+    def responses_store(self) -> ResponseStore | None:
+        """The configured store (None with ``responses_store_size`` 0)."""
+        if self.responses_store_size == 0:
+            return None
+        return ResponseStore(self.responses_store_size,
+                             int(self.responses_store_mib * (1 << 20)),
+                             self.responses_store_ttl_s, time.monotonic)
+
     def remote_image_limits(self) -> RemoteImageLimits:
         return RemoteImageLimits(self.remote_image_max_bytes, self.remote_image_timeout_s)
 
@@ -150,6 +180,11 @@ class FrontendConfig(BaseConfig, ImageFlags):
             out.append(f"migration_limit must be >= 0, got {self.migration_limit}")
         if self.max_connections < 1:
             out.append(f"max_connections must be >= 1, got {self.max_connections}")
+        if self.responses_store_size < 0:
+            out.append(f"responses_store_size must be >= 0, got {self.responses_store_size}")
+        for name in ("responses_store_mib", "responses_store_ttl_s"):
+            if not getattr(self, name) > 0:
+                out.append(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.encode_timeout_s > 0:
             out.append(f"encode_timeout_s must be > 0, got {self.encode_timeout_s}")
         try:
@@ -213,7 +248,8 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     sock.listen(1024)
     http_port = sock.getsockname()[1]
     app = create_app(pipeline, cfg.http_limits(), keys, metrics_auth=cfg.metrics_auth,
-                     metrics_keys=ApiKeys.from_sources(cfg.metrics_api_keys))
+                     metrics_keys=ApiKeys.from_sources(cfg.metrics_api_keys),
+                     responses_store=cfg.responses_store())
     http = uvicorn.Server(http_config(app,
                                       max_connections=cfg.max_connections,
                                       keep_alive_s=cfg.keep_alive_s,

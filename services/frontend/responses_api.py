@@ -22,9 +22,10 @@ The stream's state machine is vLLM's own ``SimpleStreamingEventProcessor``. Cont
     "strict"}``) become chat tools. ``tool_choice`` (``none``, ``auto``, ``required``,
     ``{"type": "function", "name"}``) and ``parallel_tool_calls`` pass through.
   - ``stream`` becomes a chat stream with ``include_usage``.
-  What is not served is a 400 that names the field: ``store: true`` (there is no
-  storage; absent or false is fine), ``background``, ``previous_response_id``,
-  ``conversation``, ``reasoning``, ``include``, ``prompt``, ``max_tool_calls``,
+  ``store`` (a boolean) and ``previous_response_id`` (a non-empty string) are kept in
+  :class:`ResponsesParts` for :func:`with_history`. What is not served is a 400 that
+  names the field: ``background: true`` (no background mode: no queued responses, no
+  event replay), ``conversation``, ``reasoning``, ``include``, ``prompt``, ``max_tool_calls``,
   ``top_logprobs``, ``truncation: "auto"``, ``stream_options``, ``text.verbosity``,
   built-in tools (``tools[i].type``: web_search, file_search, mcp, ...), reasoning and
   other input items (``input[i].type``), and unknown fields. ``metadata``, ``user``,
@@ -50,9 +51,35 @@ The stream's state machine is vLLM's own ``SimpleStreamingEventProcessor``. Cont
   whose output is the streamed items with the same ids. A chunk ``{"error": {...}}`` gives
   an ``error`` event and ends the stream. ``sequence_number`` counts from 0.
   :func:`stream_events` drives it over an async iterator. :func:`sse` frames an event as
-  ``event: <type>\\ndata: <json>\\n\\n``, as vLLM does, with no ``[DONE]``.
-- :func:`add_routes` adds the route. It needs a :data:`RunChat` callable. Given a chat
-  body (as from :func:`parse_responses`) and the HTTP request (for the tenant), it runs
+  ``event: <type>\\ndata: <json>\\n\\n``, as vLLM does, with no ``[DONE]``. A streamed
+  request first waits for :data:`~.tool_chat.WARMUP` (vLLM is not imported from two
+  threads at once).
+- Storage (:mod:`.responses_store`, bounded by ``--responses-store-size`` entries,
+  ``--responses-store-mib`` and ``--responses-store-ttl-s``, per tenant). As OpenAI, a
+  response is stored unless the body says ``store: false`` (vLLM stores only with
+  ``VLLM_ENABLE_RESPONSES_API_STORE``; kvmesh stores by default and
+  ``--responses-store-size 0`` turns storage off, and then ``store: true`` is a 400
+  naming ``store`` rather than vLLM's silent no-op). What is stored is the final response
+  object, streamed or not (a stream's ``response.completed`` object, stored before that
+  event is sent; a stream that fails or is abandoned stores nothing), with the chat
+  messages it was generated from. :func:`with_history`: ``previous_response_id`` of a
+  response the caller's tenant has stored makes the chat messages the new instructions'
+  system message, then the stored conversation (:func:`~.responses_store.conversation`:
+  the earlier messages without system messages, then the stored output as an assistant
+  message with its function calls), then the new input; it is echoed in the response.
+  Unknown, expired, evicted, deleted or another tenant's: 404 ``{"message": "Previous
+  response with id '<id>' not found.", "param": "previous_response_id", "code":
+  "previous_response_not_found"}``; with storage off a 400 naming it.
+  ``GET /v1/responses/{id}`` answers the stored object; ``DELETE /v1/responses/{id}``
+  removes it and answers ``{"id", "object": "response", "deleted": true}``; ``POST
+  /v1/responses/{id}/cancel`` is vLLM's 400 "Cannot cancel a synchronous response."
+  (``param: response_id``) for a stored one (none is in the background). All three
+  answer an id the caller's tenant has not stored with vLLM's 404 ``Response with id
+  '<id>' not found.`` (``param: response_id``), whoever else stored it. A query
+  parameter other than ``stream=false`` (``stream=true``, ``starting_after``: vLLM's
+  background event replay) is a 400 naming it.
+- :func:`add_routes` adds the routes. It needs a :data:`RunChat` callable. Given a chat
+  body (as from :func:`with_history`) and the HTTP request (for the tenant), it runs
   it exactly as ``POST /v1/chat/completions`` would, tool parsing included. For
   ``stream: false`` it returns the chat completion dict. Otherwise it returns an async
   iterator of ``chat.completion.chunk`` dicts (the SSE payloads without ``data:``),
@@ -66,6 +93,7 @@ The stream's state machine is vLLM's own ``SimpleStreamingEventProcessor``. Cont
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -75,21 +103,25 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from services.frontend import tool_chat
+from services.frontend.auth import Tenant
 from services.frontend.openai_schema import ApiError
+from services.frontend.responses_store import ResponseStore, Stored, continue_messages
+
+log = logging.getLogger(__name__)
 
 SUPPORTED = frozenset({
     "model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_k",
     "seed", "stop", "presence_penalty", "frequency_penalty", "repetition_penalty", "text",
     "tools", "tool_choice", "parallel_tool_calls", "stream", "request_id", "cache_salt",
+    "store", "previous_response_id",
 })
 NO_EFFECT = frozenset({"metadata", "user", "safety_identifier", "prompt_cache_key"})
 _PASS = ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty",
          "frequency_penalty", "repetition_penalty", "cache_salt", "user", "request_id",
          "parallel_tool_calls")
 NO_OP: dict[str, tuple[Any, ...]] = {
-    "store": (None, False),
     "background": (None, False),
-    "previous_response_id": (None,),
     "conversation": (None,),
     "reasoning": (None,),
     "include": (None, []),
@@ -101,10 +133,8 @@ NO_OP: dict[str, tuple[Any, ...]] = {
     "stream_options": (None,),
 }
 _WHY = {
-    "store": "responses are not stored; send store: false or leave it out",
-    "background": "background responses need storage, which kvmesh does not have",
-    "previous_response_id": "responses are not stored; send the whole conversation in "
-                            "'input'",
+    "background": "background mode is not served; send background: false or leave it "
+                  "out",
     "conversation": "conversations are not stored; send the whole conversation in 'input'",
     "reasoning": "no reasoning parser is served",
 }
@@ -143,6 +173,8 @@ class ResponsesParts:
     max_output_tokens: int | None = None
     text: dict[str, Any] | None = None
     service_tier: str = "auto"
+    store: bool | None = None  # the body's (None: absent)
+    previous_response_id: str | None = None
 
 
 def _check_fields(body: dict[str, Any]) -> None:
@@ -366,6 +398,13 @@ def parse_responses(body: Any) -> ResponsesParts:
     if rid is not None and (not isinstance(rid, str) or not rid):
         raise _bad("'request_id' must be a non-empty string", "request_id")
     parallel = body.get("parallel_tool_calls")
+    store = body.get("store")
+    if store is not None and not isinstance(store, bool):
+        raise _bad("'store' must be a boolean", "store")
+    previous = _opt_str(body, "previous_response_id")
+    if previous is not None and not previous:
+        raise _bad("'previous_response_id' must be a non-empty string",
+                   "previous_response_id")
     return ResponsesParts(
         chat_body=chat, model=model, response_id=rid or f"resp_{_hex()}",
         stream=bool(stream), instructions=instructions, metadata=metadata,
@@ -375,7 +414,8 @@ def parse_responses(body: Any) -> ResponsesParts:
         presence_penalty=body.get("presence_penalty"),
         frequency_penalty=body.get("frequency_penalty"),
         max_output_tokens=max_output, text=body.get("text"),
-        service_tier=body.get("service_tier") or "auto",
+        service_tier=body.get("service_tier") or "auto", store=store,
+        previous_response_id=previous,
     )
 
 
@@ -419,7 +459,8 @@ def response_object(parts: ResponsesParts, *, created_at: int, status: str,
         "tool_choice": parts.tool_choice, "tools": parts.tools,
         "top_p": 1.0 if parts.top_p is None else parts.top_p,
         "background": False, "max_output_tokens": parts.max_output_tokens,
-        "max_tool_calls": None, "previous_response_id": None, "prompt": None,
+        "max_tool_calls": None, "previous_response_id": parts.previous_response_id,
+        "prompt": None,
         "reasoning": None, "service_tier": parts.service_tier, "status": status,
         "text": parts.text, "top_logprobs": None, "truncation": "disabled",
         "usage": usage, "user": parts.user,
@@ -570,26 +611,109 @@ RunChat = Callable[[dict[str, Any], Request],
                    Awaitable[dict[str, Any] | AsyncIterator[dict[str, Any]]]]
 
 
+def _not_found(response_id: str) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.",
+                    param="response_id")
+
+
+def with_history(parts: ResponsesParts, store: ResponseStore | None,
+                 tenant: str) -> ResponsesParts:
+    """``parts`` checked against the store (module docstring: ``store: true`` without a
+    store is a 400; ``previous_response_id`` is a 400 without a store, a 404 when
+    ``tenant`` has no such response) and, with ``previous_response_id``, its chat
+    messages continuing the stored conversation."""
+    if store is None and parts.store:
+        raise _bad("'store' is not served: this frontend stores no responses "
+                   "(--responses-store-size 0); send store: false or leave it out",
+                   "store")
+    prev_id = parts.previous_response_id
+    if prev_id is None:
+        return parts
+    if store is None:
+        raise _bad("'previous_response_id' is not served: this frontend stores no "
+                   "responses (--responses-store-size 0); send the whole conversation in "
+                   "'input'", "previous_response_id")
+    prev = store.get(tenant, prev_id)
+    if prev is None:
+        raise ApiError(404, f"Previous response with id '{prev_id}' not found.",
+                       param="previous_response_id", code="previous_response_not_found")
+    head = 1 if parts.instructions else 0
+    messages = continue_messages(parts.chat_body["messages"], prev, head)
+    return replace(parts, chat_body={**parts.chat_body, "messages": messages})
+
+
+async def _after_warmup() -> None:
+    """Returns once :data:`~.tool_chat.WARMUP` has imported vLLM's tool parser, so that
+    :class:`EventStream` imports vLLM's streaming classes after it: two threads importing
+    vLLM at once can meet a partially initialised module (an ImportError in both, which
+    left tool calling unavailable for the process)."""
+    try:
+        await tool_chat.WARMUP.wait()
+    except ApiError:
+        pass  # the streaming classes may still import; EventStream raises if not
+
+
+def _check_query(request: Request) -> None:
+    for name, value in request.query_params.multi_items():
+        if name == "stream" and value.lower() in ("false", "0"):
+            continue
+        if name in ("stream", "starting_after"):
+            raise _bad(f"'{name}' is not served: replaying a response's events is for "
+                       "background responses, which kvmesh does not serve", name)
+        raise _bad(f"Unrecognized query parameter: '{name}'", name)
+
+
 def add_routes(app: FastAPI, run_chat: RunChat, authorize: Callable[[Request], object],
-               read_json: Callable[[Request], Awaitable[Any]]) -> None:
-    """Adds ``POST /v1/responses`` to ``app``: ``authorize(request)`` raises ApiError 401,
-    ``read_json(request)`` reads the body within the HTTP limits."""
+               read_json: Callable[[Request], Awaitable[Any]],
+               store: ResponseStore | None = None) -> None:
+    """Adds ``POST /v1/responses`` and ``GET`` / ``DELETE /v1/responses/{id}`` and
+    ``POST /v1/responses/{id}/cancel`` to ``app``: ``authorize(request)`` raises ApiError
+    401 or returns the caller's :class:`~.auth.Tenant` (whose name scopes the stored
+    responses; anything else: one shared scope), ``read_json(request)`` reads the body
+    within the HTTP limits; ``store`` None: nothing is stored (module docstring)."""
+
+    def scope(request: Request) -> str:
+        who = authorize(request)
+        return who.name if isinstance(who, Tenant) else ""
+
+    def found(request: Request, response_id: str) -> tuple[str, Stored]:
+        """(the caller's tenant, its entry of ``response_id``); 404 when it has none."""
+        tenant = scope(request)
+        _check_query(request)
+        entry = None if store is None else store.get(tenant, response_id)
+        if entry is None:
+            raise _not_found(response_id)
+        return tenant, entry
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        authorize(request)
-        parts = parse_responses(await read_json(request))
+        tenant = scope(request)
+        parts = with_history(parse_responses(await read_json(request)), store, tenant)
+        if parts.stream:
+            await _after_warmup()
         created = int(time.time())
         try:
             result = await run_chat(parts.chat_body, request)
         except ApiError as err:
             raise map_error(err) from None
+
+        def keep(obj: dict[str, Any]) -> None:
+            if store is None or parts.store is False:
+                return
+            if not store.put(tenant, obj, parts.chat_body["messages"]):
+                log.warning("response %s not stored: larger than the whole store "
+                            "(--responses-store-mib)", obj["id"])
+
         if isinstance(result, dict):
-            return JSONResponse(full_response(parts, result, created))
+            obj = full_response(parts, result, created)
+            keep(obj)
+            return JSONResponse(obj)
 
         async def body() -> AsyncIterator[bytes]:
             try:
                 async for event in stream_events(parts, result, created):
+                    if event["type"] == "response.completed":
+                        keep(event["response"])  # before the client can see it
                     yield sse(event)
             finally:
                 close = getattr(result, "aclose", None)
@@ -598,3 +722,19 @@ def add_routes(app: FastAPI, run_chat: RunChat, authorize: Callable[[Request], o
 
         return StreamingResponse(body(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve(response_id: str, request: Request) -> Response:
+        return JSONResponse(found(request, response_id)[1].response)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete(response_id: str, request: Request) -> Response:
+        tenant, _ = found(request, response_id)
+        assert store is not None  # found() has an entry
+        store.delete(tenant, response_id)
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel(response_id: str, request: Request) -> Response:
+        found(request, response_id)
+        raise _bad("Cannot cancel a synchronous response.", "response_id")

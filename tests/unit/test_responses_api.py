@@ -17,7 +17,9 @@ from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
 
 from services.frontend import responses_api as R
 from services.frontend import tools as T
+from services.frontend.auth import Tenant
 from services.frontend.openai_schema import ApiError, error_body
+from services.frontend.responses_store import ResponseStore
 from workers.model.tiny import ensure_tiny_model
 
 EVENT = TypeAdapter(ResponseStreamEvent)
@@ -122,9 +124,10 @@ def test_text_format_tools_and_stream() -> None:
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"store": True}, "store"),
+    ({"store": "yes"}, "store"),
     ({"background": True}, "background"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"previous_response_id": ""}, "previous_response_id"),
+    ({"previous_response_id": 1}, "previous_response_id"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "include"),
@@ -171,7 +174,8 @@ def test_refusals_name_the_field(extra: dict[str, Any], param: str) -> None:
     assert (exc.value.status, exc.value.param) == (400, param)
 
 
-@pytest.mark.parametrize("extra", [{"store": False}, {"store": None}, {"background": False},
+@pytest.mark.parametrize("extra", [{"store": False}, {"store": None}, {"store": True},
+                                   {"previous_response_id": "r"}, {"background": False},
                                    {"truncation": "disabled"}, {"service_tier": "auto"},
                                    {"include": []}, {"safety_identifier": "s"},
                                    {"prompt_cache_key": "k"}])
@@ -366,7 +370,8 @@ def test_sse_framing() -> None:
 
 # --- the route -----------------------------------------------------------------------------
 
-def _app(result: Any, seen: list[dict[str, Any]]) -> TestClient:
+def _app(result: Any, seen: list[dict[str, Any]], store: ResponseStore | None = None
+         ) -> TestClient:
     app = FastAPI()
 
     @app.exception_handler(ApiError)
@@ -389,7 +394,10 @@ def _app(result: Any, seen: list[dict[str, Any]]) -> TestClient:
     async def read_json(request: Request) -> Any:
         return await request.json()
 
-    R.add_routes(app, run_chat, lambda r: None, read_json)
+    def tenant(request: Request) -> Tenant:  # the bearer token is the tenant's name
+        return Tenant(request.headers.get("authorization", "open"), "")
+
+    R.add_routes(app, run_chat, tenant, read_json, store)
     return TestClient(app)
 
 
@@ -422,3 +430,95 @@ def test_route_streamed() -> None:
     last = json.loads(frames[-1].split("\n")[1].removeprefix("data: "))
     assert last["response"]["output"][0]["content"][0]["text"] == "Yo"
     assert "[DONE]" not in raw
+
+
+def _store() -> ResponseStore:
+    return ResponseStore(10, 1 << 20, 60.0, lambda: 0.0)
+
+
+def test_route_store_retrieve_continue_and_delete() -> None:
+    seen: list[dict[str, Any]] = []
+    store = _store()
+    client = _app(_completion({"role": "assistant", "content": "Hi"}), seen, store)
+    first = client.post("/v1/responses", json={"model": "tiny", "input": "hello",
+                                               "instructions": "sys"}).json()
+    assert len(store) == 1
+    got = client.get(f"/v1/responses/{first['id']}")
+    assert got.status_code == 200 and got.json() == first
+    assert client.get(f"/v1/responses/{first['id']}?stream=false").status_code == 200
+    nxt = client.post("/v1/responses", json={
+        "model": "tiny", "input": "again", "instructions": "new",
+        "previous_response_id": first["id"], "store": False})
+    assert nxt.status_code == 200 and nxt.json()["previous_response_id"] == first["id"]
+    _check(nxt.json())
+    assert seen[1]["messages"] == [  # the new instructions, the old turn, the new input
+        {"role": "system", "content": "new"}, {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "again"}]
+    assert len(store) == 1  # store: false
+    assert client.get(f"/v1/responses/{nxt.json()['id']}").status_code == 404
+    r = client.post(f"/v1/responses/{first['id']}/cancel")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_id"
+    r = client.delete(f"/v1/responses/{first['id']}")
+    assert r.json() == {"id": first["id"], "object": "response", "deleted": True}
+    for method in ("GET", "DELETE"):
+        r = client.request(method, f"/v1/responses/{first['id']}")
+        assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "x",
+                                           "previous_response_id": first["id"]})
+    assert r.status_code == 404
+    assert r.json()["error"]["param"] == "previous_response_id"
+    assert r.json()["error"]["code"] == "previous_response_not_found"
+
+
+def test_route_tenants_and_query_refusals() -> None:
+    store = _store()
+    client = _app(_completion({"role": "assistant", "content": "Hi"}), [], store)
+    rid = client.post("/v1/responses", json={"model": "tiny", "input": "x"},
+                      headers={"authorization": "alice"}).json()["id"]
+    assert client.get(f"/v1/responses/{rid}",
+                      headers={"authorization": "alice"}).status_code == 200
+    for method, path in (("GET", ""), ("DELETE", ""), ("POST", "/cancel")):
+        r = client.request(method, f"/v1/responses/{rid}{path}",
+                           headers={"authorization": "bob"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "response_id"
+    r = client.post("/v1/responses", json={"model": "tiny", "input": "x",
+                                           "previous_response_id": rid},
+                    headers={"authorization": "bob"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    assert len(store) == 1  # bob's delete did nothing
+    for query, param in (("stream=true", "stream"), ("starting_after=3", "starting_after"),
+                         ("include=x", "include")):
+        r = client.get(f"/v1/responses/{rid}?{query}", headers={"authorization": "alice"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_route_without_a_store_refuses_store_and_previous() -> None:
+    client = _app(_completion({"role": "assistant", "content": "Hi"}), [])
+    for extra, param in (({"store": True}, "store"),
+                         ({"previous_response_id": "resp_1"}, "previous_response_id")):
+        r = client.post("/v1/responses", json={"model": "tiny", "input": "x", **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    assert client.post("/v1/responses", json={"model": "tiny", "input": "x"}
+                       ).status_code == 200  # store absent: fine, nothing is stored
+    assert client.get("/v1/responses/resp_1").status_code == 404
+
+
+def test_route_streamed_stores_the_completed_object() -> None:
+    store = _store()
+    chunks = [_chunk({"role": "assistant", "content": ""}), _chunk({"content": "Yo"}),
+              _chunk({}, "stop"), _chunk(None, usage=USAGE)]
+    client = _app(chunks, [], store)
+    with client.stream("POST", "/v1/responses",
+                       json={"model": "tiny", "input": "x", "stream": True}) as r:
+        raw = "".join(r.iter_text())
+    last = json.loads([f for f in raw.split("\n\n") if f][-1].split("\n")[1]
+                      .removeprefix("data: "))
+    done = last["response"]
+    assert client.get(f"/v1/responses/{done['id']}").json() == done
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Yo"
+    failed = [_chunk({"role": "assistant", "content": ""}), {"error": {"message": "boom"}}]
+    client = _app(failed, [], store)
+    with client.stream("POST", "/v1/responses",
+                       json={"model": "tiny", "input": "x", "stream": True}) as r:
+        assert "error" in "".join(r.iter_text())
+    assert len(store) == 1  # a failed stream stores nothing
