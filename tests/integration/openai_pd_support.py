@@ -19,7 +19,10 @@ may reach P first (and compute the prompt for the other): usage counts the least
 a prompt's choices, 0 cold, whichever came first (services.frontend.fanout).
 
 The tiny model's weights are random: JSON and tool calls ban whitespace-only tokens
-(logit_bias), as test_openai_vllm.py does, or it fills JSON's optional whitespace.
+(logit_bias), as test_openai_vllm.py does, or it fills JSON's optional whitespace. The
+Responses API cases (``client.responses.create``, text and ``text.format`` json_schema)
+compare status, output item types, text and usage; it has no logit_bias, so their schema
+is an enum of strings (no optional whitespace).
 """
 
 from __future__ import annotations
@@ -217,12 +220,54 @@ def _check_tool_required(cold: Run, warm: Run, tok: Tokenizer) -> None:
     assert warm.usage[2] == _warm_hit(prompt) > 0
 
 
+NAME_SCHEMA: dict[str, Any] = {"type": "string", "enum": ["ann", "bob"]}
+
+
+def _responses_answer(resp: Any) -> Run:
+    u = resp.usage
+    assert u is not None and u.total_tokens == u.input_tokens + u.output_tokens
+    return Run((resp.status, [o.type for o in resp.output], resp.output_text),
+               (u.input_tokens, u.output_tokens, u.input_tokens_details.cached_tokens))
+
+
+async def _responses_text(client: openai.AsyncOpenAI, salt: str, tok: Tokenizer) -> Run:
+    return _responses_answer(await client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0,
+        extra_body={"cache_salt": salt}))
+
+
+def _check_responses_text(cold: Run, warm: Run, tok: Tokenizer) -> None:
+    prompt = len(tok.apply_chat([("user", QUESTION)]))
+    assert cold.usage == (prompt, 8, 0) and warm.usage == (prompt, 8, _warm_hit(prompt))
+    assert warm.answer[:2] == ("incomplete", ["message"]) and warm.answer[2], warm
+
+
+async def _responses_json(client: openai.AsyncOpenAI, salt: str, tok: Tokenizer) -> Run:
+    # The Responses API has no logit_bias: a schema without optional whitespace to fill
+    # (as test_openai_vllm.py's), so the random model must pick one of the names.
+    return _responses_answer(await client.responses.create(
+        model=MODEL, input=JSON_QUESTION, max_output_tokens=30, temperature=0,
+        text={"format": {"type": "json_schema", "name": "name", "schema": NAME_SCHEMA}},
+        extra_body={"cache_salt": salt}))
+
+
+def _check_responses_json(cold: Run, warm: Run, tok: Tokenizer) -> None:
+    status, kinds, text = warm.answer
+    assert (status, kinds) == ("completed", ["message"]), warm
+    jsonschema.validate(json.loads(text), NAME_SCHEMA)
+    prompt, completion, _ = warm.usage
+    assert cold.usage == (prompt, completion, 0)
+    assert warm.usage[2] == _warm_hit(prompt) > 0
+
+
 CASES: dict[str, Case] = {
     "greedy_chat_logprobs": Case(_greedy_chat, 1, _check_greedy_chat),
     "json_schema_logprobs": Case(_json_schema, 1, _check_json_schema),
     "chat_n2_seeded": Case(_n2_seeded, 2, _check_n2_seeded),
     "completions_batch_echo_logprobs": Case(_batch_echo, 2, _check_batch_echo),
     "tool_choice_required": Case(_tool_required, 1, _check_tool_required),
+    "responses_text": Case(_responses_text, 1, _check_responses_text),
+    "responses_json_schema": Case(_responses_json, 1, _check_responses_json),
 }
 
 

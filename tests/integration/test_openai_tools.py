@@ -9,7 +9,8 @@ tools, so ``auto`` is served) but no structured outputs, so:
 - ``auto``: the mock's text holds no tool call, so content only, finish ``length``,
   whole and streamed (the same text), with ``n`` = 2 (one parser per choice);
 - ``/v1/responses``: the text path whole and streamed (events in order, the same text,
-  usage), ``max_output_tokens`` → ``incomplete``; refusals naming the field;
+  usage), ``max_output_tokens`` → ``incomplete``; refusals naming the field (stored
+  responses: test_openai_responses_store.py);
 - the gRPC ``Frontend``: the same validation (INVALID_ARGUMENT naming the proto field),
   the forced-call refusal naming ``tool_choice``, ``auto`` giving the HTTP stream's
   content (no tool calls) per choice, and a tool conversation rendered into the same
@@ -212,8 +213,6 @@ async def test_responses_text_whole_and_streamed(mesh: ToolMesh) -> None:
 
 
 @pytest.mark.parametrize("extra,param", [
-    ({"store": True}, "store"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
