@@ -1,0 +1,1 @@
+"""AFD benchmarks: ``python -m bench.afd.transport`` (per-layer activation round trips)."""
