@@ -101,12 +101,12 @@ class FunctionTool:
     strict: bool | None = None
 
     def chat_dict(self) -> dict[str, Any]:
-        """The OpenAI chat tool dict (what the template and vLLM receive)."""
-        fn: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
-        if self.parameters is not None:
-            fn["parameters"] = self.parameters
+        """The OpenAI chat tool dict (what the template and vLLM receive), as vLLM's
+        server renders it (its ``model_dump()``): ``description`` and ``parameters``
+        always, null when the request leaves them out, so the prompt is vLLM's token for
+        token; ``strict`` only when set."""
+        fn: dict[str, Any] = {"name": self.name, "description": self.description,
+                              "parameters": self.parameters}
         if self.strict is not None:
             fn["strict"] = self.strict
         return {"type": "function", "function": fn}

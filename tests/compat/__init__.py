@@ -1,0 +1,1 @@
+"""The README's OpenAI compatibility table as executable cases (:mod:`.cases`)."""
