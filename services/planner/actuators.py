@@ -29,7 +29,11 @@ Implementations:
   --no-recreate --scale SERVICE=N ... SERVICE ...`` through an injectable runner
   (:meth:`ComposeActuator.command` builds the argv).
 
-:func:`make_actuator` is the registry (``dry_run``, ``local``, ``compose``).
+- :class:`~services.planner.kubernetes.KubernetesActuator` (module
+  :mod:`services.planner.kubernetes`, imported only when chosen): patches the scale
+  subresource of one Deployment per pool through the official ``kubernetes`` client.
+
+:func:`make_actuator` is the registry (``dry_run``, ``local``, ``compose``, ``kubernetes``).
 """
 
 from __future__ import annotations
@@ -225,7 +229,7 @@ class ComposeActuator:
         return None
 
 
-ACTUATORS = ("dry_run", "local", "compose")
+ACTUATORS = ("dry_run", "local", "compose", "kubernetes")
 
 
 def make_actuator(name: str, **kwargs: Any) -> Actuator:
@@ -236,4 +240,8 @@ def make_actuator(name: str, **kwargs: Any) -> Actuator:
         return LocalActuator(**kwargs)
     if name == "compose":
         return ComposeActuator(**kwargs)
+    if name == "kubernetes":
+        from services.planner.kubernetes import KubernetesActuator
+
+        return KubernetesActuator(**kwargs)
     raise ValueError(f"unknown actuator {name!r}; known: {', '.join(ACTUATORS)}")

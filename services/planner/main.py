@@ -37,7 +37,14 @@ from services.common.periodic import Periodic
 from services.common.server import MeshServer, serve_main
 from services.common.tls import tls_for
 from services.planner.actuators import ACTUATORS, Actuator, LocalActuator, make_actuator
-from services.planner.core import PlannerCore, PlannerSettings, PoolLimits, ScalingDecision
+from services.planner.core import (
+    AGG_POOLS,
+    DISAGG_POOLS,
+    PlannerCore,
+    PlannerSettings,
+    PoolLimits,
+    ScalingDecision,
+)
 from services.planner.observe import MeshObserver, Snapshot
 from services.planner.predictors import PREDICTORS
 
@@ -95,6 +102,21 @@ class PlannerConfig(BaseConfig):
     compose_services: str = dataclasses.field(
         default="prefill=prefill,decode=decode,agg=worker",
         metadata={"help": "compose actuator: pool=service,..."})
+    k8s_deployments: str = dataclasses.field(
+        default="prefill=kvmesh-prefill,decode=kvmesh-decode,agg=kvmesh-agg",
+        metadata={"help": "kubernetes actuator: pool=Deployment,... (pools: prefill, "
+                          "decode, agg; the only Deployments it scales)"})
+    k8s_namespace: str = dataclasses.field(default="", metadata={
+        "help": "kubernetes actuator: namespace of the Deployments (empty: the pod's own "
+                "in cluster, the kubeconfig context's, else default)"})
+    k8s_kubeconfig: str = dataclasses.field(default="", metadata={
+        "help": "kubernetes actuator: kubeconfig file (empty: in-cluster service account)"})
+    k8s_context: str = dataclasses.field(default="", metadata={
+        "help": "kubernetes actuator: kubeconfig context (empty: its current context)"})
+    k8s_timeout_s: float = dataclasses.field(default=10.0, metadata={
+        "help": "kubernetes actuator: timeout of each API request"})
+    k8s_conflict_retries: int = dataclasses.field(default=3, metadata={
+        "help": "kubernetes actuator: re-reads and re-patches after a 409 Conflict"})
     metrics_urls: str = dataclasses.field(default="", metadata={
         "help": "comma-separated frontend /metrics URLs (default: discover frontends)"})
     scrape_timeout_s: float = dataclasses.field(default=2.0, metadata={
@@ -121,6 +143,19 @@ class PlannerConfig(BaseConfig):
             if not sep or not pool or not svc:
                 raise ValueError(f"bad compose_services item {item!r}")
             out[pool] = svc
+        return out
+
+    def k8s_map(self) -> dict[str, str]:
+        """``k8s_deployments`` as pool → Deployment; ValueError naming a bad item."""
+        out: dict[str, str] = {}
+        for item in filter(None, (s.strip() for s in self.k8s_deployments.split(","))):
+            pool, sep, name = (x.strip() for x in item.partition("="))
+            if not sep or not pool or not name:
+                raise ValueError(f"k8s_deployments: bad item {item!r} (want pool=Deployment)")
+            if pool not in DISAGG_POOLS + AGG_POOLS:
+                raise ValueError(f"k8s_deployments: the planner has no pool {pool!r} (its "
+                                 f"pools: {', '.join(DISAGG_POOLS + AGG_POOLS)})")
+            out[pool] = name
         return out
 
     def settings(self) -> PlannerSettings:
@@ -154,6 +189,27 @@ class PlannerConfig(BaseConfig):
             self.compose_map()
         except ValueError as exc:
             out.append(str(exc))
+        if self.actuator == "kubernetes":
+            out += self._k8s_problems()
+        return out
+
+    def _k8s_problems(self) -> list[str]:
+        out = []
+        try:
+            mapped = self.k8s_map()
+        except ValueError as exc:
+            return [str(exc)]
+        pools = AGG_POOLS if self.mode == "agg" else DISAGG_POOLS
+        missing = [p for p in pools if p not in mapped]
+        if missing:
+            out.append(f"k8s_deployments: no Deployment for pool(s) {', '.join(missing)} "
+                       f"of mode {self.mode!r}")
+        if self.k8s_kubeconfig and not Path(self.k8s_kubeconfig).is_file():
+            out.append(f"k8s_kubeconfig: {self.k8s_kubeconfig!r} is not a file")
+        if self.k8s_context and not self.k8s_kubeconfig:
+            out.append("k8s_context needs k8s_kubeconfig (in-cluster config has no contexts)")
+        if self.k8s_timeout_s <= 0 or self.k8s_conflict_retries < 0:
+            out.append("k8s_timeout_s must be > 0 and k8s_conflict_retries >= 0")
         return out
 
 
@@ -163,7 +219,10 @@ def build_actuator(cfg: PlannerConfig) -> Actuator:
     with a tls dir, each worker also its own instance certificate, etcd user and worker
     id, issued in the planner's folder and copied alone into the worker's own folder
     (:func:`services.common.etcd_auth.enroll_worker`; never the CA key, the admin
-    certificate or another role's secrets)."""
+    certificate or another role's secrets). The kubernetes one gets the Deployments of the
+    mode's pools only, and loads its client configuration here, at start-up (in-cluster, or
+    ``k8s_kubeconfig``): without one the planner does not start
+    (:class:`~services.planner.kubernetes.KubernetesConfigError`)."""
     if cfg.actuator == "local":
         env = {"KVMESH_ETCD_ENDPOINT": cfg.etcd_endpoint, "KVMESH_NAMESPACE": cfg.namespace,
                "KVMESH_REDIS_URL": cfg.redis_url, "KVMESH_LEASE_TTL": str(cfg.lease_ttl),
@@ -180,6 +239,15 @@ def build_actuator(cfg: PlannerConfig) -> Actuator:
     if cfg.actuator == "compose":
         return make_actuator("compose", services=cfg.compose_map(),
                              compose_file=cfg.compose_file, project=cfg.compose_project)
+    if cfg.actuator == "kubernetes":
+        from services.planner.kubernetes import load_client_configuration, resolve_namespace
+
+        pools = AGG_POOLS if cfg.mode == "agg" else DISAGG_POOLS
+        return make_actuator(
+            "kubernetes", deployments={p: d for p, d in cfg.k8s_map().items() if p in pools},
+            namespace=resolve_namespace(cfg.k8s_namespace, cfg.k8s_kubeconfig, cfg.k8s_context),
+            configuration=load_client_configuration(cfg.k8s_kubeconfig, cfg.k8s_context),
+            timeout_s=cfg.k8s_timeout_s, conflict_retries=cfg.k8s_conflict_retries)
     return make_actuator(cfg.actuator)
 
 
