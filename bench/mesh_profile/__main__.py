@@ -1,0 +1,3 @@
+from bench.mesh_profile.run import entry
+
+entry()

@@ -1,0 +1,88 @@
+"""Runs ``python -m MODULE ARGS`` under cProfile (thread CPU time, every thread included)
+and writes a snapshot of the merged stats on each SIGUSR1:
+``python -m bench.mesh_profile.prof OUT_PREFIX MODULE [ARGS...]``.
+
+Contract: the main thread and every thread started after the profiler (``asyncio.to_thread``
+workers: the tokenizer) get their own ``cProfile.Profile`` timed by ``time.thread_time``
+(CPU, not wall: waiting in epoll costs nothing). The k-th SIGUSR1 (k = 1, 2, ...) writes
+the merged stats so far to ``OUT_PREFIX.k.pstats`` (a ``marshal``-ed pstats dict, as
+``pstats.Stats.dump_stats``) and then the empty file ``OUT_PREFIX.k.done``; the
+difference of two snapshots is what the process did between the signals. Threads the
+profiler cannot see (gRPC's C core, Rust tokenizers' own pools) are not in it.
+Only for benchmarks: the profiler slows Python code several times, so read the shares,
+not the absolute times.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import marshal
+import runpy
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_profiles: list[cProfile.Profile] = []
+_lock = threading.Lock()
+_snapshots = 0
+
+
+def _new_profile() -> cProfile.Profile:
+    prof = cProfile.Profile(time.thread_time)
+    with _lock:
+        _profiles.append(prof)
+    return prof
+
+
+def _thread_start(*_: object) -> None:
+    """``threading.setprofile`` hook: the new thread's own profiler, enabled at once."""
+    sys.setprofile(None)
+    _new_profile().enable()
+
+
+def merged() -> dict[Any, Any]:
+    """Every profiler's stats so far, summed per function and per caller edge."""
+    out: dict[Any, Any] = {}
+    with _lock:
+        profs = list(_profiles)
+    for p in profs:
+        p.snapshot_stats()  # type: ignore[attr-defined]  # no disable: it may be another thread's
+        for func, (cc, nc, tt, ct, callers) in p.stats.items():  # type: ignore[attr-defined]
+            a = out.get(func)
+            if a is None:
+                out[func] = (cc, nc, tt, ct, dict(callers))
+                continue
+            edges = a[4]
+            for caller, edge in callers.items():
+                old = edges.get(caller)
+                edges[caller] = edge if old is None else tuple(
+                    x + y for x, y in zip(old, edge, strict=True))
+            out[func] = (a[0] + cc, a[1] + nc, a[2] + tt, a[3] + ct, edges)
+    return out
+
+
+def main() -> None:
+    prefix, module, *args = sys.argv[1:]
+    sys.argv = [module, *args]
+
+    def snapshot(*_: object) -> None:
+        global _snapshots
+        _snapshots += 1
+        path = Path(f"{prefix}.{_snapshots}.pstats")
+        path.write_bytes(marshal.dumps(merged()))
+        Path(f"{prefix}.{_snapshots}.done").touch()
+
+    signal.signal(signal.SIGUSR1, snapshot)
+    threading.setprofile(_thread_start)
+    _new_profile().enable()
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass
+
+
+if __name__ == "__main__":
+    main()
