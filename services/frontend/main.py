@@ -21,6 +21,12 @@ Responses API storage (:mod:`~services.frontend.responses_store`): up to
 ``store: true`` is then a 400), ``--responses-store-mib`` in all, each kept
 ``--responses-store-ttl-s`` at most, per tenant, in this frontend's memory (not shared
 between frontends, lost on restart).
+
+Routing: ``--router standalone`` (default) calls the router at ``--router-address`` or the
+first one in etcd; ``--router embedded`` (``KVMESH_ROUTER``) starts a router in this
+process (:mod:`services.router.embedded`, configured by ``--router-args``, e.g. ``'--policy
+kv --indexer embedded'``, which also embeds the KV index) and calls it without a channel.
+It is stopped after the HTTP server. With ``--router-address`` it is a config error.
 """
 
 from __future__ import annotations
@@ -28,16 +34,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import shlex
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import uvicorn
 
 from protos import discovery_pb2, frontend_pb2, frontend_pb2_grpc
-from services.common.config import BaseConfig
+from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import InstanceWatcher
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.common.tls import tls_for
@@ -55,6 +62,8 @@ from services.frontend.pipeline import (
 from services.frontend.remote_images import RemoteImageLimits
 from services.frontend.responses_store import ResponseStore
 from services.frontend.service import FrontendServicer
+from services.router.embedded import EmbeddedRouter, start_embedded_router
+from services.router.main import RouterConfig
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +75,18 @@ class FrontendConfig(BaseConfig, ImageFlags):
     http_port: int = dataclasses.field(default=8000, metadata={"help": "HTTP port (0 = any)"})
     router_address: str = dataclasses.field(
         default="", metadata={"help": "router host:port (default: discover in etcd)"}
+    )
+    router: str = dataclasses.field(
+        default="standalone", metadata={
+            "help": "standalone: call a router process over gRPC; embedded: run the router "
+                    "in this process (services.router.embedded) with --router-args",
+            "choices": ("standalone", "embedded")}
+    )
+    router_args: str = dataclasses.field(
+        default="", metadata={"help": "the embedded router's flags, as for `kvmesh router` "
+                                      "(e.g. '--policy kv --indexer embedded'); etcd, "
+                                      "namespace, Redis, TLS and logging are this "
+                                      "frontend's"}
     )
     max_body_mib: float = dataclasses.field(
         default=4.0, metadata={"help": "largest HTTP request body in MiB (larger: 413)"}
@@ -165,6 +186,22 @@ class FrontendConfig(BaseConfig, ImageFlags):
             where = f"api_key_file {self.api_key_file}" if self.api_key_file else "api_keys"
             raise KeyFileError(f"{where}: {exc}") from None
 
+    def embedded_router_config(self) -> RouterConfig:
+        """The embedded router's config: ``router_args`` plus this frontend's etcd,
+        namespace, Redis, host, lease, grace, logging and TLS (a free gRPC port; no
+        ``KVMESH_*`` variable of this process: they are the frontend's). ConfigError
+        naming ``router_args`` when they are bad."""
+        shared = ["--namespace", self.namespace, "--etcd-endpoint", self.etcd_endpoint,
+                  "--redis-url", self.redis_url, "--host", self.host,
+                  "--advertise-host", self.advertise_host,
+                  "--lease-ttl", str(self.lease_ttl), "--grace-s", str(self.grace_s),
+                  "--log-level", self.log_level, "--tls-dir", self.tls_dir,
+                  "--insecure", str(self.insecure).lower(), "--port", "0"]
+        try:
+            return load_config(RouterConfig, [*shared, *shlex.split(self.router_args)], {})
+        except (ConfigError, ValueError) as exc:
+            raise ConfigError(f"router_args {self.router_args!r}: {exc}") from None
+
     def http_limits(self) -> HttpLimits:
         return HttpLimits(max_body_bytes=int(self.max_body_mib * (1 << 20)),
                           body_timeout_s=self.body_timeout_s)
@@ -185,6 +222,16 @@ class FrontendConfig(BaseConfig, ImageFlags):
         for name in ("responses_store_mib", "responses_store_ttl_s"):
             if not getattr(self, name) > 0:
                 out.append(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.router == "embedded":
+            if self.router_address:
+                out.append("router_address is for --router standalone; --router embedded "
+                           "runs its own")
+            try:
+                self.embedded_router_config()
+            except ConfigError as exc:
+                out.append(str(exc))
+        elif self.router_args:
+            out.append("router_args needs --router embedded")
         if not self.encode_timeout_s > 0:
             out.append(f"encode_timeout_s must be > 0, got {self.encode_timeout_s}")
         try:
@@ -209,6 +256,7 @@ class FrontendApp:
     http: uvicorn.Server
     http_port: int
     http_task: asyncio.Task[None]
+    router: EmbeddedRouter | None = None  # with --router embedded
 
     @property
     def base_url(self) -> str:
@@ -235,7 +283,11 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     if not keys.enabled:
         log.warning("no API key configured (--api-key, KVMESH_API_KEYS, --api-key-file): "
                     "the frontend's HTTP and gRPC APIs are open to anyone who reaches them")
+    embedded: EmbeddedRouter | None = None
+    if cfg.router == "embedded":  # the router in this process, called without a channel
+        embedded = await start_embedded_router(cfg.embedded_router_config())
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
+                        router_stub=embedded.stub if embedded is not None else None,
                         tls=tls, image_limits=dataclasses.replace(
                             cfg.limits(), remote_urls=cfg.allow_remote_images),
                         encode_timeout_s=cfg.encode_timeout_s,
@@ -271,13 +323,16 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
                        FrontendServicer(pipeline, keys),
                        frontend_pb2.DESCRIPTOR.services_by_name["Frontend"].full_name)
     # users reach the gRPC Frontend API with an API key, not a mesh certificate
+    on_stop: list[Callable[[], Awaitable[None]]] = [stop_http, workers.close, routers.close]
+    if embedded is not None:  # after the HTTP server: its last Releases go through it
+        on_stop.append(embedded.stop)
     server = MeshServer(cfg, "frontend", [spec], record_factory=record,
-                        on_stop=[stop_http, workers.close, routers.close], client_auth=False)
+                        on_stop=on_stop, client_auth=False)
     # vLLM's tool parser imports in 10-18 s: in a thread, so text requests do not wait
     # (a tools request that comes first waits for it, see tool_chat.WARMUP)
     tool_chat.WARMUP.start()
     await server.start()
-    return FrontendApp(server, pipeline, http, http_port, http_task)
+    return FrontendApp(server, pipeline, http, http_port, http_task, embedded)
 
 
 async def _serve(cfg: FrontendConfig) -> MeshServer:

@@ -5,7 +5,8 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
 - ``prepare(req)`` resolves the model (ApiError 404 ``model_not_found`` when no worker
   serves it), tokenizes the prompt or renders the chat template, and enforces the context
   length (ApiError 400). It never contacts a worker.
-- ``stream(job)`` asks the router for a worker, calls its ``Generate`` (through
+- ``stream(job)`` asks the router for a worker (over gRPC, or the in-process
+  ``router_stub`` of :mod:`services.router.embedded`), calls its ``Generate`` (through
   :func:`~services.frontend.handoff.run_plan`) and yields :class:`Chunk` deltas; the last
   has ``finish_reason`` and ``usage``. Errors raise ApiError (404/503 from routing, 400
   from a worker's validation, naming the worker, P included; 502 when the worker fails):
@@ -352,7 +353,8 @@ class Pipeline:
                  migration_limit: int = DEFAULT_MIGRATION_LIMIT,
                  tls: MeshTls | None = None, image_limits: ImageLimits | None = None,
                  encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S,
-                 remote_images: RemoteImageLimits | None = None) -> None:
+                 remote_images: RemoteImageLimits | None = None,
+                 router_stub: Any = None) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         if not encode_timeout_s > 0:
@@ -362,6 +364,9 @@ class Pipeline:
         self._warned: set[str] = set()
         self._catalog = catalog
         self._router_address = router_address
+        # an in-process router (services.router.embedded: RouterStub's call shape and
+        # errors); None: the router at router_address(), over gRPC
+        self._router_stub = router_stub
         self._pool = ChannelPool(tls, "worker")
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
@@ -595,10 +600,12 @@ class Pipeline:
         """Routes and streams the job, migrating it when a worker fails; see the module
         docstring. ``ctx`` is the trace context the router and worker calls are made in
         (default: the current one)."""
-        router_addr = self._router_address()
-        if not router_addr:
-            raise ApiError(503, "no router is available", type="service_unavailable")
-        router = router_pb2_grpc.RouterStub(self._pool.get(router_addr, "router"))
+        router = self._router_stub
+        if router is None:
+            router_addr = self._router_address()
+            if not router_addr:
+                raise ApiError(503, "no router is available", type="service_unavailable")
+            router = router_pb2_grpc.RouterStub(self._pool.get(router_addr, "router"))
         sampling = sampling_proto(job)
         max_tokens = sampling.max_tokens
         generated: list[int] = []  # every token the client got, across attempts

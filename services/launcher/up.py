@@ -88,6 +88,7 @@ import contextlib
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -168,6 +169,9 @@ class MeshSpec:
                        "round_robin, ...)")
     indexer: str = _opt("remote", "KV overlap source of the router: indexer service, "
                         "embedded, or the router's own request history", INDEXERS)
+    router: str = _opt("standalone", "standalone: a router process; embedded: the router "
+                       "runs inside the frontend (no router process)",
+                       ("standalone", "embedded"))
     admission: str = _opt("none", "router admission control: none, early (Mooncake early "
                           "rejection) or current_load; rejected requests get 503 + "
                           "Retry-After", ADMISSIONS)
@@ -218,6 +222,10 @@ class MeshSpec:
                            f"{self.served_model()!r} {why}")
         elif self.encoders != 1:
             out.append(f"{_flag('encoders')} ({self.encoders}) needs {_flag('epd')}")
+        if self.router == "embedded" and not self.insecure:
+            # each child holds its own identity alone; the frontend would need the router's
+            out.append(f"{_flag('router')} embedded needs {_flag('insecure')} for now (with "
+                       "mTLS the frontend would need the router's certificate)")
         return out
 
     def served_model(self) -> str:
@@ -407,8 +415,9 @@ class LocalMesh:
                 lambda: redis_argv(redis_port, state / "redis", certs, s.namespace), None)
             if s.indexer == "remote":
                 self._python("indexer", "services.indexer")  # identity "indexer"
-            self._python("router", "services.router", KVMESH_POLICY=s.policy,
-                         KVMESH_INDEXER=s.indexer, **self.admission_env())
+            if s.router == "standalone":
+                self._python("router", "services.router", KVMESH_POLICY=s.policy,
+                             KVMESH_INDEXER=s.indexer, **self.admission_env())
             images = {"KVMESH_MAX_IMAGES": str(s.max_images)}
             for i in range(s.encoders if s.epd else 0):
                 self._python(f"encoder-{i}", "services.encoder", identity="encoder",
@@ -428,7 +437,7 @@ class LocalMesh:
             front_scrape, planner_scrape = scrape_keys(os.environ, secrets.token_hex) \
                 if s.planner else ({}, {})
             front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port),
-                                 **images, **front_scrape)
+                                 **images, **front_scrape, **self.embedded_router_env())
             self.url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + s.start_timeout_s
 
@@ -614,6 +623,18 @@ class LocalMesh:
             return 0
         self._etcd_error = ""
         return found
+
+    def embedded_router_env(self) -> dict[str, str]:
+        """With ``--router embedded``: the frontend's ``KVMESH_ROUTER`` and
+        ``KVMESH_ROUTER_ARGS`` (the policy, indexer and admission a router process would
+        get); else nothing."""
+        s = self.spec
+        if s.router != "embedded":
+            return {}
+        args = [f"--policy={s.policy}", f"--indexer={s.indexer}"] + [
+            f"--{k[len('KVMESH_'):].lower().replace('_', '-')}={v}"
+            for k, v in self.admission_env().items()]
+        return {"KVMESH_ROUTER": "embedded", "KVMESH_ROUTER_ARGS": shlex.join(args)}
 
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""

@@ -1,0 +1,166 @@
+"""The router as a library inside another process (the frontend's ``--router embedded``).
+
+Dynamo's frontend routes in-process; so can ours. :func:`start_embedded_router` starts a
+whole router (:func:`services.router.main.start_router`: core, policies, discovery
+watchers, load poller, admission, metrics, and its gRPC server on a free port,
+registered in etcd like any router) in the calling process's event loop, with
+``--indexer embedded`` also the KV event feed and index the router process would run.
+The caller then talks to it through :class:`InProcessRouterStub` instead of a channel.
+
+Contract of :class:`InProcessRouterStub` (the call shape of ``RouterStub``):
+
+- ``await stub.Route(req, timeout=...)``, and the same for ``Release``, ``PrefillDone``,
+  ``ReportFailure`` and ``ListWorkers``, call the :class:`RouterServicer`'s method
+  directly in this event loop: no serialization, no HTTP/2, no gRPC interceptors (so no
+  gRPC client or server span: the router's own ``router.route`` span is a child of the
+  caller's current span). ``metadata``, ``wait_for_ready`` and ``compression`` are
+  accepted and have no effect (the servicer reads no metadata); any other keyword is a
+  TypeError.
+- Errors surface exactly as over a channel: a ``context.abort(code, details,
+  trailing_metadata=...)`` in the servicer raises :class:`grpc.aio.AioRpcError` with that
+  code, details and trailing metadata (a ``grpc.aio.Metadata``, as a real call's); past
+  ``timeout`` seconds the servicer's call is cancelled and DEADLINE_EXCEEDED ("Deadline
+  Exceeded") is raised; an exception escaping the servicer is logged and raised as
+  INTERNAL naming it (as :mod:`services.common.server` answers it). Cancelling the
+  caller cancels the servicer's call, as a cancelled RPC cancels its handler.
+- Requests and responses are the caller's and the servicer's objects, not copies: the
+  caller must not change a request while its call runs (the pipeline builds one per
+  call), and owns the response.
+
+:class:`EmbeddedRouter` is what :func:`start_embedded_router` returns: ``stub``, the
+router app (``app``: its servicer, metrics, gRPC address) and ``index`` (the embedded
+:class:`~services.indexer.core.KvIndex`, None without ``--indexer embedded``);
+``stop()`` stops the router and the feed. Idempotent.
+"""
+
+# ruff: noqa: ASYNC109  (``timeout=`` is the call shape of a grpc.aio stub, on purpose)
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from protos import router_pb2
+from services.common.tls import tls_for
+from services.router.main import RouterApp, RouterConfig, start_router
+from services.router.service import RouterServicer
+
+log = logging.getLogger(__name__)
+
+Resp = TypeVar("Resp")
+# keywords of a grpc.aio unary call that mean nothing in-process
+_IGNORED = frozenset({"metadata", "wait_for_ready", "compression", "credentials"})
+
+
+class _Context:
+    """The part of ``grpc.aio.ServicerContext`` the router's servicer uses: ``abort``."""
+
+    async def abort(self, code: grpc.StatusCode, details: str = "",
+                    trailing_metadata: Any = ()) -> None:
+        raise rpc_error(code, details, trailing_metadata)
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
+
+def rpc_error(code: grpc.StatusCode, details: str, trailing: Any = ()) -> grpc.aio.AioRpcError:
+    """The AioRpcError a channel raises for a call ending with ``code``."""
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(),
+                                grpc.aio.Metadata(*tuple(trailing or ())), details)
+
+
+class InProcessRouterStub:
+    """A ``RouterStub`` that calls a servicer in this process; see the module docstring."""
+
+    def __init__(self, servicer: RouterServicer) -> None:
+        self._servicer = servicer
+
+    async def _call(self, name: str, method: Callable[[Any, Any], Awaitable[Resp]],
+                    request: Any, timeout: float | None, kwargs: dict[str, Any]) -> Resp:
+        unknown = set(kwargs) - _IGNORED
+        if unknown:
+            raise TypeError(f"{name}() got unexpected keyword arguments {sorted(unknown)}")
+        call = method(request, _Context())
+        try:
+            if timeout is None:
+                return await call
+            return await asyncio.wait_for(call, timeout)
+        except grpc.aio.AioRpcError:
+            raise
+        except TimeoutError:
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+        except Exception as exc:
+            log.exception("router %s failed", name)
+            raise rpc_error(grpc.StatusCode.INTERNAL,
+                            f"/kvmesh.router.Router/{name} failed: "
+                            f"{type(exc).__name__}: {exc}"[:512]) from exc
+
+    async def Route(self, request: router_pb2.RouteRequest,  # noqa: N802
+                    timeout: float | None = None, **kw: Any) -> router_pb2.RouteResponse:
+        return await self._call("Route", self._servicer.Route, request, timeout, kw)
+
+    async def Release(self, request: router_pb2.ReleaseRequest,  # noqa: N802
+                      timeout: float | None = None, **kw: Any) -> router_pb2.ReleaseResponse:
+        return await self._call("Release", self._servicer.Release, request, timeout, kw)
+
+    async def PrefillDone(self, request: router_pb2.PrefillDoneRequest,  # noqa: N802
+                          timeout: float | None = None,
+                          **kw: Any) -> router_pb2.PrefillDoneResponse:
+        return await self._call("PrefillDone", self._servicer.PrefillDone, request, timeout,
+                                kw)
+
+    async def ReportFailure(self, request: router_pb2.ReportFailureRequest,  # noqa: N802
+                            timeout: float | None = None,
+                            **kw: Any) -> router_pb2.ReportFailureResponse:
+        return await self._call("ReportFailure", self._servicer.ReportFailure, request,
+                                timeout, kw)
+
+    async def ListWorkers(self, request: router_pb2.ListWorkersRequest,  # noqa: N802
+                          timeout: float | None = None,
+                          **kw: Any) -> router_pb2.ListWorkersResponse:
+        return await self._call("ListWorkers", self._servicer.ListWorkers, request, timeout,
+                                kw)
+
+
+@dataclass
+class EmbeddedRouter:
+    """A router started in this process; see the module docstring."""
+
+    app: RouterApp
+    stub: InProcessRouterStub
+    index: Any = None  # services.indexer.core.KvIndex with --indexer embedded
+    _stopped: bool = False
+
+    async def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            await self.app.server.stop()
+
+
+async def start_embedded_router(cfg: RouterConfig) -> EmbeddedRouter:
+    """Starts the router of ``cfg`` in this event loop (with ``--indexer embedded`` its
+    stream feed and index first, stopped with it) and its in-process stub."""
+    if cfg.indexer != "embedded":
+        app = await start_router(cfg)
+        return EmbeddedRouter(app, InProcessRouterStub(app.servicer))
+    from services.indexer.core import KvIndex
+    from services.indexer.feed import IndexFeed
+
+    index = KvIndex()
+    feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
+                     f"router-{os.getpid()}-{id(index):x}", clock=time.monotonic,
+                     tls=tls_for(cfg, "router"))
+    await feed.start()
+    try:
+        app = await start_router(cfg, embedded_index=index)
+    except BaseException:
+        await feed.close()
+        raise
+    app.server.on_stop.append(feed.close)
+    return EmbeddedRouter(app, InProcessRouterStub(app.servicer), index)
