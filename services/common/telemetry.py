@@ -5,7 +5,11 @@ Contract:
 - :func:`setup_tracing` installs the global TracerProvider once per process. When
   ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set, spans go to that OTLP/gRPC collector (Jaeger,
   Tempo, ...) through a batch processor; otherwise no exporter is attached (spans are
-  still created, so context propagates). Later calls return the same provider.
+  still created, so context propagates). Later calls return the same provider. No
+  sampler is passed, so the SDK's ``OTEL_TRACES_SAMPLER`` / ``OTEL_TRACES_SAMPLER_ARG``
+  choose it (default ``parentbased_always_on``: full tracing); e.g.
+  ``parentbased_traceidratio`` with ``0.01`` records 1 % of new traces, and every hop
+  follows the frontend's decision.
 - :func:`setup_in_memory_tracing` (tests) installs a provider with an in-memory exporter
   and a synchronous processor, and returns the exporter so tests can read finished spans.
 - :func:`tracer` returns the tracer for a kvmesh component.
