@@ -59,6 +59,7 @@ class EncoderEngineConfig:
     lease_s: float = 30.0
     image_placeholder: str = "<image>"
     region_dir: str = "/dev/shm"
+    host: str = "127.0.0.1"  # where consumers reach E's NIXL agent (the public host)
     extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -86,7 +87,7 @@ class EncoderEngine:
             model_path=config.model_path, served_model_name=config.model_name or None,
             max_model_len=config.max_model_len, dtype=config.dtype,
             kv_cache_space_gib=0.25, enable_prefix_caching=False, engine_kwargs=kwargs,
-            env=ec_env()))
+            env=ec_env(config.host)))
         self._ids = itertools.count(1)
         self._region: str | None = None
 

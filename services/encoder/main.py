@@ -135,7 +135,7 @@ async def start_encoder(cfg: EncoderConfig) -> EncoderApp:
         model_path=model_path, model_name=name, dtype=cfg.dtype,
         max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
         pool_mib=cfg.pool_mib, retain_mib=cfg.cache_mib, lease_s=cfg.lease_s,
-        image_placeholder=cfg.image_placeholder))
+        image_placeholder=cfg.image_placeholder, host=cfg.public_host))
     await engine.start()
     cache: EmbeddingCache[Cached] = EmbeddingCache(cfg.cache_mib << 20, time.monotonic,
                                                    cfg.cache_ttl_s or None)

@@ -536,10 +536,6 @@ async def test_mtls_probe_script_reads_the_health_service(tmp_path: Path) -> Non
     assert await probe("worker", server.port) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="workers/kv/configs.py calls nixl_env(port) with the "
-                   "default host 127.0.0.1 and forces UCX_NET_DEVICES=lo, overriding the "
-                   "pod's env: cross-pod P/D handoff cannot work until it uses "
-                   "cfg.public_host and keeps UCX_TLS / UCX_NET_DEVICES from the environment")
 def test_worker_nixl_env_follows_the_pod(monkeypatch: pytest.MonkeyPatch) -> None:
     from workers.config import WorkerConfig
     from workers.kv.configs import worker_kv_transfer

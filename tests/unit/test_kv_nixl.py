@@ -104,3 +104,17 @@ def test_layout_and_handoff_of() -> None:
     assert handoff_of(_vcfg(), {}) == {}
     ktc = SimpleNamespace(kv_connector="NixlConnector", engine_id="e", kv_role="kv_both")
     assert handoff_of(_vcfg(ktc=ktc), nixl.nixl_env(7000))["port"] == 7000
+
+
+def test_ucx_follows_the_host_and_the_operator() -> None:
+    """Loopback hosts get UCX on lo; another host keeps what the operator set, or lets UCX
+    choose the devices (a pod network, an RDMA fabric)."""
+    assert nixl.ucx_env("127.0.0.1", {}) == {"UCX_TLS": "tcp,self,sm",
+                                             "UCX_NET_DEVICES": "lo",
+                                             "VLLM_HOST_IP": "127.0.0.1"}
+    assert nixl.ucx_env("10.1.2.3", {}) == {"UCX_TLS": "tcp,self,sm", "VLLM_HOST_IP": "10.1.2.3"}
+    pod = {"UCX_TLS": "rc,ud,sm,self", "UCX_NET_DEVICES": "mlx5_0:1"}
+    assert nixl.ucx_env("10.1.2.3", pod) == {**pod, "VLLM_HOST_IP": "10.1.2.3"}
+    env = nixl.nixl_env(5600, "10.1.2.3", pod)
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == env["VLLM_HOST_IP"] == "10.1.2.3"
+    assert env["UCX_NET_DEVICES"] == "mlx5_0:1"

@@ -97,5 +97,8 @@ def ec_transfer_config(role: EcRole, backend: Backend = "nixl", *,
 
 
 def ec_env(host: str = "127.0.0.1") -> dict[str, str]:
-    """Environment for a NIXL EC engine's EngineCore (set before it starts)."""
-    return {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "VLLM_HOST_IP": host}
+    """Environment for a NIXL EC engine's EngineCore (set before it starts): UCX as
+    :func:`workers.kv.nixl.ucx_env` chooses it for ``host``."""
+    from workers.kv.nixl import ucx_env
+
+    return ucx_env(host)

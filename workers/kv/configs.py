@@ -112,7 +112,7 @@ def worker_kv_transfer(cfg: WorkerConfig) -> KvTransferSetup:
         return KvTransferSetup(None)
     from services.common.procs import free_port
 
-    env = nixl_env(cfg.nixl_port or free_port())
+    env = nixl_env(cfg.nixl_port or free_port(), cfg.public_host)
     store_extra = {"l1_mib": cfg.store_l1_mib, "replicas": cfg.store_replicas,
                    "async_load": cfg.store_async_load,
                    # mTLS to the store master, as the worker's identity

@@ -26,9 +26,10 @@ Contract, function by function:
   classes from :mod:`workers.kv.nixl_quiet` (NIXL agent without its progress thread,
   which otherwise spins a core per idle engine). Raises ValueError on an unknown
   mode/role/policy.
-- ``nixl_env(side_channel_port, host)``: environment the EngineCore process must inherit
-  (it reads it at spawn): the NIXL side channel (host, port: one free port per engine),
-  UCX over TCP/shared memory on loopback, and ``VLLM_HOST_IP``.
+- ``nixl_env(side_channel_port, host, environ)``: environment the EngineCore process must
+  inherit (it reads it at spawn): the NIXL side channel (host, port: one free port per
+  engine), ``VLLM_HOST_IP`` and UCX (:func:`ucx_env`: the operator's ``UCX_TLS`` /
+  ``UCX_NET_DEVICES`` when set, else TCP/shared memory, on loopback for a loopback host).
 - ``handoff_info(connector, engine_id, kv_role, tp_size, port_offset, environ)``: the
   engine's handoff coordinates for :attr:`EngineInfo.handoff`; ``{}`` without connector.
 - ``prefill_params()``: P's request params (P returns D's params on its final output).
@@ -119,16 +120,31 @@ def nixl_kv_transfer_config(
     return config
 
 
-def nixl_env(side_channel_port: int, host: str = "127.0.0.1") -> dict[str, str]:
-    """Environment for one NIXL engine; set it before the engine (its EngineCore) starts."""
+def ucx_env(host: str, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """UCX for a NIXL agent reachable at ``host``: ``UCX_TLS`` and ``UCX_NET_DEVICES`` as
+    the operator set them (``environ``, default ``os.environ``: e.g. ``eth0`` on a pod
+    network, RDMA devices on a fabric); unset, ``tcp,self,sm``, and ``lo`` only when
+    ``host`` is loopback (elsewhere UCX picks the devices)."""
+    env = os.environ if environ is None else environ
+    out = {"UCX_TLS": env.get("UCX_TLS") or "tcp,self,sm", "VLLM_HOST_IP": host}
+    devices = env.get("UCX_NET_DEVICES")
+    if devices:
+        out["UCX_NET_DEVICES"] = devices
+    elif host == "localhost" or host.startswith("127."):
+        out["UCX_NET_DEVICES"] = "lo"
+    return out
+
+
+def nixl_env(side_channel_port: int, host: str = "127.0.0.1",
+             environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment for one NIXL engine reachable at ``host``; set it before the engine
+    (its EngineCore) starts. UCX: :func:`ucx_env`."""
     if not 0 < side_channel_port < 65536:
         raise ValueError(f"side_channel_port must be a TCP port, got {side_channel_port}")
     return {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        "UCX_TLS": "tcp,self,sm",
-        "UCX_NET_DEVICES": "lo",
-        "VLLM_HOST_IP": host,
+        **ucx_env(host, environ),
     }
 
 
