@@ -101,6 +101,11 @@ class BaseConfig:
     )
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "gRPC bind host"})
     port: int = dataclasses.field(default=0, metadata={"help": "gRPC port (0 = any free)"})
+    health_port: int = dataclasses.field(
+        default=-1, metadata={"help": "plaintext port on --host serving only grpc.health.v1 "
+                                      "(the kubelet's native grpc probe cannot present a "
+                                      "client certificate); -1: none, 0: any free"}
+    )
     advertise_host: str = dataclasses.field(
         default="", metadata={"help": "host published in etcd (default: --host)"}
     )
@@ -146,6 +151,10 @@ class BaseConfig:
                        f"{self.redis_url!r}")
         if not 0 <= self.port <= 65535:
             out.append(f"port out of range: {self.port}")
+        if not -1 <= self.health_port <= 65535:
+            out.append(f"health_port out of range: {self.health_port} (-1: none)")
+        elif self.health_port > 0 and self.health_port == self.port:
+            out.append(f"health_port must differ from port ({self.port})")
         if self.lease_ttl < 1:
             out.append("lease_ttl must be >= 1 second")
         if self.grace_s < 0:

@@ -10,10 +10,14 @@ Contract of :class:`MeshServer`:
   user-facing port, the frontend's, where users present API keys instead) and
   :class:`AuthzInterceptor` checks every call's role, see :mod:`services.common.authz`;
   without it the port is plaintext and open), then registers the instance record in
-  etcd under a lease with keepalive, and only then marks every service SERVING.
+  etcd under a lease with keepalive, and only then marks every service SERVING. With
+  ``cfg.health_port`` >= 0 a second, plaintext server on ``host:health_port`` serves only
+  grpc.health.v1 with the same statuses (``health_port`` tells which port: the kubelet's
+  native ``grpc`` probe, which cannot present a client certificate; nothing else is
+  reachable there, so it needs no authorization).
 - ``stop()``: marks every service NOT_SERVING, revokes the etcd lease (watchers drop the
-  instance at once), runs the ``on_stop`` hooks and stops the server with the configured
-  grace period. Idempotent.
+  instance at once), runs the ``on_stop`` hooks and stops the server (then the health
+  port's) with the configured grace period. Idempotent.
 - :func:`serve_main` is every kvmesh process's ``main(argv)``: it loads the config class
   from flags and ``KVMESH_*`` env (a bad config prints the problems and returns 2),
   sets up logging and tracing, then runs ``start(cfg)`` (which returns anything with an
@@ -151,6 +155,8 @@ class MeshServer:
 
     def __post_init__(self) -> None:
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port = 0
         self._health = health.aio.HealthServicer()
         self._registration: Registration | None = None
         self._stopped = False
@@ -200,6 +206,8 @@ class MeshServer:
             raise OSError(f"cannot bind {self.cfg.host}:{self.cfg.port}")
         await server.start()
         self._server = server
+        if self.cfg.health_port >= 0:
+            await self._start_health_port()
         self.address = f"{self.cfg.public_host}:{self.port}"
         if self.record_factory is not None:
             record = self.record_factory(self.address)
@@ -213,6 +221,18 @@ class MeshServer:
         log.info("%s serving on %s (%s)", self.component, self.address,
                  "mTLS" if tls is not None else "insecure")
         return self.address
+
+    async def _start_health_port(self) -> None:
+        """The plaintext health-only server (see the module docstring)."""
+        hs = grpc.aio.server(interceptors=[MalformedRequestInterceptor()],
+                             options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, hs)
+        bind = f"{self.cfg.host}:{self.cfg.health_port}"
+        self.health_port = hs.add_insecure_port(bind)
+        if self.health_port == 0:
+            raise OSError(f"cannot bind the health port {bind}")
+        await hs.start()
+        self._health_server = hs
 
     async def stop(self) -> None:
         """NOT_SERVING → revoke lease → on_stop hooks → server.stop(grace). Idempotent."""
@@ -230,6 +250,8 @@ class MeshServer:
                 log.exception("on_stop hook failed")
         if self._server is not None:
             await self._server.stop(self.cfg.grace_s)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
 
     async def wait(self) -> None:
         """Waits until the server terminates."""
