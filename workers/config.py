@@ -24,6 +24,7 @@ from services.common.tls import CertError, Identity, identity_of
 from services.common.worker_ids import SHARED_NAME, has_sub_ids, may_act_as
 
 ROLES = ("agg", "prefill", "decode")
+AFD_ROLES = ("attention", "ffn")
 
 
 @dataclasses.dataclass
@@ -102,6 +103,44 @@ class WorkerConfig(BaseConfig):
     max_images: int = dataclasses.field(
         default=4, metadata={"help": "images per request at most (multimodal models)"}
     )
+    # AFD (--engine afd): attention and FFN on separate workers (workers.engines.afd)
+    afd_role: str = dataclasses.field(
+        default="", metadata={"help": "AFD: attention (KV cache, lm_head; serves requests) or "
+                                      "ffn (the FFN side of attention workers; no requests)"}
+    )
+    afd_transport: str = dataclasses.field(
+        default="shm", metadata={"help": "AFD activation transport: shm (shared memory, this "
+                                         "host) or nixl"}
+    )
+    afd_ffn_id: str = dataclasses.field(
+        default="", metadata={"help": "AFD attention: the worker id of the FFN worker to "
+                                      "pair with"}
+    )
+    afd_attention_id: int = dataclasses.field(
+        default=0, metadata={"help": "AFD attention: this worker's slot on its FFN, in "
+                                     "[0, --afd-attention-workers)"}
+    )
+    afd_attention_workers: int = dataclasses.field(
+        default=1, metadata={"help": "AFD: attention workers sharing the FFN (1: 1A1F, "
+                                     "2: 2A1F); equal on both sides"}
+    )
+    afd_microbatches: int = dataclasses.field(
+        default=2, metadata={"help": "AFD: microbatches per step (2: ping-pong overlap); "
+                                     "equal on both sides"}
+    )
+    afd_max_batch_tokens: int = dataclasses.field(
+        default=512, metadata={"help": "AFD: tokens per step (the transport's slot rows); "
+                                       "equal on both sides"}
+    )
+    afd_threads: int = dataclasses.field(
+        default=1, metadata={"help": "AFD: torch intra-op threads of the engine"}
+    )
+    afd_recv_timeout_s: float = dataclasses.field(
+        default=10.0, metadata={"help": "AFD attention: longest wait for one FFN answer"}
+    )
+    afd_pair_timeout_s: float = dataclasses.field(
+        default=120.0, metadata={"help": "AFD attention: longest wait at start for the FFN"}
+    )
 
     def problems(self) -> list[str]:
         out = super().problems()
@@ -166,11 +205,52 @@ class WorkerConfig(BaseConfig):
             out.append("ec_backend example needs ec_shared_path")
         if self.max_images < 1:
             out.append(f"max_images must be >= 1, got {self.max_images}")
+        out.extend(self._afd_problems())
+        return out
+
+    def _afd_problems(self) -> list[str]:
+        afd = self.engine == "afd"
+        if not afd:
+            return ["afd_role needs engine afd"] if self.afd_role else []
+        out = []
+        if not self.model_path:
+            out.append("model_path is required")
+        if self.afd_role not in AFD_ROLES:
+            out.append(f"afd_role must be one of {AFD_ROLES} with engine afd, "
+                       f"got {self.afd_role!r}")
+        if self.afd_transport not in ("shm", "nixl"):
+            out.append(f"afd_transport must be shm or nixl, got {self.afd_transport!r}")
+        elif self.afd_transport == "nixl":
+            out.append("afd_transport nixl is not served by the worker yet (only shm; NIXL "
+                       "is measured by bench/afd)")
+        if self.role != "agg":
+            out.append(f"engine afd serves whole requests: role must be agg, got {self.role!r}")
+        if self.afd_role == "attention" and not self.afd_ffn_id:
+            out.append("afd_ffn_id is required with afd_role attention (the FFN worker's id)")
+        if self.afd_role == "ffn" and not (self.worker_id or self.tls_cert):
+            out.append("an AFD FFN worker needs a fixed worker_id (its attention workers "
+                       "pair with it by --afd-ffn-id)")
+        if self.afd_attention_workers < 1:
+            out.append(f"afd_attention_workers must be >= 1, got {self.afd_attention_workers}")
+        elif not 0 <= self.afd_attention_id < self.afd_attention_workers:
+            out.append(f"afd_attention_id must be in [0, afd_attention_workers="
+                       f"{self.afd_attention_workers}), got {self.afd_attention_id}")
+        if self.afd_microbatches not in (1, 2):
+            out.append(f"afd_microbatches must be 1 or 2, got {self.afd_microbatches}")
+        if not 1 <= self.afd_max_batch_tokens <= self.max_model_len:
+            out.append(f"afd_max_batch_tokens must be in [1, max_model_len="
+                       f"{self.max_model_len}], got {self.afd_max_batch_tokens}")
+        if self.afd_threads < 1:
+            out.append(f"afd_threads must be >= 1, got {self.afd_threads}")
+        for name in ("afd_recv_timeout_s", "afd_pair_timeout_s"):
+            if not 0 < getattr(self, name) <= 3600:
+                out.append(f"{name} must be in (0, 3600], got {getattr(self, name)}")
         return out
 
     def publishes_kv_events(self) -> bool:
-        """KV events are on and there is a bus to publish them to."""
-        return self.kv_events and bool(self.redis_url)
+        """KV events are on and there is a bus to publish them to (never for the AFD
+        engine: it has no prefix cache, so no KV events)."""
+        return self.kv_events and bool(self.redis_url) and self.engine != "afd"
 
     def resolved_handoff(self) -> str:
         """The handoff mode in force: the configured one, else pull for P/D, none for agg."""

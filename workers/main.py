@@ -6,6 +6,12 @@ and ``WorkerApp.fatal`` resolves to that reason, so :func:`serve_main` turns the
 NOT_SERVING, revokes its lease, stops it and exits with code 3 for its supervisor
 (``kvmesh up``) to restart it.
 
+AFD (``--engine afd``, :mod:`workers.engines.afd.worker`): ``--afd-role attention`` is
+an ``agg`` worker with the capability ``afd_attention`` that registers only once paired
+with its FFN worker (``--afd-ffn-id``) and leaves etcd (health NOT_SERVING) while
+unpaired; ``--afd-role ffn`` registers with the capability ``afd_ffn`` and no
+``generate``, so no router ever sends it a request.
+
 EPD: ``--ec-role ec_consumer`` gives the vLLM engine the EC connector
 (:func:`workers.ec.configs.ec_transfer_config`, ``--ec-backend``) and UCX on the
 worker's host for its EngineCore; ``--max-images`` is vLLM's per-prompt image limit
@@ -120,6 +126,11 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
                 kv_handoff_timeout_s=cfg.kv_handoff_timeout_s,
             ),
         )
+    if cfg.engine == "afd":
+        from workers.engines.afd.worker import afd_engine_config
+
+        return create_engine("afd", config=afd_engine_config(cfg, model_path, name),
+                             worker_id=cfg.resolved_worker_id())
     return create_engine(cfg.engine, model_path=model_path, model_name=name)
 
 
@@ -151,13 +162,21 @@ def build_server(cfg: WorkerConfig, engine: Engine,
         port = serve_metrics(engine, worker_id, cfg.role, cfg.host, cfg.metrics_port)
         metrics_address = f"{cfg.public_host}:{port}"
 
+    role: int = ROLE[cfg.role]
+    labels: dict[str, str] = {}
+    if cfg.engine == "afd":  # AFD: the attention worker serves, the FFN worker never does
+        from workers.engines.afd.worker import afd_record_fields
+
+        rec_caps, role, labels = afd_record_fields(cfg, rec_caps, role)
+
     def record(address: str) -> discovery_pb2.InstanceRecord:
         info = engine.info
         rec = discovery_pb2.InstanceRecord(
             instance_id=worker_id,
             component="worker",
             address=address,
-            role=ROLE[cfg.role],
+            role=discovery_pb2.WorkerRole.ValueType(role),
+            labels=labels,
             model=info.model,
             model_path=info.model_path,
             block_size=info.block_size,
@@ -239,8 +258,16 @@ async def start_worker(cfg: WorkerConfig) -> WorkerApp:
             if not zmq_events and set_sink is not None:
                 set_sink(relay.submit)
         await engine.start()
+        if cfg.engine == "afd":  # an attention worker registers once paired with its FFN
+            from workers.engines.afd.worker import wait_first_pairing
+
+            await wait_first_pairing(cfg, engine)
         server = build_server(cfg, engine, relay)
         await server.start()
+        if cfg.engine == "afd":
+            from workers.engines.afd.worker import follow_pairing
+
+            follow_pairing(cfg, engine, server)
     except BaseException:
         if relay is not None:
             await relay.close()

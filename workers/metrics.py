@@ -12,6 +12,9 @@ engine at scrape time, and returns the bound port. Metrics (labels ``worker_id``
   holds released after their lease expired), ``kv_external_loaded_tokens`` (tokens
   received from a peer), ``prefix_cache_hits_tokens``.
 
+An engine with a ``metrics_collector`` (a Prometheus ``Collector``) has it served too:
+the AFD engines' ``kvmesh_afd_*`` timings (:mod:`workers.engines.afd.observe`).
+
 Per-request metrics, observed by the servicer (:mod:`workers.service`) into the
 :class:`WorkerMetrics` of its worker id (:func:`worker_metrics`, shared by the servicer
 and this endpoint; label ``worker_id``):
@@ -144,5 +147,8 @@ def serve_metrics(engine: Engine, worker_id: str, role: str, host: str, port: in
     registry = CollectorRegistry()
     registry.register(EngineCollector(engine, worker_id, role))
     registry.register(worker_metrics(worker_id))
+    extra = getattr(engine, "metrics_collector", None)  # an engine's own (AFD: timings)
+    if extra is not None:
+        registry.register(extra)
     server, _ = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)

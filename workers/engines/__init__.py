@@ -14,7 +14,9 @@ Built in: ``"vllm"`` -> :class:`workers.engines.vllm_engine.VllmEngine`, which t
 ...)`` builds the config from the keyword arguments. ``"mock"`` ->
 :class:`workers.engines.mock.MockEngine` (simulated, no model), which takes
 ``config=MockEngineConfig(...)`` (and optionally ``event_sink=``); the same shortcut
-builds the config from keyword arguments that are its fields.
+builds the config from keyword arguments that are its fields. ``"afd"`` -> the
+Attention-FFN disaggregated engine of ``config=AfdEngineConfig(...)``'s role
+(:mod:`workers.engines.afd.mesh_engine`: attention or FFN), with ``worker_id=``.
 """
 
 from __future__ import annotations
@@ -70,3 +72,4 @@ def create_engine(kind: str, **kwargs: Any) -> Engine:
 
 register_engine("vllm", "workers.engines.vllm_engine:VllmEngine")
 register_engine("mock", "workers.engines.mock.engine:MockEngine")
+register_engine("afd", "workers.engines.afd.mesh_engine:AfdEngineKind")
