@@ -50,6 +50,16 @@ from services.common.worker_ids import has_sub_ids
 
 log = logging.getLogger(__name__)
 
+# AFD worker capabilities (workers.engines.afd): an attention worker serves requests (its
+# role is agg); an FFN worker serves only its attention workers' layers, never a request.
+AFD_ATTENTION = "afd_attention"
+AFD_FFN = "afd_ffn"
+
+
+def routable(record: discovery_pb2.InstanceRecord) -> bool:
+    """Whether a worker record may be sent requests: not an AFD FFN worker."""
+    return AFD_FFN not in record.capabilities
+
 
 def instances_prefix(namespace: str, component: str = "") -> str:
     """Key prefix of one component's records (or of all components when empty)."""

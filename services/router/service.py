@@ -72,6 +72,7 @@ import grpc
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
+from services.common.discovery import routable
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
@@ -265,7 +266,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def set_records(self, records: dict[str, discovery_pb2.InstanceRecord]) -> None:
         """Applies a discovery snapshot."""
         self._records = records
-        self._core.set_workers(record_from_proto(r) for r in records.values())
+        # an AFD FFN worker registers as a worker but serves no request: never routed
+        self._core.set_workers(record_from_proto(r) for r in records.values() if routable(r))
 
     def set_encoders(self, records: dict[str, discovery_pb2.InstanceRecord]) -> None:
         """Applies a discovery snapshot of the encoders."""
@@ -404,7 +406,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ListWorkersRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ListWorkersResponse:
         recs = [r for _, r in sorted(self._records.items())
-                if not request.model or r.model == request.model]
+                if (not request.model or r.model == request.model) and routable(r)]
         return router_pb2.ListWorkersResponse(workers=recs)
 
 
