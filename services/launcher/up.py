@@ -28,6 +28,13 @@ the encoders get the same image limit (``KVMESH_MAX_IMAGES``). The start also wa
 would be encoded by the worker itself). Text-only requests never touch E. Without
 ``--epd`` a multimodal model is served by workers that encode their images themselves.
 
+AFD (``afd=True``, ``kvmesh up --afd``): instead of the vLLM workers, one FFN worker
+``afd-ffn-0`` and ``afd_attention`` attention workers ``afd-attention-<i>`` of the
+built-in ``afd`` engine (:mod:`workers.engines.afd`) on a text model (``tiny`` or
+``smollm2``), over ``afd_transport`` (shm); the start waits until every attention worker
+is paired and registered. A killed FFN worker is restarted like any child; its attention
+workers leave etcd meanwhile and come back once paired again.
+
 Supervision: once started, :meth:`LocalMesh.supervise` (called by ``kvmesh up`` every
 0.2 s) restarts any child that exited without being asked to, whatever its exit code or
 signal (a worker whose engine died exits non-zero on purpose, to be restarted), with the
@@ -182,6 +189,11 @@ class MeshSpec:
     epd: bool = _opt(False, "EPD: also run encoder(s) on the multimodal model, the LM "
                      "workers reading image embeddings from them (disagg: E/P/D, agg: E/PD)")
     encoders: int = _opt(1, "encoders (E) with --epd")
+    afd: bool = _opt(False, "AFD: one FFN worker and --afd-attention attention workers "
+                     "(the built-in afd engine; attention and FFN exchange activations "
+                     "per layer)")
+    afd_transport: str = _opt("shm", "AFD activation transport", ("shm", "nixl"))
+    afd_attention: int = _opt(1, "AFD attention workers sharing the FFN (2: 2A1F)")
     insecure: bool = _opt(False, "plaintext gRPC inside the mesh, no authorization (default: "
                           "mTLS with certificates generated into the state folder)")
     namespace: str = _fixed("kvmesh")
@@ -222,10 +234,27 @@ class MeshSpec:
                            f"{self.served_model()!r} {why}")
         elif self.encoders != 1:
             out.append(f"{_flag('encoders')} ({self.encoders}) needs {_flag('epd')}")
+        out.extend(self._afd_problems())
         if self.router == "embedded" and not self.insecure:
             # each child holds its own identity alone; the frontend would need the router's
             out.append(f"{_flag('router')} embedded needs {_flag('insecure')} for now (with "
                        "mTLS the frontend would need the router's certificate)")
+        return out
+
+    def _afd_problems(self) -> list[str]:
+        if not self.afd:
+            return ([f"{_flag('afd_attention')} ({self.afd_attention}) needs {_flag('afd')}"]
+                    if self.afd_attention != 1 else [])
+        out = []
+        if self.epd:
+            out.append(f"{_flag('afd')} and {_flag('epd')} do not combine")
+        if self.served_model() not in TEXT_MODELS and text_only(self.served_model()) is None:
+            out.append(f"{_flag('afd')} needs a text Llama model, got {self.model!r}")
+        if self.afd_transport != "shm":
+            out.append(f"{_flag('afd_transport')} {self.afd_transport!r}: the worker serves "
+                       f"only shm so far")
+        if not 1 <= self.afd_attention <= 8:
+            out.append(f"{_flag('afd_attention')} must be in [1, 8], got {self.afd_attention}")
         return out
 
     def served_model(self) -> str:
@@ -403,6 +432,9 @@ class LocalMesh:
             state = self._state = Path(tempfile.mkdtemp(prefix="etcd-", dir=s.log_dir.parent))
             roles = ["agg"] if s.mode == "agg" else ["prefill", "decode"]
             names = [f"{role}-{i}" for role in roles for i in range(s.workers)]
+            if s.afd:  # AFD: afd-ffn-0 and its attention workers instead
+                roles, names = [], ["afd-ffn-0", *(f"afd-attention-{i}"
+                                                   for i in range(s.afd_attention))]
             model = s.served_model()
             self._setup_tls(state, names)
             port, peer, certs = free_port(), free_port(), self.tls_dir
@@ -433,6 +465,8 @@ class LocalMesh:
                                  else "none", KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
                                  KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
                                  KVMESH_BLOCK_SIZE=str(s.block_size))
+            if s.afd:
+                self._start_afd(model)
             port = s.http_port or free_port()
             front_scrape, planner_scrape = scrape_keys(os.environ, secrets.token_hex) \
                 if s.planner else ({}, {})
@@ -448,6 +482,11 @@ class LocalMesh:
                         raise RuntimeError(f"{c.name} exited ({c.proc.returncode}):\n"
                                            f"{c.log_tail()}")
                 code, body = health(self.url)
+                if s.afd:  # every attention worker paired and registered (the FFN too)
+                    if code != 200 or time.monotonic() < polled[0] + 0.5:
+                        return False
+                    polled[0] = time.monotonic()
+                    return self.registered_afd_attention() >= s.afd_attention
                 if code != 200 or int(str(body.get("workers", 0))) < s.workers * len(roles):
                     return False
                 if not s.epd:
@@ -635,6 +674,35 @@ class LocalMesh:
             f"--{k[len('KVMESH_'):].lower().replace('_', '-')}={v}"
             for k, v in self.admission_env().items()]
         return {"KVMESH_ROUTER": "embedded", "KVMESH_ROUTER_ARGS": shlex.join(args)}
+
+    def _start_afd(self, model: str) -> None:
+        """``kvmesh up --afd``: the FFN worker ``afd-ffn-0`` (worker id ``afd-ffn-0`` in
+        both modes: its attention workers pair by it), then ``afd-attention-<i>``, each
+        ``--afd-attention-id i`` of ``afd_attention`` (1A1F, 2A1F, ...)."""
+        s = self.spec
+        common = {"KVMESH_ENGINE": "afd", "KVMESH_MODEL_PATH": model, "KVMESH_ROLE": "agg",
+                  "KVMESH_AFD_TRANSPORT": s.afd_transport,
+                  "KVMESH_AFD_ATTENTION_WORKERS": str(s.afd_attention),
+                  "KVMESH_KV_CACHE_GIB": str(s.kv_cache_gib),
+                  "KVMESH_MAX_MODEL_LEN": str(s.max_model_len),
+                  "KVMESH_BLOCK_SIZE": str(s.block_size)}
+        self._python("afd-ffn-0", "workers", identity="worker-afd-ffn-0", **common,
+                     KVMESH_WORKER_ID="afd-ffn-0", KVMESH_AFD_ROLE="ffn")
+        for i in range(s.afd_attention):
+            name = f"afd-attention-{i}"
+            self._python(name, "workers", identity=f"worker-{name}", **self._worker_tls(name),
+                         **common, KVMESH_AFD_ROLE="attention", KVMESH_AFD_FFN_ID="afd-ffn-0",
+                         KVMESH_AFD_ATTENTION_ID=str(i))
+
+    def registered_afd_attention(self) -> int:
+        """AFD attention worker records in etcd now (0 when etcd does not answer)."""
+        from services.common.discovery import AFD_ATTENTION
+
+        try:
+            return sum(AFD_ATTENTION in r.capabilities for r in self.records("worker"))
+        except Exception as exc:  # noqa: BLE001  etcd busy or restarting: not yet
+            self._etcd_error = f"{type(exc).__name__}: {exc}"
+            return 0
 
     def admission_env(self) -> dict[str, str]:
         """The router's admission settings as ``KVMESH_*`` env vars."""
