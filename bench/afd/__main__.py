@@ -1,0 +1,3 @@
+from bench.afd.run import entry
+
+entry()
