@@ -1,19 +1,22 @@
 """deploy/kubernetes, offline: every overlay renders with ``kubectl kustomize``, every
 object validates against the Kubernetes schemas (``kubernetes-validate``, a fixed
 version), and the cross-references hold (:func:`check`): Services select pods that exist
-and name their ports, probes name real ports, every Secret / ConfigMap a pod uses is made
-by the overlay or by the README's certificate commands (which the test runs, with
-``kubectl create`` in client dry-run), every ``KVMESH_*`` variable is a field of the config
-class of the service it is given to, commands are real ``kvmesh`` subcommands or modules,
-the planner's Role names exactly the worker Deployments, servers bind and advertise the
-pod IP. A broken fixture overlay (``fixtures/broken``, the real ``pd`` overlay with one
-fault per kind) proves each check fails. Skipped, with the reason, only without kubectl.
-No cluster, no network (one test dials a TLS server on 127.0.0.1: the mTLS probe script).
+and name their ports, probes name real ports, every kvmesh server's readiness is the
+kubelet's native ``grpc`` probe on its ``KVMESH_HEALTH_PORT`` (the plaintext health-only
+port, its containerPort ``health``; the frontend's is HTTP ``/health``), the same with
+security on and off, every Secret / ConfigMap a pod uses is made by the overlay or by the
+README's certificate commands (which the test runs, with ``kubectl create`` in client
+dry-run), every ``KVMESH_*`` variable is a field of the config class of the service it is
+given to, commands are real ``kvmesh`` subcommands or modules, the planner's Role names
+exactly the worker Deployments, servers bind and advertise the pod IP. A broken fixture
+overlay (``fixtures/broken``, the real ``pd`` overlay with one fault per kind) proves each
+check fails. Skipped, with the reason, only without kubectl. No cluster, no network (that
+``--health-port`` serves grpc.health.v1 beside an mTLS port is
+tests/integration/test_health_port.py's, on a real server).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import importlib
 import importlib.util
@@ -126,6 +129,11 @@ def pod_templates(objs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict
             if o["kind"] in ("Deployment", "StatefulSet", "Job")]
 
 
+def is_kvmesh(container: dict[str, Any]) -> bool:
+    """Whether the container runs the kvmesh image (any registry, any tag)."""
+    return str(container.get("image", "")).rsplit("/", 1)[-1].split(":")[0] == "kvmesh"
+
+
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
 
@@ -233,6 +241,8 @@ def check(objs: list[dict[str, Any]], secrets: dict[str, set[str]] | None = None
                     problems.append(f"{cname}: {kind} {how}")
                 elif port not in ports and port not in ports.values():
                     problems.append(f"{cname}: {kind} {how} port {port!r} is no container port")
+                if how == "grpc" and port is not None:
+                    problems += _check_grpc_probe(f"{cname}: {kind}", port, env, ports)
             mounts = {m["mountPath"]: m["name"] for m in c.get("volumeMounts", [])}
             for m in c.get("volumeMounts", []):
                 if m["name"] not in volumes:
@@ -256,10 +266,8 @@ def check(objs: list[dict[str, Any]], secrets: dict[str, set[str]] | None = None
             wanted = set(re.findall(r"/certs/([\w.-]+)", " ".join(
                 map(str, [*c.get("command", []), *c.get("args", []),
                           *(c.get("readinessProbe", {}).get("exec", {}).get("command", []))]))))
-            image = str(c.get("image", ""))
-            is_kvmesh = image.rsplit("/", 1)[-1].split(":")[0] == "kvmesh"
             command = [str(x) for x in c.get("command", [])]
-            cls, problem = config_class(command) if is_kvmesh else (None, "")
+            cls, problem = config_class(command) if is_kvmesh(c) else (None, "")
             if problem:
                 problems.append(f"{cname}: {problem}")
             if cls is not None:
@@ -268,7 +276,7 @@ def check(objs: list[dict[str, Any]], secrets: dict[str, set[str]] | None = None
             if secret_keys is not None:
                 problems += [f"{cname}: /certs/{f} is not in its Secret"
                              for f in sorted(wanted - secret_keys)]
-            if not is_kvmesh:
+            if not is_kvmesh(c):
                 continue
             if not c.get("resources", {}).get("requests"):
                 problems.append(f"{cname}: no resource requests")
@@ -306,6 +314,26 @@ def check(objs: list[dict[str, Any]], secrets: dict[str, set[str]] | None = None
     return problems
 
 
+def _check_grpc_probe(where: str, port: Any, env: dict[str, str],
+                      ports: dict[str | None, int]) -> list[str]:
+    """The kubelet's ``grpc`` probe speaks plaintext and presents no client certificate,
+    so it must dial the server's health-only port: ``KVMESH_HEALTH_PORT``, which the
+    container declares as its containerPort ``health`` (services/common/server.py)."""
+    health = env.get("KVMESH_HEALTH_PORT")
+    if health is None:
+        return [f"{where} grpc port {port!r}, but no KVMESH_HEALTH_PORT: nothing serves "
+                f"grpc.health.v1 in plaintext there"]
+    out = []
+    if not health.isdigit() or int(health) != port:
+        mesh = " (the mesh port: mTLS, the kubelet has no certificate)" if str(port) == env.get(
+            "KVMESH_PORT") else ""
+        out.append(f"{where} grpc port {port!r} is not its KVMESH_HEALTH_PORT {health}{mesh}")
+    if ports.get("health") != port:
+        out.append(f"{where} grpc port {port!r} is not its containerPort named health "
+                   f"({ports.get('health')})")
+    return out
+
+
 def _check_kvmesh_env(cname: str, cls: type[BaseConfig], env: dict[str, str],
                       mounts: dict[str, str], secret_keys: set[str] | None,
                       wanted: set[str], grace: int, c: dict[str, Any]) -> list[str]:
@@ -335,9 +363,14 @@ def _check_kvmesh_env(cname: str, cls: type[BaseConfig], env: dict[str, str],
     ports = {p["containerPort"] for p in c.get("ports", [])}
     if port is None or int(port) not in ports:
         out.append(f"{cname}: KVMESH_PORT {port} is no container port")
-    for var in ("KVMESH_METRICS_PORT", "KVMESH_NIXL_PORT", "KVMESH_HTTP_PORT"):
+    for var in ("KVMESH_METRICS_PORT", "KVMESH_NIXL_PORT", "KVMESH_HTTP_PORT",
+                "KVMESH_HEALTH_PORT"):
         if var in env and int(env[var]) not in ports:
             out.append(f"{cname}: {var} {env[var]} is no container port")
+    ready = set(c.get("readinessProbe", {}))
+    if not ready & {"grpc", "httpGet"}:
+        out.append(f"{cname}: readiness is neither the kubelet's grpc probe (on "
+                   f"KVMESH_HEALTH_PORT) nor HTTP /health: {sorted(ready)}")
     secure = env.get("KVMESH_INSECURE", "") not in ("1", "true") and env.get("KVMESH_TLS_DIR")
     if secure:
         if env["KVMESH_TLS_DIR"] not in mounts:
@@ -409,12 +442,25 @@ def test_overlay_cross_references(overlay: str, readme_secrets: dict[str, set[st
     for want in ("kvmesh-frontend", "kvmesh-router", "kvmesh-indexer", "kvmesh-store-master"):
         assert ("Deployment", want) in kinds and ("Service", want) in kinds
     assert (("StatefulSet", "etcd") in kinds) == (overlay != "external-etcd")
+    # readiness: the kubelet's grpc probe on the health port; the frontend's HTTP /health
+    ready = {w["metadata"]["name"]: set(c["readinessProbe"]) & {"grpc", "httpGet", "exec"}
+             for w, t in pod_templates(objs) for c in t["spec"]["containers"]
+             if is_kvmesh(c) and "readinessProbe" in c}
+    assert ready.pop("kvmesh-frontend") == {"httpGet"}
+    assert ready and all(r == {"grpc"} for r in ready.values()), ready
     if overlay == "insecure":
         assert not any(v.get("secret") for _, t in pod_templates(objs)
                        for v in t["spec"].get("volumes", []))
-        kvmesh = [c for _, t in pod_templates(objs) for c in t["spec"]["containers"]
-                  if "readinessProbe" in c and c["command"][:1] == ["kvmesh"]]
-        assert kvmesh and all({"grpc", "httpGet"} & set(c["readinessProbe"]) for c in kvmesh)
+        # security off changes no kvmesh probe: mTLS and plaintext use the same
+        assert probes(objs) == probes(render(DEPLOY / "overlays" / "pd"))
+
+
+def probes(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every kvmesh container's probes, by (workload, container)."""
+    return {(w["metadata"]["name"], c["name"]): {k: c.get(k) for k in (
+                "readinessProbe", "livenessProbe", "startupProbe")}
+            for w, t in pod_templates(objs) for c in t["spec"]["containers"]
+            if is_kvmesh(c) and "readinessProbe" in c}
 
 
 def test_worker_pools_and_their_identities(tmp_path: Path) -> None:
@@ -454,7 +500,10 @@ def test_broken_fixture_is_caught(readme_secrets: dict[str, set[str]]) -> None:
     for expected in (
         "Service/kvmesh-router: selector",                  # selector matches no pod
         "Service/kvmesh-frontend: targetPort 'htttp'",      # a port the pod lacks
-        "readinessProbe grpc port 50052",                    # a probe on no port
+        "readinessProbe grpc port 50052 is no container port",  # a probe on no port
+        "store-master: readinessProbe grpc port 50051 is not its KVMESH_HEALTH_PORT 8081 "
+        "(the mesh port",                                   # a grpc probe on the mTLS port
+        "planner: readinessProbe grpc port 8081, but no KVMESH_HEALTH_PORT",  # not served
         "Secret kvmesh-id-nobody is made neither",          # a Secret nobody makes
         "KVMESH_ADVERTISED_HOST is no flag of WorkerConfig",  # a misspelt variable
         "`kvmesh routr` is not a kvmesh subcommand",        # a misspelt subcommand
@@ -504,36 +553,6 @@ def test_readme_commands_are_rendered_or_checked(readme_secrets: dict[str, set[s
     assert {"kvmesh-id-etcd-auth", "kvmesh-id-worker-fleet-decode"} <= set(readme_secrets)
     assert "ca-key.pem" not in set().union(*readme_secrets.values())
     assert "Validated offline" in readme_section()
-
-
-async def test_mtls_probe_script_reads_the_health_service(tmp_path: Path) -> None:
-    """deploy/kubernetes/base/probe/kvmesh_probe.py against a real mTLS MeshServer on
-    127.0.0.1: 0 while SERVING; 1 when the certificate names another role, or nothing
-    listens."""
-    from services.common.server import MeshServer
-    from services.common.tls import write_mesh_certs
-
-    write_mesh_certs(tmp_path, ["worker:fleet-decode", "router"])
-    cfg = BaseConfig(host="127.0.0.1", port=0, tls_dir=str(tmp_path),
-                     tls_cert="worker-fleet-decode")
-    server = MeshServer(cfg, "worker", [])
-    await server.start()
-    script = DEPLOY / "base" / "probe" / "kvmesh_probe.py"
-
-    async def probe(role: str, port: int) -> int:
-        env = {**os.environ, "KVMESH_HOST": "127.0.0.1", "KVMESH_PORT": str(port),
-               "KVMESH_TLS_DIR": str(tmp_path), "KVMESH_TLS_CERT": "worker-fleet-decode",
-               "PYTHONPATH": str(ROOT)}
-        proc = await asyncio.create_subprocess_exec(sys.executable, str(script), role,
-                                                    env=env, cwd="/")
-        return await asyncio.wait_for(proc.wait(), 60)
-
-    try:
-        assert await probe("worker", server.port) == 0
-        assert await probe("router", server.port) == 1  # a worker cannot pose as a router
-    finally:
-        await server.stop()
-    assert await probe("worker", server.port) == 1
 
 
 def test_worker_nixl_env_follows_the_pod(monkeypatch: pytest.MonkeyPatch) -> None:
