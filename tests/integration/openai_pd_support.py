@@ -260,7 +260,36 @@ def _check_responses_json(cold: Run, warm: Run, tok: Tokenizer) -> None:
     assert warm.usage[2] == _warm_hit(prompt) > 0
 
 
+ANIMALS = "(cat|dog|cow) (cat|dog|cow) (cat|dog|cow)"
+
+
+async def _vllm_extensions(client: openai.AsyncOpenAI, salt: str, tok: Tokenizer) -> Run:
+    """vLLM's structured_outputs (a regex) with a stop string kept in the output
+    (include_stop_str_in_output) and return_token_ids: the grammar starts on D, as on
+    an aggregated worker."""
+    resp = (await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+        temperature=0, stop=[" "], extra_body={
+            "cache_salt": salt, "return_token_ids": True, "include_stop_str_in_output": True,
+            "structured_outputs": {"regex": ANIMALS}})).model_dump()
+    return Run([(c["index"], c["finish_reason"], c["message"]["content"], c["token_ids"])
+                for c in resp["choices"]] + [resp["prompt_token_ids"]],
+               _usage(openai.types.CompletionUsage.model_validate(resp["usage"])))
+
+
+def _check_vllm_extensions(cold: Run, warm: Run, tok: Tokenizer) -> None:
+    import re
+
+    [(_, finish, text, ids), prompt_ids] = warm.answer
+    # the regex's first word, then the stop string, kept
+    assert finish == "stop" and re.fullmatch("(cat|dog|cow) ", text), warm
+    assert prompt_ids == tok.apply_chat([("user", QUESTION)]) and ids, warm
+    prompt, completion, _ = warm.usage
+    assert cold.usage == (prompt, completion, 0) and warm.usage[2] == _warm_hit(prompt) > 0
+
+
 CASES: dict[str, Case] = {
+    "vllm_extensions": Case(_vllm_extensions, 1, _check_vllm_extensions),
     "greedy_chat_logprobs": Case(_greedy_chat, 1, _check_greedy_chat),
     "json_schema_logprobs": Case(_json_schema, 1, _check_json_schema),
     "chat_n2_seeded": Case(_n2_seeded, 2, _check_n2_seeded),
