@@ -199,7 +199,7 @@ def _check_batch_echo(cold: Run, warm: Run, tok: Tokenizer) -> None:
 async def _tool_required(client: openai.AsyncOpenAI, salt: str, tok: Tokenizer) -> Run:
     resp = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "weather in Paris?"}],
-        max_tokens=80, temperature=0, tools=[CITY_TOOL, TIME_TOOL],  # type: ignore[call-overload]
+        max_tokens=80, temperature=0, tools=[CITY_TOOL],  # type: ignore[call-overload]
         tool_choice="required", parallel_tool_calls=False, logit_bias=_no_whitespace(tok),
         extra_body={"cache_salt": salt})
     return Run([(c.index, c.finish_reason, c.message.content,

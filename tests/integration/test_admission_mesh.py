@@ -160,4 +160,6 @@ async def test_without_admission_everything_is_admitted(
     tpots = new_tpots_ms(decoder(f), before)
     assert len(tpots) == BURST
     assert sum(t > ITL_SLO_MS for t in tpots) > BURST // 2, sorted(tpots)
-    assert statistics.median(tpots) > 1.5 * ITL_SLO_MS, sorted(tpots)
+    # ~1.7x the SLO on a quiet host; a loaded one spreads the burst (1.47x seen), still
+    # clear of the admitted median's 1.2x bound above
+    assert statistics.median(tpots) > 1.3 * ITL_SLO_MS, sorted(tpots)

@@ -302,7 +302,9 @@ async def test_ffn_killed_mid_stream_ends_the_request_frees_kv_and_recovers(
     # the attempt failed with the transport error; the frontend's migration found no other
     # worker (the only one failed it), so the client's stream ends with that 503
     message = str(err.value)
-    assert "FFN" in message or "no live worker left" in message, message
+    # the FFN's loss, or (the attention worker already out of etcd, so the router has none
+    # left for the migration) "no live worker" from the router
+    assert "FFN" in message or "no live worker" in message, message
     assert chunks < 900
     assert "AFD FFN at" in afd_mesh.attn.log_tail() and "lost" in afd_mesh.attn.log_tail()
     afd_mesh.ffn.proc.wait(10)

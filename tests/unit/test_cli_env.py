@@ -35,6 +35,11 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     # --epd): their non-defaults are test_launcher_cli's test_epd_* tests.
     "epd": ("no", False),
     "encoders": ("1", 1),
+    "router": ("embedded", "embedded"),  # needs --insecure, sampled above
+    # --afd's options need --afd (which needs a model the mock does not serve): defaults
+    "afd": ("no", False),
+    "afd_transport": ("shm", "shm"),
+    "afd_attention": ("1", 1),
 }
 
 
