@@ -220,9 +220,6 @@ class WorkerConfig(BaseConfig):
                        f"got {self.afd_role!r}")
         if self.afd_transport not in ("shm", "nixl"):
             out.append(f"afd_transport must be shm or nixl, got {self.afd_transport!r}")
-        elif self.afd_transport == "nixl":
-            out.append("afd_transport nixl is not served by the worker yet (only shm; NIXL "
-                       "is measured by bench/afd)")
         if self.role != "agg":
             out.append(f"engine afd serves whole requests: role must be agg, got {self.role!r}")
         if self.afd_role == "attention" and not self.afd_ffn_id:

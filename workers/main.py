@@ -127,10 +127,9 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
             ),
         )
     if cfg.engine == "afd":
-        from workers.engines.afd.worker import afd_engine_config
+        from workers.engines.afd.worker import afd_engine
 
-        return create_engine("afd", config=afd_engine_config(cfg, model_path, name),
-                             worker_id=cfg.resolved_worker_id())
+        return afd_engine(cfg, model_path, name)
     return create_engine(cfg.engine, model_path=model_path, model_name=name)
 
 
@@ -167,7 +166,7 @@ def build_server(cfg: WorkerConfig, engine: Engine,
     if cfg.engine == "afd":  # AFD: the attention worker serves, the FFN worker never does
         from workers.engines.afd.worker import afd_record_fields
 
-        rec_caps, role, labels = afd_record_fields(cfg, rec_caps, role)
+        rec_caps, role, labels = afd_record_fields(cfg, rec_caps, role, engine)
 
     def record(address: str) -> discovery_pb2.InstanceRecord:
         info = engine.info

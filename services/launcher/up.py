@@ -31,9 +31,11 @@ would be encoded by the worker itself). Text-only requests never touch E. Withou
 AFD (``afd=True``, ``kvmesh up --afd``): instead of the vLLM workers, one FFN worker
 ``afd-ffn-0`` and ``afd_attention`` attention workers ``afd-attention-<i>`` of the
 built-in ``afd`` engine (:mod:`workers.engines.afd`) on a text model (``tiny`` or
-``smollm2``), over ``afd_transport`` (shm); the start waits until every attention worker
-is paired and registered. A killed FFN worker is restarted like any child; its attention
-workers leave etcd meanwhile and come back once paired again.
+``smollm2``), over ``afd_transport`` (``shm``; or ``nixl``: UCX on loopback, the FFN's
+endpoint info in its etcd record, :mod:`workers.engines.afd.worker`); the start waits
+until every attention worker is paired and registered. A killed FFN worker is restarted
+like any child; its attention workers leave etcd meanwhile and come back once paired
+again.
 
 Supervision: once started, :meth:`LocalMesh.supervise` (called by ``kvmesh up`` every
 0.2 s) restarts any child that exited without being asked to, whatever its exit code or
@@ -250,9 +252,6 @@ class MeshSpec:
             out.append(f"{_flag('afd')} and {_flag('epd')} do not combine")
         if self.served_model() not in TEXT_MODELS and text_only(self.served_model()) is None:
             out.append(f"{_flag('afd')} needs a text Llama model, got {self.model!r}")
-        if self.afd_transport != "shm":
-            out.append(f"{_flag('afd_transport')} {self.afd_transport!r}: the worker serves "
-                       f"only shm so far")
         if not 1 <= self.afd_attention <= 8:
             out.append(f"{_flag('afd_attention')} must be in [1, 8], got {self.afd_attention}")
         return out

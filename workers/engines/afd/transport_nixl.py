@@ -23,6 +23,17 @@ Contract (on top of :mod:`workers.engines.afd.connector`'s):
   (:meth:`nixl_agent.make_prepped_xfer`) and re-posted, so a steady-state message is one
   staging copy into the outbound slot plus one ``transfer`` (a WRITE carrying the 32-byte
   packed :class:`AfdContext` as its notification).
+- In-band pairing (what the mesh uses, :mod:`workers.engines.afd.worker`): only the FFN's
+  info travels out of band. The attention side calls ``connect(ffn_info)`` and then
+  :meth:`announce`, a notification carrying its own ``info()``; the FFN side, inside any
+  ``recv_attn_output`` (its own thread), connects that attention endpoint (replacing one
+  of the same id) and answers *ack* — or *refused* with the reason (sizes differ, id out
+  of range), then it stays unconnected. :meth:`wait_ready` (attention side) tells when
+  the ack came: True; False on the timeout; ValueError with the FFN's reason on a refusal;
+  AfdPeerGone when the FFN is known gone. Sending before the ack is allowed but the FFN
+  drops messages of an endpoint it has not connected. NIXL delivers a notification from
+  an agent whose metadata the receiver has not loaded (measured with NIXL 1.5.1), which
+  is what makes the announcement possible.
 - Protocol: the attention side WRITEs into the FFN's inbound slot for ``(attention_id,
   microbatch)``; the FFN side polls notifications, copies the slot out, and answers by
   WRITing into the attention side's inbound slot ``microbatch``. A slot is rewritten only
@@ -40,7 +51,8 @@ Contract (on top of :mod:`workers.engines.afd.connector`'s):
   until a message, the timeout (:class:`AfdTimeout`), a goodbye notification from a peer
   that called ``close()``, or — for a peer on the same host — the peer's process having
   exited (checked about every ``liveness_interval_s``) → :class:`AfdPeerGone` on the
-  attention side. The FFN side keeps serving the other attention peers (as the shared-memory
+  attention side (:meth:`check_peers` runs that check at once, e.g. while idle). The FFN
+  side keeps serving the other attention peers (as the shared-memory
   transport does): messages from a departed peer are dropped, ``send_ffn_output`` to it
   raises :class:`AfdPeerGone`, and ``recv_attn_output`` raises :class:`AfdPeerGone` only
   once this connector is closed. :meth:`peers` tells who is connected and who is gone.
@@ -93,6 +105,9 @@ UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
 _MAGIC = b"KVAFDNX1"
 _INFO_HDR = struct.Struct("<8sI")  # magic, JSON length; the agent metadata follows the JSON
 _BYE = b"kvmesh-afd-bye"
+_HELLO = b"kvmesh-afd-hello:"  # attention -> FFN, followed by the attention's info()
+_ACK = b"kvmesh-afd-ack"  # FFN -> attention: connected
+_REFUSED = b"kvmesh-afd-refused:"  # FFN -> attention, followed by the reason (UTF-8)
 
 
 @dataclass(frozen=True)
@@ -146,7 +161,7 @@ class _Peer:
     gone: str = ""  # why the peer is unusable ("" while it is fine)
 
 
-def _pid_gone(pid: int) -> bool:
+def pid_gone(pid: int) -> bool:
     """True iff process ``pid`` on this host has exited (or is a zombie)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -156,6 +171,9 @@ def _pid_gone(pid: int) -> bool:
     except (OSError, IndexError):
         return False  # cannot tell: rely on the timeout
     return state in (b"Z", b"X")
+
+
+_pid_gone = pid_gone  # its former name
 
 
 class NixlAfdConnector(AfdConnector):
@@ -194,6 +212,9 @@ class NixlAfdConnector(AfdConnector):
         self._by_agent: dict[str, int] = {}  # remote agent name -> key in _peers
         self._pending_ffn: deque[AfdContext] = deque()  # FFN side: arrived, not yet returned
         self._pending_attn: dict[int, AfdContext] = {}  # attention side: microbatch -> ctx
+        self._acked = False  # attention side: the FFN acknowledged our announcement
+        self._refused = ""  # attention side: why the FFN refused it
+        self._refused_agents: set[str] = set()  # FFN side: loaded only to answer a refusal
         agent_name = name or f"afd-{role}-{max(attention_id, 0)}-{uuid.uuid4().hex[:8]}"
         self._agent: Any = make_agent(agent_name, ucx_err_mode)
         nbytes = self._slots * config.slot_bytes()
@@ -250,6 +271,72 @@ class NixlAfdConnector(AfdConnector):
         self._by_agent[name] = key
         if info.role == "ffn":
             self._pending_attn.clear()
+            self._acked, self._refused = False, ""
+
+    def announce(self) -> None:
+        """Attention side, after ``connect(ffn_info)``: send our info to the FFN, which
+        connects us and acknowledges (module docstring, in-band pairing)."""
+        self._check_open()
+        if self.role != "attention":
+            raise RuntimeError("announce is for the attention side")
+        peer = self._peer(-1)
+        self._acked, self._refused = False, ""
+        try:
+            self._agent.send_notif(peer.name, _HELLO + self.info())
+        except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError
+            peer.gone = f"AFD announcement to {peer.info.agent} failed: {exc}"
+            raise AfdPeerGone(peer.gone) from exc
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Attention side: True once the FFN acknowledged :meth:`announce`; False after
+        ``timeout``; ValueError with its reason when it refused; AfdPeerGone when it is
+        known gone."""
+        self._check_open()
+        if self.role != "attention":
+            raise RuntimeError("wait_ready is for the attention side")
+
+        def ready() -> bool | None:
+            if self._refused:
+                raise ValueError(f"the AFD FFN endpoint refused this one: {self._refused}")
+            self._peer(-1)
+            return True if self._acked else None
+
+        try:
+            return bool(self._wait(ready, timeout, "the FFN's acknowledgement"))
+        except AfdTimeout:
+            return False
+
+    def _accept(self, name: str, info_bytes: bytes) -> None:
+        """FFN side: connect an announced attention endpoint, then ack it (or tell it why
+        not: its metadata is loaded just for that answer)."""
+        try:
+            info = EndpointInfo.from_bytes(info_bytes)
+        except ValueError as exc:
+            log.warning("AFD NIXL: unreadable announcement from %s dropped: %s", name, exc)
+            return
+        try:
+            if info.agent != name:
+                raise ValueError(f"announcement from {name} names agent {info.agent}")
+            if name in self._refused_agents:  # refused before: connect loads it anew
+                self._refused_agents.discard(name)
+                self._agent.remove_remote_agent(name)
+            self.connect(info_bytes)
+        except Exception as exc:  # refused: answer it, serve on
+            log.warning("AFD NIXL: announcement from %s refused: %s", name, exc)
+            reason = str(exc).encode()
+
+            def refuse() -> None:
+                # The refused agent stays loaded (so the answer can leave: UCX progresses
+                # only inside NIXL calls); refusals are rare, never retried in a loop.
+                if name not in self._by_agent and name not in self._refused_agents:
+                    self._agent.add_remote_agent(info.metadata)
+                    self._refused_agents.add(name)
+                self._agent.send_notif(name, _REFUSED + reason)
+
+            _best_effort(refuse, "refuse an announcement")
+            return
+        log.info("AFD NIXL: attention endpoint %d (%s) connected", info.attention_id, name)
+        _best_effort(lambda: self._agent.send_notif(name, _ACK), "acknowledge")
 
     def _drop(self, key: int) -> None:
         peer = self._peers.pop(key)
@@ -355,10 +442,17 @@ class NixlAfdConnector(AfdConnector):
             name = agent.decode() if isinstance(agent, bytes) else str(agent)
             key = self._by_agent.get(name)
             for msg in msgs:
-                if key is None:
+                if self.role == "ffn" and msg.startswith(_HELLO):
+                    self._accept(name, msg[len(_HELLO):])
+                    key = self._by_agent.get(name)
+                elif key is None:
                     log.warning("AFD NIXL: notification from unknown agent %s dropped", name)
                 elif msg.startswith(_BYE):
                     self._peers[key].gone = f"AFD peer {name} closed"
+                elif key < 0 and msg == _ACK:
+                    self._acked = True
+                elif key < 0 and msg.startswith(_REFUSED):
+                    self._refused = msg[len(_REFUSED):].decode(errors="replace") or "refused"
                 elif len(msg) != HEADER_BYTES:
                     log.warning("AFD NIXL: %d-byte notification from %s dropped", len(msg), name)
                 else:
@@ -403,7 +497,7 @@ class NixlAfdConnector(AfdConnector):
     def _check_liveness(self) -> None:
         host = socket.gethostname()
         for peer in self._peers.values():
-            if not peer.gone and peer.info.host == host and _pid_gone(peer.info.pid):
+            if not peer.gone and peer.info.host == host and pid_gone(peer.info.pid):
                 peer.gone = f"AFD peer {peer.info.agent} (pid {peer.info.pid}) exited"
 
     def recv_ffn_output(self, ctx: AfdContext, timeout: float) -> torch.Tensor:
@@ -448,6 +542,14 @@ class NixlAfdConnector(AfdConnector):
         out: tuple[torch.Tensor, AfdContext] = self._wait(ready, timeout, "attention output")
         return out
 
+    def check_peers(self) -> dict[int, str]:
+        """Runs the same-host liveness check now (a NIXL progress round too, so a
+        goodbye is seen), then :meth:`peers`."""
+        self._check_open()
+        self._poll()
+        self._check_liveness()
+        return self.peers()
+
     def peers(self) -> dict[int, str]:
         """Connected peers: attention id (-1 for the FFN peer) → why it is gone, or ""."""
         return {key: peer.gone for key, peer in self._peers.items()}
@@ -465,6 +567,8 @@ class NixlAfdConnector(AfdConnector):
             _best_effort(self._agent.get_new_notifs, "final progress")
         for key in list(self._peers):
             self._drop(key)
+        for name in self._refused_agents:
+            _best_effort(lambda n=name: self._agent.remove_remote_agent(n), "remove refused")
         _best_effort(self._local.release, "release local dlist")
         _best_effort(lambda: self._agent.deregister_memory(self._reg), "deregister_memory")
 
