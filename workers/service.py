@@ -30,7 +30,10 @@ Contract:
   ``engine dead: <reason>``. A remote prefill whose KV never came (KvHandoffError,
   policy ``fail``: the load failed, or, pull mode, ``--kv-handoff-timeout-s`` passed) is
   UNAVAILABLE naming the handoff, with trailing metadata ``kvmesh-failed-role: prefill``
-  (:data:`FAILED_ROLE_KEY`): the fault is P's, this worker is alive. Any other engine
+  (:data:`FAILED_ROLE_KEY`): the fault is P's, this worker is alive. An engine that
+  lives but cannot serve the request now (EngineUnavailableError, e.g. its AFD FFN peer
+  is gone) is UNAVAILABLE ``engine unavailable: <cause>``, logged as one warning line (no
+  traceback); the worker is not marked dead and serves later requests. Any other engine
   failure is logged once and answered INTERNAL (never UNKNOWN). When the client cancels,
   the engine generator is closed, which aborts the request in the engine.
 - ``mark_dead(reason)``: from now on Generate answers UNAVAILABLE (the worker calls it
@@ -81,6 +84,7 @@ from workers.engines.base import (
     EngineDeadError,
     EngineError,
     EngineRequest,
+    EngineUnavailableError,
     KvHandoffError,
     PositionLogprobs,
     Sampling,
@@ -310,6 +314,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             except EngineDeadError as exc:
                 self.mark_dead(str(exc))
                 await self._abort_dead(context)
+            except EngineUnavailableError as exc:  # alive, but a peer it needs is gone
+                log.warning("request %s: engine unavailable: %s", ereq.request_id, exc)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"engine unavailable: {exc}")
             except KvHandoffError as exc:  # the remote prefill never came (P gone?)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc),
                                     ((FAILED_ROLE_KEY, "prefill"),))

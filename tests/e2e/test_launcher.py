@@ -1,11 +1,13 @@
 """``kvmesh up`` end to end, driven with the official openai client: on vLLM (tiny model),
 with ``--epd`` (E/P/D on the tiny VLM: an image chat through the encoder, which is
-restarted after a SIGKILL), and as a supervisor on mock workers (a killed child comes
-back, Redis keeps its data across a restart, children die with a SIGKILLed ``kvmesh
-up``)."""
+restarted after a SIGKILL), with ``--afd --afd-attention 2`` (2A1F on the tiny model:
+both attention workers serve, a SIGKILLed FFN worker is restarted and paired again), and
+as a supervisor on mock workers (a killed child comes back, Redis keeps its data across
+a restart, children die with a SIGKILLed ``kvmesh up``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -24,6 +26,7 @@ import grpc
 import openai
 import pytest
 from aetcd.rpc import KVStub, RangeRequest
+from openai.types.chat import ChatCompletionMessageParam
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
@@ -320,6 +323,103 @@ async def test_kvmesh_up_epd_serves_images_through_a_supervised_encoder(
         assert fallbacks() == 0
 
 
+# --- AFD: ``kvmesh up --afd --afd-attention 2`` (2A1F on the tiny model over shm).
+
+async def _worker_records(mesh: Supervised) -> list[discovery_pb2.InstanceRecord]:
+    client = etcd_client(mesh.address("etcd"), mesh.tls("admin"))
+    await client.connect()
+    try:
+        recs = []
+        for kv in await client.get_prefix(instances_prefix("kvmesh", "worker").encode()):
+            rec = discovery_pb2.InstanceRecord()
+            rec.ParseFromString(kv.value)
+            recs.append(rec)
+        return recs
+    finally:
+        await client.close()
+
+
+def _afd_steps(rec: discovery_pb2.InstanceRecord) -> float:
+    """An AFD attention worker's engine steps so far (its /metrics)."""
+    return sum(v for k, v in _scrape(f"http://{rec.metrics_address}/metrics").items()
+               if k.startswith("kvmesh_engine_afd_steps_total{"))
+
+
+async def test_kvmesh_up_afd_serves_2a1f_and_restarts_a_killed_ffn(tmp_path: Path) -> None:
+    """``kvmesh up --afd --afd-attention 2``: one FFN worker and two attention workers of
+    the afd engine (tiny model, shm), with mTLS. A streamed chat through the openai
+    client equals the whole answer; concurrent requests are served by both attention
+    workers (each one's engine steps grow); the FFN's record has no ``generate``. A SIGKILLed
+    FFN worker is restarted by the supervisor, both attention workers pair again and
+    re-register (newer records), and the mesh serves the same greedy answer."""
+    from services.common.discovery import AFD_ATTENTION, AFD_FFN
+
+    log_dir = tmp_path / "logs"
+    with kvmesh_up(log_dir, "--afd", "--afd-attention", "2", "--model", "tiny",
+                   "--kv-cache-gib", "0.05", "--max-model-len", "1024",
+                   timeout_s=300) as (proc, url, out):
+        mesh = Supervised(proc, url, log_dir, out)
+        assert {"afd-ffn-0", "afd-attention-0", "afd-attention-1"} <= set(mesh.status())
+        recs = await _worker_records(mesh)
+        attn = sorted((r for r in recs if AFD_ATTENTION in r.capabilities),
+                      key=lambda r: r.instance_id)
+        (ffn,) = [r for r in recs if list(r.capabilities) == [AFD_FFN]]
+        assert len(attn) == 2 and ffn.pid == int(mesh.status()["afd-ffn-0"]["pid"])
+        c = client(url)
+        assert [m.id for m in c.models.list()] == ["tiny-llama"]
+        messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "a b c d"}]
+        whole = c.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=0,
+                                          messages=messages)
+        pieces = [ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+            model="tiny-llama", max_tokens=8, temperature=0, stream=True,
+            messages=messages) if ch.choices]
+        assert "".join(pieces) == whole.choices[0].message.content
+        assert whole.usage is not None and whole.usage.completion_tokens >= 1
+
+        # 2A1F: concurrent requests (the router balances in-flight load) reach both
+        aclient = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                                     timeout=120)
+
+        async def both_served() -> bool:
+            await asyncio.gather(*(aclient.completions.create(
+                model="tiny-llama", prompt=f"p{i} q{i} r{i}", max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True}) for i in range(4)))
+            return all(_afd_steps(r) > 0 for r in attn)
+        await wait_for(both_served, 120,
+                       lambda: f"both attention workers to serve; {mesh.status()}",
+                       interval_s=0.2)
+
+        before = {r.instance_id: r.started_at_ms for r in attn}
+        old = int(mesh.status()["afd-ffn-0"]["pid"])
+        os.kill(old, signal.SIGKILL)
+
+        def restarted() -> dict[str, str] | None:
+            row = mesh.status()["afd-ffn-0"]
+            return row if row["pid"] != str(old) and row["state"] == "running" else None
+
+        row = wait_for_sync(restarted, 30, lambda: f"afd-ffn-0 restarted; {mesh.status()}")
+        assert row is not None and row["restarts"] == "1" and row["last_exit"] == "SIGKILL"
+        assert f"afd-ffn-0 (pid {old}) exited (SIGKILL)" in mesh.out.read_text()
+        new = int(row["pid"])
+        seen: list[discovery_pb2.InstanceRecord] = []
+
+        async def paired_again() -> bool:
+            """The new FFN registered, and both attention workers left etcd and came
+            back (records newer than before the kill)."""
+            nonlocal seen
+            seen = await _worker_records(mesh)
+            fresh = {r.instance_id for r in seen if AFD_ATTENTION in r.capabilities
+                     and r.started_at_ms > before.get(r.instance_id, 1 << 62)}
+            return fresh == set(before) and [r.pid for r in seen
+                                             if list(r.capabilities) == [AFD_FFN]] == [new]
+        await wait_for(paired_again, 120, lambda: f"re-paired and registered: {seen}",
+                       interval_s=0.5)
+        wait_for_sync(lambda: int(str(health(url)[1].get("workers", 0))) >= 2, 30,
+                      "the frontend to list both attention workers again", interval_s=0.2)
+        again = c.chat.completions.create(model="tiny-llama", max_tokens=8, temperature=0,
+                                          messages=messages)
+        assert again.choices[0].message.content == whole.choices[0].message.content
+        assert {r["restarts"] for n, r in mesh.status().items() if n != "afd-ffn-0"} == {"0"}
 # --- supervision, on mock workers (no vLLM): one launched mesh for the three tests below,
 # the last of which SIGKILLs its ``kvmesh up``.
 

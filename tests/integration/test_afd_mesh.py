@@ -7,9 +7,11 @@ on the tiny model over the shared-memory transport, on real etcd.
 - the router never routes to the FFN worker (ListWorkers lists only the attention
   worker; the FFN's record is in etcd all along) and the FFN refuses a direct Generate;
 - the FFN worker SIGKILLed mid-stream: the stream ends with an error (not a hang), the
-  attention worker frees the request's KV (GetLoad), counts the transport error, leaves
-  etcd (a new request is a 503); a new FFN worker with the same id: the attention
-  worker pairs again, registers, and the mesh serves the same greedy tokens;
+  attention worker answers UNAVAILABLE ``engine unavailable: ...`` (a warning in its
+  log, no ``engine failed`` traceback), frees the request's KV (GetLoad), counts the
+  transport error, leaves etcd (a new request is a 503); a new FFN worker with the same
+  id: the attention worker pairs again, registers, and the mesh serves the same greedy
+  tokens;
 - the ``kvmesh_afd_*`` metrics on both workers' ``/metrics``.
 """
 
@@ -59,6 +61,7 @@ from workers.engines.afd.model import (
     load_ffn_side,
 )
 from workers.engines.afd.sampling import SamplingParams
+from workers.engines.afd.transport_local import shm_path
 
 NS = "afdmesh"
 MODEL = "tiny"
@@ -154,6 +157,8 @@ async def afd_mesh(etcd: Child, tmp_path_factory: pytest.TempPathFactory,
     finally:
         for child in (mesh.attn, mesh.ffn):
             child.stop()
+        # a stopped FFN removes its region; one killed last (an aborted run) cannot
+        shm_path(f"{NS}.{ffn_id}").unlink(missing_ok=True)
         await frontend.server.stop()
         await router.server.stop()
 
@@ -307,6 +312,10 @@ async def test_ffn_killed_mid_stream_ends_the_request_frees_kv_and_recovers(
     assert "FFN" in message or "no live worker" in message, message
     assert chunks < 900
     assert "AFD FFN at" in afd_mesh.attn.log_tail() and "lost" in afd_mesh.attn.log_tail()
+    # UNAVAILABLE (EngineUnavailableError), not an engine bug's INTERNAL with a traceback
+    attn_log = afd_mesh.attn.log_path.read_text(errors="replace")
+    assert "engine unavailable: " in attn_log and "engine failed" not in attn_log, \
+        afd_mesh.attn.log_tail()
     afd_mesh.ffn.proc.wait(10)
     # the attention worker freed the KV, counted the error, and left etcd
     load = await wait_for(lambda: worker_load(attn_address), 10, "GetLoad")

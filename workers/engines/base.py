@@ -10,7 +10,9 @@ Contract, method by method:
   The last item has ``finished=True`` and a ``finish_reason``. If the consumer stops
   iterating early (client cancel), the engine must abort the request and free its KV.
   Raises :class:`EngineError` for a request the engine refuses (e.g. prompt too long),
-  and :class:`EngineDeadError` (in flight, or at once) once the engine has died.
+  :class:`EngineDeadError` (in flight, or at once) once the engine has died, and
+  :class:`EngineUnavailableError` (in flight, or at once) when the engine lives but
+  cannot serve the request now (a peer it needs is gone).
   ``request.kv_transfer_params`` go to the engine's KV connector unchanged; the
   connector's answer comes back on the final output's ``kv_transfer_params``.
   ``request.cache_salt`` (non-empty) isolates the request's prefix cache: its blocks
@@ -83,6 +85,13 @@ class KvHandoffError(Exception):
 class EngineDeadError(Exception):
     """The engine died and serves nothing more; maps to UNAVAILABLE. The message is the
     reason (what :meth:`Engine.wait_dead` returns)."""
+
+
+class EngineUnavailableError(Exception):
+    """The engine is alive but cannot serve this request now (e.g. its AFD FFN peer is
+    gone); the message names the cause. Maps to UNAVAILABLE ``engine unavailable:
+    <cause>``; the worker is not marked dead and serves later requests (the frontend
+    migrates the request elsewhere or answers 503)."""
 
 
 # Sampling features an engine may or may not serve (Engine.serves), by Sampling field.

@@ -29,7 +29,7 @@ Engine contract, per method (on top of :mod:`workers.engines.base`'s):
   other than their no-op values; the optional features (:attr:`serves`) are none.
   ``temperature`` unset is 1.0 (OpenAI's default); a sampled request without a seed
   gets a random one. While no FFN is paired a request is refused at once with
-  :class:`AfdUnavailable` (the worker answers INTERNAL ``engine failed: AfdUnavailable``;
+  :class:`AfdUnavailable` (an EngineUnavailableError: the worker answers UNAVAILABLE;
   the worker also leaves etcd meanwhile, :mod:`workers.engines.afd.worker`); when the
   FFN goes away mid-request (a transport error ends the step), every request of the
   step and every queued one ends with :class:`AfdUnavailable` naming the error, their
@@ -94,6 +94,7 @@ from workers.engines.base import (
     EngineLoad,
     EngineOutput,
     EngineRequest,
+    EngineUnavailableError,
 )
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ TRANSPORTS = ("shm", "nixl")
 _IDLE_POLL_S = 0.2  # the engine thread's wait for work (and its FFN liveness probe)
 
 
-class AfdUnavailable(Exception):
+class AfdUnavailable(EngineUnavailableError):
     """No FFN worker is paired, or it went away mid-request (the message says which)."""
 
 
