@@ -59,9 +59,12 @@ async def routing(etcd: Child, redis_server: Child, tiny_model: str,
     args = [*base_args(etcd.address, NS), "--redis-url", f"redis://{redis_server.address}"]
     workers = []
     for _ in range(2):
+        # a 10 s lease (not base_args' 2 s): this module tests routing, not expiry, and in a
+        # full run the session's event loop can stall past 2 s, dropping these in-process
+        # workers from etcd for a moment (seen: a frontend answering 404 model_not_found)
         workers.append(await start_worker(load_config(WorkerConfig, [
             *args, "--model-path", tiny_model, "--model-name", "tiny",
-            "--kv-cache-gib", "0.05", "--max-model-len", "512"], {})))
+            "--kv-cache-gib", "0.05", "--max-model-len", "512", "--lease-ttl", "10"], {})))
     indexer = await start_indexer(load_config(IndexerConfig, [*args, "--group", "ix-route"], {}))
     index = KvIndex()
     feed = IndexFeed(index, f"redis://{redis_server.address}", etcd.address, NS, "router-emb",
@@ -77,6 +80,9 @@ async def routing(etcd: Child, redis_server: Child, tiny_model: str,
     try:
         for name, r in routers.items():
             await wait_routable(r, 2, f"both workers ({name})")
+        await wait_for(lambda: all(f.pipeline.catalog.get("tiny") is not None
+                                   for f in frontends.values()), 30,
+                       "every frontend to list the model")
         yield Routing(workers, indexer, routers, frontends, feed)
     finally:
         for f in frontends.values():
