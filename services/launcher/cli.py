@@ -75,7 +75,13 @@ def _up(args: argparse.Namespace) -> int:
         layout = (f"{'E/PD' if args.mode == 'agg' else 'E/P/D'}: {spec.encoders} "
                   f"encoder{'s' if spec.encoders > 1 else ''} (embeddings over NIXL), "
                   + layout)
-    print(f"starting kvmesh (model {model}, {args.engine} engine, {layout}); logs in "
+    engine = args.engine
+    if spec.afd:
+        engine = "afd"
+        layout = (f"AFD: 1 FFN worker + {spec.afd_attention} attention worker"
+                  f"{'s' if spec.afd_attention > 1 else ''}, hidden states over "
+                  f"{spec.afd_transport}")
+    print(f"starting kvmesh (model {model}, {engine} engine, {layout}); logs in "
           f"{spec.log_dir}", flush=True)
     try:
         url = mesh.start()
