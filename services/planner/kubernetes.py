@@ -184,13 +184,14 @@ def resolve_namespace(namespace: str = "", kubeconfig: str = "", context: str = 
 
 
 def _api_message(exc: ApiException) -> str:
-    """The API server's Status message, else its reason."""
+    """The API server's Status message; a body that is no JSON Status (a proxy's page)
+    is reported as it came, after the reason."""
     try:
         body = json.loads(exc.body or "")
-        if isinstance(body, dict) and body.get("message"):
-            return str(body["message"])
     except ValueError:
-        pass
+        body = None
+    if isinstance(body, dict) and body.get("message"):
+        return str(body["message"])
     return str(exc.reason or exc.body or "no message")
 
 
