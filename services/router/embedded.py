@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -47,8 +46,7 @@ from typing import Any, TypeVar
 import grpc
 
 from protos import router_pb2
-from services.common.tls import tls_for
-from services.router.main import RouterApp, RouterConfig, start_router
+from services.router.main import RouterApp, RouterConfig, start_router_with_index
 from services.router.service import RouterServicer
 
 log = logging.getLogger(__name__)
@@ -146,21 +144,5 @@ class EmbeddedRouter:
 async def start_embedded_router(cfg: RouterConfig) -> EmbeddedRouter:
     """Starts the router of ``cfg`` in this event loop (with ``--indexer embedded`` its
     stream feed and index first, stopped with it) and its in-process stub."""
-    if cfg.indexer != "embedded":
-        app = await start_router(cfg)
-        return EmbeddedRouter(app, InProcessRouterStub(app.servicer))
-    from services.indexer.core import KvIndex
-    from services.indexer.feed import IndexFeed
-
-    index = KvIndex()
-    feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
-                     f"router-{os.getpid()}-{id(index):x}", clock=time.monotonic,
-                     tls=tls_for(cfg, "router"))
-    await feed.start()
-    try:
-        app = await start_router(cfg, embedded_index=index)
-    except BaseException:
-        await feed.close()
-        raise
-    app.server.on_stop.append(feed.close)
+    app, index = await start_router_with_index(cfg, f"router-{os.getpid()}-{id(cfg):x}")
     return EmbeddedRouter(app, InProcessRouterStub(app.servicer), index)

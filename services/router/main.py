@@ -317,18 +317,18 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     return RouterApp(server, servicer, watcher, overlaps, indexer_watcher, metrics_address)
 
 
-async def _serve(cfg: RouterConfig) -> MeshServer:
-    """The router process: with ``--indexer embedded`` the same stream consumer and core as
-    the indexer service run inside it, and stop with the server."""
+async def start_router_with_index(cfg: RouterConfig, consumer: str) -> tuple[RouterApp, Any]:
+    """:func:`start_router`, and with ``--indexer embedded`` first the same stream
+    consumer (``consumer``: its Redis consumer name) and index as the indexer service,
+    stopped with the router's server; returns the app and the index (None without)."""
     if cfg.indexer != "embedded":
-        return (await start_router(cfg)).server
+        return await start_router(cfg), None
     from services.indexer.core import KvIndex
     from services.indexer.feed import IndexFeed
 
     index = KvIndex()
-    feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace,
-                     f"router-{os.getpid()}", clock=time.monotonic,
-                     tls=tls_for(cfg, "router"))
+    feed = IndexFeed(index, cfg.redis_url, cfg.etcd_endpoint, cfg.namespace, consumer,
+                     clock=time.monotonic, tls=tls_for(cfg, "router"))
     await feed.start()
     try:
         app = await start_router(cfg, embedded_index=index)
@@ -336,7 +336,12 @@ async def _serve(cfg: RouterConfig) -> MeshServer:
         await feed.close()
         raise
     app.server.on_stop.append(feed.close)
-    return app.server
+    return app, index
+
+
+async def _serve(cfg: RouterConfig) -> MeshServer:
+    """The router process (with ``--indexer embedded`` the index runs inside it)."""
+    return (await start_router_with_index(cfg, f"router-{os.getpid()}"))[0].server
 
 
 def main(argv: Sequence[str] | None = None) -> int:
