@@ -89,18 +89,20 @@ class AfdMesh:
         return self.ffn
 
 
-def worker_argv(etcd: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "workers", *base_args(etcd, NS), "--engine", "afd",
+def worker_argv(etcd: str, *args: str, ns: str = NS, metrics_port: str = "0") -> list[str]:
+    """An AFD worker process on the tiny model in namespace ``ns``."""
+    return [sys.executable, "-m", "workers", *base_args(etcd, ns), "--engine", "afd",
             "--model-path", "tiny", "--model-name", MODEL, "--max-model-len", "1024",
-            "--kv-cache-gib", "0.05", "--metrics-port", "0", "--afd-max-batch-tokens", "256",
-            *args]
+            "--kv-cache-gib", "0.05", "--metrics-port", metrics_port,
+            "--afd-max-batch-tokens", "256", *args]
 
 
-async def records(etcd: str) -> dict[str, discovery_pb2.InstanceRecord]:
+async def records(etcd: str, ns: str = NS) -> dict[str, discovery_pb2.InstanceRecord]:
+    """Every worker record of namespace ``ns`` in etcd, by instance id."""
     client = etcd_client(etcd)
     await client.connect()
     try:
-        kvs = await client.get_prefix(instances_prefix(NS, "worker").encode())
+        kvs = await client.get_prefix(instances_prefix(ns, "worker").encode())
     finally:
         await client.close()
     out = {}

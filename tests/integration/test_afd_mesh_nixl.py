@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -31,12 +30,13 @@ import transformers.models.auto.tokenization_auto  # noqa: F401
 
 from protos import common_pb2, discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
-from services.common.discovery import etcd_client, instances_prefix
 from services.common.procs import Child, spawn
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.integration.conftest import base_args
 from tests.integration.test_afd_mesh import listed, served, unsplit_greedy, worker_load
+from tests.integration.test_afd_mesh import records as afd_records
+from tests.integration.test_afd_mesh import worker_argv as afd_worker_argv
 from tests.waiting import wait_for
 from workers.engines.afd.transport_nixl import EndpointInfo
 from workers.engines.afd.worker import NIXL_INFO_LABEL
@@ -71,25 +71,12 @@ class NixlMesh:
 
 
 def worker_argv(etcd: str, *args: str) -> list[str]:
-    return [sys.executable, "-m", "workers", *base_args(etcd, NS), "--engine", "afd",
-            "--model-path", "tiny", "--model-name", MODEL, "--max-model-len", "1024",
-            "--kv-cache-gib", "0.05", "--metrics-port", "-1", "--afd-max-batch-tokens", "256",
-            "--afd-transport", "nixl", "--afd-attention-workers", "2", *args]
+    return afd_worker_argv(etcd, "--afd-transport", "nixl", "--afd-attention-workers", "2",
+                           *args, ns=NS, metrics_port="-1")
 
 
 async def records(etcd: str) -> dict[str, discovery_pb2.InstanceRecord]:
-    client = etcd_client(etcd)
-    await client.connect()
-    try:
-        kvs = await client.get_prefix(instances_prefix(NS, "worker").encode())
-    finally:
-        await client.close()
-    out = {}
-    for kv in kvs:
-        rec = discovery_pb2.InstanceRecord()
-        rec.ParseFromString(kv.value)
-        out[rec.instance_id] = rec
-    return out
+    return await afd_records(etcd, NS)
 
 
 async def all_listed(mesh: NixlMesh) -> bool:
