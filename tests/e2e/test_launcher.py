@@ -38,6 +38,7 @@ from services.common.procs import free_port, port_open
 from services.common.redis_conn import redis_client
 from services.common.tls import MeshTls
 from services.launcher.up import STATUS_FILE, health
+from tests.etcd_records import instance_records
 from tests.faults.table import FaultTable
 from tests.waiting import wait_for, wait_for_sync
 
@@ -240,17 +241,7 @@ def _group(pgid: int) -> set[int]:
 
 
 async def _encoders(mesh: Supervised) -> list[discovery_pb2.InstanceRecord]:
-    client = etcd_client(mesh.address("etcd"), mesh.tls("admin"))
-    await client.connect()
-    try:
-        recs = []
-        for kv in await client.get_prefix(instances_prefix("kvmesh", "encoder").encode()):
-            rec = discovery_pb2.InstanceRecord()
-            rec.ParseFromString(kv.value)
-            recs.append(rec)
-        return recs
-    finally:
-        await client.close()
+    return await instance_records(mesh.address("etcd"), "kvmesh", "encoder", mesh.tls("admin"))
 
 
 @pytest.mark.vllm
@@ -326,17 +317,7 @@ async def test_kvmesh_up_epd_serves_images_through_a_supervised_encoder(
 # --- AFD: ``kvmesh up --afd --afd-attention 2`` (2A1F on the tiny model over shm).
 
 async def _worker_records(mesh: Supervised) -> list[discovery_pb2.InstanceRecord]:
-    client = etcd_client(mesh.address("etcd"), mesh.tls("admin"))
-    await client.connect()
-    try:
-        recs = []
-        for kv in await client.get_prefix(instances_prefix("kvmesh", "worker").encode()):
-            rec = discovery_pb2.InstanceRecord()
-            rec.ParseFromString(kv.value)
-            recs.append(rec)
-        return recs
-    finally:
-        await client.close()
+    return await instance_records(mesh.address("etcd"), "kvmesh", "worker", mesh.tls("admin"))
 
 
 def _afd_steps(rec: discovery_pb2.InstanceRecord) -> float:
