@@ -68,6 +68,7 @@ import numpy as np
 
 from bench.afd.breakeven import llama_shape
 from bench.afd.report import analyse, build_model, plot, summarize, transport_json_fit, verdict
+from bench.process import run_and_exit
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
@@ -668,18 +669,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """Process entry: :func:`main`, flush, then ``os._exit`` (NIXL may crash at exit)."""
-    code = 1
-    try:
-        code = main()
-    except SystemExit as exc:  # argparse: --help (0) and usage errors (2)
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    """Process entry: :func:`main` through :func:`bench.process.run_and_exit`."""
+    run_and_exit(main)
 
 
 if __name__ == "__main__":

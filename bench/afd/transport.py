@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.process import run_and_exit
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
 
@@ -346,16 +348,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """Process entry: :func:`main`, flush, then ``os._exit`` (NIXL may crash at exit)."""
-    code = 1
-    try:
-        code = main()
-    except KeyboardInterrupt:
-        code = 130
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    """Process entry: :func:`main` through :func:`bench.process.run_and_exit`."""
+    run_and_exit(main)
 
 
 if __name__ == "__main__":

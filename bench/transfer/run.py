@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.process import run_and_exit
 from bench.transfer.agent import (
     REPO_ROOT,
     Peer,
@@ -377,14 +378,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
-    """Process entry: :func:`main`, flush, then ``os._exit`` (NIXL may crash at exit)."""
-    code = 1
-    try:
-        code = main()
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        code = 130
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    """Process entry: :func:`main` through :func:`bench.process.run_and_exit`."""
+    run_and_exit(main)
