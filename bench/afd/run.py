@@ -228,8 +228,8 @@ def _attn_main(conn: Connection, spec: dict[str, Any]) -> None:
         try:
             conn.send({"error": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()})
-        except OSError:
-            pass
+        except OSError:  # the parent is gone: the error goes to this child's stderr
+            traceback.print_exc()
     finally:
         sys.stderr.flush()
         os._exit(code)
@@ -324,8 +324,8 @@ def _ffn_main(conn: Connection, spec: dict[str, Any]) -> None:
         try:
             conn.send({"error": f"{type(exc).__name__}: {exc}",
                        "traceback": traceback.format_exc()})
-        except OSError:
-            pass
+        except OSError:  # the parent is gone: the error goes to this child's stderr
+            traceback.print_exc()
     finally:
         sys.stderr.flush()
         os._exit(code)
