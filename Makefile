@@ -18,9 +18,12 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 
 MC_VENV ?= .mcvenv
+SGL_VENV ?= .sglvenv
+SGL_PY := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.deps-$(shell cat requirements-sglang.txt | sha1sum | cut -c1-12)
 MOONCAKE ?= mooncake-transfer-engine-non-cuda==0.3.13.post1
 
-.PHONY: run test setup system-deps venv model lint typecheck protos clean-venv bench-store-mooncake
+.PHONY: run test setup system-deps venv model lint typecheck protos clean-venv bench-store-mooncake sglang
 
 run: setup model
 	$(VENV)/bin/kvmesh up $(ARGS)
@@ -73,6 +76,23 @@ bench-store-mooncake: setup model
 	$(MC_VENV)/bin/python -c "import mooncake.store, numpy" 2>/dev/null || \
 	  $(MC_VENV)/bin/python -m pip install -q "$(MOONCAKE)" numpy
 	$(PY) -m bench.store --mooncake-python $(MC_VENV)/bin/python $(ARGS)
+
+# The SGLang 0.5.23 CPU runtime in a venv of its own ($(SGL_VENV)): SGLang pins torch, tokenizers
+# and openai versions that clash with .venv's. A .pth makes .venv's site-packages (torch 2.13.0+cpu,
+# nixl, transformers, ...) visible AFTER $(SGL_VENV)'s own, so requirements-sglang.txt's pins win.
+sglang: venv $(SGL_STAMP)
+
+$(SGL_STAMP): requirements-sglang.txt $(STAMP)
+	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
+	$(PY) -c 'import torch, nixl'
+	$(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' \
+	  > "$$($(SGL_PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvmesh-venv.pth"
+	$(SGL_PY) -m pip install -q --no-deps -r requirements-sglang.txt
+	$(SGL_PY) -c 'import tokenizers, openai, torch, nixl, importlib.metadata as m; \
+	  assert tokenizers.__version__ == "0.23.2" and openai.__version__ == "2.8.0", (tokenizers.__file__, openai.__file__); \
+	  assert torch.__version__ == "2.13.0+cpu", torch.__version__; assert m.version("sglang") == "0.5.23"'
+	rm -f $(SGL_VENV)/.deps-*
+	touch $@
 
 clean-venv:
 	rm -rf $(VENV)
