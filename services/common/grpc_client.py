@@ -8,9 +8,12 @@ Contract:
   (:func:`services.common.tls.channel_options`); or plaintext when it is None) whose
   calls create
   client spans and carry the current trace context (opentelemetry-instrumentation-grpc
-  interceptors). Its reconnect backoff is short (:data:`RECONNECT_BACKOFF_MS` up to
-  :data:`MAX_RECONNECT_BACKOFF_MS`), so a peer restarted on the same port is reached
-  within about a second instead of gRPC's default backoff of up to two minutes.
+  interceptors; in lean tracing mode, :func:`services.common.telemetry.lean`, a call
+  whose context is not sampled skips the interceptors and carries the context as
+  metadata: :class:`LeanChannel`). Its reconnect backoff is short
+  (:data:`RECONNECT_BACKOFF_MS` up to :data:`MAX_RECONNECT_BACKOFF_MS`), so a peer
+  restarted on the same port is reached within about a second instead of gRPC's default
+  backoff of up to two minutes.
 - :class:`ChannelPool` (``tls`` as for :func:`channel`) caches one channel per address;
   ``get(address, server_role)`` (the pool's ``server_role`` by default) dials a new one
   when the role expected at that address changed.
@@ -25,10 +28,13 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+import copy
+from typing import Any
 
 import grpc
 from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
+from services.common import telemetry
 from services.common.tls import MeshTls, channel_options
 
 RECONNECT_BACKOFF_MS = 100
@@ -54,19 +60,78 @@ _OPTIONS = [
 ]
 
 
+class _LeanCall:
+    """One method of a :class:`LeanChannel`: the instrumented multicallable for a call
+    whose context is sampled (or outside lean mode), else the same method without the
+    interceptors, with the context injected into its metadata."""
+
+    def __init__(self, traced: Any) -> None:
+        self._traced = traced
+        self._bare = copy.copy(traced)
+        self._bare._interceptors = None  # grpc.aio's multicallables: None = direct call
+
+    def __call__(self, request: Any, *, timeout: float | None = None,
+                 metadata: Any = None, **kwargs: Any) -> Any:
+        if not telemetry.lean() or telemetry.is_sampled(None):
+            return self._traced(request, timeout=timeout, metadata=metadata, **kwargs)
+        md = [*tuple(metadata or ()), *telemetry.propagation_metadata()]
+        return self._bare(request, timeout=timeout, metadata=md, **kwargs)
+
+
+class LeanChannel:
+    """A ``grpc.aio.Channel`` (everything delegated) whose methods are :class:`_LeanCall`
+    (see the module docstring), made once per method and channel: a stub built per call
+    (``WorkerStub(channel)``) reuses them instead of registering every method again."""
+
+    def __init__(self, inner: grpc.aio.Channel) -> None:
+        self._inner = inner
+        self._calls: dict[tuple[Any, ...], _LeanCall] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def _call(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _LeanCall:
+        key = (kind, args, tuple(sorted(kwargs.items())))
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = _LeanCall(getattr(self._inner, kind)(*args, **kwargs))
+        return call
+
+    def unary_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("unary_unary", args, kwargs)
+
+    def unary_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("unary_stream", args, kwargs)
+
+    def stream_unary(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("stream_unary", args, kwargs)
+
+    def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call("stream_stream", args, kwargs)
+
+    async def __aenter__(self) -> LeanChannel:
+        await self._inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._inner.__aexit__(*exc)
+
+
 def channel(address: str, tls: MeshTls | None = None,
             server_role: str = "") -> grpc.aio.Channel:
     """An instrumented channel to ``host:port``: mTLS with ``tls`` (to a ``server_role``
-    server when given), else plaintext."""
+    server when given), else plaintext; a :class:`LeanChannel` around it."""
     if tls is None:
-        return grpc.aio.insecure_channel(
+        inner = grpc.aio.insecure_channel(
             address, options=_OPTIONS, interceptors=aio_client_interceptors()
         )
-    return grpc.aio.secure_channel(
-        address, tls.channel_credentials(),
-        options=[*_OPTIONS, *channel_options(server_role)],
-        interceptors=aio_client_interceptors(),
-    )
+    else:
+        inner = grpc.aio.secure_channel(
+            address, tls.channel_credentials(),
+            options=[*_OPTIONS, *channel_options(server_role)],
+            interceptors=aio_client_interceptors(),
+        )
+    return LeanChannel(inner)  # type: ignore[return-value]
 
 
 def sync_channel(address: str, tls: MeshTls | None = None,

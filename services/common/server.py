@@ -2,7 +2,9 @@
 
 Contract of :class:`MeshServer`:
 
-- ``start()``: creates a ``grpc.aio`` server with the OpenTelemetry server interceptor,
+- ``start()``: creates a ``grpc.aio`` server with the OpenTelemetry server interceptor
+  (:class:`TracingInterceptor`: in lean tracing mode only for calls whose propagated
+  context is sampled),
   adds the service's servicers, the standard health service (every service starts
   NOT_SERVING) and reflection, binds ``host:port`` (port 0 picks a free one; ``address``
   tells which; with ``cfg.tls_dir`` set the port is TLS with the ``component`` role's
@@ -22,7 +24,9 @@ Contract of :class:`MeshServer`:
   from flags and ``KVMESH_*`` env (a bad config prints the problems and returns 2),
   sets up logging and tracing, then runs ``start(cfg)`` (which returns anything with an
   ``async stop()``: a MeshServer, an app, a fleet) until SIGTERM or SIGINT, stops it and
-  returns 0. A ``start`` that raises propagates (non-zero exit).
+  returns 0. A ``start`` that raises propagates (non-zero exit). The event loop is
+  uvloop's when uvloop is installed, unless ``KVMESH_UVLOOP=0`` (:func:`event_loop_factory`);
+  else asyncio's.
   The started app may also expose ``fatal``: an awaitable (future or task) that
   resolves to a reason when the app can no longer serve (a worker's engine died). When
   it resolves (or raises) before a signal, serve_main logs one error line with the
@@ -35,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 import time
@@ -45,9 +50,11 @@ from typing import Any, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from protos import discovery_pb2
+from services.common import telemetry
 from services.common.authz import AuthzInterceptor
 from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import Registration
@@ -74,17 +81,56 @@ async def _internal(context: Any, details: Any, exc: Exception) -> None:
                         f"{details.method} failed: {type(exc).__name__}: {exc}"[:512])
 
 
+class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """OpenTelemetry's server interceptor, except in lean tracing mode
+    (:func:`services.common.telemetry.lean`) for a call whose propagated context is not
+    sampled: its server span could not record, so the handler just runs in the caller's
+    context (attached in the call's own task, which grpc.aio runs the handler in: ids
+    and the sampled flag propagate on as before)."""
+
+    def __init__(self) -> None:
+        self._otel = aio_server_interceptor()
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if telemetry.lean():
+            ctx = telemetry.remote_context(details.invocation_metadata)
+            if not telemetry.is_sampled(ctx):
+                otel_context.attach(ctx)  # the call's task ends with the call
+                return await continuation(details)
+        return await self._otel.intercept_service(continuation, details)
+
+
+# At most this many guarded handlers are kept (a service has a few dozen methods).
+_MAX_GUARDED = 1024
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Answers requests whose protobuf cannot be parsed with INVALID_ARGUMENT (grpc's
     default is UNKNOWN plus an error log) for unary-request methods, and an exception a
     servicer lets escape with INTERNAL (logged; never UNKNOWN). Server-streaming handlers
     may be async generators or coroutines that ``context.write`` (as the health service's
-    ``Watch``)."""
+    ``Watch``). The guarded handler is built once per method (the innermost interceptor:
+    its continuation answers the same handler every call)."""
+
+    def __init__(self) -> None:
+        self._guarded: dict[tuple[str, Any], Any] = {}
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
         handler = await continuation(details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
+        key = (details.method, handler)
+        guarded = self._guarded.get(key)
+        if guarded is None:
+            guarded = self._guard(handler, details)
+            if len(self._guarded) < _MAX_GUARDED:  # bounded, whatever handlers come
+                self._guarded[key] = guarded
+        return guarded
+
+    @staticmethod
+    def _guard(handler: Any, details: Any) -> Any:
+        """``handler`` with the malformed-request and INTERNAL mapping (``details``: only
+        its ``method``, the same for every call of the handler)."""
         parse = handler.request_deserializer
 
         def deserialize(raw: bytes) -> Any:
@@ -176,7 +222,7 @@ class MeshServer:
     async def start(self) -> str:
         """Starts serving and registers; returns the bound ``host:port``."""
         tls = tls_for(self.cfg, self.component)
-        interceptors = [aio_server_interceptor(), MalformedRequestInterceptor()]
+        interceptors = [TracingInterceptor(), MalformedRequestInterceptor()]
         if tls is not None:
             self.authz = AuthzInterceptor(user_facing=not self.client_auth)
             interceptors.insert(1, self.authz)
@@ -336,4 +382,22 @@ def serve_main(config_cls: type[C], argv: Sequence[str] | None, component: str,
         return 2
     setup_logging(cfg.log_level)
     setup_tracing(f"kvmesh-{component}")
-    return asyncio.run(_serve_until_signal(start, cfg, component))
+    with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        return runner.run(_serve_until_signal(start, cfg, component))
+
+
+# Set to "0" to run serve_main on asyncio's own event loop even where uvloop is installed.
+UVLOOP_ENV = "KVMESH_UVLOOP"
+
+
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's ``new_event_loop`` when uvloop is installed (and ``KVMESH_UVLOOP`` is not
+    ``0``), else None (asyncio's default loop). uvloop runs the same grpc.aio, uvicorn
+    and redis code with about half the event loop's CPU per callback."""
+    if os.environ.get(UVLOOP_ENV, "1") == "0":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop  # type: ignore[no-any-return]

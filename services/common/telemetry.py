@@ -14,6 +14,16 @@ Contract:
   trace is still recorded.
 - :func:`setup_in_memory_tracing` (tests) installs a provider with an in-memory exporter
   and a synchronous processor, and returns the exporter so tests can read finished spans.
+- **Lean mode** (:func:`lean`): true while the provider installed is that
+  ``parentbased_always_off`` default. Then a span can only record under a sampled parent,
+  so the gRPC hooks (:mod:`services.common.grpc_client`, :mod:`services.common.server`)
+  skip OpenTelemetry's interceptors for every call whose context is not sampled: a
+  server attaches the caller's propagated context (:func:`remote_context`) for the
+  handler, a client injects the current context (:func:`propagation_metadata`; a fresh
+  unsampled trace id when there is none, as the interceptor's unrecorded client span
+  would carry). What is recorded and what propagates (trace ids, the sampled flag) is
+  unchanged; a sampled call still goes through the interceptors in full.
+  :func:`may_record` tells code whether a span started now could be recorded.
 - :func:`tracer` returns the tracer for a kvmesh component.
 - gRPC spans come from opentelemetry-instrumentation-grpc interceptors, wired in
   ``services.common.server`` (servers) and ``services.common.grpc_client`` (clients).
@@ -22,9 +32,13 @@ Contract:
 from __future__ import annotations
 
 import os
+import random
 import threading
+from collections.abc import Iterable
+from typing import Any
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
+from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -34,11 +48,12 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
 _memory: InMemorySpanExporter | None = None
+_lean = False  # our parentbased_always_off provider is the global one (see lean())
 
 
 def setup_tracing(service_name: str) -> TracerProvider:
     """Installs the global provider (OTLP exporter when configured). Idempotent."""
-    global _provider
+    global _provider, _lean
     with _lock:
         if _provider is not None:
             return _provider
@@ -54,7 +69,51 @@ def setup_tracing(service_name: str) -> TracerProvider:
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         trace.set_tracer_provider(provider)
         _provider = provider
+        # lean only if ours is the global provider (set_tracer_provider refuses a second)
+        _lean = sampler is not None and trace.get_tracer_provider() is provider
         return provider
+
+
+def lean() -> bool:
+    """True when the global provider is :func:`setup_tracing`'s ``parentbased_always_off``
+    (see the module docstring): only a span under a sampled parent can record."""
+    return _lean
+
+
+def _sampled(ctx: Context | None) -> bool:
+    return bool(trace.get_current_span(ctx).get_span_context().trace_flags.sampled)
+
+
+def may_record(ctx: Context | None = None) -> bool:
+    """False when a span started now (under ``ctx``, default the current context) is
+    certain not to be recorded: lean mode and an unsampled parent (or none)."""
+    return not _lean or _sampled(ctx)
+
+
+def remote_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
+    """The trace context a caller propagated in gRPC ``metadata`` (text entries), as the
+    global propagator reads it (an empty context when there is none)."""
+    carrier = {k: v for k, v in metadata or () if isinstance(v, str)}
+    return propagate.extract(carrier)
+
+
+def is_sampled(ctx: Context | None) -> bool:
+    """Whether the span of ``ctx`` (default: the current one) is sampled."""
+    return _sampled(ctx)
+
+
+def propagation_metadata() -> list[tuple[str, str]]:
+    """The current trace context as gRPC metadata entries, as the client interceptor
+    would send it; with no valid span, a fresh unsampled trace and span id (what its
+    unrecorded root client span would have carried)."""
+    carrier: dict[str, str] = {}
+    ctx: Context | None = None
+    if not trace.get_current_span().get_span_context().is_valid:
+        ctx = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
+            random.getrandbits(128) or 1, random.getrandbits(64) or 1, is_remote=False,
+            trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT))))
+    propagate.inject(carrier, ctx)
+    return list(carrier.items())
 
 
 def setup_in_memory_tracing() -> InMemorySpanExporter:
