@@ -75,7 +75,7 @@ import grpc
 
 from protos import common_pb2, kv_events_pb2, worker_pb2, worker_pb2_grpc
 from services.common import kv_params
-from services.common.telemetry import tracer
+from services.common.telemetry import may_record, tracer
 from services.encoder.images import ImageLimits, InputError, check_count, open_image
 from workers.ec.core import TransferReport, transfer_reports
 from workers.ec.proto import ec_transfer_params
@@ -341,7 +341,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         cached: int,
     ) -> None:
         """Splits arrival → first token into queue and prefill by the engine's own timing
-        (the whole interval is prefill when the engine does not report it)."""
+        (the whole interval is prefill when the engine does not report it). Nothing when
+        they could not be recorded (:func:`services.common.telemetry.may_record`)."""
+        if not may_record():
+            return
         end = time.time_ns()
         attrs = {**attrs, "kvmesh.cached_tokens": cached}
         first_tok = t_first_tok or end

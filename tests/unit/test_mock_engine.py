@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests.virtual_time import VirtualTimeLoop, run_virtual
+from tests.waiting import wait_for
 from workers.engines import create_engine, engine_kinds
 from workers.engines.base import EngineError, EngineOutput, EngineRequest, Sampling
 from workers.engines.mock import MockEngine, MockEngineConfig
@@ -177,3 +178,26 @@ async def test_concurrent_requests_batch_together_and_shutdown_aborts() -> None:
         await e.shutdown()
     rest = [o async for o in gen]
     assert rest[-1].finish_reason == "abort"
+
+
+async def test_a_consumer_that_lags_gets_the_waiting_outputs_merged() -> None:
+    """Outputs already waiting when the consumer asks are merged (as vLLM's output
+    collector merges them for a slow consumer); nothing is lost or reordered."""
+    e = await engine()
+    try:
+        prompt = list(range(10))
+        ref = await collect(e, request("a", prompt, max_tokens=6))
+        gen = e.generate(request("b", prompt, max_tokens=6)).__aiter__()
+        first = await gen.__anext__()
+        assert len(first.token_ids) == 1 and first.queue_s is not None
+        await wait_for(lambda: e.load().num_running == 0, 10, "the rest to be generated")
+        rest = [o async for o in gen]
+        assert len(rest) == 1  # five outputs were waiting: one merged output
+        last = rest[0]
+        assert first.token_ids + last.token_ids == [t for o in ref for t in o.token_ids]
+        assert last.text == "".join(f" w{t}" for t in last.token_ids)
+        assert last.finished and last.finish_reason == "length"
+        assert last.completion_tokens == 6 and last.cached_tokens == 8  # a prefix hit
+        assert last.queue_s is None  # only the first token's output carries it
+    finally:
+        await e.shutdown()

@@ -20,7 +20,12 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
 - ``generate(request)``: validates first (empty prompt, ``max_tokens < 1``,
   ``prompt + max_tokens > max_model_len``, a prompt that can never fit in the KV cache,
   a duplicate live id -> :class:`EngineError`), then streams one :class:`EngineOutput`
-  per generated token: deterministic token ids, as a greedy model's (token n is a hash of
+  per generated token, except that outputs which are already waiting when the consumer
+  asks for the next one are merged into one (as vLLM's ``RequestOutputCollector`` does
+  for a consumer that lags: token ids and text concatenated, the first ``queue_s`` /
+  ``prefill_s``, the latest counts, finish and ``kv_transfer_params``; a consumer that
+  keeps up, e.g. at any modelled step time, still gets one per token): deterministic
+  token ids, as a greedy model's (token n is a hash of
   the engine seed, the request's sampling seed and every token before it: equal prompts
   give equal tokens on every mock engine with the same seed, so P's first token equals
   D's, and re-sending prompt + the tokens generated so far continues the same sequence,
@@ -63,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -144,6 +150,22 @@ class MockEngineConfig:
             kv_bytes_per_block=self.kv_bytes_per_block,
             transfer_bandwidth=self.transfer_bandwidth, vocab_size=vocab_size,
             eos_token_id=self.eos_token_id, seed=self.seed, engine_id=engine_id)
+
+
+def _merge_waiting(first: StepOutput, queue: asyncio.Queue[StepOutput]) -> StepOutput:
+    """``first`` merged with the outputs waiting behind it, up to a finished one (see
+    ``generate`` in the module docstring)."""
+    ids = list(first.token_ids)
+    out = first
+    queue_s, prefill_s, params = first.queue_s, first.prefill_s, first.kv_transfer_params
+    while not out.finished and not queue.empty():
+        out = queue.get_nowait()
+        ids.extend(out.token_ids)
+        queue_s = queue_s if queue_s is not None else out.queue_s
+        prefill_s = prefill_s if prefill_s is not None else out.prefill_s
+        params = out.kv_transfer_params if out.kv_transfer_params is not None else params
+    return dataclasses.replace(out, token_ids=ids, queue_s=queue_s, prefill_s=prefill_s,
+                               kv_transfer_params=params)
 
 
 class MockEngine(Engine):
@@ -303,6 +325,8 @@ class MockEngine(Engine):
             self._wake.set()
             while True:
                 out = await queue.get()
+                if not out.finished and not queue.empty():
+                    out = _merge_waiting(out, queue)
                 done = out.finished
                 yield EngineOutput(
                     token_ids=out.token_ids, text=self._text(out.token_ids),
