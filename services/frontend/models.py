@@ -8,7 +8,8 @@ Contract:
   so the first request does not pay for importing and loading it (seconds).
 - ``get(name)`` returns :class:`ModelInfo` or None.
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
-  and returns a :class:`Tokenizer`.
+  and returns a :class:`Tokenizer`; ``loaded_tokenizer(info)`` returns it only if it is
+  loaded already (None otherwise), without blocking.
 - :class:`Tokenizer` encodes prompts, spells tokens as vLLM's log-probabilities do
   (``token_texts``) and renders chat messages with the model's own chat
   template (``add_generation_prompt=True``); a message whose content is parts (images)
@@ -216,6 +217,10 @@ class ModelCatalog:
             if exp is None:
                 exp = self._expanders[info.model_path] = ImageExpander(info.model_path)
             return exp
+
+    def loaded_tokenizer(self, info: ModelInfo) -> Tokenizer | None:
+        """The model's tokenizer if it is loaded already (never blocks), else None."""
+        return self._tokenizers.get(info.model_path)
 
     def tokenizer(self, info: ModelInfo) -> Tokenizer:
         """The model's tokenizer (blocking on first use; call from a thread)."""

@@ -466,7 +466,9 @@ class Pipeline:
             if req.prompt_token_ids is not None:
                 ids = list(req.prompt_token_ids)
             else:
-                tok = await asyncio.to_thread(self._catalog.tokenizer, info)
+                tok = self._catalog.loaded_tokenizer(info)  # no thread hop once loaded
+                if tok is None:
+                    tok = await asyncio.to_thread(self._catalog.tokenizer, info)
                 if req.kind == "chat":  # tool calling: :mod:`.tool_chat`
                     req = await tool_chat.prepare(req, tok)
                     ids = await asyncio.to_thread(
