@@ -2,12 +2,17 @@
 and writes a snapshot of the merged stats on each SIGUSR1:
 ``python -m bench.mesh_profile.prof OUT_PREFIX MODULE [ARGS...]``.
 
-Contract: the main thread and every thread started after the profiler (``asyncio.to_thread``
-workers: the tokenizer) get their own ``cProfile.Profile`` timed by ``time.thread_time``
-(CPU, not wall: waiting in epoll costs nothing). The k-th SIGUSR1 (k = 1, 2, ...) writes
+Contract: every thread started after the profiler (``asyncio.to_thread`` workers: the
+tokenizer) gets its own ``cProfile.Profile`` timed by ``time.thread_time`` (CPU, not
+wall: waiting in epoll costs nothing), from its start. The main thread (the event loop)
+is profiled from the first SIGUSR1 to the second only: its profiler is enabled by the
+first and disabled by the second (in the main thread, where signal handlers run), since
+taking stats from a running profiler closes every frame on its stack as if it had
+returned, which garbles the event loop's deep, long-lived coroutine stacks (a worker
+thread waiting in its queue has a shallow one). The k-th SIGUSR1 (k = 1, 2, ...) writes
 the merged stats so far to ``OUT_PREFIX.k.pstats`` (a ``marshal``-ed pstats dict, as
 ``pstats.Stats.dump_stats``) and then the empty file ``OUT_PREFIX.k.done``; the
-difference of two snapshots is what the process did between the signals. Threads the
+difference of the first two snapshots is what the process did between the signals. Threads the
 profiler cannot see (gRPC's C core, Rust tokenizers' own pools) are not in it.
 Only for benchmarks: the profiler slows Python code several times, so read the shares,
 not the absolute times.
@@ -68,16 +73,22 @@ def main() -> None:
     prefix, module, *args = sys.argv[1:]
     sys.argv = [module, *args]
 
+    main_thread: list[cProfile.Profile] = []
+
     def snapshot(*_: object) -> None:
         global _snapshots
         _snapshots += 1
+        if _snapshots == 2 and main_thread:
+            main_thread[0].disable()
         path = Path(f"{prefix}.{_snapshots}.pstats")
         path.write_bytes(marshal.dumps(merged()))
+        if _snapshots == 1:  # after the stats: the main thread adds nothing to snapshot 1
+            main_thread.append(_new_profile())
+            main_thread[0].enable()
         Path(f"{prefix}.{_snapshots}.done").touch()
 
     signal.signal(signal.SIGUSR1, snapshot)
     threading.setprofile(_thread_start)
-    _new_profile().enable()
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit:

@@ -20,13 +20,14 @@ Contracts:
 - Phase ``cpu``: no profiler; each process's CPU time (user + system, all its threads,
   psutil) over the measured requests, per request; req/s and latency p50/p99.
 - Phase ``profile``: the frontend, router, indexer and fleet run under
-  :mod:`bench.mesh_profile.prof` (cProfile on thread CPU time, every Python thread); a
-  SIGUSR1 before and after the measured requests snapshots the stats, and their
-  difference is the window. Per process: the profiled Python CPU per request, its split
-  into buckets by library (:data:`BUCKETS`, self time), each bucket's estimated µs per
-  request (its share × the ``cpu`` phase's per-request CPU, when that phase ran), the
-  RPC handler calls per request, and the top functions by self and by cumulative time.
-  The profiler inflates Python-heavy code more than C code: read shares, not times.
+  :mod:`bench.mesh_profile.prof` (cProfile on thread CPU time, every Python thread; the
+  main thread's profiler runs only between the two snapshots); a SIGUSR1 before and after
+  the measured requests snapshots the stats, and their difference is the window. Per
+  process: the profiled Python CPU per request, its split into buckets by library
+  (:data:`BUCKETS`, self time), each bucket's estimated µs per request (its share × the
+  ``cpu`` phase's per-request CPU, when that phase ran), the RPC handler calls per
+  request, and the top functions by self and by cumulative time. The profiler inflates
+  Python-heavy code more than C code: read shares, not times.
 - ``--compare``: instead, the ``cpu`` phase with each router mode in the order
   standalone, embedded, embedded, standalone, and embedded ÷ standalone of the means of
   req/s, p50, p99 and the mesh's CPU per request.
