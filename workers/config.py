@@ -49,8 +49,9 @@ class WorkerConfig(BaseConfig):
     max_num_seqs: int = dataclasses.field(default=64, metadata={"help": "max batched requests"})
     seed: int = dataclasses.field(default=0, metadata={"help": "engine seed"})
     handoff: str = dataclasses.field(
-        default="", metadata={"help": "P/D KV handoff: pull | push | none "
-                                      "(default: pull for prefill/decode, none for agg)"}
+        default="", metadata={"help": "P/D KV handoff: pull | push | none | sglang "
+                                      "(default: pull for prefill/decode, none for agg; "
+                                      "engine sglang: its bootstrap handshake, sglang)"}
     )
     kv_load_failure_policy: str = dataclasses.field(
         default="recompute", metadata={"help": "D when loading P's KV fails: recompute | fail"}
@@ -174,8 +175,9 @@ class WorkerConfig(BaseConfig):
             out.append(f"unknown dtype {self.dtype!r}")
         if self.max_num_seqs < 1:
             out.append("max_num_seqs must be >= 1")
-        if self.handoff not in ("", "none", "pull", "push"):
-            out.append(f"handoff must be pull, push or none, got {self.handoff!r}")
+        if self.handoff not in ("", "none", "pull", "push", "sglang"):
+            out.append(f"handoff must be pull, push, none or sglang, got {self.handoff!r}")
+        out.extend(self._sglang_problems())
         if vllm and self.role != "agg" and self.resolved_handoff() == "none":
             out.append(f"a {self.role} worker needs a KV handoff (pull or push)")
         if self.kv_load_failure_policy not in ("recompute", "fail"):
@@ -206,6 +208,23 @@ class WorkerConfig(BaseConfig):
         if self.max_images < 1:
             out.append(f"max_images must be >= 1, got {self.max_images}")
         out.extend(self._afd_problems())
+        return out
+
+    def _sglang_problems(self) -> list[str]:
+        """Engine sglang: P/D only through SGLang's bootstrap handshake; the handoff
+        mode sglang only with engine sglang (the store, EC and AFD need other engines:
+        checked with them)."""
+        if self.engine != "sglang":
+            return ["handoff sglang needs engine sglang"] if self.handoff == "sglang" else []
+        out = []
+        if not self.model_path:
+            out.append("model_path is required")
+        if self.handoff not in ("", "sglang") and not (self.role == "agg"
+                                                       and self.handoff == "none"):
+            out.append(f"engine sglang hands KV off only through SGLang's bootstrap "
+                       f"(handoff sglang), got handoff {self.handoff!r}")
+        if self.role == "agg" and self.handoff == "sglang":
+            out.append("handoff sglang needs role prefill or decode")
         return out
 
     def _afd_problems(self) -> list[str]:
@@ -253,7 +272,9 @@ class WorkerConfig(BaseConfig):
         """The handoff mode in force: the configured one, else pull for P/D, none for agg."""
         if self.handoff:
             return self.handoff
-        return "none" if self.role == "agg" else "pull"
+        if self.role == "agg":
+            return "none"
+        return "sglang" if self.engine == "sglang" else "pull"
 
     def certificate_identity(self) -> Identity | None:
         """The identity of the certificate this process presents (``tls_cert``, default the

@@ -126,6 +126,17 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
                 kv_handoff_timeout_s=cfg.kv_handoff_timeout_s,
             ),
         )
+    if cfg.engine == "sglang":  # a child SGLang server (.sglvenv); P/D by its bootstrap
+        from workers.engines.sglang.engine import SglangEngineConfig, kv_pool_tokens
+
+        return create_engine("sglang", config=SglangEngineConfig(
+            model_path=model_path, served_model_name=name, role=cfg.role,
+            page_size=cfg.block_size, max_model_len=cfg.max_model_len, dtype=cfg.dtype,
+            max_total_tokens=kv_pool_tokens(model_path, cfg.dtype, cfg.kv_cache_gib),
+            seed=cfg.seed, host=cfg.public_host,
+            kv_events_endpoint=events.events if events else "",
+            kv_events_replay_endpoint=events.replay if events else "",
+            kv_handoff_timeout_s=cfg.kv_handoff_timeout_s))
     if cfg.engine == "afd":
         from workers.engines.afd.worker import afd_engine
 
@@ -135,11 +146,17 @@ def build_engine(cfg: WorkerConfig, events: EventEndpoints | None = None) -> Eng
 
 def build_relay(cfg: WorkerConfig, engine: Engine,
                 events: EventEndpoints) -> KvEventRelay:
-    """The relay of the engine's KV events to the namespace's stream (not started)."""
+    """The relay of the engine's KV events to the namespace's stream (not started);
+    SGLang's events are converted to vLLM's form first (:mod:`workers.kv.sglang_events`)."""
+    convert = None
+    if cfg.engine == "sglang":
+        from workers.kv.sglang_events import SglangEventConverter
+
+        convert = SglangEventConverter(cfg.block_size)
     return KvEventRelay(cfg.resolved_worker_id(), cfg.block_size, cfg.redis_url,
                         stream_name(cfg.namespace), events,
                         reset_cache=engine.reset_prefix_cache, maxlen=cfg.kv_events_maxlen,
-                        tls=tls_for(cfg, "worker"))
+                        tls=tls_for(cfg, "worker"), convert=convert)
 
 
 def build_server(cfg: WorkerConfig, engine: Engine,
@@ -244,11 +261,11 @@ class WorkerApp:
 async def start_worker(cfg: WorkerConfig) -> WorkerApp:
     """Builds and starts engine, relay (when KV events are published: started before
     the engine, so it sees the first batch) and server."""
-    zmq_events = cfg.publishes_kv_events() and cfg.engine == "vllm"
+    zmq_events = cfg.publishes_kv_events() and cfg.engine in ("vllm", "sglang")
     events = EventEndpoints.create() if zmq_events else None
     engine = build_engine(cfg, events)
     relay = None
-    if cfg.publishes_kv_events():  # vLLM publishes on ZMQ; other engines call submit()
+    if cfg.publishes_kv_events():  # vLLM, SGLang publish on ZMQ; others call submit()
         relay = build_relay(cfg, engine, events or EventEndpoints(Path("/nonexistent"), "", ""))
     try:
         if relay is not None:

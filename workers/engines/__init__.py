@@ -17,6 +17,9 @@ Built in: ``"vllm"`` -> :class:`workers.engines.vllm_engine.VllmEngine`, which t
 builds the config from keyword arguments that are its fields. ``"afd"`` -> the
 Attention-FFN disaggregated engine of ``config=AfdEngineConfig(...)``'s role
 (:mod:`workers.engines.afd.mesh_engine`: attention or FFN), with ``worker_id=``.
+``"sglang"`` -> :class:`workers.engines.sglang.engine.SglangEngine` (a child SGLang
+server in ``.sglvenv``), which takes ``config=SglangEngineConfig(...)``; the same
+shortcut builds the config from keyword arguments.
 """
 
 from __future__ import annotations
@@ -67,9 +70,14 @@ def create_engine(kind: str, **kwargs: Any) -> Engine:
 
         sink = kwargs.pop("event_sink", None)
         kwargs = {"config": MockEngineConfig(**kwargs), "event_sink": sink}
+    elif kind == "sglang" and "config" not in kwargs:
+        from workers.engines.sglang.engine import SglangEngineConfig
+
+        kwargs = {"config": SglangEngineConfig(**kwargs)}
     return cls(**kwargs)
 
 
 register_engine("vllm", "workers.engines.vllm_engine:VllmEngine")
 register_engine("mock", "workers.engines.mock.engine:MockEngine")
 register_engine("afd", "workers.engines.afd.mesh_engine:AfdEngineKind")
+register_engine("sglang", "workers.engines.sglang.engine:SglangEngine")
