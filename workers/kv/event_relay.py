@@ -20,6 +20,9 @@ Contract of :class:`KvEventRelay`:
   are appended to the stream in batches: everything that is ready when the socket runs
   dry, at most ``max_batch_events`` per entry, in one pipelined XADD (approximate MAXLEN
   ``maxlen``), so the relay keeps up with the engine.
+- ``convert`` (optional): applied to each decoded engine event before translation, for
+  engines whose events differ from vLLM's (:class:`workers.kv.sglang_events.
+  SglangEventConverter`); an event it maps to None is dropped.
 - ``submit(events)`` is the in-process entry for engines without a ZMQ publisher (the
   mock engine): a list of engine events in vLLM's decoded form (dicts with ``"type"``,
   see :mod:`workers.kv.event_translate`) is translated and numbered exactly like a ZMQ
@@ -159,8 +162,10 @@ class KvEventRelay:
                  reset_cache: Callable[[], Awaitable[bool]] | None = None,
                  max_batch_events: int = 1024, maxlen: int = 1_000_000,
                  replay_timeout_s: float = 2.0, max_pending: int = 200_000,
-                 tls: MeshTls | None = None, started_at_ms: int = 0) -> None:
+                 tls: MeshTls | None = None, started_at_ms: int = 0,
+                 convert: Callable[[Any], Any] | None = None) -> None:
         self.worker_id = worker_id
+        self._convert = convert
         self.started_at_ms = started_at_ms or int(time.time() * 1000)
         self._tls = tls
         self._key = tls.secret(f"{tls.stem}{EVENT_KEY_SUFFIX}") if tls is not None else None
@@ -355,6 +360,10 @@ class KvEventRelay:
     def _translate_all(self, events: list[Any]) -> None:
         for raw in events:
             try:
+                if self._convert is not None:  # another engine's events (e.g. SGLang's)
+                    raw = self._convert(raw)
+                    if raw is None:
+                        continue
                 translated = self._translator.translate(raw)
             except (UnknownEvent, AttributeError, TypeError, ValueError):
                 self.stats.bad_payloads += 1
