@@ -14,6 +14,12 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   Until D's first output a P failure ends the request, and D waits for P's push at most
   ``PUSH_TIMEOUT_S``; after it a P failure is only logged (warning). D's finish chunk is
   passed on once P has reported (so it carries P's hits), at most ``PUSH_TIMEOUT_S`` later.
+- Disaggregated plan, ``sglang`` handoff (SGLang's bootstrap handshake): run as ``push``
+  (D and P at the same time, the same request id, P's bootstrap host/port from discovery
+  as D's ``remote_host``/``remote_port``, ``transfer_mode`` "push" on the wire); both
+  engines derive the same ``bootstrap_room`` from the request id. P gets the same
+  sampling as D (but :data:`D_DROPPED`) and keeps its ``max_tokens``: SGLang's D
+  continues from the first token P sampled, which P sends with the KV.
 - Sampling (P/D): P's request drops :data:`P_DROPPED` (``structured``, ``logprobs``,
   ``logit_bias``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``): P's one token
   is discarded and D generates every output token from the prompt's KV (recomputing
@@ -84,6 +90,8 @@ log = logging.getLogger(__name__)
 WORKER_TIMEOUT_S = 600.0
 # How long D may wait for P's push before the orchestrator gives up and aborts D.
 PUSH_TIMEOUT_S = 120.0
+# Handoff modes run as push: D and P called at the same time (see the module docstring).
+PUSH_LIKE = ("push", "sglang")
 
 
 class HandoffError(Exception):
@@ -151,7 +159,12 @@ def _sampling_without(req: Request, names: Sequence[str]) -> common_pb2.Sampling
 
 def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
     """P runs the prompt with max_tokens=1 and answers with handoff parameters; see
-    :data:`P_DROPPED`."""
+    :data:`P_DROPPED` (sglang: the D request's sampling, see the module docstring)."""
+    if mode == "sglang":
+        p_req = req.generate_request(sampling=_sampling_without(req, D_DROPPED))
+        p_req.kv_transfer.do_remote_decode = True
+        p_req.kv_transfer.transfer_mode = "push"
+        return p_req
     sampling = _sampling_without(req, P_DROPPED)
     sampling.max_tokens = 1
     sampling.ignore_eos = True
@@ -206,7 +219,7 @@ class _Run:
         # The mode as the spans and metrics label it (a mock P says "mock": pull-like).
         self.mode = (route.prefill.handoff.mode or "pull") if route.disaggregated else "agg"
         self.machine = hm.HandoffMachine(
-            self.mode if self.mode in ("agg", "push") else "pull")
+            "push" if self.mode in PUSH_LIKE else "agg" if self.mode == "agg" else "pull")
         self.events: asyncio.Queue[hm.Event] = asyncio.Queue()
         # Prompt logprobs: P computes them (D loads the prompt's KV), the client gets them
         # on the first chunk; push holds D's first chunk until P has settled.
@@ -347,7 +360,7 @@ class _Run:
                     call.cancel()
                 if last is None or not _finished(last):
                     event = hm.PrefillFailed("ended without finishing")
-                elif mode != "push" and not is_set(last.kv_transfer):
+                elif mode not in PUSH_LIKE and not is_set(last.kv_transfer):
                     event = hm.PrefillFailed("returned no KV handoff parameters")
                 else:
                     span.set_attribute("kvmesh.p_hit_tokens", last.usage.cached_tokens)
@@ -357,7 +370,7 @@ class _Run:
         except Exception as exc:  # every failure becomes an event
             event = hm.PrefillFailed(_rpc_reason(exc), exc)
         self.p_settled.set()
-        if isinstance(event, hm.PrefillDone) and mode != "push":
+        if isinstance(event, hm.PrefillDone) and mode not in PUSH_LIKE:
             last = event.result  # type: ignore[assignment]
             assert last is not None
             self.metrics.prefill.labels(mode).observe(time.monotonic() - start)
@@ -396,7 +409,7 @@ class _Run:
                     call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
                         d_req, timeout=WORKER_TIMEOUT_S)
             start = time.monotonic()
-            hold = self.mode == "push" and self.want_prompt_logprobs
+            hold = self.mode in PUSH_LIKE and self.want_prompt_logprobs
             try:
                 async for resp in call:
                     if hold:  # the first chunk carries P's prompt logprobs (_outgoing)

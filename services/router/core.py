@@ -21,7 +21,11 @@ Contract of :class:`RouterCore`:
   :class:`InvalidRequest` when the prompt (+ ``max_tokens``) exceeds the model's context
   (``check_request``), :class:`NoWorkers` when none can take it now, :class:`Incompatible`
   when prefill and decode workers exist but no pair can hand KV to each other (layout,
-  block size or mode differ).
+  block size or mode differ). A decode worker that cannot prefill alone
+  (:func:`~services.router.disagg.can_prefill_locally`: an SGLang decode server) is never
+  planned without a P: conditional disaggregation's bypass and decode-first's "no P
+  needed" keep the P (the reason says so), and with no P to pair it is
+  :class:`Incompatible`.
   Candidates are the model's workers whose ``max_model_len`` (0: unknown, no limit) holds
   prompt + ``max_tokens``, minus ``exclude`` (instance ids never picked for this request,
   in any role; none left → :class:`NoWorkers`), minus the unroutable ones (below).
@@ -89,6 +93,7 @@ from services.router.disagg import (
     DisaggConfig,
     PairInfo,
     bypass_prefill,
+    can_prefill_locally,
     decode_first_needs_prefill,
     incompatibility,
 )
@@ -580,14 +585,20 @@ class RouterCore:
             d, dd = self._pick(self.policy, prompt, decode)
             overlap = prompt.overlap(d).blocks
             partners = [p for p in prefill if (p.instance_id, d.instance_id) in pairs]
+            local = can_prefill_locally(d.pair_info())
             if not partners:
                 why = "no prefill worker" if not prefill else f"no prefill worker pairs with " \
                     f"{d.instance_id}"
+                if not local:
+                    raise Incompatible(f"decode worker {d.instance_id} cannot prefill alone "
+                                       f"(SGLang decode server) and {why}")
                 return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
             need, why = decode_first_needs_prefill(n, overlap, d.block_size,
                                                    self.disagg.decode_first_threshold)
-            if not need:
+            if not need and local:
                 return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
+            if not need:  # so D cannot prefill alone
+                why = f"{why}, but {d.instance_id} cannot prefill alone"
             p, pd = self._pick(policy_p, prompt, partners)
             return self._plan(prompt, d, dd, p, pd, f"decode first: {dd.reason}; {why}; "
                               f"prefill {pd.reason}")
@@ -598,8 +609,10 @@ class RouterCore:
         d, dd = self._pick(self.policy, prompt, partners)
         overlap = prompt.overlap(d).blocks
         bypass, why = bypass_prefill(n, overlap, d.block_size, self._queue(p), self.disagg)
-        if bypass:
+        if bypass and can_prefill_locally(d.pair_info()):
             return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
+        if bypass:
+            why = f"{why}, but {d.instance_id} cannot prefill alone"
         return self._plan(prompt, d, dd, p, pd, f"prefill first: prefill {pd.reason}; "
                           f"decode {dd.reason}; {why}")
 

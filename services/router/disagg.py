@@ -5,7 +5,13 @@ Contract:
 
 - :func:`incompatibility(p, d)` returns None when prefill worker ``p`` can hand KV to
   decode worker ``d`` (same handoff mode, block size and KV layout), else a sentence
-  saying why not. The router refuses such pairs at routing time.
+  saying why not. The router refuses such pairs at routing time. An SGLang worker (handoff
+  mode ``sglang``: SGLang's bootstrap handshake; its ``kv_layout`` starts ``sglang|``)
+  never pairs with another engine's, whatever the other's mode: the reason says
+  "engines differ" and names both.
+- :func:`can_prefill_locally(d)`: whether decode worker ``d`` can serve a request alone
+  (conditional disaggregation, decode-first without a P): an SGLang decode server cannot
+  (it only receives KV through its bootstrap), every other can.
 - :func:`bypass_prefill(...)` is Dynamo's conditional disaggregation: serve on D alone when
   ``eff_isl < isl_max and eff_isl / prompt < isl_ratio`` (``eff_isl`` = prompt tokens not
   cached on D), or when the prefill pool is overloaded. Returns (bypass, reason).
@@ -56,8 +62,27 @@ class PairInfo:
     kv_layout: str
 
 
+SGLANG_MODE = "sglang"
+
+
+def _engine(w: PairInfo) -> str:
+    """The engine family a worker's pairing facts show ("sglang" or "vllm")."""
+    sglang = w.handoff_mode == SGLANG_MODE or w.kv_layout.startswith("sglang|")
+    return "sglang" if sglang else "vllm"
+
+
+def can_prefill_locally(d: PairInfo) -> bool:
+    """Whether decode worker ``d`` can run a prompt itself (module docstring)."""
+    return _engine(d) != "sglang"
+
+
 def incompatibility(p: PairInfo, d: PairInfo) -> str | None:
     """Why ``p`` cannot hand KV to ``d``, or None when it can."""
+    if _engine(p) != _engine(d):
+        names = {"sglang": "SGLang (bootstrap handshake)", "vllm": "vLLM (NIXL connector)"}
+        return (f"engines differ: prefill worker {p.instance_id} is {names[_engine(p)]}, "
+                f"decode worker {d.instance_id} is {names[_engine(d)]}; KV moves only "
+                f"between workers of one engine")
     if not p.handoff_mode or not d.handoff_mode:
         return f"{p.instance_id if not p.handoff_mode else d.instance_id} has no KV connector"
     if p.handoff_mode != d.handoff_mode:

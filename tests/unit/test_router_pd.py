@@ -107,6 +107,27 @@ def test_decode_without_prefill_pool_serves_alone() -> None:
     assert not plan.disaggregated and "no prefill worker" in plan.reason
 
 
+def test_an_sglang_decode_worker_is_never_planned_without_its_prefill() -> None:
+    # SGLang's decode server only receives KV through its bootstrap: no local prefill
+    sg = {"mode": "sglang", "layout": "sglang|L"}
+    c = core()
+    c.set_workers([w("p1", "prefill", **sg), w("d1", "decode", **sg)])
+    c.route(ctx("a", 320))
+    c.release("a")
+    again = c.route(ctx("b", 330))  # D holds 10 of 11 blocks: vLLM's D would go alone
+    assert again.disaggregated and "cannot prefill alone" in again.reason
+    c.update_load("p1", num_running=9, num_waiting=9, kv_usage=0.5)
+    assert c.route(ctx("c", 500, 9000)).disaggregated  # an overloaded P pool is no bypass
+    first = core(order="decode_first", decode_first_threshold=16)
+    first.set_workers([w("p1", "prefill", **sg), w("d1", "decode", **sg)])
+    short = first.route(ctx("d", 10))
+    assert short.disaggregated and "cannot prefill alone" in short.reason
+    alone = core()
+    alone.set_workers([w("d1", "decode", **sg)])
+    with pytest.raises(Incompatible, match="d1 cannot prefill alone"):
+        alone.route(ctx("e", 300))
+
+
 def test_decision_functions() -> None:
     cfg = DisaggConfig()
     assert bypass_prefill(1000, 0, 32, 0, cfg)[0] is False
