@@ -100,6 +100,7 @@ def test_events_config_is_json_for_sglang(repo: Path) -> None:
     ({"role": "decode", "transfer_backend": "nccl"}, "transfer_backend"),
     ({"kv_events_endpoint": "tcp://*:5557"}, "kv_events_endpoint"),
     ({"kv_events_endpoint": "tcp://10.0.0.1:5557"}, "kv_events_endpoint"),
+    ({"kv_events_endpoint": "ipc://relative/events"}, "kv_events_endpoint"),
     ({"kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}, "kv_events_replay_endpoint"),
 ])
 def test_invalid_specs_are_refused_naming_the_field(repo: Path, fields: dict[str, object],

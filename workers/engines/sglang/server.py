@@ -14,7 +14,8 @@ Contract:
   refused for the other roles; ``transfer_backend`` is ``"nixl"`` (the one proven here) or
   ``"mooncake"``; ``max_total_tokens`` 0 means :data:`DEFAULT_MAX_TOTAL_TOKENS` (SGLang's
   own sizing takes ``--mem-fraction-static`` of the host's free RAM: most of it on CPU);
-  ``context_length`` 0 means the model's. ``kv_events_endpoint`` (``tcp://127.0.0.1:N``)
+  ``context_length`` 0 means the model's. ``kv_events_endpoint`` (``tcp://127.0.0.1:N`` or
+  ``ipc://<absolute path>``)
   turns on SGLang's ZMQ KV-event publisher, bound there (topic ``""``); with
   ``kv_events_replay_endpoint`` it also binds the replay ROUTER. Only loopback hosts and
   endpoints are accepted. :meth:`ServerSpec.validate` raises ValueError naming the field.
@@ -95,14 +96,21 @@ def sglang_python(repo_root: Path | None = None) -> Path | None:
     return python if _has_sglang(python) else None
 
 
-def _loopback_tcp(field: str, endpoint: str) -> None:
+def _local_endpoint(field: str, endpoint: str) -> None:
+    """A ZMQ endpoint only this host reaches: ``tcp://127.0.0.1:<port>`` or ``ipc://<abs
+    path>`` (the worker's relay uses private ipc paths, as for vLLM)."""
+    if endpoint.startswith("ipc://"):
+        if not endpoint[len("ipc://"):].startswith("/"):
+            raise ValueError(f"{field} must be ipc://<absolute path>, got {endpoint!r}")
+        return
     parts = urlsplit(endpoint)
     try:
         port = parts.port
     except ValueError:
         port = None
     if parts.scheme != "tcp" or parts.hostname not in LOOPBACK_HOSTS or not port:
-        raise ValueError(f"{field} must be tcp://127.0.0.1:<port>, got {endpoint!r}")
+        raise ValueError(f"{field} must be tcp://127.0.0.1:<port> or ipc://<absolute path>, "
+                         f"got {endpoint!r}")
 
 
 @dataclass(frozen=True)
@@ -153,11 +161,11 @@ class ServerSpec:
             raise ValueError(f"transfer_backend must be one of {TRANSFER_BACKENDS}, "
                              f"got {self.transfer_backend!r}")
         if self.kv_events_endpoint:
-            _loopback_tcp("kv_events_endpoint", self.kv_events_endpoint)
+            _local_endpoint("kv_events_endpoint", self.kv_events_endpoint)
         if self.kv_events_replay_endpoint:
             if not self.kv_events_endpoint:
                 raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
-            _loopback_tcp("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
+            _local_endpoint("kv_events_replay_endpoint", self.kv_events_replay_endpoint)
             if self.kv_events_replay_endpoint == self.kv_events_endpoint:
                 raise ValueError("kv_events_replay_endpoint must differ from kv_events_endpoint")
 
