@@ -138,7 +138,7 @@ CHILD_ENV = {
 
 MODES = ("disagg", "agg")
 HANDOFFS = ("pull", "push")
-ENGINES = ("vllm", "mock")
+ENGINES = ("vllm", "mock", "sglang")
 STATUS_FILE = "status.tsv"
 
 
@@ -172,8 +172,10 @@ class MeshSpec:
     handoff: str = _opt("pull", "P→D KV handoff: pull (D READs, default) or push "
                         "(P WRITEs)", HANDOFFS)
     workers: int = _opt(1, "workers per role")
-    engine: str = _opt("vllm", "worker engine: vllm, or mock (simulated: no weights, the "
-                       "model folder only gives the tokenizer)", ENGINES)
+    engine: str = _opt("vllm", "worker engine: vllm, mock (simulated: no weights, the "
+                       "model folder only gives the tokenizer) or sglang (a real SGLang "
+                       "server per worker from .sglvenv: make sglang; P/D through its "
+                       "bootstrap handshake)", ENGINES)
     policy: str = _opt("kv", "worker policy or profile (kv, approx, least_loaded, "
                        "round_robin, ...)")
     indexer: str = _opt("remote", "KV overlap source of the router: indexer service, "
@@ -237,11 +239,36 @@ class MeshSpec:
         elif self.encoders != 1:
             out.append(f"{_flag('encoders')} ({self.encoders}) needs {_flag('epd')}")
         out.extend(self._afd_problems())
+        out.extend(self._sglang_problems())
         if self.router == "embedded" and not self.insecure:
             # each child holds its own identity alone; the frontend would need the router's
             out.append(f"{_flag('router')} embedded needs {_flag('insecure')} for now (with "
                        "mTLS the frontend would need the router's certificate)")
         return out
+
+    def _sglang_problems(self) -> list[str]:
+        """``--engine sglang``: SGLang's P/D has one handoff of its own (the bootstrap
+        handshake), so ``--handoff push`` is refused rather than ignored; the venv must
+        exist."""
+        if self.engine != "sglang":
+            return []
+        out = []
+        if self.handoff != "pull":
+            out.append(f"{_flag('handoff')} {self.handoff} is vLLM's; {_flag('engine')} "
+                       "sglang hands KV over through SGLang's bootstrap handshake (leave "
+                       f"{_flag('handoff')} unset)")
+        from workers.engines.sglang.server import sglang_python
+
+        if sglang_python() is None:
+            out.append(f"{_flag('engine')} sglang needs the SGLang venv: run `make sglang`")
+        return out
+
+    def worker_handoff(self, role: str) -> str:
+        """The worker's ``KVMESH_HANDOFF`` for ``role``: none for agg, ``sglang`` for an
+        SGLang P or D, else ``--handoff``."""
+        if role == "agg":
+            return "none"
+        return "sglang" if self.engine == "sglang" else self.handoff
 
     def _afd_problems(self) -> list[str]:
         if not self.afd:
@@ -460,8 +487,8 @@ class LocalMesh:
                                  **self.ec_env(role),
                                  KVMESH_MODEL_PATH=model,
                                  KVMESH_ENGINE=s.engine,
-                                 KVMESH_ROLE=role, KVMESH_HANDOFF=s.handoff if role != "agg"
-                                 else "none", KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
+                                 KVMESH_ROLE=role, KVMESH_HANDOFF=s.worker_handoff(role),
+                                 KVMESH_KV_CACHE_GIB=str(s.kv_cache_gib),
                                  KVMESH_MAX_MODEL_LEN=str(s.max_model_len),
                                  KVMESH_BLOCK_SIZE=str(s.block_size))
             if s.afd:

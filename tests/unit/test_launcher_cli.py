@@ -100,6 +100,24 @@ def test_epd_flags_default_to_the_tiny_vlm_and_are_checked(tmp_path: Path) -> No
     assert problem == "--encoders (KVMESH_ENCODERS) must be >= 1, got 0"
 
 
+def test_sglang_engine_hands_off_through_its_bootstrap_and_refuses_push(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.launcher.up import MeshSpec
+    from workers.engines.sglang import server
+
+    monkeypatch.setattr(server, "sglang_python", lambda repo_root=None: Path("/venv/python"))
+    spec = MeshSpec(engine="sglang")
+    assert spec.problems() == []
+    assert [spec.worker_handoff(r) for r in ("prefill", "decode", "agg")] == [
+        "sglang", "sglang", "none"]
+    assert MeshSpec(handoff="push").worker_handoff("decode") == "push"
+    (problem,) = MeshSpec(engine="sglang", handoff="push").problems()
+    assert "--handoff (KVMESH_HANDOFF) push is vLLM's" in problem
+    monkeypatch.setattr(server, "sglang_python", lambda repo_root=None: None)
+    (problem,) = MeshSpec(engine="sglang").problems()
+    assert "needs the SGLang venv: run `make sglang`" in problem
+
+
 def test_epd_workers_read_embeddings_only_where_they_prefill() -> None:
     from services.launcher.up import LocalMesh, MeshSpec
 
