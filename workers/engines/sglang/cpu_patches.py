@@ -162,6 +162,44 @@ def patch_nixl_kv_as_dram() -> None:
     after_import("sglang.srt.disaggregation.nixl.conn", hook)
 
 
+# The NIXL progress thread's poll delay in microseconds (NIXL's Python API fixes it at 0).
+NIXL_PROGRESS_DELAY_US = int(os.environ.get("KVMESH_SGLANG_NIXL_DELAY_US", "1000"))
+
+
+def patch_nixl_progress_delay() -> None:
+    """SGLang's NIXL connector needs NIXL's progress thread (with it off, P/D hangs: its
+    transfer and notification paths do not drive UCX themselves), and NIXL's Python API
+    builds every agent with ``pthrDelay = 0`` (``nixl_cu12/_api.py``), so the thread spins
+    on a zero-timeout poll: each idle P or D then keeps most of a core busy, which on a
+    2-core CPU host slows everything else down. The fix makes the agent config's
+    ``pthrDelay`` at least :data:`NIXL_PROGRESS_DELAY_US` (the thread's poll timeout: a
+    transfer is still progressed when UCX signals it; ``KVMESH_SGLANG_NIXL_DELAY_US=0``
+    restores NIXL's own setting)."""
+    if NIXL_PROGRESS_DELAY_US <= 0:
+        return
+
+    def hook(bindings: types.ModuleType) -> None:
+        base = bindings.nixlAgentConfig
+        if getattr(base, "__kvmesh_patched__", False):
+            return
+        delay = base.pthrDelay  # the pybind11 property
+
+        class AgentConfig(base):  # type: ignore[misc, valid-type]
+            __kvmesh_patched__ = True
+
+            @property
+            def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
+                return int(delay.__get__(self))
+
+            @pthrDelay.setter
+            def pthrDelay(self, value: int) -> None:  # noqa: N802
+                delay.__set__(self, max(int(value), NIXL_PROGRESS_DELAY_US))
+
+        setattr(bindings, "nixlAgentConfig", AgentConfig)  # noqa: B010
+
+    after_import("nixl_cu12._bindings", hook)
+
+
 def install_all() -> None:
     """Apply every patch of this module once (see the module docstring)."""
     global _installed
@@ -170,3 +208,4 @@ def install_all() -> None:
     _installed = True
     patch_torchvision_placeholder()
     patch_nixl_kv_as_dram()
+    patch_nixl_progress_delay()
