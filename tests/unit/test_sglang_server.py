@@ -157,3 +157,22 @@ def test_sgl_kernel_shim_is_not_the_amx_library(monkeypatch: pytest.MonkeyPatch)
         exec("from sgl_kernel.scalar_type import scalar_types", {})
     with pytest.raises(NotImplementedError, match="verify_tree_greedy_cpu"):
         module.verify_tree_greedy_cpu()
+
+
+def test_nixl_progress_thread_polls_with_a_delay_in_sglang_servers() -> None:
+    """The launcher's patch: NIXL's Python API sets pthrDelay 0 (a spinning thread); in an
+    SGLang server process it becomes NIXL_PROGRESS_DELAY_US, and 0 turns the patch off."""
+    import subprocess
+    import sys
+
+    code = ("from workers.engines.sglang import cpu_patches as c; c.patch_nixl_progress_delay(); "
+            "import nixl_cu12._bindings as b; cfg = b.nixlAgentConfig(); cfg.pthrDelay = 0; "
+            "print(cfg.pthrDelay)")
+    root = Path(__file__).resolve().parents[2]
+    for env_value, expected in ((None, "1000"), ("0", "0"), ("2500", "2500")):
+        env = {"PATH": "/usr/bin:/bin"}
+        if env_value is not None:
+            env["KVMESH_SGLANG_NIXL_DELAY_US"] = env_value
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, check=True,
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.split()[-1] == expected, out
