@@ -1,0 +1,3 @@
+from bench.frontend_vs_dynamo.run import entry
+
+entry()

@@ -1,0 +1,149 @@
+"""The one load client both systems get: closed loop and open loop, ``/v1/completions``.
+
+Contracts:
+
+- :func:`body(model, i, words, max_tokens)` is request ``i``'s JSON: the text prompt of
+  :func:`bench.mesh_profile.run.prompt_text` (a head of 5/6 of ``words`` words shared by
+  every request, then words of its own), ``max_tokens``, ``ignore_eos``, temperature 0,
+  not streamed. Both systems get byte-identical bodies for the same ``i``.
+- :func:`check_response(status, payload, max_tokens)` is None for a fair answer (HTTP
+  200 with ``usage.completion_tokens == max_tokens``), else a one-line reason. A request
+  that fails the check is counted under ``errors`` (with its reason), not under ``ok``,
+  and its latency is not in the percentiles: a side that answers fewer tokens cannot look
+  faster.
+- :func:`closed_loop(url, model, n, concurrency, ...)`: ``concurrency`` clients (one
+  connection each), each sending its next request when its last one is done, ``n`` in all;
+  latency = send → complete response. :func:`open_loop(url, model, n, rate, ...)`: ``n``
+  requests with Poisson arrivals at ``rate`` per second (seeded), each on its own task,
+  whatever is in flight. Both return :func:`summary`: ``requests``, ``ok``, ``errors``,
+  ``first_errors`` (up to 3 distinct), ``completion_tokens`` (value → count over
+  answers), ``wall_s``, ``req_per_s`` (ok / wall), ``p50_ms``, ``p99_ms``, ``mean_ms``
+  (NaN when none was ok) and, for the open loop, ``offered_rps``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.mesh_profile.run import prompt_text
+
+
+def body(model: str, i: int, words: int, max_tokens: int) -> dict[str, Any]:
+    """See the module docstring."""
+    return {"model": model, "prompt": prompt_text(i, words), "max_tokens": max_tokens,
+            "ignore_eos": True, "temperature": 0, "stream": False}
+
+
+def check_response(status: int, payload: Any, max_tokens: int) -> str | None:
+    """See the module docstring."""
+    if status != 200:
+        detail = str(payload)[:160] if payload is not None else ""
+        return f"HTTP {status} {detail}".strip()
+    if not isinstance(payload, dict):
+        return "response is not a JSON object"
+    usage = payload.get("usage")
+    got = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    if got != max_tokens:
+        return f"usage.completion_tokens {got!r} != {max_tokens}"
+    return None
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.lat: list[float] = []
+        self.errors: Counter[str] = Counter()
+        self.tokens: Counter[str] = Counter()
+
+    async def one(self, http: httpx.AsyncClient, url: str, req: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = await http.post(f"{url}/v1/completions", json=req)
+            dt = time.perf_counter() - t0
+            try:
+                payload: Any = r.json()
+            except ValueError:
+                payload = r.text[:160]
+        except Exception as exc:  # noqa: BLE001 - counted, reported
+            self.errors[f"{type(exc).__name__}: {exc}"[:200]] += 1
+            return
+        if isinstance(payload, dict) and isinstance(payload.get("usage"), dict):
+            self.tokens[str(payload["usage"].get("completion_tokens"))] += 1
+        why = check_response(r.status_code, payload, req["max_tokens"])
+        if why is None:
+            self.lat.append(dt)
+        else:
+            self.errors[why] += 1
+
+
+def summary(n: int, lat: list[float], errors: Counter[str], tokens: Counter[str],
+            wall_s: float) -> dict[str, Any]:
+    """See the module docstring."""
+    a = np.asarray(lat, dtype=float)
+
+    def pct(q: float) -> float:
+        return float(np.percentile(a, q) * 1e3) if a.size else math.nan
+
+    return {"requests": n, "ok": len(lat), "errors": sum(errors.values()),
+            "first_errors": [e for e, _ in errors.most_common(3)],
+            "completion_tokens": dict(tokens), "wall_s": wall_s,
+            "req_per_s": len(lat) / wall_s if wall_s > 0 else math.nan,
+            "p50_ms": pct(50), "p99_ms": pct(99),
+            "mean_ms": float(a.mean() * 1e3) if a.size else math.nan}
+
+
+async def closed_loop(url: str, model: str, n: int, concurrency: int, words: int,
+                      max_tokens: int, offset: int = 0,
+                      timeout_s: float = 60.0) -> dict[str, Any]:
+    """See the module docstring."""
+    tally = _Tally()
+    next_i = 0
+
+    async def client(http: httpx.AsyncClient) -> None:
+        nonlocal next_i
+        while next_i < n:
+            i = next_i
+            next_i += 1
+            await tally.one(http, url, body(model, offset + i, words, max_tokens))
+
+    clients = [httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1))
+               for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(client(c) for c in clients))
+    finally:
+        for c in clients:
+            await c.aclose()
+    return summary(n, tally.lat, tally.errors, tally.tokens, time.perf_counter() - t0)
+
+
+async def open_loop(url: str, model: str, n: int, rate: float, words: int,
+                    max_tokens: int, offset: int = 0, seed: int = 0,
+                    timeout_s: float = 60.0) -> dict[str, Any]:
+    """See the module docstring."""
+    rng = random.Random(seed)
+    tally = _Tally()
+    tasks: list[asyncio.Task[None]] = []
+    async with httpx.AsyncClient(timeout=timeout_s,
+                                 limits=httpx.Limits(max_connections=512)) as http:
+        start = time.perf_counter()
+        t = 0.0
+        for i in range(n):
+            delay = start + t - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                tally.one(http, url, body(model, offset + i, words, max_tokens))))
+            t += rng.expovariate(rate)
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    out = summary(n, tally.lat, tally.errors, tally.tokens, wall)
+    out["offered_rps"] = rate
+    return out
