@@ -7,7 +7,8 @@ Contracts:
   connection opened *before* the clock starts. It returns a :class:`Sample`: ``ttft_s`` is
   the time from sending the request to the first SSE chunk whose choice carries non-empty
   text (None when no chunk had text), ``first_chunk_s`` the time to the first data chunk
-  of any kind, ``total_s`` the time to ``data: [DONE]``. A non-200 status, an SSE
+  of any kind, ``total_s`` the time to ``data: [DONE]``; ``sent_wall`` is ``time.time()``
+  at the send (the host clock of the engines' stage stamps). A non-200 status, an SSE
   ``{"error": ...}`` event, a stream without ``[DONE]``, or a socket error/timeout is
   reported in ``Sample.error`` (the request never raises).
 - :func:`fetch_metrics` GETs ``/metrics`` (Prometheus text) and flattens every sample to
@@ -32,6 +33,7 @@ class Sample:
     """One timed request."""
 
     prompt_len: int
+    sent_wall: float | None = None  # time.time() when the request was sent
     ttft_s: float | None = None
     first_chunk_s: float | None = None
     total_s: float | None = None
@@ -63,6 +65,7 @@ def stream_completion(url: str, model: str, token_ids: list[int], max_tokens: in
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
     try:
         conn.connect()
+        sample.sent_wall = time.time()
         t0 = time.perf_counter()
         conn.request("POST", "/v1/completions", body=body,
                      headers={"Content-Type": "application/json",

@@ -9,9 +9,12 @@ Contracts:
   bandwidth, ``ratio[mode] = overhead / raw``, and the frontend's own mean
   ``kvmesh_kv_transfer_seconds`` / ``kvmesh_prefill_seconds`` per request. A value that
   could not be measured (failed mode, missing anchor) is None, never a guess.
-- :func:`table` renders the rows as plain text; :func:`plot` writes the PNG (TTFT vs
-  length per mode; overhead vs raw transfer time) and returns False when matplotlib is
-  missing.
+- :func:`table` renders the rows as plain text; :func:`stage_table` the per-length stage
+  medians of each disaggregated mode (``stages_median_s``, :mod:`bench.pd_overhead.stages`);
+  :func:`plot` writes the PNG (TTFT vs length per mode; overhead vs raw transfer time;
+  the stage medians as one stacked bar per length and mode, P's prefill left out and
+  written on top; with P's prefill it sums to that mode's median TTFT only as far as
+  the medians do) and returns False when matplotlib is missing.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any
 
 import numpy as np
 
-DISAGG = ("pull", "push")
+from bench.pd_overhead.stages import SEGMENTS
+
+DISAGG = ("pull", "push", "toy")
 
 
 def stats(values: list[float]) -> dict[str, float] | None:
@@ -104,6 +109,53 @@ def table(rows: list[dict[str, Any]], modes: list[str]) -> str:
     return "\n".join(lines)
 
 
+def stage_table(lengths: list[int], modes: dict[str, dict[str, Any]]) -> str:
+    """Stage medians (ms) per length and disaggregated mode; '' when none were stamped."""
+    names = [s[0] for s in SEGMENTS]
+    lines = [f"{'L':>5} {'mode':>5} " + " ".join(f"{n:>11}" for n in names)]
+    for n in lengths:
+        for m, res in modes.items():
+            med = _get(res, "lengths", str(n), "stages_median_s")
+            if not med:
+                continue
+            lines.append(f"{n:>5} {m:>5} " + " ".join(_ms(med.get(k), 11) for k in names))
+    return "stages (median ms):\n" + "\n".join(lines) if len(lines) > 1 else ""
+
+
+def _stage_bars(ax: Any, report: dict[str, Any]) -> None:
+    """Stacked bars of the stage medians, one per (length, disaggregated mode)."""
+    modes = report["modes"]
+    bars: list[tuple[str, dict[str, Any]]] = []
+    for r in report["summary"]:
+        for m, res in modes.items():
+            med = _get(res, "lengths", str(r["length"]), "stages_median_s")
+            if med:
+                bars.append((f"{r['length']}\n{m}", med))
+    if not bars:
+        ax.text(0.5, 0.5, "no stage stamps", ha="center", transform=ax.transAxes)
+        return
+    x = np.arange(len(bars))
+    bottom = np.zeros(len(bars))
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab10"]
+    for i, (name, _a, _b, what) in enumerate(SEGMENTS):
+        if name == "p_prefill":  # P's compute: it would dwarf the rest; written on top
+            continue
+        vals = np.array([(med.get(name) or 0.0) * 1e3 for _, med in bars])
+        ax.bar(x, vals, bottom=bottom, color=cmap(i % 10), label=f"{name}: {what}")
+        bottom += vals
+    for xi, top, (_, med) in zip(x, bottom, bars, strict=True):
+        ax.annotate(f"+ P prefill {_ms(med.get('p_prefill'), 0).strip()}", (xi, top),
+                    ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(x, [b[0] for b in bars], fontsize=8)
+    ax.set_ylabel("ms (median of each stage)")
+    ax.set_title("TTFT by stage, P's prefill left out (engine stamps)", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_ylim(0, float(bottom.max()) * 1.9 or 1.0)
+    ax.legend(fontsize=6, loc="upper left")
+
+
 def plot(report: dict[str, Any], path: Path) -> bool:
     """Write the PNG; False when matplotlib is not installed."""
     try:
@@ -117,9 +169,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     rows = report["summary"]
     modes: dict[str, dict[str, Any]] = report["modes"]
     lengths = [r["length"] for r in rows]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 5.2))
-    styles = {"agg": "o-", "pull": "s-", "push": "^-"}
-    colors = {"agg": "C0", "pull": "C1", "push": "C2"}
+    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(20, 6.5))
+    styles = {"agg": "o-", "pull": "s-", "push": "^-", "toy": "d-"}
+    colors = {"agg": "C0", "pull": "C1", "push": "C2", "toy": "C3"}
     for m, res in modes.items():
         pts = [(r["length"], r["ttft_median_s"].get(m), r["ttft_p90_s"].get(m)) for r in rows
                if r["ttft_median_s"].get(m) is not None]
@@ -133,7 +185,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         ax.plot(x, [p[2] * 1e3 for p in pts], ":", color=colors.get(m), alpha=0.7,
                 label=f"{m} p90")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    if ax.has_data():  # a log axis without positive data fails at layout
+        ax.set_yscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("client TTFT (ms)")
@@ -162,7 +215,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
                      color=colors.get(m), label=f"frontend kv_transfer_seconds mean ({m})"
                      + (": D call, spans P's prefill" if m == "push" else ""))
     ax2.set_xscale("log", base=2)
-    ax2.set_yscale("log")
+    if ax2.has_data():
+        ax2.set_yscale("log")
     ax2.set_xticks(lengths, [str(n) for n in lengths])
     ax2.set_xlabel("prompt length (tokens)")
     for a in (ax, ax2):
@@ -176,6 +230,7 @@ def plot(report: dict[str, Any], path: Path) -> bool:
                   fontsize=10)
     ax2.grid(True, which="both", alpha=0.3)
     ax2.legend(fontsize=8)
+    _stage_bars(ax3, report)
     host = report["host"]
     fig.suptitle(f"kvmesh P/D overhead, {report['model']['name']}, {host['cpus']} CPUs, "
                  f"load avg {host['loadavg_before'][0]:.1f} at start, "

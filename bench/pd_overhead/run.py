@@ -1,7 +1,7 @@
 """What P/D disaggregation costs in TTFT, against the raw NIXL time of moving the KV.
 
 ``python -m bench.pd_overhead [--model smollm2] [--lengths 128,256,512,1024,2048] [--reps 3]
-[--modes agg,pull,push] [--out bench/results]``
+[--modes agg,pull,push,toy] [--out bench/results]``
 
 Contracts:
 
@@ -12,13 +12,22 @@ Contracts:
   exactly those sizes in a child process (NIXL may crash at exit, so it is isolated and
   ends with ``os._exit``); ``raw_transfer_s = kv_bytes / median READ B/s``.
 - Modes, one whole ``services.launcher.up.LocalMesh`` at a time, on free loopback ports
-  (``max_model_len`` 4096, 1 GiB KV cache per worker): ``agg`` (one aggregated worker),
-  ``pull`` and ``push`` (one prefill + one decode worker with that NIXL handoff).
+  (``--max-model-len``, default 4096, 1 GiB KV cache per worker): ``agg`` (one aggregated worker),
+  ``pull`` and ``push`` (one prefill + one decode worker with that NIXL handoff); ``toy``
+  is the anchor with no kvmesh in the path: two plain vLLM OpenAI servers with the same
+  engine and pull-mode KV config and a minimal proxy in this process, as vLLM's own
+  NIXL P/D toy proxy drives them (:mod:`bench.pd_overhead.toy`).
+- Stages (disaggregated modes): the engines run with ``KVMESH_PD_STAMPS`` = a folder of
+  the mode's, so :mod:`workers.kv.nixl_quiet` stamps each handoff's stages in P's and D's
+  EngineCore; every sample (warm-up included) gets its ``stages`` (points after the send
+  and segments, :mod:`bench.pd_overhead.stages`) and each length ``stages_median_s``.
 - Per length: one warm-up request, then ``--reps`` timed ones (see
   :mod:`bench.pd_overhead.client`): streaming ``/v1/completions`` with a prompt of exactly
-  ``L`` random token ids, fresh for every request so no prefix cache can hit (checked per
+  ``L`` random token ids, fresh for every request so no prefix cache can hit, and the same
+  sequence of prompts in every mode (one seed; each mode starts fresh engines) (checked per
   length in ``cache_check``: agg's ``usage.prompt_tokens_details.cached_tokens`` must be 0;
-  in pull, P's hit counter must not move, because D's usage counts the KV it received),
+  in pull and toy, P's hit counter must not move, because D's usage counts the KV it
+  received),
   ``max_tokens`` 8, ``temperature`` 0, ``ignore_eos``. TTFT is client-side, to the first
   chunk with text. The frontend's ``/metrics`` is read before and after the timed
   requests; the deltas give the mean ``kvmesh_kv_transfer_seconds`` and
@@ -56,11 +65,14 @@ from bench.pd_overhead.client import (
     served_model,
     stream_completion,
 )
-from bench.pd_overhead.report import plot, stats, summary_rows, table
+from bench.pd_overhead.report import plot, stage_table, stats, summary_rows, table
+from bench.pd_overhead.stages import load_stamps, request_points, segment_medians, segments
+from bench.pd_overhead.toy import ToyPD
 from services.launcher.up import LocalMesh, MeshSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODES = ("agg", "pull", "push")
+MODES = ("agg", "pull", "push", "toy")
+STAMPS_ENV = "KVMESH_PD_STAMPS"  # workers.kv.nixl_quiet.STAMPS_ENV (no vllm import here)
 METRIC_PREFIXES = ("kvmesh_kv_transfer_seconds", "kvmesh_prefill_seconds",
                    "kvmesh_ttft_seconds", "kvmesh_requests_total",
                    "kvmesh_kv_transfer_blocks_total", "kvmesh_prefill_hit_tokens_total",
@@ -131,13 +143,13 @@ def measure_anchor(lengths: list[int], bytes_per_token: int, iters: int,
     return out
 
 
-def _log_tails(mesh: LocalMesh, lines: int = 25) -> dict[str, str]:
+def _log_tails(mesh: LocalMesh | ToyPD, lines: int = 25) -> dict[str, str]:
     return {c.name: (("" if c.alive() else f"[exited {c.proc.returncode}]\n")
                      + c.log_tail(lines))
             for c in mesh.children if c.name not in ("etcd", "redis")}
 
 
-def _dead(mesh: LocalMesh) -> list[str]:
+def _dead(mesh: LocalMesh | ToyPD) -> list[str]:
     return [f"{c.name} ({c.proc.returncode})" for c in mesh.children if not c.alive()]
 
 
@@ -152,10 +164,11 @@ def _cache_check(mode: str, length: int, ok: list[Sample],
     if mode == "agg":
         passed: bool | None = all(c == 0 for c in cached)
         how = "usage.prompt_tokens_details.cached_tokens == 0"
-    elif mode == "pull":
+    elif mode in ("pull", "toy"):
         passed = p_hits == 0 and all(c is not None and c <= length for c in cached)
-        how = "frontend kvmesh_prefill_hit_tokens_total delta == 0 (P); D's usage counts " \
-              "NIXL-received tokens as cached"
+        how = ("frontend" if mode == "pull" else "toy proxy's") + \
+            " kvmesh_prefill_hit_tokens_total delta == 0 (P); D's usage counts " \
+            "NIXL-received tokens as cached"
     else:
         passed = None
         how = "not observable (P's usage is not reported in push); prompts are random"
@@ -163,9 +176,27 @@ def _cache_check(mode: str, length: int, ok: list[Sample],
             "how": how}
 
 
+def _with_stages(samples: list[Sample], stamps_dir: Path | None) -> list[dict[str, Any]]:
+    """Each sample's dict, with its ``stages`` when the engines stamp them."""
+    out = [s.as_dict() for s in samples]
+    if stamps_dir is None:
+        return out
+    stamps = load_stamps(stamps_dir)
+    for s, d in zip(samples, out, strict=True):
+        if s.sent_wall is None or s.error:
+            continue
+        first = s.sent_wall + s.ttft_s if s.ttft_s is not None else None
+        done = s.sent_wall + (s.total_s if s.total_s is not None else 1e9)
+        points = request_points(stamps, s.sent_wall, first, done)
+        d["stages"] = {"points_s": points, "segments_s": segments(points)}
+    return out
+
+
 def run_length(url: str, model: str, length: int, mode: str, args: argparse.Namespace,
-               rng: np.random.Generator, vocab: int) -> dict[str, Any]:
-    """Warm-up + ``args.reps`` timed requests of ``length`` tokens; stats and metric deltas."""
+               rng: np.random.Generator, vocab: int,
+               stamps_dir: Path | None = None) -> dict[str, Any]:
+    """Warm-up + ``args.reps`` timed requests of ``length`` tokens; stats, metric deltas
+    and (``stamps_dir``) each request's stages."""
 
     def one(timeout_s: float) -> Sample:
         ids = rng.integers(args.min_token_id, vocab, size=length).tolist()
@@ -173,7 +204,7 @@ def run_length(url: str, model: str, length: int, mode: str, args: argparse.Name
 
     res: dict[str, Any] = {"error": None}
     warm = one(args.warmup_timeout)  # the first handoff of a mesh also wires NIXL up
-    res["warmup"] = warm.as_dict()
+    res["warmup"] = _with_stages([warm], stamps_dir)[0]
     if warm.error:
         res["error"] = f"warm-up request failed: {warm.error}"
         return res
@@ -187,7 +218,10 @@ def run_length(url: str, model: str, length: int, mode: str, args: argparse.Name
             break
     after = fetch_metrics(url)
     ok = [s for s in samples if not s.error]
-    res["samples"] = [s.as_dict() for s in samples]
+    res["samples"] = _with_stages(samples, stamps_dir)
+    if stamps_dir is not None:
+        res["stages_median_s"] = segment_medians(
+            [d["stages"]["segments_s"] for d in res["samples"] if "stages" in d])
     res["ttft_s"] = stats([s.ttft_s for s in ok if s.ttft_s is not None])
     res["first_chunk_s"] = stats([s.first_chunk_s for s in ok if s.first_chunk_s is not None])
     res["total_s"] = stats([s.total_s for s in ok if s.total_s is not None])
@@ -218,7 +252,8 @@ def run_mode(mode: str, lengths: list[int], args: argparse.Namespace, vocab: int
     """One mesh in ``mode``; every length; always stopped. Errors are recorded, not raised."""
     work = Path(tempfile.mkdtemp(prefix=f"pd-overhead-{mode}-"))
     spec = MeshSpec(model=args.model, http_port=0, mode="agg" if mode == "agg" else "disagg",
-                    handoff="pull" if mode == "agg" else mode, max_model_len=4096,
+                    handoff="pull" if mode in ("agg", "toy") else mode,
+                    max_model_len=args.max_model_len,
                     kv_cache_gib=1.0, log_dir=work / "logs",
                     start_timeout_s=args.start_timeout)
     out: dict[str, Any] = {"mode": mode, "error": None, "log_dir": str(spec.log_dir),
@@ -227,14 +262,41 @@ def run_mode(mode: str, lengths: list[int], args: argparse.Namespace, vocab: int
                                     "max_model_len": spec.max_model_len,
                                     "kv_cache_gib": spec.kv_cache_gib,
                                     "block_size": spec.block_size}, "lengths": {}}
-    mesh = LocalMesh(spec)
+    mesh: LocalMesh | ToyPD
+    if mode == "toy":
+        from workers.main import resolve_model_path
+
+        path = resolve_model_path(args.model)
+        mesh = ToyPD(path, Path(path).name, spec.log_dir, max_model_len=spec.max_model_len,
+                     kv_cache_gib=spec.kv_cache_gib, block_size=spec.block_size,
+                     start_timeout_s=args.start_timeout,
+                     request_timeout_s=args.request_timeout)
+        out["mesh"] = {"mode": "toy: two vLLM OpenAI servers + proxy (bench.pd_overhead.toy)",
+                       "handoff": "pull", "max_model_len": spec.max_model_len,
+                       "kv_cache_gib": spec.kv_cache_gib, "block_size": spec.block_size}
+    else:
+        mesh = LocalMesh(spec)
+    stamps_dir = work / "stamps" if mode != "agg" else None
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     try:
         try:
-            url = mesh.start()
+            previous = os.environ.get(STAMPS_ENV)
+            if stamps_dir is not None:  # inherited by the engines at their spawn
+                os.environ[STAMPS_ENV] = str(stamps_dir)
+            try:
+                url = mesh.start()
+            finally:
+                if previous is None:
+                    os.environ.pop(STAMPS_ENV, None)
+                else:
+                    os.environ[STAMPS_ENV] = previous
+            if mode == "toy":
+                out["mesh"]["kv_transfer_config"] = mesh.kv_configs  # type: ignore[union-attr]
+                out["mesh"]["pids"] = [c.pid for c in mesh.children]
         except Exception as exc:
             out["error"] = f"mesh failed to start: {type(exc).__name__}: {exc}"
+            out["log_tails"] = _log_tails(mesh)
             return out
         out["start_s"] = time.perf_counter() - t0
         out["url"] = url
@@ -244,7 +306,7 @@ def run_mode(mode: str, lengths: list[int], args: argparse.Namespace, vocab: int
         out["served_model"] = model
         for n in lengths:
             t1 = time.perf_counter()
-            res = run_length(url, model, n, mode, args, rng, vocab)
+            res = run_length(url, model, n, mode, args, rng, vocab, stamps_dir)
             res["wall_s"] = time.perf_counter() - t1
             out["lengths"][str(n)] = res
             med = (res.get("ttft_s") or {}).get("median")
@@ -281,9 +343,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, tiny or a model folder")
     p.add_argument("--lengths", default="128,256,512,1024,2048", help="prompt lengths")
     p.add_argument("--reps", type=int, default=3, help="timed requests per length and mode")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of agg,pull,push")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of agg,pull,push,toy")
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="every engine's max_model_len (the tiny model's limit is 2048)")
     p.add_argument("--anchor-iters", type=int, default=10, help="NIXL READs per size")
     p.add_argument("--request-timeout", type=float, default=150.0,
                    help="seconds per timed request (above the frontend's 120 s push timeout)")
@@ -296,8 +360,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.length_list = _ints(args.lengths)
     args.mode_list = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not args.length_list or min(args.length_list) < 1 or max(args.length_list) > 4000:
-        p.error("--lengths must be in [1, 4000] (max_model_len is 4096)")
+    limit = args.max_model_len - args.max_tokens
+    if not args.length_list or min(args.length_list) < 1 or max(args.length_list) > limit:
+        p.error(f"--lengths must be in [1, {limit}] (--max-model-len - --max-tokens)")
     if unknown := set(args.mode_list) - set(MODES):
         p.error(f"unknown modes {sorted(unknown)}; known: {MODES}")
     if args.reps < 1:
@@ -319,8 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     if anchor["error"]:
         print(f"anchor FAILED: {anchor['error']}", file=sys.stderr, flush=True)
     modes: dict[str, dict[str, Any]] = {}
-    for i, mode in enumerate(args.mode_list):
-        modes[mode] = run_mode(mode, args.length_list, args, geo["vocab_size"], args.seed + i)
+    for mode in args.mode_list:  # the same prompts in every mode (fresh engines each)
+        modes[mode] = run_mode(mode, args.length_list, args, geo["vocab_size"], args.seed)
         if modes[mode]["error"]:
             print(f"[{mode}] FAILED: {modes[mode]['error'][:1500]}", file=sys.stderr,
                   flush=True)
@@ -348,6 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     report["png"] = "pd_overhead.png" if plot(report, out / "pd_overhead.png") else None
     (out / "pd_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows, args.mode_list))
+    print(stage_table(args.length_list, modes))
     for name, err in report["errors"].items():
         print(f"{name} FAILED: {err.splitlines()[0] if err else err}")
     print(f"wrote {out / 'pd_overhead.json'} in {report['wall_s']:.0f} s")

@@ -1,0 +1,112 @@
+"""bench.pd_overhead.stages: the stage points and segments of one P/D request, from
+workers.kv.nixl_quiet's stamps; and the report's stage table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench.pd_overhead.report import stage_table
+from bench.pd_overhead.stages import (
+    SEGMENTS,
+    load_stamps,
+    request_points,
+    segment_medians,
+    segments,
+)
+
+SENT = 1000.0
+
+
+def _stamps(d_req: str = "cmpl-d", p_req: str = "cmpl-p", base: float = SENT) -> list[dict]:
+    """One pull handoff: P 10-50 ms, D 60 ms on, READ polled twice, handshake first."""
+    def s(dt: float, ev: str, req: str | None, **kw: object) -> dict:
+        return {"t": base + dt, "ev": ev, "req": req, "pid": 1, **kw}
+
+    return [
+        s(0.011, "p_seen", p_req, arrival=base + 0.010),
+        s(0.050, "p_finished", p_req),
+        s(0.061, "d_seen", d_req, arrival=base + 0.060),
+        s(0.062, "d_admitted", d_req, external=63),
+        s(0.063, "w_handshake_start", None, engine="P1"),
+        s(0.070, "w_handshake_done", None, engine="P1"),
+        s(0.071, "w_start_load", d_req),
+        s(0.072, "w_read_posted", d_req, posted=True),
+        s(0.073, "w_poll", None, pending=[d_req]),
+        s(0.074, "w_poll", None, pending=[d_req, "other"]),
+        s(0.075, "w_xfer", None, xfer_us=500, post_us=20, bytes=4096),
+        s(0.076, "w_recv_done", d_req, failed=False),
+        s(0.077, "d_recv_reported", d_req),
+        s(0.080, "d_first_step_scheduled", d_req, tokens=1),
+        s(0.090, "d_first_step_done", d_req),
+        s(0.200, "d_finished", d_req),
+    ]
+
+
+def test_points_and_segments_of_one_request() -> None:
+    pts = request_points(_stamps(), SENT, SENT + 0.100, SENT + 0.200)
+    assert pts["d_req"] == "cmpl-d" and pts["p_req"] == "cmpl-p"
+    assert pts["p_arrival"] == pytest.approx(0.010)
+    assert pts["d_admitted"] == pytest.approx(0.062)
+    assert pts["read_posted"] == pytest.approx(0.072)
+    assert pts["recv_done"] == pytest.approx(0.076)
+    assert pts["first_step_done"] == pytest.approx(0.090)
+    assert pts["first_token"] == pytest.approx(0.100)
+    assert pts["read_polls"] == 2
+    assert pts["read_done_after"] == pytest.approx(0.074)
+    assert pts["handshake_s"] == pytest.approx(0.007)
+    assert pts["xfer_s"] == pytest.approx(0.0005)
+    seg = segments(pts)
+    assert seg["first_step"] == pytest.approx(0.010)
+    assert seg["to_client"] == pytest.approx(0.010)
+    assert sum(v for v in seg.values() if v is not None) == pytest.approx(0.100)
+
+
+def test_the_request_is_picked_by_its_arrival_window() -> None:
+    both = _stamps("d-early", "p-early") + _stamps("d-late", "p-late", base=SENT + 1.0)
+    both.sort(key=lambda r: r["t"])
+    pts = request_points(both, SENT + 1.0, SENT + 1.1, SENT + 1.2)
+    assert pts["d_req"] == "d-late" and pts["p_req"] == "p-late"
+    assert pts["read_polls"] == 2  # the other request's polls are not counted
+
+
+def test_missing_stages_are_none_not_guessed() -> None:
+    pts = request_points([], SENT, SENT + 0.1, SENT + 0.2)  # e.g. agg: nothing stamped
+    assert pts["d_req"] is None and pts["read_posted"] is None
+    seg = segments(pts)
+    assert set(seg) == {s[0] for s in SEGMENTS}
+    assert all(v is None for v in seg.values())
+    assert segment_medians([seg, seg]) == dict.fromkeys(seg)
+
+
+def test_medians_skip_missing_values() -> None:
+    a = {s[0]: None for s in SEGMENTS} | {"read": 0.002}
+    b = {s[0]: None for s in SEGMENTS} | {"read": 0.004, "first_step": 0.01}
+    med = segment_medians([a, b])
+    assert med["read"] == pytest.approx(0.003)
+    assert med["first_step"] == pytest.approx(0.01)
+    assert med["to_p"] is None
+
+
+def test_load_stamps_skips_torn_lines(tmp_path: Path) -> None:
+    recs = _stamps()
+    (tmp_path / "stamps-1.jsonl").write_text(
+        "\n".join(json.dumps(r) for r in recs[:3]) + '\n{"t": 1, "ev"')
+    (tmp_path / "stamps-2.jsonl").write_text(json.dumps(recs[3]) + "\n")
+    (tmp_path / "other.txt").write_text("not stamps")
+    got = load_stamps(tmp_path)
+    assert [r["ev"] for r in got] == [r["ev"] for r in recs[:4]]
+    assert load_stamps(tmp_path / "missing") == []
+
+
+def test_stage_table_lists_stamped_modes_only() -> None:
+    med = segment_medians([segments(request_points(_stamps(), SENT, SENT + 0.1,
+                                                   SENT + 0.2))])
+    modes: dict[str, dict[str, Any]] = {"agg": {"lengths": {"64": {}}},
+             "pull": {"lengths": {"64": {"stages_median_s": med}}}}
+    text = stage_table([64], modes)
+    assert "pull" in text and " agg " not in text
+    assert stage_table([64], {"agg": modes["agg"]}) == ""
