@@ -163,8 +163,10 @@ async def sgl_overlap(fleet: AggFleet, tokens: list[int]) -> int:
                  if o.worker_id == fleet.sgl.relay.worker_id), 0)
 
 
-async def test_repeated_prefix_goes_to_the_sglang_holder(agg: AggFleet) -> None:
+async def test_repeated_prefix_goes_to_the_sglang_holder(
+        agg: AggFleet, spans: InMemorySpanExporter) -> None:
     for seed in (11, 12):
+        spans.clear()
         head = prompt(seed, 4 * BLOCK)
         await worker_run(agg.sgl.server.address, f"hold-{seed}", [*head, 7, 8, 9], greedy(2))
 
@@ -173,7 +175,10 @@ async def test_repeated_prefix_goes_to_the_sglang_holder(agg: AggFleet) -> None:
 
         await wait_for(indexed, 15, "the indexer to hold SGLang's blocks of the first request")
         body = await complete(agg.frontend.base_url, [*head, 21, 22, 23])
-        assert cached(body) == 4 * BLOCK, body  # only the SGLang worker holds the prefix
+        routes = [dict(r.attributes or {}) for r in spans.get_finished_spans()
+                  if r.name == "router.route"]
+        # only the SGLang worker holds the prefix
+        assert cached(body) == 4 * BLOCK, (body.get("usage"), routes, agg.sgl.engine.load())
 
 
 def index_view(fleet: AggFleet) -> dict[str, frozenset[int]]:
