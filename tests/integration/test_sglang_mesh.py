@@ -345,6 +345,15 @@ async def test_killing_p_fails_cleanly_and_leaves_d_quiet(pd: PdFleet) -> None:
         assert after.json()["error"]["message"], after.text
     await wait_quiet(pd.d.server.address)
     await wait_for(lambda: not live_members(child.pid), 30, "P's process group to be gone")
+    # SGLang's load-snapshot file of P, seen while it ran, goes with P's engine
+    shm = set(pd.p.engine._shm_files)  # type: ignore[attr-defined]
+    assert shm and all(p.startswith("/dev/shm/sglang_loads_") for p in shm), shm
+    await pd.p.engine.shutdown()
+    assert not existing(shm)
+
+
+def existing(paths: set[str]) -> list[str]:
+    return [p for p in paths if os.path.exists(p)]
 
 
 def live_members(pgid: int) -> list[int]:

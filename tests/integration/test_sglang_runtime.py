@@ -4,6 +4,7 @@ the same tokens streamed and not streamed. Skipped when ``.sglvenv`` is not buil
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ import pytest
 
 from services.common.procs import Child, free_port, spawn
 from tests.waiting import wait_for
+from workers.engines.sglang.engine import mapped_shm_files
 from workers.engines.sglang.server import ServerSpec, server_command, sglang_python
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,10 +33,15 @@ def server(tiny_model: str, tmp_path: Path) -> Iterator[tuple[str, Child]]:
     argv, env = server_command(
         ServerSpec(model_path=tiny_model, port=port, role="agg", max_total_tokens=2048), REPO)
     child = spawn("sglang-agg", argv, tmp_path, env={**os.environ, **env})
+    shm: set[str] = set()
     try:
         yield f"http://127.0.0.1:{port}", child
     finally:
+        shm |= mapped_shm_files(child.pid)
         child.stop()
+        for path in shm:  # SGLang's load-snapshot file (the engine unlinks it likewise)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
     assert not child.alive()
 
 

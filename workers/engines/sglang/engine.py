@@ -58,7 +58,9 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   :data:`DEATH_POLL_S`), its exit code and log tail; every live stream then fails with
   :class:`EngineDeadError`, as does every later ``generate``.
 - ``shutdown()``: stops the pollers, closes the HTTP client, then SIGTERMs the child's
-  process group by its pid (SIGKILL after :data:`STOP_GRACE_S`). Idempotent.
+  process group by its pid (SIGKILL after :data:`STOP_GRACE_S`) and unlinks SGLang's
+  ``/dev/shm`` load-snapshot files the group mapped (:func:`mapped_shm_files`; SGLang's
+  own SIGKILL teardown leaves them). Idempotent.
 """
 
 from __future__ import annotations
@@ -379,6 +381,7 @@ class SglangEngine(Engine):
     def __init__(self, config: SglangEngineConfig) -> None:
         self.config = config
         self._child: Child | None = None
+        self._shm_files: set[str] = set()  # SGLang's load-snapshot files (see _kill)
         self._client: httpx.AsyncClient | None = None
         self._info: EngineInfo | None = None
         self._load = EngineLoad()
@@ -454,6 +457,7 @@ class SglangEngine(Engine):
                                          timeout=httpx.Timeout(30.0, read=None))
         try:
             await self._wait_healthy(t0 + c.start_timeout_s)
+            self._shm_files |= mapped_shm_files(self._child.pid)
             self._load = load_of(await self._get_json("/v1/loads"), c.page_size)
         except BaseException:
             await self._kill()
@@ -662,7 +666,11 @@ class SglangEngine(Engine):
         child = self._child
         if child is None:
             return
+        self._shm_files |= mapped_shm_files(child.pid)
         await asyncio.to_thread(_stop_group, child)
+        for path in self._shm_files:  # SGLang's SIGKILL teardown skips the unlink
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     async def shutdown(self) -> None:
         if self._closed:
@@ -676,6 +684,34 @@ class SglangEngine(Engine):
         if client is not None:
             await client.aclose()
         await self._kill()
+
+
+SHM_PREFIX = "/dev/shm/sglang_loads_"
+
+
+def mapped_shm_files(pgid: int) -> set[str]:
+    """The SGLang load-snapshot files (``/dev/shm/sglang_loads_*``, one per server) that
+    the processes of group ``pgid`` map now, from ``/proc/<pid>/maps``. SGLang tears its
+    processes down with SIGKILL, which skips their unlink, so the engine unlinks them after
+    stopping the group (each is named after the server's own IPC socket: no other server
+    shares it)."""
+    found: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # pid (comm) state ppid pgrp ...: comm may hold spaces, split after ')'
+                if int(f.read().rsplit(")", 1)[1].split()[2]) != pgid:
+                    continue
+            with open(f"/proc/{entry}/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and parts[5].startswith(SHM_PREFIX):
+                        found.add(parts[5].rstrip("\n"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def _stop_group(child: Child) -> None:
