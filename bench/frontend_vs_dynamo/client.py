@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.mesh_profile.run import prompt_text
+from bench.mesh_profile.run import prompt_text, run_clients
 
 
 def body(model: str, i: int, words: int, max_tokens: int) -> dict[str, Any]:
@@ -104,24 +104,12 @@ async def closed_loop(url: str, model: str, n: int, concurrency: int, words: int
                       timeout_s: float = 60.0) -> dict[str, Any]:
     """See the module docstring."""
     tally = _Tally()
-    next_i = 0
 
-    async def client(http: httpx.AsyncClient) -> None:
-        nonlocal next_i
-        while next_i < n:
-            i = next_i
-            next_i += 1
-            await tally.one(http, url, body(model, offset + i, words, max_tokens))
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        await tally.one(http, url, body(model, offset + i, words, max_tokens))
 
-    clients = [httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1))
-               for _ in range(concurrency)]
-    t0 = time.perf_counter()
-    try:
-        await asyncio.gather(*(client(c) for c in clients))
-    finally:
-        for c in clients:
-            await c.aclose()
-    return summary(n, tally.lat, tally.errors, tally.tokens, time.perf_counter() - t0)
+    wall = await run_clients(n, concurrency, one, timeout_s)
+    return summary(n, tally.lat, tally.errors, tally.tokens, wall)
 
 
 async def open_loop(url: str, model: str, n: int, rate: float, words: int,

@@ -47,7 +47,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,12 +104,12 @@ def prompt_text(i: int, words: int) -> str:
                     + [own.choice(WORDS) + str(own.randrange(100)) for _ in range(words - head)])
 
 
-async def closed_loop(url: str, n: int, concurrency: int, words: int, max_tokens: int,
-                      stream: bool, offset: int) -> dict[str, Any]:
-    """``n`` requests from ``concurrency`` clients, each sending its next one when the last
-    is done; latency send → complete response."""
-    lat: list[float] = []
-    errors: list[str] = []
+async def run_clients(n: int, concurrency: int,
+                      one: Callable[[httpx.AsyncClient, int], Awaitable[None]],
+                      timeout_s: float = 60.0) -> float:
+    """A closed loop: ``concurrency`` clients (one connection each), each calling
+    ``one(client, i)`` for the next request index ``i`` (0 .. n-1) when its last one is
+    done. Returns the wall time in seconds."""
     next_i = 0
 
     async def client(http: httpx.AsyncClient) -> None:
@@ -117,24 +117,9 @@ async def closed_loop(url: str, n: int, concurrency: int, words: int, max_tokens
         while next_i < n:
             i = next_i
             next_i += 1
-            body = {"model": MODEL, "prompt": prompt_text(offset + i, words),
-                    "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-                    "stream": stream}
-            t0 = time.perf_counter()
-            try:
-                if stream:
-                    async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
-                        r.raise_for_status()
-                        async for _ in r.aiter_raw():
-                            pass
-                else:
-                    r = await http.post(f"{url}/v1/completions", json=body)
-                    r.raise_for_status()
-                lat.append(time.perf_counter() - t0)
-            except Exception as exc:  # noqa: BLE001 - counted, reported
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            await one(http, i)
 
-    clients = [httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=1))
+    clients = [httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1))
                for _ in range(concurrency)]
     t0 = time.perf_counter()
     try:
@@ -142,7 +127,35 @@ async def closed_loop(url: str, n: int, concurrency: int, words: int, max_tokens
     finally:
         for c in clients:
             await c.aclose()
-    wall = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+async def closed_loop(url: str, n: int, concurrency: int, words: int, max_tokens: int,
+                      stream: bool, offset: int) -> dict[str, Any]:
+    """``n`` requests from ``concurrency`` clients (:func:`run_clients`); latency send →
+    complete response."""
+    lat: list[float] = []
+    errors: list[str] = []
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        body = {"model": MODEL, "prompt": prompt_text(offset + i, words),
+                "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                "stream": stream}
+        t0 = time.perf_counter()
+        try:
+            if stream:
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    r.raise_for_status()
+                    async for _ in r.aiter_raw():
+                        pass
+            else:
+                r = await http.post(f"{url}/v1/completions", json=body)
+                r.raise_for_status()
+            lat.append(time.perf_counter() - t0)
+        except Exception as exc:  # noqa: BLE001 - counted, reported
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+
+    wall = await run_clients(n, concurrency, one)
     a = np.asarray(lat) if lat else np.asarray([np.nan])
     return {"requests": n, "ok": len(lat), "errors": len(errors),
             "first_errors": errors[:3], "wall_s": wall, "req_per_s": len(lat) / wall,
