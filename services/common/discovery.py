@@ -21,6 +21,7 @@ Contract:
   (default 10 s) unless its key is put or deleted meanwhile, so a wiped etcd does not
   empty the set until the owners re-register.
   Listeners registered with ``on_change`` are called after every applied change.
+- :func:`read_instance_records` reads a component's records once (tools, tests).
 - Security (:mod:`services.common.etcd_auth`): both take ``tls`` (the process's
   :class:`MeshTls`, or None). An ``https://host:port`` endpoint is dialled over mTLS with
   it (None there is a ValueError naming ``etcd_endpoint``); with etcd's auth on, the
@@ -96,6 +97,20 @@ def etcd_client(endpoint: str, tls: MeshTls | None = None) -> aetcd.Client:
         log.warning("etcd at %s is plaintext (no https:// endpoint): any process that reaches "
                     "it can read and write discovery records", endpoint)
     return aetcd.Client(host=host, port=port, timeout=5, options=opts)
+
+
+async def read_instance_records(endpoint: str, namespace: str, component: str,
+                                tls: MeshTls | None = None
+                                ) -> list[discovery_pb2.InstanceRecord]:
+    """Every ``component`` record under ``namespace`` in etcd now, in key order (one
+    connection, closed again; for tools and tests: services watch instead)."""
+    client = etcd_client(endpoint, tls)
+    try:
+        await client.connect()
+        kvs = await client.get_prefix(instances_prefix(namespace, component).encode())
+    finally:
+        await client.close()
+    return [discovery_pb2.InstanceRecord.FromString(kv.value) for kv in kvs]
 
 
 class Registration:

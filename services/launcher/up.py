@@ -651,8 +651,7 @@ class LocalMesh:
         within 5 s."""
         import asyncio
 
-        from protos import discovery_pb2
-        from services.common.discovery import etcd_client, instances_prefix
+        from services.common.discovery import read_instance_records
 
         assert self.etcd is not None
         address, tls = self.etcd.address, None
@@ -660,22 +659,8 @@ class LocalMesh:
             from services.common.tls import MeshTls
 
             tls = MeshTls.load(self.tls_dir, "admin")
-        prefix = instances_prefix(self.spec.namespace, component).encode()
-
-        async def read() -> list[Any]:
-            client = etcd_client(address, tls)
-            try:
-                await client.connect()
-                kvs = await client.get_prefix(prefix)
-            finally:
-                await client.close()
-            out = []
-            for kv in kvs:
-                rec = discovery_pb2.InstanceRecord()
-                rec.ParseFromString(kv.value)
-                out.append(rec)
-            return out
-        return asyncio.run(asyncio.wait_for(read(), 5))
+        return asyncio.run(asyncio.wait_for(read_instance_records(
+            address, self.spec.namespace, component, tls), 5))
 
     def registered(self, component: str) -> int:
         """How many ``component`` records are in etcd now (0 when etcd does not answer:

@@ -31,14 +31,13 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc
-from services.common.discovery import etcd_client, instances_prefix
+from services.common.discovery import etcd_client, instances_prefix, read_instance_records
 from services.common.etcd_auth import permission_denied
 from services.common.grpc_client import channel
 from services.common.procs import free_port, port_open
 from services.common.redis_conn import redis_client
 from services.common.tls import MeshTls
 from services.launcher.up import STATUS_FILE, health
-from tests.etcd_records import instance_records
 from tests.faults.table import FaultTable
 from tests.waiting import wait_for, wait_for_sync
 
@@ -241,7 +240,7 @@ def _group(pgid: int) -> set[int]:
 
 
 async def _encoders(mesh: Supervised) -> list[discovery_pb2.InstanceRecord]:
-    return await instance_records(mesh.address("etcd"), "kvmesh", "encoder", mesh.tls("admin"))
+    return await read_instance_records(mesh.address("etcd"), "kvmesh", "encoder", mesh.tls("admin"))
 
 
 @pytest.mark.vllm
@@ -317,7 +316,7 @@ async def test_kvmesh_up_epd_serves_images_through_a_supervised_encoder(
 # --- AFD: ``kvmesh up --afd --afd-attention 2`` (2A1F on the tiny model over shm).
 
 async def _worker_records(mesh: Supervised) -> list[discovery_pb2.InstanceRecord]:
-    return await instance_records(mesh.address("etcd"), "kvmesh", "worker", mesh.tls("admin"))
+    return await read_instance_records(mesh.address("etcd"), "kvmesh", "worker", mesh.tls("admin"))
 
 
 def _afd_steps(rec: discovery_pb2.InstanceRecord) -> float:
@@ -445,17 +444,7 @@ def supervised(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervised]
 
 
 async def worker_pids(etcd: str, tls: MeshTls) -> set[int]:
-    client = etcd_client(etcd, tls)
-    await client.connect()
-    try:
-        recs = []
-        for kv in await client.get_prefix(instances_prefix("kvmesh", "worker").encode()):
-            rec = discovery_pb2.InstanceRecord()
-            rec.ParseFromString(kv.value)
-            recs.append(rec.pid)
-        return set(recs)
-    finally:
-        await client.close()
+    return {r.pid for r in await read_instance_records(etcd, "kvmesh", "worker", tls)}
 
 
 def complete(url: str) -> str:

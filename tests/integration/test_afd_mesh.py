@@ -46,11 +46,10 @@ from protos import (
     worker_pb2_grpc,
 )
 from services.common.config import load_config
-from services.common.discovery import AFD_ATTENTION, AFD_FFN
+from services.common.discovery import AFD_ATTENTION, AFD_FFN, read_instance_records
 from services.common.procs import Child, spawn
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterApp, RouterConfig, start_router
-from tests.etcd_records import instance_records
 from tests.integration.conftest import base_args
 from tests.waiting import wait_for
 from workers.engines.afd.engine import AfdEngine, UnsplitExecutor
@@ -100,7 +99,7 @@ def worker_argv(etcd: str, *args: str, ns: str = NS, metrics_port: str = "0") ->
 
 async def records(etcd: str, ns: str = NS) -> dict[str, discovery_pb2.InstanceRecord]:
     """Every worker record of namespace ``ns`` in etcd, by instance id."""
-    return {r.instance_id: r for r in await instance_records(etcd, ns, "worker")}
+    return {r.instance_id: r for r in await read_instance_records(etcd, ns, "worker")}
 
 
 async def registered(mesh: AfdMesh) -> list[str]:

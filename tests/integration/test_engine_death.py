@@ -33,7 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from protos import common_pb2, discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.common import server as server_mod
 from services.common.config import BaseConfig, load_config
-from services.common.discovery import etcd_client, instances_prefix
+from services.common.discovery import read_instance_records
 from services.common.procs import Child, spawn
 from services.common.server import FATAL_EXIT, MeshServer, serve_main
 from tests.faults.table import FaultTable
@@ -83,16 +83,7 @@ def doomed_main(argv: Sequence[str]) -> int:
 # -- helpers -----------------------------------------------------------------------------
 
 async def etcd_records(etcd: str, component: str) -> dict[str, discovery_pb2.InstanceRecord]:
-    client = etcd_client(etcd)
-    try:
-        await client.connect()
-        out = {}
-        for kv in await client.get_prefix(instances_prefix(NS, component).encode()):
-            rec = discovery_pb2.InstanceRecord.FromString(kv.value)
-            out[rec.instance_id] = rec
-        return out
-    finally:
-        await client.close()
+    return {r.instance_id: r for r in await read_instance_records(etcd, NS, component)}
 
 
 async def registered(etcd: str, component: str, instance_id: str,

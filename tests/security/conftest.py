@@ -71,7 +71,7 @@ from protos import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.common.discovery import etcd_client, instances_prefix
+from services.common.discovery import etcd_client, instances_prefix, read_instance_records
 from services.common.grpc_client import channel, sync_channel
 from services.common.procs import Child, free_port, spawn
 from services.common.redis_conn import redis_client
@@ -308,16 +308,8 @@ async def instance_records(etcd: str, namespace: str, tls: MeshTls) -> dict[str,
         discovery_pb2.InstanceRecord]]:
     """Every instance record in etcd, by component (read with the admin certificate: etcd
     is mTLS with auth in a default mesh)."""
-    client = etcd_client(etcd, tls)
-    await client.connect()
-    try:
-        kvs = await client.get_prefix(instances_prefix(namespace).encode())
-    finally:
-        await client.close()
     out: dict[str, list[discovery_pb2.InstanceRecord]] = {}
-    for kv in kvs:
-        rec = discovery_pb2.InstanceRecord()
-        rec.ParseFromString(kv.value)
+    for rec in await read_instance_records(etcd, namespace, "", tls):
         out.setdefault(rec.component, []).append(rec)
     return out
 
