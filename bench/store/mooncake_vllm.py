@@ -36,8 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.process import run_and_exit
 from bench.store.mooncake_peer import free_port, start_master, stop
-from bench.store.run import exit_after
 
 
 def mooncake_site(python: str) -> Path:
@@ -119,4 +119,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    exit_after(main)
+    run_and_exit(main)

@@ -69,7 +69,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +76,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.process import run_and_exit
 from bench.tls_cost import (
     TLS_FLAG,
     connect_times_sync,
@@ -670,19 +670,6 @@ def main() -> int:
     return asyncio.run(amain(args))
 
 
-def exit_after(main_fn: Callable[[], int]) -> None:
-    """Runs ``main_fn`` then ends the process with ``os._exit`` (NIXL may crash at exit)."""
-    code = 1
-    try:
-        code = main_fn()
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 def entry() -> None:
-    """Process entry: :func:`main` under :func:`exit_after`."""
-    exit_after(main)
+    """Process entry: :func:`main` through :func:`bench.process.run_and_exit`."""
+    run_and_exit(main)
