@@ -58,8 +58,12 @@ Contract of :class:`RouterCore`:
   tokens (:func:`~services.router.policies.ttft.uncached_tokens`: prompt − its predicted
   overlap · block size) as ``WorkerState.pending_prefill_tokens`` until the prefill is
   over: ``release_prefill(request_id)`` (the first token arrived; idempotent) or
-  ``release(request_id)``. ``pending_prefill()`` lists the totals per worker; they are
-  never negative, and a vanished worker's entries are dropped.
+  ``release(request_id)``. For a disaggregated request ``release_prefill`` also ends
+  P's share of it: P stops counting it as in flight and its blocks as active (P's part is
+  over; counting it until the decode ends made every busy P look full, so conditional
+  disaggregation's queue check sent the prompts to D). ``pending_prefill()`` lists the
+  totals per worker; they are never negative, and a vanished worker's entries are
+  dropped.
 - Overlap predictions: ``ctx.overlaps`` when the service gives it (the indexer's answer,
   per worker, with tiers; absent workers hold nothing), else :class:`PrefixHistory` (the
   router's own decisions, counted as device blocks). ``ctx.block_hashes`` may carry the
@@ -619,6 +623,11 @@ class RouterCore:
     def release_prefill(self, request_id: str) -> bool:
         """The request's prefill is over: its uncached tokens stop counting as the
         worker's pending prefill. False when nothing was pending for it."""
+        flight = self._in_flight.get(request_id)
+        if flight is not None and len(flight.workers) > 1:  # P/D: (D, P); P's part is over
+            self._in_flight[request_id] = dataclasses.replace(flight,
+                                                              workers=flight.workers[:1])
+            self._stale.add(flight.workers[1][0])
         entry = self._prefills.pop(request_id, None)
         if entry is None:
             return False

@@ -136,3 +136,23 @@ def test_decision_functions() -> None:
     assert decode_first_needs_prefill(40, 1, 32, 16) == (False, "local prefill on D: 8 tokens "
                                                          "not cached on D < 16")
     assert DisaggConfig(order="sideways").problems()
+
+
+def test_prefill_done_ends_ps_share_so_its_queue_empties() -> None:
+    """P's part of a disaggregated request ends at ``release_prefill``: counting it until
+    the decode ended made a busy P look full, and conditional disaggregation then sent
+    every prompt to D (the P/D collapse of issue 18)."""
+    c = core(prefill_max_queue=2)
+    c.set_workers([w("p1", "prefill"), w("d1", "decode")])
+    for i in range(2):
+        assert c.route(ctx(f"r{i}", 300, 10_000 * (i + 1))).disaggregated
+        assert c.release_prefill(f"r{i}")  # P is done; both still decode on D
+    assert c.in_flight() == {"d1": 2}
+    assert c.active_blocks() == {"d1": 2 * 10}
+    plan = c.route(ctx("r2", 300, 50_000))
+    assert plan.disaggregated, plan.reason  # P's queue is empty: no bypass
+    assert c.in_flight() == {"d1": 3, "p1": 1}
+    c.route(ctx("r3", 300, 60_000))  # two in P's prefill now: P is full
+    assert not c.route(ctx("r4", 300, 70_000)).disaggregated
+    assert c.release("r0") and not c.release_prefill("r0")
+    assert c.in_flight() == {"d1": 4, "p1": 2}
