@@ -20,7 +20,17 @@ Contract:
   nothing else changes.
 - ``NixlConnector`` / ``NixlPullConnector`` / ``NixlPushConnector``: vLLM's classes, so
   ``kv_connector`` keeps vLLM's names. Without ``KVMESH_PD_STAMPS`` in the EngineCore's
-  environment they behave exactly as vLLM's (every hook is a plain pass-through).
+  environment they behave exactly as vLLM's (every hook is a plain pass-through), but for
+  one cap on the pull side:
+- **D loads at most what P holds** (``NixlPullConnector.get_num_new_matched_tokens``):
+  vLLM 0.32's D asks to load its whole prompt from P (``_get_remote_prefill_token_count``)
+  and then recomputes the last token. When the frontend sends P's sampled token as the
+  first token, D's prompt is P's prompt + that token, one longer than the KV P holds
+  (``remote_num_tokens``); uncapped, D would READ a block P never filled (or one more
+  block than P sent) and cache it. Capped at ``remote_num_tokens``, D loads exactly P's
+  tokens and its first step computes the last prompt token (P's), sampling the second.
+  When D's prompt is P's (``remote_num_tokens`` = its length) the cap changes nothing;
+  without ``remote_num_tokens`` vLLM's count stands.
 - **Stage stamps** (``KVMESH_PD_STAMPS=<folder>``, a benchmark's opt-in): each EngineCore
   process appends one JSON object per line to ``<folder>/stamps-<pid>.jsonl``:
   ``{"t": time.time(), "ev": ..., "req": vLLM request id or null, "pid": ...}`` plus
@@ -261,8 +271,29 @@ class _Stamped:
         return res
 
 
+def capped_match(result: Any, params: Any, num_computed_tokens: int) -> Any:
+    """vLLM's ``(count, async)`` for D, capped at the ``remote_num_tokens`` P holds (see
+    the module docstring); any other result, or no cap to apply, is returned as it is."""
+    if not params or not params.get("do_remote_prefill"):
+        return result
+    held = params.get("remote_num_tokens")
+    if not isinstance(held, int) or held <= 0 or not isinstance(result, tuple):
+        return result
+    count, is_async = result
+    if not isinstance(count, int) or count <= held - num_computed_tokens:
+        return result
+    left = held - num_computed_tokens
+    return (left, is_async) if left > 0 else (0, False)
+
+
 class NixlPullConnector(_Stamped, _VllmPull):
-    """vLLM's pull (READ) connector; NIXL agent without progress thread; stage stamps."""
+    """vLLM's pull (READ) connector; NIXL agent without progress thread; stage stamps;
+    D loads at most the tokens P holds."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Any:
+        return capped_match(
+            super().get_num_new_matched_tokens(request, num_computed_tokens),
+            getattr(request, "kv_transfer_params", None), num_computed_tokens)
 
 
 class NixlPushConnector(_Stamped, _VllmPush):
