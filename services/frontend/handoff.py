@@ -20,8 +20,22 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
   engines derive the same ``bootstrap_room`` from the request id. P gets the same
   sampling as D (but :data:`D_DROPPED`) and keeps its ``max_tokens``: SGLang's D
   continues from the first token P sampled, which P sends with the KV.
+- **P's token first** (pull; :func:`p_token_first`): when the request's sampling does not
+  depend on anything P does not see (no grammar, logprobs, biases, penalties on the output,
+  ``min_tokens``, bad or allowed words, stop strings or images, no seed with a temperature,
+  ``max_tokens`` ≥ 2) and the model's EOS ids are known (``Request.first_token_stops``),
+  the one token P sampled goes out at once as the first chunk (text as P's detokenizer
+  spelled it), and D is called with prompt + that token and ``max_tokens`` − 1: D loads
+  the prompt's KV (capped at P's ``remote_num_tokens``, :mod:`workers.kv.nixl_quiet`)
+  and its first step computes the second token instead of recomputing the first. The
+  client's TTFT is then P's. Not when P's token is an EOS (unless ``ignore_eos``) or a
+  stop token id, spells no text or an incomplete character, P held KV for another count
+  of tokens than the prompt, or P sent more than one token: then D recomputes as below.
+  D's finish chunk is counted as the client sees it (prompt − 1, completion + 1), as
+  after a migration. Push-like modes never do this (D is called before P's token exists).
 - Sampling (P/D): P's request drops :data:`P_DROPPED` (``structured``, ``logprobs``,
-  ``logit_bias``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``): P's one token
+  ``logit_bias``, ``min_tokens``, ``bad_words``, ``allowed_token_ids``, ``stop``,
+  ``stop_token_ids``): P's one token
   is discarded and D generates every output token from the prompt's KV (recomputing
   the last prompt token), so grammar state, logprobs, biases and penalties all start
   on D and equal the aggregated run's.
@@ -124,6 +138,9 @@ class Request:
     # needs them) and E's embeddings (only the worker that prefills reads them).
     images: Sequence[worker_pb2.ImageItem] = ()
     embeddings: Sequence[encoder_pb2.EmbeddingDescriptor] = ()
+    # The model's EOS ids (the tokenizer's and generation_config's); None: unknown, and
+    # P's token is never sent as the first token (see p_token_first).
+    first_token_stops: frozenset[int] | None = None
 
     def generate_request(self, *, embeddings: bool = True,
                          sampling: common_pb2.SamplingParams | None = None
@@ -141,12 +158,42 @@ def _finished(resp: worker_pb2.GenerateResponse) -> bool:
 
 
 # Sampling fields P never gets: its one token is discarded (D generates every output token
-# from the prompt's KV, so grammar state, logprobs and biases start on D), and min_tokens
-# would exceed P's max_tokens=1.
+# from the prompt's KV, so grammar state, logprobs and biases start on D) or checked by the
+# frontend (p_token_first), min_tokens would exceed P's max_tokens=1, and a stop token or
+# string would end P "stopped", not length-capped, so that vLLM's P would hand no KV over.
 P_DROPPED = ("structured", "logprobs", "logit_bias", "min_tokens", "bad_words",
-             "allowed_token_ids")
+             "allowed_token_ids", "stop", "stop_token_ids")
 # ... and D never gets: D loads the prompt's KV and computes no prompt position (P does).
 D_DROPPED = ("prompt_logprobs",)
+
+
+def p_token_first(req: Request) -> bool:
+    """Whether P's sampled token may be the request's first token (pull), as far as the
+    request says; see the module docstring. The token itself is checked when it comes."""
+    s = req.sampling
+    if req.first_token_stops is None or req.images or s.max_tokens < 2:
+        return False
+    if (s.HasField("structured") or s.HasField("logprobs") or s.logit_bias or s.min_tokens
+            or s.bad_words or s.allowed_token_ids or s.stop
+            or s.presence_penalty or s.frequency_penalty):
+        return False
+    # a seeded sampler's state after one draw cannot be carried from P to D
+    return not (s.HasField("seed") and (not s.HasField("temperature") or s.temperature > 0))
+
+
+def _first_chunk(req: Request, tokens: Sequence[int], text: str,
+                 last: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse | None:
+    """The chunk of P's token when it goes out first (``p_token_first`` holds), else None."""
+    stops = set(req.sampling.stop_token_ids)
+    if not req.sampling.ignore_eos:
+        stops |= req.first_token_stops or frozenset()
+    held = last.kv_transfer
+    if (len(tokens) != 1 or tokens[0] in stops or not text or text.endswith("\ufffd")
+            or (held.HasField("remote_num_tokens")
+                and held.remote_num_tokens != len(req.token_ids))):
+        return None
+    return worker_pb2.GenerateResponse(token_ids=tokens, text=text,
+                                       worker_id=last.worker_id)
 
 
 def _sampling_without(req: Request, names: Sequence[str]) -> common_pb2.SamplingParams:
@@ -175,11 +222,15 @@ def _prefill_request(req: Request, mode: str) -> worker_pb2.GenerateRequest:
     return p_req
 
 
-def _decode_request(req: Request, params: worker_pb2.KvTransferParams) -> (
-        worker_pb2.GenerateRequest):
-    # D gets the prompt's KV from P, and the full sampling but D_DROPPED
+def _decode_request(req: Request, params: worker_pb2.KvTransferParams,
+                    p_token: int | None = None) -> worker_pb2.GenerateRequest:
+    # D gets the prompt's KV from P, and the full sampling but D_DROPPED; with p_token
+    # (P's token went out first) it continues from prompt + p_token
     d_req = req.generate_request(embeddings=False,
                                  sampling=_sampling_without(req, D_DROPPED))
+    if p_token is not None:
+        d_req.token_ids.append(p_token)
+        d_req.sampling.max_tokens -= 1
     d_req.kv_transfer.CopyFrom(params)
     d_req.kv_transfer.do_remote_prefill = True
     d_req.kv_transfer.do_remote_decode = False
@@ -227,6 +278,7 @@ class _Run:
                                      and req.sampling.HasField("prompt_logprobs"))
         self.p_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
         self.p_settled = asyncio.Event()
+        self.p_token: int | None = None  # P's token went out first: D continues after it
         self.first_out = True
         self.tasks: dict[str, asyncio.Task[None]] = {}  # the latest of each name
         self.started: list[asyncio.Task[None]] = []  # all, re-armed timers included
@@ -306,6 +358,9 @@ class _Run:
                                    instance_id=p.instance_id, address=p.address)
             resp.prompt_logprobs.extend(self.p_prompt_logprobs)
         self.first_out = False
+        if self.p_token is not None and _finished(resp):  # D's prompt held P's token
+            resp.usage.prompt_tokens -= 1
+            resp.usage.completion_tokens += 1
         if self.mode != "agg" and _finished(resp):
             # The client's cached_tokens are the prompt tokens nobody had to compute: P's
             # prefix hits. D's count (with the KV it received) stays in the decode span.
@@ -351,9 +406,13 @@ class _Run:
                 call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
                     _prefill_request(self.req, mode), timeout=WORKER_TIMEOUT_S)
                 last: worker_pb2.GenerateResponse | None = None
+                tokens: list[int] = []
+                text: list[str] = []
                 try:
                     async for resp in call:
                         last = resp
+                        tokens += resp.token_ids
+                        text.append(resp.text)
                         if resp.prompt_logprobs and not self.p_prompt_logprobs:
                             self.p_prompt_logprobs = list(resp.prompt_logprobs)
                 finally:
@@ -364,7 +423,15 @@ class _Run:
                     event = hm.PrefillFailed("returned no KV handoff parameters")
                 else:
                     span.set_attribute("kvmesh.p_hit_tokens", last.usage.cached_tokens)
-                    event = hm.PrefillDone(last)
+                    first = (_first_chunk(self.req, tokens, "".join(text), last)
+                             if mode not in PUSH_LIKE and p_token_first(self.req) else None)
+                    span.set_attribute("kvmesh.first_token_from_prefill", first is not None)
+                    if first is not None:
+                        self.p_token = tokens[0]
+                    if mode not in PUSH_LIKE:
+                        self.metrics.first_token.labels(
+                            "decode" if first is None else "prefill").inc()
+                    event = hm.PrefillDone(last, first)
                 if isinstance(event, hm.PrefillFailed):
                     span.set_status(Status(StatusCode.ERROR, event.reason))
         except Exception as exc:  # every failure becomes an event
@@ -392,7 +459,7 @@ class _Run:
             "kvmesh.p_hit_tokens": p_cached,
             "kvmesh.p_held_blocks": held_blocks(params) if p_last is not None else 0,
             "kvmesh.predicted_d_cached_tokens": _predicted_tokens(self.route, False)})
-        await self._stream(choice, _decode_request(req, params), xfer)
+        await self._stream(choice, _decode_request(req, params, self.p_token), xfer)
 
     async def _stream(self, choice: router_pb2.WorkerChoice,
                       d_req: worker_pb2.GenerateRequest, xfer: trace.Span | None) -> None:

@@ -10,8 +10,9 @@ Contract of :meth:`HandoffMachine.start` / :meth:`HandoffMachine.handle` (each r
 effects to execute, in order):
 
 - ``agg``: one call (the "decode" call, stage ``agg``): ``start`` → ``StartDecode(None)``.
-- ``pull``: ``start`` → ``StartPrefill``; ``PrefillDone(result)`` → ``StartDecode(result)``;
-  ``PrefillFailed`` → ``Fail("prefill")``.
+- ``pull``: ``start`` → ``StartPrefill``; ``PrefillDone(result)`` → ``StartDecode(result)``,
+  preceded by ``EmitChunk(first)`` when P's token is the request's first token
+  (``PrefillDone.first``); ``PrefillFailed`` → ``Fail("prefill")``.
 - ``push``: ``start`` → ``StartDecode(None)``, ``StartPrefill``, ``ArmTimeout(1)``: D and P
   run at the same time and D waits for P's WRITE. Until D's first chunk, ``PrefillFailed``
   ends the request (``CancelDecode``, ``Fail("prefill")``: D would wait forever) and a
@@ -45,9 +46,12 @@ MODES = ("agg", "pull", "push")
 
 @dataclass(frozen=True)
 class PrefillDone:
-    """P's call finished well; ``result`` is its last response."""
+    """P's call finished well; ``result`` is its last response. ``first`` (pull only): the
+    chunk of P's sampled token when it goes out as the request's first token (D then
+    continues from prompt + that token), else None."""
 
     result: object
+    first: object = None
 
 
 @dataclass(frozen=True)
@@ -306,7 +310,8 @@ class HandoffMachine:
             if self.mode == "pull":
                 self.phase = Phase.WAIT_FIRST
                 self.decode = Call.RUNNING
-                return [StartDecode(event.result)]
+                first: list[Effect] = [] if event.first is None else [EmitChunk(event.first)]
+                return [*first, StartDecode(event.result)]
             return self._release_held() if self._holding else []
         self.prefill = Call.FAILED
         if self.mode == "pull" or self.phase is Phase.WAIT_FIRST:

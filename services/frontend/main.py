@@ -113,6 +113,14 @@ class FrontendConfig(BaseConfig, ImageFlags):
                     "(re-sending prompt + tokens so far); 0: never"}
     )
 
+    first_token_from_prefill: bool = dataclasses.field(
+        default=True, metadata={
+            "help": "pull P/D: send P's sampled token as the first token and let D continue "
+                    "after it (TTFT is P's; D computes the second token instead of "
+                    "recomputing the first), where the sampling allows; false: D "
+                    "generates every token"}
+    )
+
     api_keys: str = dataclasses.field(
         default="", metadata={"help": "comma-separated API keys clients send as "
                                       "'Authorization: Bearer <key>' (also --api-key K, "
@@ -287,6 +295,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     if cfg.router == "embedded":  # the router in this process, called without a channel
         embedded = await start_embedded_router(cfg.embedded_router_config())
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
+                        first_token_from_prefill=cfg.first_token_from_prefill,
                         router_stub=embedded.stub if embedded is not None else None,
                         tls=tls, image_limits=dataclasses.replace(
                             cfg.limits(), remote_urls=cfg.allow_remote_images),

@@ -96,6 +96,10 @@ class FrontendMetrics:
         self.transfer = Histogram("kvmesh_kv_transfer_seconds",
                                   "D call until its first token", ["mode"], buckets=_BUCKETS,
                                   registry=r)
+        self.first_token = Counter("kvmesh_pd_first_token",
+                                   "Pull-mode disaggregated requests by the worker whose "
+                                   "token went out first: prefill (P's sampled token) or "
+                                   "decode (D recomputed it)", ["source"], registry=r)
         self.blocks = Counter("kvmesh_kv_transfer_blocks", "Blocks P held for D", ["mode"],
                               registry=r)
         self.p_hit = Counter("kvmesh_prefill_hit_tokens", "Prefix-cache hits on P",

@@ -10,8 +10,10 @@ Contract:
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
   and returns a :class:`Tokenizer`; ``loaded_tokenizer(info)`` returns it only if it is
   loaded already (None otherwise), without blocking.
-- :class:`Tokenizer` encodes prompts, spells tokens as vLLM's log-probabilities do
-  (``token_texts``) and renders chat messages with the model's own chat
+- :class:`Tokenizer` encodes prompts, names the model's EOS ids as vLLM takes them
+  (``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s), spells
+  tokens as vLLM's log-probabilities do (``token_texts``) and renders chat messages with
+  the model's own chat
   template (``add_generation_prompt=True``); a message whose content is parts (images)
   is rendered as the template's ``[{"type": "text", ...}, {"type": "image"}]`` list.
   Tool calling (:mod:`.tools`): ``apply_chat(..., extras=, tools=)`` merges
@@ -54,6 +56,19 @@ class ModelInfo:
     accepts_images: bool = False
 
 
+def _eos_token_ids(model_path: str, tokenizer_eos: int | None) -> frozenset[int]:
+    ids = set() if tokenizer_eos is None else {int(tokenizer_eos)}
+    try:
+        with open(os.path.join(model_path, "generation_config.json"), encoding="utf-8") as fh:
+            found = json.load(fh).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        found = None
+    for x in found if isinstance(found, list) else [found]:
+        if isinstance(x, int) and not isinstance(x, bool):
+            ids.add(x)
+    return frozenset(ids)
+
+
 class Tokenizer:
     """A local Hugging Face tokenizer plus chat template."""
 
@@ -63,10 +78,18 @@ class Tokenizer:
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+        self._eos_ids = _eos_token_ids(model_path, self._tok.eos_token_id)
 
     @property
     def eos_token_id(self) -> int | None:
         return self._tok.eos_token_id
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends a request unless ``ignore_eos``, as vLLM's engine takes them:
+        the tokenizer's EOS and ``generation_config.json``'s ``eos_token_id`` (one id or a
+        list; an unreadable file adds none)."""
+        return self._eos_ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a raw prompt, with the model's BOS if it adds one (and

@@ -354,7 +354,7 @@ class Pipeline:
                  tls: MeshTls | None = None, image_limits: ImageLimits | None = None,
                  encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S,
                  remote_images: RemoteImageLimits | None = None,
-                 router_stub: Any = None) -> None:
+                 router_stub: Any = None, first_token_from_prefill: bool = True) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         if not encode_timeout_s > 0:
@@ -375,6 +375,8 @@ class Pipeline:
                                                  self.metrics.observe_remote_fetch)
                               if self.image_limits.remote_urls else None)
         self.migration_limit = migration_limit
+        # pull P/D: P's sampled token is the first token when it may be (handoff)
+        self.first_token_from_prefill = first_token_from_prefill
         self._background: set[asyncio.Future[None]] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
@@ -657,8 +659,11 @@ class Pipeline:
                     images = [worker_pb2.ImageItem(data=i.data, mm_hash=i.mm_hash)
                               for i in job.mm.images]
                 prompt = job.mm.engine_ids if job.mm is not None else job.token_ids
+                tok = (self._catalog.loaded_tokenizer(job.model)
+                       if self.first_token_from_prefill else None)
                 plan = Request(mesh_id, job.req.model, prompt + generated,
-                               attempt_sampling, job.cache_salt, images, embeddings)
+                               attempt_sampling, job.cache_salt, images, embeddings,
+                               None if tok is None else tok.eos_token_ids)
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None

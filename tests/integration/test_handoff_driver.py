@@ -273,3 +273,63 @@ async def test_cancelling_during_prefill_cancels_p(fleet: Fleet, pool: ChannelPo
         await step
     assert not tasks_of("cancel-p")
     await wait_idle(fleet.by_role("prefill")[0].address)
+
+
+def first_request(rid: str, max_tokens: int = 6, **sampling: object) -> Request:
+    """A pull request whose P token may go out first (the mock's EOS ids: none)."""
+    s = common_pb2.SamplingParams(max_tokens=max_tokens, **sampling)  # type: ignore[arg-type]
+    return Request(rid, "mock", PROMPT, s, first_token_stops=frozenset())
+
+
+def sent_first(metrics: FrontendMetrics, source: str) -> float:
+    return metrics.registry.get_sample_value("kvmesh_pd_first_token_total",
+                                             {"source": source}) or 0.0
+
+
+async def test_ps_token_goes_out_first_and_d_continues_after_it(
+        fleet: Fleet, pool: ChannelPool) -> None:
+    p, d = fleet.by_role("prefill")[0], fleet.by_role("decode")[0]
+    recomputed = await collect(pool, request("ft-d"), plan(fleet, "mock"))
+    metrics = FrontendMetrics()
+    out = [r async for r in run_plan(pool, first_request("ft-p"), plan(fleet, "mock"),
+                                     metrics)]
+    assert out[0].worker_id == p.worker_id and len(out[0].token_ids) == 1
+    assert {r.worker_id for r in out[1:]} == {d.worker_id}
+    # the same tokens and text as when D generates every token
+    assert [t for r in out for t in r.token_ids] == [t for r in recomputed for t in r.token_ids]
+    assert "".join(r.text for r in out) == "".join(r.text for r in recomputed)
+    last = out[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPT), 6)
+    assert (sent_first(metrics, "prefill"), sent_first(metrics, "decode")) == (1.0, 0.0)
+    assert not tasks_of("ft-p")
+    await wait_idle(p.address)
+    await wait_idle(d.address)
+
+
+async def test_a_stop_token_from_p_is_left_to_d(fleet: Fleet, pool: ChannelPool) -> None:
+    """P's token is a stop token of the request: D recomputes it and stops on it (P never
+    sees the stop token ids: it must end length-capped to hand its KV over)."""
+    first = (await collect(pool, first_request("ft-probe", max_tokens=2),
+                           plan(fleet, "mock")))[0].token_ids[0]
+    metrics = FrontendMetrics()
+    out = [r async for r in run_plan(pool, first_request("ft-stop", stop_token_ids=[first]),
+                                     plan(fleet, "mock"), metrics)]
+    assert [t for r in out for t in r.token_ids] == [first]
+    assert out[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    assert out[0].worker_id == fleet.by_role("decode")[0].worker_id
+    assert (sent_first(metrics, "prefill"), sent_first(metrics, "decode")) == (0.0, 1.0)
+    assert (out[-1].usage.prompt_tokens, out[-1].usage.completion_tokens) == (len(PROMPT), 1)
+
+
+async def test_a_d_failure_after_ps_token_is_a_decode_handoff_error(
+        fleet: Fleet, pool: ChannelPool) -> None:
+    p = fleet.by_role("prefill")[0]
+    out: list[worker_pb2.GenerateResponse] = []
+    with pytest.raises(HandoffError) as err:
+        async for r in run_plan(pool, first_request("ft-dead-d"),
+                                plan(fleet, "mock", d_addr=closed_port()), FrontendMetrics()):
+            out.append(r)
+    assert err.value.stage == "decode"
+    assert [r.worker_id for r in out] == [p.worker_id]  # P's token went out, then D failed
+    assert not tasks_of("ft-dead-d")

@@ -250,6 +250,8 @@ async def test_pull_handoff_matches_aggregated_tokens(
         text = (await client.get("/metrics")).text
     assert 'kvmesh_requests_total{outcome="length",path="disagg"} 3.0' in text
     assert 'kvmesh_kv_transfer_seconds_count{mode="pull"} 3.0' in text
+    # P's token went out first each time (handoff.p_token_first); D continued after it
+    assert 'kvmesh_pd_first_token_total{source="prefill"} 3.0' in text
     blocks = next(line for line in text.splitlines()
                   if line.startswith('kvmesh_kv_transfer_blocks_total{mode="pull"}'))
     assert float(blocks.split()[-1]) >= 3
