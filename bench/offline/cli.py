@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -75,6 +76,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=1, help="systems run in parallel")
     p.add_argument("--out", default=str(RESULTS / "offline"),
                    help="output path without extension (.json and .png are added)")
+    p.add_argument("--timeline", type=float, default=None, metavar="SPEEDUP",
+                   help="also run each kvmesh system once at this speed-up and write a "
+                   "per-interval timeline (queues, KV use, preemptions per worker) to "
+                   "<out>_timeline-<system>.json/.png")
+    p.add_argument("--timeline-interval", type=float, default=5.0,
+                   help="timeline sample interval (virtual s)")
+    p.add_argument("--timeline-only", action="store_true",
+                   help="with --timeline: skip the speed-up sweep")
+    p.add_argument("--search-topology", type=int, default=None, metavar="N",
+                   help="evaluate every split of N workers (N agg, 1P+(N-1)D, ..., "
+                   "(N-1)P+1D; P/D with and without conditional disaggregation) per "
+                   "policy and report the best capacity per split to <out>.json/.png")
     return p
 
 
@@ -107,6 +120,26 @@ def systems_for(a: argparse.Namespace, dynamo_ok: bool) -> list[System]:
     return out
 
 
+def timelines(a: argparse.Namespace) -> list[Path]:
+    """``--timeline``: one timeline per kvmesh system; returns the JSON paths written."""
+    from bench.offline.report import write_json as write
+    from bench.offline.timeline import plot_timeline, run_timeline
+
+    trace = load_trace(a.trace, a.limit)
+    out = []
+    for system in systems_for(a, False):
+        cfg = system.cfg.replace(speedup=a.timeline)
+        data = run_timeline(trace, cfg, a.timeline_interval)
+        data["trace"], data["limit"] = a.trace, a.limit
+        tag = re.sub(r"[^A-Za-z0-9_.+-]+", "_", cfg.label())
+        js, png = Path(f"{a.out}_timeline-{tag}.json"), Path(f"{a.out}_timeline-{tag}.png")
+        write(js, data)
+        plot_timeline(png, data)
+        print(f"wrote {js} and {png}", flush=True)
+        out.append(js)
+    return out
+
+
 def _job(system: System, trace_path: str, limit: int | None, speedups: list[float],
          target: float, iters: int) -> dict[str, Any]:
     trace = load_trace(trace_path, limit) if system.kind == "kvmesh" else []
@@ -119,9 +152,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         base_config(a).validate()
+        if a.timeline is not None and not (a.timeline > 0 and a.timeline_interval > 0):
+            raise ValueError("--timeline and --timeline-interval must be > 0")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if a.search_topology is not None:
+        from bench.offline.topology import main_search
+
+        return main_search(a)
+    if a.timeline is not None:
+        timelines(a)
+        if a.timeline_only:
+            return 0
     dynamo_status: str | None = "not requested (--dynamo)"
     if a.dynamo:
         from bench.offline.dynamo import dynamo_status as check

@@ -3,10 +3,16 @@ side with ours. Optional: Dynamo is not a requirement of kvmesh.
 
 Contract:
 
-- :func:`dynamo_status()` returns None when ``dynamo.replay`` can be imported (in a
-  subprocess, so a broken install cannot take the bench down), else a one-line reason.
+- :func:`dynamo_python()` is the interpreter that runs Dynamo: ``$KVMESH_DYNAMO_PYTHON``,
+  else ``.dynvenv/bin/python`` when it exists (the venv
+  :func:`bench.frontend_vs_dynamo.dynamo_side.ensure_dynvenv` installs: Dynamo 1.6.1
+  with its own pydantic pin), else this interpreter.
+- :func:`dynamo_status()` returns None when ``dynamo.replay`` can be imported by
+  :func:`dynamo_python` (in a subprocess, so a broken install cannot take the bench
+  down), else a one-line reason.
 - :func:`run_dynamo(trace_path, router_mode, speedup, cfg, ...)` runs one replay in a
-  subprocess (``python -m bench.offline.dynamo``) with a timeout, with every
+  subprocess of :func:`dynamo_python` (:data:`RUNNER`, which imports nothing of
+  kvmesh) with a timeout, with every
   ``DYN_*_HOST`` set to 127.0.0.1, and returns ``(results, info)``: one
   :class:`bench.replay.stats.Result` per request rebuilt from Dynamo's per-request
   records (TTFT, E2E, output and reused tokens; ``completion_tokens`` = generated
@@ -16,8 +22,9 @@ Contract:
   ``cfg`` supplies the engine (block size, blocks, batch limits, speedup ratio), SLOs,
   trace block size and the worker count (aggregated: ``num_workers``; P/D:
   ``num_prefill_workers``/``num_decode_workers``).
-- Run as a module, it reads one JSON object of keyword arguments for
-  ``run_trace_replay`` on stdin and prints ``{"summary", "per_request"}`` on stdout.
+- :data:`RUNNER` (also what running this module does) reads one JSON object of keyword
+  arguments for ``run_trace_replay`` on stdin and prints ``{"summary", "per_request"}``
+  on stdout.
 """
 
 from __future__ import annotations
@@ -38,8 +45,31 @@ _KEEP = ("ttft_ms", "e2e_latency_ms", "itl_ms", "input_length", "output_length",
          "reused_input_tokens", "arrival_time_ms", "terminal_status")
 
 
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = f"""
+import json, sys
+from dynamo.replay import run_trace_replay
+kw = json.loads(sys.stdin.read())
+files = kw.pop("trace_files")
+report = run_trace_replay(files, **kw)
+keep = {_KEEP!r}
+per = [{{k: r.get(k) for k in keep}} for r in (report.per_request or [])]
+sys.stdout.write("\\n" + json.dumps({{"summary": dict(report.summary),
+                                    "per_request": per}}, default=str) + "\\n")
+"""
+
+
 class DynamoError(RuntimeError):
     """Dynamo's replay could not run."""
+
+
+def dynamo_python() -> str:
+    """See the module docstring."""
+    env = os.environ.get("KVMESH_DYNAMO_PYTHON")
+    if env:
+        return env
+    venv = ROOT / ".dynvenv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
 
 
 def _env() -> dict[str, str]:
@@ -49,15 +79,14 @@ def _env() -> dict[str, str]:
             env[k] = "127.0.0.1"
     for k in HOST_VARS:
         env[k] = "127.0.0.1"
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PYTHONPATH", None)  # the Dynamo interpreter's own packages only
     return env
 
 
 def dynamo_status(timeout_s: float = 60.0) -> str | None:
     """None when ``dynamo.replay`` imports; else why not."""
     try:
-        p = subprocess.run([sys.executable, "-c", "import dynamo.replay"], env=_env(),
+        p = subprocess.run([dynamo_python(), "-c", "import dynamo.replay"], env=_env(),
                            capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"cannot run the Dynamo import check: {exc}"
@@ -95,7 +124,7 @@ def run_dynamo(trace_path: str, router_mode: str, speedup: float, cfg: SimConfig
     """One Dynamo replay in a subprocess; see the module docstring."""
     kw = replay_kwargs(trace_path, router_mode, speedup, cfg)
     try:
-        p = subprocess.run([sys.executable, "-m", "bench.offline.dynamo"], env=_env(),
+        p = subprocess.run([dynamo_python(), "-c", RUNNER], env=_env(),
                            input=json.dumps(kw), capture_output=True, text=True,
                            timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as exc:
@@ -127,16 +156,5 @@ def run_dynamo(trace_path: str, router_mode: str, speedup: float, cfg: SimConfig
     return results, info
 
 
-def _main() -> None:  # pragma: no cover (runs in the subprocess)
-    from dynamo.replay import run_trace_replay
-
-    kw = json.loads(sys.stdin.read())
-    files = kw.pop("trace_files")
-    report = run_trace_replay(files, **kw)
-    per = [{k: r.get(k) for k in _KEEP} for r in (report.per_request or [])]
-    sys.stdout.write("\n" + json.dumps({"summary": dict(report.summary),
-                                        "per_request": per}, default=str) + "\n")
-
-
 if __name__ == "__main__":  # pragma: no cover
-    _main()
+    exec(RUNNER)
