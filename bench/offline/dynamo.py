@@ -20,8 +20,11 @@ Contract:
   Dynamo's own summary numbers (``goodput_completed_requests``, prefix reuse, wall time).
   Raises :class:`DynamoError` (with stderr's tail) when the subprocess fails or times out.
   ``cfg`` supplies the engine (block size, blocks, batch limits, speedup ratio), SLOs,
-  trace block size and the worker count (aggregated: ``num_workers``; P/D:
-  ``num_prefill_workers``/``num_decode_workers``).
+  trace block size and the worker count (aggregated: ``num_workers`` and
+  ``extra_engine_args``; P/D: ``num_prefill_workers``/``num_decode_workers`` and
+  ``prefill_engine_args``/``decode_engine_args`` with ``worker_type`` prefill/decode and
+  the P→D link of ``cfg``: ``kv_transfer_bandwidth`` in GB/s and
+  ``kv_transfer_bytes_per_token``), built by :func:`replay_kwargs`.
 - :data:`RUNNER` (also what running this module does) reads one JSON object of keyword
   arguments for ``run_trace_replay`` on stdin and prints ``{"summary", "per_request"}``
   on stdout.
@@ -109,7 +112,12 @@ def replay_kwargs(trace_path: str, router_mode: str, speedup: float,
         "sla_itl_ms": cfg.slo_itl_s * 1000.0, "capture_per_request": True,
         "extra_engine_args": {"engine": engine},
     }
-    if cfg.disaggregated:
+    if cfg.disaggregated:  # Dynamo's disagg replay: one engine config per role
+        del kw["extra_engine_args"]
+        link = {"kv_transfer_bandwidth": cfg.transfer_bandwidth / 1e9,  # GB/s
+                "kv_transfer_bytes_per_token": cfg.kv_bytes_per_token}
+        kw["prefill_engine_args"] = {"engine": {**engine, **link, "worker_type": "prefill"}}
+        kw["decode_engine_args"] = {"engine": {**engine, **link, "worker_type": "decode"}}
         kw["num_prefill_workers"] = cfg.prefill_workers
         kw["num_decode_workers"] = cfg.decode_workers
     else:

@@ -437,6 +437,7 @@ class RouterCore:
                 tree_blocks=(trees.get(w.instance_id, 0) if trees is not None
                              else self.history.size(w.instance_id)),
                 pending_prefill_tokens=self._pending.get(w.instance_id, 0),
+                role=w.role,
             ))
         return out
 

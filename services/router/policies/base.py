@@ -105,6 +105,9 @@ class WorkerState:
     # Uncached prompt tokens the router sent here whose prefill is not over yet (the
     # router's own accounting: added on route, removed on prefill done or release).
     pending_prefill_tokens: int = 0
+    # The worker's role from discovery: "agg", "prefill" or "decode" ("" when unknown).
+    # P/D-aware policies cost a decode worker by its decode load, not its prefill queue.
+    role: str = ""
 
 
 @dataclass(frozen=True)

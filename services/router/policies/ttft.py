@@ -29,9 +29,26 @@ Contract:
   lower KV usage, then at random from the injected ``rng`` (reproducible when seeded).
   The decision carries ``cost``; ``last_costs`` keeps every candidate's cost of the last
   call, for traces and tests.
+- P/D-aware decode pick (``decode_itl_weight`` > 0; the default profile ``ttft_pd``):
+  a candidate whose :attr:`WorkerState.role` is ``"decode"`` is costed by what it does
+  for the request, decoding, not by a prefill it will not run::
+
+      after = max(kv_usage · capacity, active_blocks · block_size) + own
+      cost  = chunked_prefill_ms(pending, kv_usage)           # D's local prefills stall its steps
+              + own_weight · chunked_prefill_ms(own, kv_usage)  # D's cache: less to move or prefill
+              + decode_itl_weight · decode_step_ms(after)      # its step time at the added batch
+              + kv_penalty_ms · max(0, after − kv_headroom · capacity)
+                               / ((1 − kv_headroom) · capacity)
+
+  where ``own`` is the request's tokens not cached on D (the KV it adds there),
+  ``capacity`` the worker's reported KV tokens (``kv_total_blocks · block_size``; the perf
+  model's when unknown). The last term keeps D's KV headroom: past ``kv_headroom`` the
+  engine preempts and recomputes. P (role ``prefill``) and aggregated candidates keep the
+  cost above (their prefill queue); with ``decode_itl_weight`` 0 every role does.
 - Arguments: ``perf_model`` (a loaded :class:`~services.common.perf_model.PerfModel`,
   required), ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``),
-  ``own_weight``, ``decode_weight`` and ``tie_ms`` (>= 0), and the keyword-only ``rng``
+  ``own_weight``, ``decode_weight``, ``decode_itl_weight``, ``kv_penalty_ms`` and
+  ``tie_ms`` (>= 0), ``kv_headroom`` (in (0, 1)), and the keyword-only ``rng``
   (required). Invalid values raise ValueError. The YAML form of a policy profile names
   the model instead (``perf_model: mocker | JSON path``, ``speedup``,
   ``kv_capacity_tokens``); ``services/router/policy_setup.py`` loads it and passes the
@@ -61,11 +78,15 @@ class TtftPolicy:
 
     def __init__(self, perf_model: PerfModel, chunk_budget: int = 8192,
                  own_weight: float = 0.0, decode_weight: float = 0.0, tie_ms: float = 1e-6,
-                 *, rng: Rng) -> None:
+                 decode_itl_weight: float = 0.0, kv_headroom: float = 0.9,
+                 kv_penalty_ms: float = 1000.0, *, rng: Rng) -> None:
         if int(chunk_budget) < 1:
             raise ValueError("chunk_budget must be >= 1")
-        if own_weight < 0 or decode_weight < 0 or tie_ms < 0:
-            raise ValueError("own_weight, decode_weight and tie_ms must be >= 0")
+        if min(own_weight, decode_weight, tie_ms, decode_itl_weight, kv_penalty_ms) < 0:
+            raise ValueError("own_weight, decode_weight, decode_itl_weight, kv_penalty_ms "
+                             "and tie_ms must be >= 0")
+        if not 0.0 < kv_headroom < 1.0:
+            raise ValueError("kv_headroom must be in (0, 1)")
         if isinstance(perf_model, str) or not callable(getattr(perf_model, "prefill_ms", None)):
             raise ValueError(f"perf_model must be a loaded PerfModel, got {perf_model!r}")
         self.model: PerfModel = perf_model
@@ -73,6 +94,9 @@ class TtftPolicy:
         self.own_weight = float(own_weight)
         self.decode_weight = float(decode_weight)
         self.tie_ms = float(tie_ms)
+        self.decode_itl_weight = float(decode_itl_weight)
+        self.kv_headroom = float(kv_headroom)
+        self.kv_penalty_ms = float(kv_penalty_ms)
         self.rng = rng
         self.last_costs: dict[str, float] = {}
 
@@ -83,11 +107,27 @@ class TtftPolicy:
     def cost(self, ctx: RouteContext, w: WorkerState) -> float:
         """The predicted cost of ``w`` in ms (see the module docstring)."""
         own = max(uncached_tokens(len(ctx.token_ids), w.overlap_blocks, w.block_size), 1)
+        if self.decode_itl_weight and w.role == "decode":
+            return self.decode_cost(w, own)
         ms = self.prefill_ms(w.pending_prefill_tokens + own, w.kv_usage)
         if self.decode_weight:
             ms += self.decode_weight * decode_blocks(w)
         if self.own_weight:
             ms += self.own_weight * self.prefill_ms(own, w.kv_usage)
+        return ms
+
+    def decode_cost(self, w: WorkerState, own: int) -> float:
+        """The P/D-aware cost of decode worker ``w`` adding ``own`` KV tokens, in ms (see
+        the module docstring)."""
+        cap = float(w.kv_total_blocks * w.block_size or self.model.kv_capacity_tokens)
+        after = max(w.kv_usage * cap, float(w.active_blocks * w.block_size)) + own
+        ms = self.prefill_ms(w.pending_prefill_tokens, w.kv_usage)
+        if self.own_weight:
+            ms += self.own_weight * self.prefill_ms(own, w.kv_usage)
+        ms += self.decode_itl_weight * self.model.decode_step_ms(min(after, cap))
+        over = after - self.kv_headroom * cap
+        if over > 0:
+            ms += self.kv_penalty_ms * over / ((1.0 - self.kv_headroom) * cap)
         return ms
 
     def select(self, ctx: RouteContext, candidates: Sequence[WorkerState]) -> Decision:
