@@ -26,7 +26,7 @@ import numpy as np
 
 from bench.pd_overhead.stages import SEGMENTS
 
-DISAGG = ("pull", "push", "toy")
+DISAGG = ("pull", "pull_recompute", "push", "toy")
 
 
 def stats(values: list[float]) -> dict[str, float] | None:
@@ -170,8 +170,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     modes: dict[str, dict[str, Any]] = report["modes"]
     lengths = [r["length"] for r in rows]
     fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(20, 6.5))
-    styles = {"agg": "o-", "pull": "s-", "push": "^-", "toy": "d-"}
-    colors = {"agg": "C0", "pull": "C1", "push": "C2", "toy": "C3"}
+    styles = {"agg": "o-", "pull": "s-", "pull_recompute": "v-", "push": "^-", "toy": "d-"}
+    colors = {"agg": "C0", "pull": "C1", "pull_recompute": "C4", "push": "C2", "toy": "C3"}
     for m, res in modes.items():
         pts = [(r["length"], r["ttft_median_s"].get(m), r["ttft_p90_s"].get(m)) for r in rows
                if r["ttft_median_s"].get(m) is not None]

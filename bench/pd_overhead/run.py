@@ -13,7 +13,10 @@ Contracts:
   ends with ``os._exit``); ``raw_transfer_s = kv_bytes / median READ B/s``.
 - Modes, one whole ``services.launcher.up.LocalMesh`` at a time, on free loopback ports
   (``--max-model-len``, default 4096, 1 GiB KV cache per worker): ``agg`` (one aggregated worker),
-  ``pull`` and ``push`` (one prefill + one decode worker with that NIXL handoff); ``toy``
+  ``pull`` and ``push`` (one prefill + one decode worker with that NIXL handoff; in
+  ``pull`` P's sampled token is the first token and D continues after it),
+  ``pull_recompute`` (``pull`` with ``--first-token-from-prefill false``: D recomputes the
+  last prompt token and generates every token, as behind vLLM's proxy); ``toy``
   is the anchor with no kvmesh in the path: two plain vLLM OpenAI servers with the same
   engine and pull-mode KV config and a minimal proxy in this process, as vLLM's own
   NIXL P/D toy proxy drives them (:mod:`bench.pd_overhead.toy`).
@@ -71,7 +74,10 @@ from bench.pd_overhead.toy import ToyPD
 from services.launcher.up import LocalMesh, MeshSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-MODES = ("agg", "pull", "push", "toy")
+MODES = ("agg", "pull", "pull_recompute", "push", "toy")
+# Frontend settings per mode, inherited by the mesh's processes at their spawn: in
+# pull_recompute D generates every token (P's sampled token is dropped, as vLLM's proxy does)
+MODE_ENV = {"pull_recompute": {"KVMESH_FIRST_TOKEN_FROM_PREFILL": "false"}}
 STAMPS_ENV = "KVMESH_PD_STAMPS"  # workers.kv.nixl_quiet.STAMPS_ENV (no vllm import here)
 METRIC_PREFIXES = ("kvmesh_kv_transfer_seconds", "kvmesh_prefill_seconds",
                    "kvmesh_ttft_seconds", "kvmesh_requests_total",
@@ -164,9 +170,9 @@ def _cache_check(mode: str, length: int, ok: list[Sample],
     if mode == "agg":
         passed: bool | None = all(c == 0 for c in cached)
         how = "usage.prompt_tokens_details.cached_tokens == 0"
-    elif mode in ("pull", "toy"):
+    elif mode in ("pull", "pull_recompute", "toy"):
         passed = p_hits == 0 and all(c is not None and c <= length for c in cached)
-        how = ("frontend" if mode == "pull" else "toy proxy's") + \
+        how = ("toy proxy's" if mode == "toy" else "frontend") + \
             " kvmesh_prefill_hit_tokens_total delta == 0 (P); D's usage counts " \
             "NIXL-received tokens as cached"
     else:
@@ -252,7 +258,7 @@ def run_mode(mode: str, lengths: list[int], args: argparse.Namespace, vocab: int
     """One mesh in ``mode``; every length; always stopped. Errors are recorded, not raised."""
     work = Path(tempfile.mkdtemp(prefix=f"pd-overhead-{mode}-"))
     spec = MeshSpec(model=args.model, http_port=0, mode="agg" if mode == "agg" else "disagg",
-                    handoff="pull" if mode in ("agg", "toy") else mode,
+                    handoff=mode if mode == "push" else "pull",
                     max_model_len=args.max_model_len,
                     kv_cache_gib=1.0, log_dir=work / "logs",
                     start_timeout_s=args.start_timeout)
@@ -281,16 +287,19 @@ def run_mode(mode: str, lengths: list[int], args: argparse.Namespace, vocab: int
     t0 = time.perf_counter()
     try:
         try:
-            previous = os.environ.get(STAMPS_ENV)
-            if stamps_dir is not None:  # inherited by the engines at their spawn
-                os.environ[STAMPS_ENV] = str(stamps_dir)
+            env = dict(MODE_ENV.get(mode, {}))
+            if stamps_dir is not None:
+                env[STAMPS_ENV] = str(stamps_dir)
+            previous = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # inherited by the mesh's processes at their spawn
             try:
                 url = mesh.start()
             finally:
-                if previous is None:
-                    os.environ.pop(STAMPS_ENV, None)
-                else:
-                    os.environ[STAMPS_ENV] = previous
+                for k, v in previous.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
             if mode == "toy":
                 out["mesh"]["kv_transfer_config"] = mesh.kv_configs  # type: ignore[union-attr]
                 out["mesh"]["pids"] = [c.pid for c in mesh.children]
@@ -343,7 +352,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="smollm2, tiny or a model folder")
     p.add_argument("--lengths", default="128,256,512,1024,2048", help="prompt lengths")
     p.add_argument("--reps", type=int, default=3, help="timed requests per length and mode")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of agg,pull,push,toy")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ",".join(MODES))
     p.add_argument("--out", type=Path, default=REPO_ROOT / "bench" / "results")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=4096,
