@@ -15,7 +15,10 @@ Contract of :class:`RouterCore`:
     disaggregated. Order ``prefill_first`` (Dynamo) picks P with ``prefill_policy``, then
     a compatible D with ``policy``, then applies conditional disaggregation;
     ``decode_first`` (llm-d) picks D, then asks the prefix decider whether a remote P is
-    needed and picks a compatible one. Both decisions use D's predicted overlap.
+    needed and picks a compatible one. Both decisions use D's predicted overlap. With
+    conditional disaggregation on, when Dynamo's rule keeps the remote prefill and the
+    decode policy has a ``prefer_local_prefill(ctx, p_state, d_state)`` hook (e.g.
+    ``ttft_pd``), its answer (``(local, reason)``, or None: no opinion) decides.
   Raises :class:`AlreadyInFlight` when ``ctx.request_id`` is in flight (routed, not
   released), :class:`UnknownModel` when no worker ever served the model,
   :class:`InvalidRequest` when the prompt (+ ``max_tokens``) exceeds the model's context
@@ -614,6 +617,12 @@ class RouterCore:
         d, dd = self._pick(self.policy, prompt, partners)
         overlap = prompt.overlap(d).blocks
         bypass, why = bypass_prefill(n, overlap, d.block_size, self._queue(p), self.disagg)
+        hook = getattr(self.policy, "prefer_local_prefill", None)
+        if not bypass and self.disagg.conditional and callable(hook):
+            asked = hook(prompt.ctx, self._states(prompt, [p])[0],
+                         self._states(prompt, [d])[0])
+            if asked is not None:
+                bypass, why = asked[0], f"{why}; {asked[1]}"
         if bypass and can_prefill_locally(d.pair_info()):
             return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
         if bypass:

@@ -104,3 +104,62 @@ def test_core_gives_roles_and_ttft_pd_splits_p_and_d_by_their_own_loads() -> Non
                                overlaps={"d1": WorkerOverlap("d1", 200)}))
     assert nxt.prefill is not None and nxt.prefill.instance_id != busy_p
     assert nxt.worker.instance_id == "d2"
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def local_pd(clock: FakeClock | None, **kw: float) -> TtftPolicy:
+    args = {"local_duty": 0.5, "local_burst_ms": 400.0} | kw
+    return TtftPolicy(POLY, 8192, own_weight=1.0, decode_itl_weight=20.0, clock=clock,
+                      rng=random.Random(0), **args)  # type: ignore[arg-type]
+
+
+def test_local_prefill_hook_is_off_without_duty_or_clock() -> None:
+    p_state, d_state = d("p", role="prefill", pending_prefill_tokens=50_000), d("d")
+    assert pd().prefer_local_prefill(ctx(2000), p_state, d_state) is None
+    assert local_pd(None).prefer_local_prefill(ctx(2000), p_state, d_state) is None
+
+
+def test_local_prefill_when_p_is_backed_up_within_ds_budget() -> None:
+    clock = FakeClock()
+    pol = local_pd(clock)
+    idle_p, busy_p = d("p", role="prefill"), d("p", role="prefill",
+                                                pending_prefill_tokens=40_000)
+    dw = d("d", kv_usage=0.2)
+    local, why = pol.prefer_local_prefill(ctx(2000), idle_p, dw) or (None, "")
+    assert local is False and "remote prefill" in why  # P is as quick and idle
+    grants = []
+    for _ in range(4):  # each grant books prefill_ms(2000) / 0.5 of D's time
+        local, why = pol.prefer_local_prefill(ctx(2000), busy_p, dw) or (None, "")
+        grants.append(local)
+    step_s = pol.prefill_ms(2000, 0.2) / 1000.0 / 0.5
+    allowed = sum(1 for k in range(4) if k * step_s <= 0.4)  # burst 400 ms ahead
+    assert grants == [True] * allowed + [False] * (4 - allowed)
+    assert "budget" in why
+    clock.t += 10.0  # the budget refills with time
+    assert (pol.prefer_local_prefill(ctx(2000), busy_p, dw) or (None,))[0] is True
+    pol.keep_only({"p"})
+    assert pol._local_until == {}
+
+
+def test_core_asks_the_hook_only_under_conditional_disaggregation() -> None:
+    clock = FakeClock()
+    for conditional in (True, False):
+        pol = local_pd(clock)
+        c = RouterCore(policy=pol, disagg=DisaggConfig(conditional=conditional),
+                       clock=clock)
+        c.set_workers([WorkerRecord(i, f"addr-{i}", "m", role, BS, 1 << 20, "push", "L")
+                       for i, role in (("p1", "prefill"), ("d1", "decode"))])
+        first = c.route(RouteContext("r0", "m", tuple(range(8000))))
+        assert first.disaggregated  # both idle: P is as quick, no reason to load D
+        plan = c.route(RouteContext("r1", "m", tuple(range(10_000, 18_000))))
+        assert plan.disaggregated is not conditional, plan.reason  # P is backed up
+        if conditional:
+            assert "local prefill on D" in plan.reason
+            assert c.pending_prefill() == {"p1": 8000, "d1": 8000}

@@ -45,12 +45,24 @@ Contract:
   model's when unknown). The last term keeps D's KV headroom: past ``kv_headroom`` the
   engine preempts and recomputes. P (role ``prefill``) and aggregated candidates keep the
   cost above (their prefill queue); with ``decode_itl_weight`` 0 every role does.
+- P/D local prefill (``local_duty`` > 0 and a ``clock`` given; ``ttft_pd``):
+  :meth:`TtftPolicy.prefer_local_prefill(ctx, p, d, now)` is the router core's optional
+  conditional-disaggregation hook, asked when Dynamo's rule chose a remote prefill on P.
+  It answers ``(True, reason)`` (D prefills the prompt itself) when D is predicted to
+  give the first token sooner, ``chunked_prefill_ms(D's pending + own on D) <
+  chunked_prefill_ms(P's pending + own on P)``, and D's prefill budget allows it: each
+  local prefill it grants books its predicted ms / ``local_duty`` of D's time (a token
+  bucket per D, refilled by the clock, at most ``local_burst_ms`` ahead), so D spends at
+  most about ``local_duty`` of its time prefilling and its decodes keep their ITL (a
+  step that carries a prefill chunk is that much longer). Otherwise ``(False, reason)``;
+  ``None`` when the hook is off. ``keep_only`` drops vanished workers' budgets.
 - Arguments: ``perf_model`` (a loaded :class:`~services.common.perf_model.PerfModel`,
   required), ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``),
-  ``own_weight``, ``decode_weight``, ``decode_itl_weight``, ``kv_penalty_ms`` and
-  ``tie_ms`` (>= 0), ``kv_headroom`` (in (0, 1)), and the keyword-only ``rng``
-  (required). Invalid values raise ValueError. The YAML form of a policy profile names
-  the model instead (``perf_model: mocker | JSON path``, ``speedup``,
+  ``own_weight``, ``decode_weight``, ``decode_itl_weight``, ``kv_penalty_ms``,
+  ``local_burst_ms`` and ``tie_ms`` (>= 0), ``kv_headroom`` (in (0, 1)), ``local_duty``
+  (in [0, 1)), ``clock`` (the router's; without one the local-prefill hook is off), and
+  the keyword-only ``rng`` (required). Invalid values raise ValueError. The YAML form of
+  a policy profile names the model instead (``perf_model: mocker | JSON path``, ``speedup``,
   ``kv_capacity_tokens``); ``services/router/policy_setup.py`` loads it and passes the
   object in.
 """
@@ -58,10 +70,11 @@ Contract:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from services.common.perf_model import PerfModel, chunked_prefill_ms
 from services.router.policies.base import (
+    Clock,
     Decision,
     Rng,
     RouteContext,
@@ -79,7 +92,9 @@ class TtftPolicy:
     def __init__(self, perf_model: PerfModel, chunk_budget: int = 8192,
                  own_weight: float = 0.0, decode_weight: float = 0.0, tie_ms: float = 1e-6,
                  decode_itl_weight: float = 0.0, kv_headroom: float = 0.9,
-                 kv_penalty_ms: float = 1000.0, *, rng: Rng) -> None:
+                 kv_penalty_ms: float = 1000.0, local_duty: float = 0.0,
+                 local_burst_ms: float = 2000.0, clock: Clock | None = None, *,
+                 rng: Rng) -> None:
         if int(chunk_budget) < 1:
             raise ValueError("chunk_budget must be >= 1")
         if min(own_weight, decode_weight, tie_ms, decode_itl_weight, kv_penalty_ms) < 0:
@@ -87,6 +102,8 @@ class TtftPolicy:
                              "and tie_ms must be >= 0")
         if not 0.0 < kv_headroom < 1.0:
             raise ValueError("kv_headroom must be in (0, 1)")
+        if not 0.0 <= local_duty < 1.0 or local_burst_ms < 0:
+            raise ValueError("local_duty must be in [0, 1) and local_burst_ms >= 0")
         if isinstance(perf_model, str) or not callable(getattr(perf_model, "prefill_ms", None)):
             raise ValueError(f"perf_model must be a loaded PerfModel, got {perf_model!r}")
         self.model: PerfModel = perf_model
@@ -97,6 +114,10 @@ class TtftPolicy:
         self.decode_itl_weight = float(decode_itl_weight)
         self.kv_headroom = float(kv_headroom)
         self.kv_penalty_ms = float(kv_penalty_ms)
+        self.local_duty = float(local_duty)
+        self.local_burst_ms = float(local_burst_ms)
+        self.clock = clock
+        self._local_until: dict[str, float] = {}  # D id -> its prefill budget's horizon (s)
         self.rng = rng
         self.last_costs: dict[str, float] = {}
 
@@ -129,6 +150,36 @@ class TtftPolicy:
         if over > 0:
             ms += self.kv_penalty_ms * over / ((1.0 - self.kv_headroom) * cap)
         return ms
+
+    def prefer_local_prefill(self, ctx: RouteContext, p: WorkerState, d: WorkerState
+                             ) -> tuple[bool, str] | None:
+        """Whether decode worker ``d`` should prefill ``ctx`` itself rather than prefill
+        worker ``p`` (see the module docstring); books D's budget when it says yes."""
+        if not self.local_duty or self.clock is None:
+            return None
+        n = len(ctx.token_ids)
+        own_p = max(uncached_tokens(n, p.overlap_blocks, p.block_size), 1)
+        own_d = max(uncached_tokens(n, d.overlap_blocks, d.block_size), 1)
+        remote = self.prefill_ms(p.pending_prefill_tokens + own_p, p.kv_usage)
+        local = self.prefill_ms(d.pending_prefill_tokens + own_d, d.kv_usage)
+        if local >= remote:
+            return False, (f"remote prefill: P {remote:.0f} ms <= D {local:.0f} ms "
+                           "predicted to the first token")
+        now = self.clock()
+        start = max(self._local_until.get(d.instance_id, now), now)
+        if start - now > self.local_burst_ms / 1000.0:
+            return False, (f"remote prefill: {d.instance_id}'s local prefill budget "
+                           f"({self.local_duty:g} of its time) is spent")
+        cost_s = self.prefill_ms(own_d, d.kv_usage) / 1000.0 / self.local_duty
+        self._local_until[d.instance_id] = start + cost_s
+        return True, (f"local prefill on D: {local:.0f} ms < P's {remote:.0f} ms "
+                      "predicted to the first token, within D's prefill budget")
+
+    def keep_only(self, worker_ids: Iterable[str]) -> None:
+        """Drops the local-prefill budgets of workers no longer present."""
+        keep = set(worker_ids)
+        for wid in [w for w in self._local_until if w not in keep]:
+            del self._local_until[wid]
 
     def select(self, ctx: RouteContext, candidates: Sequence[WorkerState]) -> Decision:
         """The candidate with the lowest cost; ties as in the module docstring."""
