@@ -116,7 +116,9 @@ def systems_for(a: argparse.Namespace, dynamo_ok: bool) -> list[System]:
             out.append(System(f"kvmesh {cfg.label()}", "kvmesh", cfg))
     if dynamo_ok:
         for mode in [x for x in a.dynamo_modes.split(",") if x]:
-            out.append(System(f"dynamo {mode}", "dynamo", base, mode))
+            topo = (f"{base.prefill_workers}P{base.decode_workers}D" if base.disaggregated
+                    else f"{base.workers}agg")
+            out.append(System(f"dynamo {mode}/{topo}", "dynamo", base, mode))
     return out
 
 

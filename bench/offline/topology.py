@@ -19,6 +19,13 @@ Contract:
   kvmesh capacity / the best Dynamo capacity; None without one).
 - :func:`topology_table(rows)`: Markdown lines; :func:`plot_topology(path, rows,
   target)`: bars of the best capacity per split (kvmesh, and Dynamo beside it).
+- :func:`rows_from_systems(systems)` builds the same rows from swept systems of any
+  reports (``run_system`` dicts; the split is read from a kvmesh system's ``config``
+  label, ``policy/4P4D-…`` or ``policy/8agg``, and from a Dynamo system's name,
+  ``dynamo MODE/4P4D``), in order of first appearance. ``python -m
+  bench.offline.topology OUT IN.json ...`` merges reports
+  (:func:`bench.offline.report.merge`: ``OUT.json``, ``OUT.png``) and adds the rows as
+  ``splits`` and their bars as ``OUT_capacity.png``; it prints the table.
 - :func:`main_search(args)` (called by :func:`bench.offline.cli.main`) runs them in
   ``--jobs`` processes and writes ``<out>.json`` (``splits``: the rows; ``systems``:
   every sweep) and ``<out>.png``, prints the table; returns 0 (2 for a bad ``N``).
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
@@ -71,7 +79,7 @@ def topology_systems(base: SimConfig, n: int, policies: Sequence[str],
                 out.append(System(f"kvmesh {cfg.label()}", "kvmesh", cfg))
         for mode in dynamo_modes:
             cfg = base.replace(workers=n, prefill_workers=p, decode_workers=d)
-            out.append(System(f"dynamo {mode} {split_name(p, d, n)}", "dynamo", cfg, mode))
+            out.append(System(f"dynamo {mode}/{split_name(p, d, n)}", "dynamo", cfg, mode))
     return out
 
 
@@ -96,6 +104,44 @@ def best_per_split(swept: Sequence[tuple[System, dict[str, Any]]], n: int
         if dyn:
             row["dynamo"] = {s.router_mode: (None if r.get("error") else r["capacity"])
                              for s, r in dyn}
+            caps = [c for c in row["dynamo"].values() if c]
+            row["ratio"] = (row["capacity"] / max(caps)
+                            if caps and row["capacity"] is not None else None)
+        rows.append(row)
+    return rows
+
+
+def _split_label(s: dict[str, Any]) -> str:
+    text = s["name"].split("/", 1)[1] if s["kind"] == "dynamo" else s["config"].split("/")[1]
+    return text.split("-", 1)[0]
+
+
+def rows_from_systems(systems: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """See the module docstring."""
+    order: list[str] = []
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for s in systems:
+        label = _split_label(s)
+        if label not in groups:
+            order.append(label)
+            groups[label] = []
+        groups[label].append(s)
+    rows = []
+    for label in order:
+        m = re.fullmatch(r"(\d+)P(\d+)D", label)
+        p, d = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+        ours = [s for s in groups[label] if s["kind"] == "kvmesh"]
+        dyn = [s for s in groups[label] if s["kind"] == "dynamo"]
+        row: dict[str, Any] = {"split": label, "prefill": p, "decode": d, "best": None,
+                               "capacity": None, "bounded": None,
+                               "candidates": {s["name"]: s["capacity"] for s in ours}}
+        if ours:
+            best = max(ours, key=lambda s: s["capacity"])
+            row.update(best=best["name"], capacity=best["capacity"],
+                       bounded=best["capacity_bounded"])
+        if dyn:
+            row["dynamo"] = {s["name"].split()[1].split("/")[0]:
+                             (None if s.get("error") else s["capacity"]) for s in dyn}
             caps = [c for c in row["dynamo"].values() if c]
             row["ratio"] = (row["capacity"] / max(caps)
                             if caps and row["capacity"] is not None else None)
@@ -147,7 +193,8 @@ def plot_topology(path: Path, rows: Sequence[dict[str, Any]], target: float) -> 
             cond = "" if r["prefill"] == 0 else (
                 " always" if r["best"].endswith("-always") else " cond")
             ax.annotate(f"{label}{cond}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                        ha="center", va="bottom", fontsize=7, rotation=90)
+                        xytext=(0, -4), textcoords="offset points", ha="center", va="top",
+                        fontsize=7, rotation=90, color="white")
     if dyn:
         theirs = [max((c for c in (r.get("dynamo") or {}).values() if c), default=0.0)
                   for r in rows]
@@ -223,3 +270,16 @@ def main_search(a: argparse.Namespace) -> int:
     print("\n".join(report["table"]))
     print(f"wrote {out}.json and {out}.png")
     return 0
+
+
+if __name__ == "__main__":  # python -m bench.offline.topology OUT IN.json [IN.json ...]
+    from bench.offline.report import merge, write_json
+
+    out_path = Path(sys.argv[1])
+    merged = merge([Path(x) for x in sys.argv[2:]], out_path)
+    merged["splits"] = rows_from_systems(merged["systems"])
+    merged["split_table"] = topology_table(merged["splits"])
+    write_json(Path(f"{out_path}.json"), merged)
+    plot_topology(Path(f"{out_path}_capacity.png"), merged["splits"],
+                  merged.get("target") or 0.9)
+    print("\n".join(merged["table"] + [""] + merged["split_table"]))

@@ -125,3 +125,28 @@ def test_timeline_cli_writes_json_and_png(tmp_path: Path) -> None:
     assert json.loads(js.read_text())["speedup"] == 2.0
     assert js.with_suffix(".png").stat().st_size > 0
     assert not out.with_suffix(".json").exists()  # --timeline-only: no sweep
+
+
+def test_rows_from_merged_reports_group_by_split() -> None:
+    from bench.offline.topology import rows_from_systems
+
+    systems = [
+        {"name": "kvmesh ttft_pd/4P4D-prefill_first", "kind": "kvmesh",
+         "config": "ttft_pd/4P4D-prefill_first", "capacity": 6.0, "capacity_bounded": True},
+        {"name": "kvmesh kv/4P4D-prefill_first-always", "kind": "kvmesh",
+         "config": "kv/4P4D-prefill_first-always", "capacity": 4.0,
+         "capacity_bounded": True},
+        {"name": "dynamo kv_router/4P4D", "kind": "dynamo", "config": "dynamo kv_router",
+         "capacity": 4.5, "capacity_bounded": True},
+        {"name": "kvmesh kv/8agg", "kind": "kvmesh", "config": "kv/8agg", "capacity": 5.0,
+         "capacity_bounded": False},
+        {"name": "dynamo kv_router/8agg", "kind": "dynamo", "config": "dynamo kv_router",
+         "capacity": 0.0, "capacity_bounded": False, "error": "boom"},
+    ]
+    rows = rows_from_systems(systems)
+    assert [(r["split"], r["prefill"], r["decode"]) for r in rows] == [
+        ("4P4D", 4, 4), ("8agg", 0, 0)]
+    assert rows[0]["best"] == "kvmesh ttft_pd/4P4D-prefill_first"
+    assert rows[0]["dynamo"] == {"kv_router": 4.5}
+    assert rows[0]["ratio"] == pytest.approx(6.0 / 4.5)
+    assert rows[1]["dynamo"] == {"kv_router": None} and rows[1]["ratio"] is None
