@@ -163,3 +163,17 @@ def test_core_asks_the_hook_only_under_conditional_disaggregation() -> None:
         if conditional:
             assert "local prefill on D" in plan.reason
             assert c.pending_prefill() == {"p1": 8000, "d1": 8000}
+
+
+def test_local_prefill_only_when_p_is_backed_up_past_local_min_ms() -> None:
+    pol = local_pd(FakeClock(), local_min_ms=1500.0, local_burst_ms=10_000.0)
+    dw = d("d", kv_usage=0.2)
+    short = d("p", role="prefill", pending_prefill_tokens=20_000)
+    remote = pol.prefill_ms(20_000 + 2000, 0.0)
+    assert 300.0 < remote < 1500.0  # D would be quicker, but P is not backed up enough
+    local, why = pol.prefer_local_prefill(ctx(2000), short, dw) or (None, "")
+    assert local is False and "< 1500 ms" in why
+    long = d("p", role="prefill", pending_prefill_tokens=80_000)
+    assert (pol.prefer_local_prefill(ctx(2000), long, dw) or (None,))[0] is True
+    with pytest.raises(ValueError):
+        local_pd(FakeClock(), local_min_ms=-1.0)

@@ -48,9 +48,11 @@ Contract:
 - P/D local prefill (``local_duty`` > 0 and a ``clock`` given; ``ttft_pd``):
   :meth:`TtftPolicy.prefer_local_prefill(ctx, p, d, now)` is the router core's optional
   conditional-disaggregation hook, asked when Dynamo's rule chose a remote prefill on P.
-  It answers ``(True, reason)`` (D prefills the prompt itself) when D is predicted to
-  give the first token sooner, ``chunked_prefill_ms(D's pending + own on D) <
-  chunked_prefill_ms(P's pending + own on P)``, and D's prefill budget allows it: each
+  It answers ``(True, reason)`` (D prefills the prompt itself) when P is backed up (its
+  predicted time to the first token, ``chunked_prefill_ms(P's pending + own on P)``, is
+  at least ``local_min_ms``: D's decode time is not spent on small TTFT gains), D is
+  predicted to give the first token sooner, ``chunked_prefill_ms(D's pending + own on
+  D)`` below P's, and D's prefill budget allows it: each
   local prefill it grants books its predicted ms / ``local_duty`` of D's time (a token
   bucket per D, refilled by the clock, at most ``local_burst_ms`` ahead), so D spends at
   most about ``local_duty`` of its time prefilling and its decodes keep their ITL (a
@@ -59,12 +61,12 @@ Contract:
 - Arguments: ``perf_model`` (a loaded :class:`~services.common.perf_model.PerfModel`,
   required), ``chunk_budget`` (>= 1, the engines' ``max_num_batched_tokens``),
   ``own_weight``, ``decode_weight``, ``decode_itl_weight``, ``kv_penalty_ms``,
-  ``local_burst_ms`` and ``tie_ms`` (>= 0), ``kv_headroom`` (in (0, 1)), ``local_duty``
-  (in [0, 1)), ``clock`` (the router's; without one the local-prefill hook is off), and
-  the keyword-only ``rng`` (required). Invalid values raise ValueError. The YAML form of
-  a policy profile names the model instead (``perf_model: mocker | JSON path``, ``speedup``,
-  ``kv_capacity_tokens``); ``services/router/policy_setup.py`` loads it and passes the
-  object in.
+  ``local_burst_ms``, ``local_min_ms`` and ``tie_ms`` (>= 0), ``kv_headroom`` (in
+  (0, 1)), ``local_duty`` (in [0, 1)), ``clock`` (the router's; without one the
+  local-prefill hook is off), and the keyword-only ``rng`` (required). Invalid values
+  raise ValueError. The YAML form of a policy profile names the model instead
+  (``perf_model: mocker | JSON path``, ``speedup``, ``kv_capacity_tokens``);
+  ``services/router/policy_setup.py`` loads it and passes the object in.
 """
 
 from __future__ import annotations
@@ -93,7 +95,8 @@ class TtftPolicy:
                  own_weight: float = 0.0, decode_weight: float = 0.0, tie_ms: float = 1e-6,
                  decode_itl_weight: float = 0.0, kv_headroom: float = 0.9,
                  kv_penalty_ms: float = 1000.0, local_duty: float = 0.0,
-                 local_burst_ms: float = 2000.0, clock: Clock | None = None, *,
+                 local_burst_ms: float = 2000.0, local_min_ms: float = 0.0,
+                 clock: Clock | None = None, *,
                  rng: Rng) -> None:
         if int(chunk_budget) < 1:
             raise ValueError("chunk_budget must be >= 1")
@@ -102,8 +105,9 @@ class TtftPolicy:
                              "and tie_ms must be >= 0")
         if not 0.0 < kv_headroom < 1.0:
             raise ValueError("kv_headroom must be in (0, 1)")
-        if not 0.0 <= local_duty < 1.0 or local_burst_ms < 0:
-            raise ValueError("local_duty must be in [0, 1) and local_burst_ms >= 0")
+        if not 0.0 <= local_duty < 1.0 or min(local_burst_ms, local_min_ms) < 0:
+            raise ValueError("local_duty must be in [0, 1), local_burst_ms and "
+                             "local_min_ms >= 0")
         if isinstance(perf_model, str) or not callable(getattr(perf_model, "prefill_ms", None)):
             raise ValueError(f"perf_model must be a loaded PerfModel, got {perf_model!r}")
         self.model: PerfModel = perf_model
@@ -116,6 +120,7 @@ class TtftPolicy:
         self.kv_penalty_ms = float(kv_penalty_ms)
         self.local_duty = float(local_duty)
         self.local_burst_ms = float(local_burst_ms)
+        self.local_min_ms = float(local_min_ms)
         self.clock = clock
         self._local_until: dict[str, float] = {}  # D id -> its prefill budget's horizon (s)
         self.rng = rng
@@ -161,6 +166,9 @@ class TtftPolicy:
         own_p = max(uncached_tokens(n, p.overlap_blocks, p.block_size), 1)
         own_d = max(uncached_tokens(n, d.overlap_blocks, d.block_size), 1)
         remote = self.prefill_ms(p.pending_prefill_tokens + own_p, p.kv_usage)
+        if remote < self.local_min_ms:
+            return False, (f"remote prefill: P {remote:.0f} ms to the first token < "
+                           f"{self.local_min_ms:.0f} ms")
         local = self.prefill_ms(d.pending_prefill_tokens + own_d, d.kv_usage)
         if local >= remote:
             return False, (f"remote prefill: P {remote:.0f} ms <= D {local:.0f} ms "
