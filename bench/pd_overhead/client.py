@@ -6,7 +6,9 @@ Contracts:
   ids, ``stream: true`` and ``stream_options.include_usage``, over a fresh loopback
   connection opened *before* the clock starts. It returns a :class:`Sample`: ``ttft_s`` is
   the time from sending the request to the first SSE chunk whose choice carries non-empty
-  text (None when no chunk had text), ``first_chunk_s`` the time to the first data chunk
+  text (None when no chunk had text), ``second_s`` the same to the second chunk with text
+  (with P's token first, D's first token; None when there was none),
+  ``first_chunk_s`` the time to the first data chunk
   of any kind, ``total_s`` the time to ``data: [DONE]``; ``sent_wall`` is ``time.time()``
   at the send (the host clock of the engines' stage stamps). A non-200 status, an SSE
   ``{"error": ...}`` event, a stream without ``[DONE]``, or a socket error/timeout is
@@ -35,6 +37,7 @@ class Sample:
     prompt_len: int
     sent_wall: float | None = None  # time.time() when the request was sent
     ttft_s: float | None = None
+    second_s: float | None = None
     first_chunk_s: float | None = None
     total_s: float | None = None
     text: str = ""
@@ -99,6 +102,8 @@ def stream_completion(url: str, model: str, token_ids: list[int], max_tokens: in
                 text = choice.get("text") or ""
                 if text and sample.ttft_s is None:
                     sample.ttft_s = now
+                elif text and sample.second_s is None:
+                    sample.second_s = now
                 parts.append(text)
             usage = event.get("usage")
             if usage:

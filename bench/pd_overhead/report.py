@@ -122,6 +122,20 @@ def stage_table(lengths: list[int], modes: dict[str, dict[str, Any]]) -> str:
     return "stages (median ms):\n" + "\n".join(lines) if len(lines) > 1 else ""
 
 
+def second_token_table(lengths: list[int], modes: dict[str, dict[str, Any]]) -> str:
+    """Median client time to the first and the second chunk with text (ms), per length
+    and mode: what P's token first moves from TTFT to the second token."""
+    names = list(modes)
+    lines = [f"{'L':>5} " + " ".join(f"{m + ' t1':>17} {m + ' t2':>17}" for m in names)]
+    for n in lengths:
+        cells = []
+        for m in names:
+            cells.append(_ms(_get(modes[m], "lengths", str(n), "ttft_s", "median"), 17))
+            cells.append(_ms(_get(modes[m], "lengths", str(n), "second_s", "median"), 17))
+        lines.append(f"{n:>5} " + " ".join(cells))
+    return "time to the 1st (t1) and 2nd (t2) text chunk (median ms):\n" + "\n".join(lines)
+
+
 def _stage_bars(ax: Any, report: dict[str, Any]) -> None:
     """Stacked bars of the stage medians, one per (length, disaggregated mode)."""
     modes = report["modes"]

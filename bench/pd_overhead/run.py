@@ -68,7 +68,14 @@ from bench.pd_overhead.client import (
     served_model,
     stream_completion,
 )
-from bench.pd_overhead.report import plot, stage_table, stats, summary_rows, table
+from bench.pd_overhead.report import (
+    plot,
+    second_token_table,
+    stage_table,
+    stats,
+    summary_rows,
+    table,
+)
 from bench.pd_overhead.stages import load_stamps, request_points, segment_medians, segments
 from bench.pd_overhead.toy import ToyPD
 from services.launcher.up import LocalMesh, MeshSpec
@@ -229,6 +236,7 @@ def run_length(url: str, model: str, length: int, mode: str, args: argparse.Name
         res["stages_median_s"] = segment_medians(
             [d["stages"]["segments_s"] for d in res["samples"] if "stages" in d])
     res["ttft_s"] = stats([s.ttft_s for s in ok if s.ttft_s is not None])
+    res["second_s"] = stats([s.second_s for s in ok if s.second_s is not None])
     res["first_chunk_s"] = stats([s.first_chunk_s for s in ok if s.first_chunk_s is not None])
     res["total_s"] = stats([s.total_s for s in ok if s.total_s is not None])
     res["no_text_chunks"] = sum(1 for s in ok if s.ttft_s is None)
@@ -410,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
                    "prompt": f"random token ids in [{args.min_token_id}, vocab), fresh per "
                              "request", "seed": args.seed,
                    "ttft": "client: request sent -> first SSE chunk with non-empty text",
+                   "second_s": "client: request sent -> second SSE chunk with text",
                    "overhead": "median TTFT(mode) - median TTFT(agg)",
                    "raw_transfer": "L * kv_bytes_per_token / median NIXL READ B/s"},
         "model": geo, "transfer_anchor": anchor, "modes": modes, "summary": rows,
@@ -423,6 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "pd_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows, args.mode_list))
     print(stage_table(args.length_list, modes))
+    print(second_token_table(args.length_list, modes))
     for name, err in report["errors"].items():
         print(f"{name} FAILED: {err.splitlines()[0] if err else err}")
     print(f"wrote {out / 'pd_overhead.json'} in {report['wall_s']:.0f} s")

@@ -110,3 +110,16 @@ def test_stage_table_lists_stamped_modes_only() -> None:
     text = stage_table([64], modes)
     assert "pull" in text and " agg " not in text
     assert stage_table([64], {"agg": modes["agg"]}) == ""
+
+
+def test_second_token_table_shows_what_moved_to_token_two() -> None:
+    from bench.pd_overhead.report import second_token_table
+
+    modes = {"pull": {"lengths": {"128": {"ttft_s": {"median": 0.25},
+                                          "second_s": {"median": 0.4}}}},
+             "agg": {"lengths": {"128": {"ttft_s": {"median": 0.2}}}}}
+    text = second_token_table([128, 512], modes)
+    rows = text.splitlines()
+    assert rows[1].split()[:3] == ["L", "pull", "t1"]  # header order follows the modes
+    assert rows[2].split() == ["128", "250.0", "400.0", "200.0", "-"]
+    assert rows[3].split() == ["512", "-", "-", "-", "-"]
