@@ -9,7 +9,8 @@ Contract:
 - ``get(name)`` returns :class:`ModelInfo` or None.
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
   and returns a :class:`Tokenizer`; ``loaded_tokenizer(info)`` returns it only if it is
-  loaded already (None otherwise), without blocking.
+  loaded already (None otherwise), without blocking; ``await eos_token_ids(info)``: its
+  EOS ids (loading it in a thread if need be), None when it cannot be loaded.
 - :class:`Tokenizer` encodes prompts, names the model's EOS ids as vLLM takes them
   (``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s), spells
   tokens as vLLM's log-probabilities do (``token_texts``) and renders chat messages with
@@ -28,6 +29,7 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -244,6 +246,19 @@ class ModelCatalog:
     def loaded_tokenizer(self, info: ModelInfo) -> Tokenizer | None:
         """The model's tokenizer if it is loaded already (never blocks), else None."""
         return self._tokenizers.get(info.model_path)
+
+    async def eos_token_ids(self, info: ModelInfo) -> frozenset[int] | None:
+        """The model's :attr:`Tokenizer.eos_token_ids`, loading the tokenizer in a thread
+        when it is not loaded yet; None (logged) when it cannot be loaded."""
+        tok = self.loaded_tokenizer(info)
+        if tok is None:
+            try:
+                tok = await asyncio.to_thread(self.tokenizer, info)
+            except Exception as exc:  # noqa: BLE001 - the caller goes on without the ids
+                log.warning("model %s: no tokenizer at %s (%s): its EOS ids are unknown",
+                            info.name, info.model_path, exc)
+                return None
+        return tok.eos_token_ids
 
     def tokenizer(self, info: ModelInfo) -> Tokenizer:
         """The model's tokenizer (blocking on first use; call from a thread)."""

@@ -659,11 +659,10 @@ class Pipeline:
                     images = [worker_pb2.ImageItem(data=i.data, mm_hash=i.mm_hash)
                               for i in job.mm.images]
                 prompt = job.mm.engine_ids if job.mm is not None else job.token_ids
-                tok = (self._catalog.loaded_tokenizer(job.model)
-                       if self.first_token_from_prefill else None)
+                stops = (await self._catalog.eos_token_ids(job.model)
+                         if self.first_token_from_prefill and route.disaggregated else None)
                 plan = Request(mesh_id, job.req.model, prompt + generated,
-                               attempt_sampling, job.cache_salt, images, embeddings,
-                               None if tok is None else tok.eos_token_ids)
+                               attempt_sampling, job.cache_salt, images, embeddings, stops)
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None

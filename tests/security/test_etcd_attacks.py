@@ -149,10 +149,11 @@ async def test_a_fake_worker_registration_is_refused(secure: SecureMesh, who: st
     grew = {w: end[w] - start[w] for w in end}
     tokens = 1 + len(prompt)
     # every request was decoded on the real decode worker; the prefill worker prefilled
-    # those the frontend sent there (conditional disaggregation), whole prompts each
-    assert grew[decode.instance_id] == REQUESTS * tokens, grew
+    # those the frontend sent there (conditional disaggregation), whole prompts each, and
+    # D continued those after P's token (its prompt one longer: handoff.p_token_first)
     prefilled = grew[secure.prefill.instance_id]
     assert prefilled % tokens == 0 and prefilled <= REQUESTS * tokens, grew
+    assert grew[decode.instance_id] == REQUESTS * tokens + prefilled // tokens, grew
     after = await secure.settled()
     assert after.routing == before.routing and after.etcd == before.etcd
 

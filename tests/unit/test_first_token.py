@@ -125,3 +125,11 @@ def test_eos_ids_are_the_tokenizers_and_the_generation_configs(tmp_path: Path) -
     assert _eos_token_ids(str(tmp_path), None) == {5}
     (tmp_path / "generation_config.json").write_text("{not json")
     assert _eos_token_ids(str(tmp_path), 1) == {1}
+
+
+async def test_the_catalog_names_no_eos_ids_for_a_model_without_a_tokenizer(
+        tmp_path: Path) -> None:
+    from services.frontend.models import ModelCatalog, ModelInfo
+
+    info = ModelInfo("m", str(tmp_path / "missing"), 128, 16, 1, 0)
+    assert await ModelCatalog().eos_token_ids(info) is None
