@@ -8,5 +8,7 @@
 - :mod:`.sweep`: arrival speed-up sweeps, SLO share and capacity by bisection.
 - :mod:`.dynamo`: Dynamo's ``run_trace_replay`` on the same trace, in a subprocess.
 - :mod:`.report`: JSON and PNG output; :mod:`.compare`: live vs offline metrics.
+- :mod:`.timeline`: ``--timeline``, per-interval queues, KV use and preemptions per worker.
+- :mod:`.topology`: ``--search-topology N``, the best capacity of every split of N workers.
 - :mod:`.cli`: ``main(argv)``, the command line (``python -m bench.offline``).
 """

@@ -6,7 +6,10 @@ kvmesh system per (policy, admission) pair on the chosen topology and, with
 ``--speedups`` and bisects its capacity (share ≥ ``--target``); prints progress and the
 capacity table; writes ``<out>.json`` and ``<out>.png``. Systems run in ``--jobs``
 processes. Dynamo missing or failing is reported in the JSON (``dynamo.status``), never
-fatal. Returns 0, or 2 for bad arguments.
+fatal. ``--timeline X`` first runs each kvmesh system once at speed-up X and writes its
+timeline (:mod:`bench.offline.timeline`) to ``<out>_timeline-<system>.json/.png``
+(``--timeline-only``: nothing else); ``--search-topology N`` runs the topology search
+instead (:func:`bench.offline.topology.main_search`). Returns 0, or 2 for bad arguments.
 """
 
 from __future__ import annotations
