@@ -152,6 +152,31 @@ def _job(system: System, trace_path: str, limit: int | None, speedups: list[floa
                       log=lambda m: print(m, flush=True))
 
 
+def run_systems(a: argparse.Namespace, systems: Sequence[System]) -> list[dict[str, Any]]:
+    """Each system's sweep and capacity (:func:`bench.offline.sweep.run_system`), in
+    order, ``a.jobs`` at a time. Dynamo's replay reads its trace file whole, so with
+    ``a.limit`` it gets the first ``a.limit`` lines in a temporary file (removed after)."""
+    tmp = None
+    if a.limit is not None and any(s.kind == "dynamo" for s in systems):
+        tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
+        with open(a.trace, encoding="utf-8") as fh:
+            for n, line in enumerate(fh):
+                if n >= a.limit:
+                    break
+                tmp.write(line)
+        tmp.close()
+    args = [(s, tmp.name if (tmp and s.kind == "dynamo") else a.trace, a.limit,
+             a.speedups, a.target, a.bisect_iters) for s in systems]
+    try:
+        if a.jobs > 1:
+            with ProcessPoolExecutor(a.jobs) as pool:
+                return list(pool.map(_job, *zip(*args, strict=True)))
+        return [_job(*x) for x in args]
+    finally:
+        if tmp is not None:
+            os.unlink(tmp.name)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """See the module docstring."""
     a = parser().parse_args(argv)
@@ -182,28 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    trace_path = a.trace
-    tmp = None
-    if a.limit is not None and any(s.kind == "dynamo" for s in systems):
-        tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
-        with open(a.trace, encoding="utf-8") as fh:
-            for n, line in enumerate(fh):
-                if n >= a.limit:
-                    break
-                tmp.write(line)
-        tmp.close()
     t0 = time.perf_counter()
-    args = [(s, tmp.name if (tmp and s.kind == "dynamo") else trace_path, a.limit,
-             a.speedups, a.target, a.bisect_iters) for s in systems]
-    try:
-        if a.jobs > 1:
-            with ProcessPoolExecutor(a.jobs) as pool:
-                done = list(pool.map(_job, *zip(*args, strict=True)))
-        else:
-            done = [_job(*x) for x in args]
-    finally:
-        if tmp is not None:
-            os.unlink(tmp.name)
+    done = run_systems(a, systems)
     report = {
         "trace": a.trace, "limit": a.limit, "speedups": a.speedups, "target": a.target,
         "slo": {"ttft_ms": a.slo_ttft_ms, "itl_ms": a.slo_itl_ms},

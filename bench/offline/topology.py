@@ -34,13 +34,10 @@ Contract:
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -213,7 +210,7 @@ def plot_topology(path: Path, rows: Sequence[dict[str, Any]], target: float) -> 
 
 def main_search(a: argparse.Namespace) -> int:
     """See the module docstring."""
-    from bench.offline.cli import _job, base_config
+    from bench.offline.cli import base_config, run_systems
     from bench.offline.report import write_json
 
     n = a.search_topology
@@ -235,27 +232,8 @@ def main_search(a: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    tmp = None
-    if a.limit is not None and modes:
-        tmp = tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False)
-        with open(a.trace, encoding="utf-8") as fh:
-            for i, line in enumerate(fh):
-                if i >= a.limit:
-                    break
-                tmp.write(line)
-        tmp.close()
-    args = [(s, tmp.name if (tmp and s.kind == "dynamo") else a.trace, a.limit,
-             a.speedups, a.target, a.bisect_iters) for s in systems]
     t0 = time.perf_counter()
-    try:
-        if a.jobs > 1:
-            with ProcessPoolExecutor(a.jobs) as pool:
-                done = list(pool.map(_job, *zip(*args, strict=True)))
-        else:
-            done = [_job(*x) for x in args]
-    finally:
-        if tmp is not None:
-            os.unlink(tmp.name)
+    done = run_systems(a, systems)
     rows = best_per_split(list(zip(systems, done, strict=True)), n)
     report = {
         "trace": a.trace, "limit": a.limit, "workers": n, "speedups": a.speedups,
