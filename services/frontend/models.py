@@ -10,7 +10,8 @@ Contract:
 - ``tokenizer(info)`` loads (once, from the model folder on local disk; never from a hub)
   and returns a :class:`Tokenizer`; ``loaded_tokenizer(info)`` returns it only if it is
   loaded already (None otherwise), without blocking; ``await eos_token_ids(info)``: its
-  EOS ids (loading it in a thread if need be), None when it cannot be loaded.
+  EOS ids (loading it in a thread if need be), None when it cannot be loaded (not tried
+  again for that folder).
 - :class:`Tokenizer` encodes prompts, names the model's EOS ids as vLLM takes them
   (``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s), spells
   tokens as vLLM's log-probabilities do (``token_texts``) and renders chat messages with
@@ -195,6 +196,7 @@ class ModelCatalog:
         self._expanders: dict[str, ImageExpander] = {}
         self._lock = threading.Lock()
         self._warming: set[str] = set()
+        self._no_tokenizer: set[str] = set()  # folders whose tokenizer failed to load
 
     def update(self, records: Iterable[discovery_pb2.InstanceRecord]) -> None:
         """Rebuilds the catalog from worker records."""
@@ -249,12 +251,16 @@ class ModelCatalog:
 
     async def eos_token_ids(self, info: ModelInfo) -> frozenset[int] | None:
         """The model's :attr:`Tokenizer.eos_token_ids`, loading the tokenizer in a thread
-        when it is not loaded yet; None (logged) when it cannot be loaded."""
+        when it is not loaded yet; None when it cannot be loaded (logged, and not tried
+        again for that folder)."""
         tok = self.loaded_tokenizer(info)
         if tok is None:
+            if info.model_path in self._no_tokenizer:
+                return None
             try:
                 tok = await asyncio.to_thread(self.tokenizer, info)
             except Exception as exc:  # noqa: BLE001 - the caller goes on without the ids
+                self._no_tokenizer.add(info.model_path)
                 log.warning("model %s: no tokenizer at %s (%s): its EOS ids are unknown",
                             info.name, info.model_path, exc)
                 return None

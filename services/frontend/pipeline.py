@@ -619,6 +619,9 @@ class Pipeline:
         first_token = True
         prompt_sent = False  # the prompt's log-probabilities went out (first token)
         try:
+            # before any router state exists: a cancel while it loads leaks nothing
+            stops = (await self._catalog.eos_token_ids(job.model)
+                     if self.first_token_from_prefill else None)
             for attempt in range(self.migration_limit + 1):
                 carried = len(generated)
                 if carried >= max_tokens:  # died after its last token, before the finish
@@ -659,8 +662,6 @@ class Pipeline:
                     images = [worker_pb2.ImageItem(data=i.data, mm_hash=i.mm_hash)
                               for i in job.mm.images]
                 prompt = job.mm.engine_ids if job.mm is not None else job.token_ids
-                stops = (await self._catalog.eos_token_ids(job.model)
-                         if self.first_token_from_prefill and route.disaggregated else None)
                 plan = Request(mesh_id, job.req.model, prompt + generated,
                                attempt_sampling, job.cache_salt, images, embeddings, stops)
                 with _attached(ctx):
