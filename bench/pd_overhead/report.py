@@ -136,15 +136,32 @@ def second_token_table(lengths: list[int], modes: dict[str, dict[str, Any]]) -> 
     return "time to the 1st (t1) and 2nd (t2) text chunk (median ms):\n" + "\n".join(lines)
 
 
+P_FIRST = ("p_to_client", "token 1 from P: P's answer to the client (D's stages follow it)")
+
+
+def ttft_stages(med: dict[str, Any], ttft: float | None) -> dict[str, Any]:
+    """The stages of the client's TTFT. When the first token reached the client before
+    D's first step (``to_client`` < 0: P's token went out first), TTFT is ``to_p``, P's
+    prefill and ``p_to_client`` (TTFT − both; None without a TTFT), and D's stages come
+    after it, so they are left out; otherwise ``med`` as it is."""
+    if (med.get("to_client") or 0.0) >= 0:
+        return med
+    to_p, prefill = med.get("to_p") or 0.0, med.get("p_prefill") or 0.0
+    return {"to_p": med.get("to_p"), "p_prefill": med.get("p_prefill"),
+            P_FIRST[0]: None if ttft is None else ttft - to_p - prefill}
+
+
 def _stage_bars(ax: Any, report: dict[str, Any]) -> None:
-    """Stacked bars of the stage medians, one per (length, disaggregated mode)."""
+    """Stacked bars of the stages of TTFT (:func:`ttft_stages`), one per (length,
+    disaggregated mode)."""
     modes = report["modes"]
     bars: list[tuple[str, dict[str, Any]]] = []
     for r in report["summary"]:
         for m, res in modes.items():
             med = _get(res, "lengths", str(r["length"]), "stages_median_s")
             if med:
-                bars.append((f"{r['length']}\n{m}", med))
+                ttft = _get(res, "lengths", str(r["length"]), "ttft_s", "median")
+                bars.append((f"{r['length']}\n{m}", ttft_stages(med, ttft)))
     if not bars:
         ax.text(0.5, 0.5, "no stage stamps", ha="center", transform=ax.transAxes)
         return
@@ -153,11 +170,12 @@ def _stage_bars(ax: Any, report: dict[str, Any]) -> None:
     import matplotlib
 
     cmap = matplotlib.colormaps["tab10"]
-    for i, (name, _a, _b, what) in enumerate(SEGMENTS):
+    for i, (name, what) in enumerate([(s[0], s[3]) for s in SEGMENTS] + [P_FIRST]):
         if name == "p_prefill":  # P's compute: it would dwarf the rest; written on top
             continue
         vals = np.array([(med.get(name) or 0.0) * 1e3 for _, med in bars])
-        ax.bar(x, vals, bottom=bottom, color=cmap(i % 10), label=f"{name}: {what}")
+        color = "0.25" if name == P_FIRST[0] else cmap(i % 10)
+        ax.bar(x, vals, bottom=bottom, color=color, label=f"{name}: {what}")
         bottom += vals
     for xi, top, (_, med) in zip(x, bottom, bars, strict=True):
         ax.annotate(f"+ P prefill {_ms(med.get('p_prefill'), 0).strip()}", (xi, top),

@@ -123,3 +123,14 @@ def test_second_token_table_shows_what_moved_to_token_two() -> None:
     assert rows[1].split()[:3] == ["L", "pull", "t1"]  # header order follows the modes
     assert rows[2].split() == ["128", "250.0", "400.0", "200.0", "-"]
     assert rows[3].split() == ["512", "-", "-", "-", "-"]
+
+
+def test_ttft_stages_leave_ds_stages_out_when_ps_token_went_first() -> None:
+    from bench.pd_overhead.report import ttft_stages
+
+    d_first = {"to_p": 0.01, "p_prefill": 0.5, "first_step": 0.1, "to_client": 0.002}
+    assert ttft_stages(d_first, 0.7) is d_first
+    p_first = {**d_first, "to_client": -0.1}
+    assert ttft_stages(p_first, 0.52) == pytest.approx(
+        {"to_p": 0.01, "p_prefill": 0.5, "p_to_client": 0.01})
+    assert ttft_stages(p_first, None)["p_to_client"] is None
