@@ -61,6 +61,7 @@ import grpc
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
 from services.frontend import fanout, structured, tool_chat, tools, vllm_extras
 from services.frontend.auth import OPEN, ApiKeys, Tenant, Unauthorized
+from services.frontend.failures import REASON_KEY, RETRY_AFTER_KEY
 from services.frontend.fanout import Tally
 from services.frontend.openai_schema import (
     MAX_LOGIT_BIAS,
@@ -73,7 +74,7 @@ from services.frontend.openai_schema import (
     check_choices,
     with_tenant,
 )
-from services.frontend.pipeline import REASON_KEY, RETRY_AFTER_KEY, Pipeline
+from services.frontend.pipeline import Pipeline
 
 FINISH = {"stop": common_pb2.FINISH_REASON_STOP, "length": common_pb2.FINISH_REASON_LENGTH,
           "abort": common_pb2.FINISH_REASON_ABORT, "error": common_pb2.FINISH_REASON_ERROR,

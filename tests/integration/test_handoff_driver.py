@@ -25,9 +25,9 @@ from services.common.config import load_config
 from services.common.grpc_client import ChannelPool
 from services.common.procs import Child
 from services.frontend import handoff
+from services.frontend.failures import worker_failure
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.pipeline import worker_failure
 from tests.integration.conftest import base_args
 from tests.waiting import wait_for
 from workers.fleet import Fleet, FleetConfig, start_fleet
