@@ -37,7 +37,12 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   (``RequestOutputKind.DELTA``): new token ids and text (vLLM detokenizes and applies stop
   strings), cumulative ``completion_tokens``, ``cached_tokens`` = vLLM's
   ``num_cached_tokens`` (prefix-cache hit) and, on the first output with tokens,
-  ``queue_s``/``prefill_s`` from vLLM's EngineCore timestamps. ``None`` sampling fields
+  ``queue_s``/``prefill_s`` from vLLM's EngineCore timestamps (under ``KVMESH_PD_STAMPS``,
+  :mod:`workers.kv.stamps`, also an ``e_first_token`` stamp: ``role`` ``p``/``d`` for a
+  handoff's prefill/decode side else ``a``, ``arrival`` = vLLM's ``arrival_time``,
+  ``queue_s``, ``prefill_s``, and ``engine_ttft_s`` = vLLM's own TTFT of the request,
+  ``first_token_latency``: from ``arrival_time`` to its first token in this process).
+  ``None`` sampling fields
   take the model's ``generation_config.json`` defaults, else vLLM's.
   **Every optional sampling feature is served** (``serves`` = all of
   :data:`~workers.engines.base.OPTIONAL_FEATURES`), mapped onto vLLM's ``SamplingParams``:
@@ -141,6 +146,7 @@ from workers.engines.base import (
 )
 from workers.engines.vllm_stats import StatsRecorder
 from workers.kv.layout import handoff_of, kv_layout
+from workers.kv.stamps import stamp_writer
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -242,6 +248,19 @@ def _first_token_times(metrics: Any) -> tuple[float | None, float | None]:
     if not (queued and scheduled and first):
         return None, None
     return max(0.0, scheduled - queued), max(0.0, first - scheduled)
+
+
+def _stamp_first_token(rid: str, kv: dict[str, Any] | None, metrics: Any,
+                       delta: EngineOutput) -> None:
+    """The ``e_first_token`` stamp (module docstring) when stamps are on."""
+    stamp = stamp_writer()
+    if stamp is None:
+        return
+    role = ("d" if kv and kv.get("do_remote_prefill")
+            else "p" if kv and kv.get("do_remote_decode") else "a")
+    stamp("e_first_token", rid, role=role, arrival=getattr(metrics, "arrival_time", None),
+          queue_s=delta.queue_s, prefill_s=delta.prefill_s,
+          engine_ttft_s=getattr(metrics, "first_token_latency", None))
 
 
 def structured_params(so: StructuredOutputs) -> Any:
@@ -599,6 +618,7 @@ class VllmEngine(Engine):
                     if not timed and comp.token_ids:
                         timed = True
                         delta.queue_s, delta.prefill_s = _first_token_times(out.metrics)
+                        _stamp_first_token(rid, kv, out.metrics, delta)
                     yield delta
                     if out.finished:
                         return

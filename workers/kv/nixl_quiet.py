@@ -31,8 +31,9 @@ Contract:
   tokens and its first step computes the last prompt token (P's), sampling the second.
   When D's prompt is P's (``remote_num_tokens`` = its length) the cap changes nothing;
   without ``remote_num_tokens`` vLLM's count stands.
-- **Stage stamps** (``KVMESH_PD_STAMPS=<folder>``, a benchmark's opt-in): each EngineCore
-  process appends one JSON object per line to ``<folder>/stamps-<pid>.jsonl``:
+- **Stage stamps** (``KVMESH_PD_STAMPS=<folder>``, a benchmark's opt-in,
+  :mod:`workers.kv.stamps`): each EngineCore process appends one JSON object per line to
+  ``<folder>/stamps-<pid>.jsonl``:
   ``{"t": time.time(), "ev": ..., "req": vLLM request id or null, "pid": ...}`` plus
   event fields. Only requests that are part of a handoff are stamped: D's
   (``kv_transfer_params.do_remote_prefill``) and P's (``do_remote_decode``).
@@ -62,10 +63,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
-import os
-import threading
-import time
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
@@ -76,8 +73,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
+from workers.kv.stamps import stamp_writer
+
 _QUIET_MARK = "_kvmesh_quiet"
-STAMPS_ENV = "KVMESH_PD_STAMPS"
 
 
 def _install() -> None:
@@ -94,37 +92,6 @@ def _install() -> None:
 
 
 _install()
-
-
-class StampWriter:
-    """Appends stage stamps as JSON lines to ``<folder>/stamps-<pid>.jsonl`` (thread-safe:
-    the NIXL handshake runs in a background thread)."""
-
-    def __init__(self, folder: str) -> None:
-        os.makedirs(folder, exist_ok=True)
-        self._file = open(  # noqa: SIM115 - lives as long as the EngineCore
-            os.path.join(folder, f"stamps-{os.getpid()}.jsonl"), "a", buffering=1)
-        self._lock = threading.Lock()
-
-    def __call__(self, ev: str, req: str | None = None, **fields: Any) -> None:
-        line = json.dumps({"t": time.time(), "ev": ev, "req": req, "pid": os.getpid(),
-                           **fields})
-        with self._lock:
-            self._file.write(line + "\n")
-
-
-_WRITER: StampWriter | None = None
-
-
-def stamp_writer() -> StampWriter | None:
-    """The process's writer when ``KVMESH_PD_STAMPS`` is set, else None."""
-    global _WRITER
-    folder = os.environ.get(STAMPS_ENV)
-    if not folder:
-        return None
-    if _WRITER is None:
-        _WRITER = StampWriter(folder)
-    return _WRITER
 
 
 def _handoff_role(request: Any) -> str | None:
