@@ -7,9 +7,15 @@ Contracts:
   prompt length: TTFT median and p90 per mode, ``overhead_s[mode] = median TTFT(mode) −
   median TTFT(agg)``, the raw transfer time of that length's KV at the measured NIXL READ
   bandwidth, ``ratio[mode] = overhead / raw``, and the frontend's own mean
-  ``kvmesh_kv_transfer_seconds`` / ``kvmesh_prefill_seconds`` per request. A value that
-  could not be measured (failed mode, missing anchor) is None, never a guess.
-- :func:`table` renders the rows as plain text; :func:`stage_table` the per-length stage
+  ``kvmesh_kv_transfer_seconds`` / ``kvmesh_prefill_seconds`` per request; and with
+  engine stamps, ``mesh_share_s[mode]`` (median of client TTFT minus the first engine's
+  own TTFT, :func:`bench.pd_overhead.stages.mesh_share`), ``engine_free_overhead_s[mode]
+  = mesh_share(mode) − mesh_share(agg)`` (disaggregation's cost with each engine's own
+  prefill time taken out), ``goal_s`` = 1.2 × raw + 5 ms (issue 18's bound) and
+  ``meets_goal[mode]``. A value that could not be measured (failed mode, missing anchor)
+  is None, never a guess.
+- :func:`table` renders the rows as plain text, :func:`engine_free_table` the
+  engine-free columns; :func:`stage_table` the per-length stage
   medians of each disaggregated mode (``stages_median_s``, :mod:`bench.pd_overhead.stages`);
   :func:`plot` writes the PNG (TTFT vs length per mode; overhead vs raw transfer time;
   the stage medians as one stacked bar per length and mode, P's prefill left out and
@@ -65,7 +71,16 @@ def summary_rows(lengths: list[int], modes: dict[str, dict[str, Any]],
                 else None
             overhead[m] = o
             ratio[m] = o / raw if o is not None and raw else None
+        share = {m: _get(r, "lengths", key, "mesh_share_s", "median")
+                 for m, r in modes.items()}
+        free: dict[str, float | None] = {
+            m: share[m] - share["agg"] if share.get(m) is not None
+            and share.get("agg") is not None else None for m in modes if m != "agg"}
+        goal = 1.2 * raw + 0.005 if raw else None
         rows.append({
+            "mesh_share_s": share, "engine_free_overhead_s": free, "goal_s": goal,
+            "meets_goal": {m: (v <= goal if v is not None and goal is not None else None)
+                           for m, v in free.items()},
             "length": length,
             "kv_bytes": _get(anchor, "by_length", key, "kv_bytes"),
             "read_gbps": _get(anchor, "by_length", key, "read_gbps", "median"),
@@ -107,6 +122,23 @@ def table(rows: list[dict[str, Any]], modes: list[str]) -> str:
                      f" {_ms(r['server_kv_transfer_mean_s'].get(m), 8)}")
         lines.append(line)
     return "\n".join(lines)
+
+
+def engine_free_table(rows: list[dict[str, Any]], modes: list[str]) -> str:
+    """Per length: each mode's median mesh share of TTFT (TTFT − the engine's own TTFT),
+    disaggregation's engine-free overhead against agg, and the goal (ms)."""
+    dis = [m for m in modes if m != "agg"]
+    head = (f"{'L':>5} {'raw ms':>7} {'goal ms':>8} "
+            + " ".join(f"{'mesh ' + m:>14}" for m in modes)
+            + " " + " ".join(f"{'ovh ' + m:>14}" for m in dis))
+    lines = [head]
+    for r in rows:
+        share, free = r.get("mesh_share_s") or {}, r.get("engine_free_overhead_s") or {}
+        lines.append(f"{r['length']:>5} {_ms(r['raw_transfer_s'], 7)} {_ms(r.get('goal_s'))} "
+                     + " ".join(_ms(share.get(m), 14) for m in modes) + " "
+                     + " ".join(_ms(free.get(m), 14) for m in dis))
+    return ("TTFT minus the first engine's own TTFT (median ms), and its excess over agg:\n"
+            + "\n".join(lines))
 
 
 def stage_table(lengths: list[int], modes: dict[str, dict[str, Any]]) -> str:
@@ -230,6 +262,8 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     if raw:
         ax2.plot([p[0] for p in raw], [p[1] * 1e3 for p in raw], "k--",
                  label="raw KV bytes / NIXL READ GB/s")
+        ax2.plot([p[0] for p in raw], [(1.2 * p[1] + 0.005) * 1e3 for p in raw], "k:",
+                 label="goal: 1.2 × raw + 5 ms")
     for m in (m for m in modes if m != "agg"):
         ovh = [(r["length"], r["overhead_s"].get(m)) for r in rows]
         pos = [(x, y) for x, y in ovh if y is not None and y > 0]
@@ -240,6 +274,12 @@ def plot(report: dict[str, Any], path: Path) -> bool:
         if neg:
             ax2.plot(neg, [0.01] * len(neg), "x", color=colors.get(m),
                      label=f"overhead {m} ≤ 0 (drawn at 0.01)")
+        free = [(r["length"], (r.get("engine_free_overhead_s") or {}).get(m)) for r in rows]
+        free_pos = [(x, y) for x, y in free if y is not None and y > 0]
+        if free_pos:
+            ax2.plot([p[0] for p in free_pos], [p[1] * 1e3 for p in free_pos], "--",
+                     marker=styles.get(m, "o-")[0], color=colors.get(m), alpha=0.6,
+                     label=f"engine-free overhead {m} (each engine's TTFT taken out)")
         srv = [(r["length"], r["server_kv_transfer_mean_s"][m]) for r in rows
                if r["server_kv_transfer_mean_s"].get(m) is not None]
         if srv:

@@ -20,10 +20,16 @@ Contracts:
   is the anchor with no kvmesh in the path: two plain vLLM OpenAI servers with the same
   engine and pull-mode KV config and a minimal proxy in this process, as vLLM's own
   NIXL P/D toy proxy drives them (:mod:`bench.pd_overhead.toy`).
-- Stages (disaggregated modes): the engines run with ``KVMESH_PD_STAMPS`` = a folder of
-  the mode's, so :mod:`workers.kv.nixl_quiet` stamps each handoff's stages in P's and D's
-  EngineCore; every sample (warm-up included) gets its ``stages`` (points after the send
-  and segments, :mod:`bench.pd_overhead.stages`) and each length ``stages_median_s``.
+- Stages: the engines run with ``KVMESH_PD_STAMPS`` = a folder of the mode's, so
+  :mod:`workers.kv.nixl_quiet` stamps each handoff's stages in P's and D's EngineCore and
+  every kvmesh vLLM worker its engine's TTFT (agg included); every sample (warm-up
+  included) gets its ``stages`` (points after the send and segments,
+  :mod:`bench.pd_overhead.stages`) and each length ``stages_median_s``, ``engine_ttft_s``
+  (vLLM's own TTFT in the engine whose token goes out first: P's, or agg's) and
+  ``mesh_share_s`` (client TTFT minus that, per request): the second is what the mesh
+  adds, so ``mesh_share(pull) − mesh_share(agg)`` is disaggregation's cost in TTFT with
+  each engine's prefill time taken out (P's and agg's prefill of the same prompt differ
+  by ±10 % between two fresh engines, more than that cost).
 - Per length: one warm-up request, then ``--reps`` timed ones (see
   :mod:`bench.pd_overhead.client`): streaming ``/v1/completions`` with a prompt of exactly
   ``L`` random token ids, fresh for every request so no prefix cache can hit, and the same
@@ -69,6 +75,7 @@ from bench.pd_overhead.client import (
     stream_completion,
 )
 from bench.pd_overhead.report import (
+    engine_free_table,
     plot,
     second_token_table,
     stage_table,
@@ -76,16 +83,22 @@ from bench.pd_overhead.report import (
     summary_rows,
     table,
 )
-from bench.pd_overhead.stages import load_stamps, request_points, segment_medians, segments
+from bench.pd_overhead.stages import (
+    load_stamps,
+    mesh_share,
+    request_points,
+    segment_medians,
+    segments,
+)
 from bench.pd_overhead.toy import ToyPD
 from services.launcher.up import LocalMesh, MeshSpec
+from workers.kv.stamps import STAMPS_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MODES = ("agg", "pull", "pull_recompute", "push", "toy")
 # Frontend settings per mode, inherited by the mesh's processes at their spawn: in
 # pull_recompute D generates every token (P's sampled token is dropped, as vLLM's proxy does)
 MODE_ENV = {"pull_recompute": {"KVMESH_FIRST_TOKEN_FROM_PREFILL": "false"}}
-STAMPS_ENV = "KVMESH_PD_STAMPS"  # workers.kv.nixl_quiet.STAMPS_ENV (no vllm import here)
 METRIC_PREFIXES = ("kvmesh_kv_transfer_seconds", "kvmesh_prefill_seconds",
                    "kvmesh_ttft_seconds", "kvmesh_requests_total",
                    "kvmesh_kv_transfer_blocks_total", "kvmesh_prefill_hit_tokens_total",
@@ -235,6 +248,11 @@ def run_length(url: str, model: str, length: int, mode: str, args: argparse.Name
     if stamps_dir is not None:
         res["stages_median_s"] = segment_medians(
             [d["stages"]["segments_s"] for d in res["samples"] if "stages" in d])
+        points = [d["stages"]["points_s"] for d in res["samples"] if "stages" in d]
+        res["engine_ttft_s"] = stats([p["engine_ttft_s"] for p in points
+                                      if p.get("engine_ttft_s") is not None])
+        shares = [mesh_share(p) for p in points]
+        res["mesh_share_s"] = stats([v for v in shares if v is not None])
     res["ttft_s"] = stats([s.ttft_s for s in ok if s.ttft_s is not None])
     res["second_s"] = stats([s.second_s for s in ok if s.second_s is not None])
     res["first_chunk_s"] = stats([s.first_chunk_s for s in ok if s.first_chunk_s is not None])
@@ -290,7 +308,7 @@ def run_mode(mode: str, lengths: list[int], args: argparse.Namespace, vocab: int
                        "kv_cache_gib": spec.kv_cache_gib, "block_size": spec.block_size}
     else:
         mesh = LocalMesh(spec)
-    stamps_dir = work / "stamps" if mode != "agg" else None
+    stamps_dir = work / "stamps"
     rng = np.random.default_rng(seed)
     t0 = time.perf_counter()
     try:
@@ -431,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     report["png"] = "pd_overhead.png" if plot(report, out / "pd_overhead.png") else None
     (out / "pd_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
     print(table(rows, args.mode_list))
+    print(engine_free_table(rows, args.mode_list))
     print(stage_table(args.length_list, modes))
     print(second_token_table(args.length_list, modes))
     for name, err in report["errors"].items():

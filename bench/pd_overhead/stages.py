@@ -1,7 +1,8 @@
 """Per-request stages of a P/D handoff, from the connector's stamps (pure: no I/O but
 :func:`load_stamps`).
 
-The stamps are :mod:`workers.kv.nixl_quiet`'s JSON lines (``KVMESH_PD_STAMPS``), on the
+The stamps are :mod:`workers.kv.nixl_quiet`'s and :mod:`workers.engines.vllm_engine`'s JSON
+lines (``KVMESH_PD_STAMPS``, :mod:`workers.kv.stamps`), on the
 same host clock (``time.time()``) as the client's ``sent_wall``.
 
 Contracts:
@@ -17,7 +18,16 @@ Contracts:
   ``(read_done_after, recv_done]``), ``handshake_s`` (a NIXL handshake of D's worker
   between ``d_arrival`` and ``recv_done``: first contact with that P; None if none),
   ``xfer_s`` (NIXL's own duration of the READs that finished in that interval, summed;
-  from its telemetry) and ``d_req`` / ``p_req``.
+  from its telemetry) and ``d_req`` / ``p_req``; and, from the worker's
+  ``e_first_token`` stamp of the engine whose token reaches the client first (P's in
+  pull and push, ``role`` ``p``; the aggregated worker's in agg, ``a``; the first such
+  stamp with ``arrival`` in ``[sent, done]``), ``engine_ttft_s`` (vLLM's own TTFT of that
+  request: its arrival in the worker's engine to its first token there),
+  ``engine_queue_prefill_s`` (EngineCore's queue + prefill), ``engine_role``,
+  ``engine_arrival`` (its ``arrival``) and ``engine_first_token`` (when the worker saw
+  the first token), both seconds after ``sent``; None when not stamped.
+- :func:`mesh_share` is what the mesh adds to a request's TTFT outside that engine:
+  the client's TTFT minus ``engine_ttft_s`` (None when either is missing).
 - :func:`segments` turns the points into :data:`SEGMENTS`, the consecutive intervals
   from ``sent`` to ``first_token`` (None where an end is missing); with every point
   present they sum to the client's TTFT.
@@ -129,7 +139,21 @@ def request_points(stamps: list[dict[str, Any]], sent: float, first_token: float
     for name in POINTS:
         v = abs_pts[name]
         out[name] = v - sent if v is not None else None
+    e = next((r for r in stamps if r["ev"] == "e_first_token" and r.get("role") in ("p", "a")
+              and r.get("arrival") is not None and sent <= r["arrival"] <= done), None)
+    out["engine_role"] = e.get("role") if e else None
+    out["engine_arrival"] = e["arrival"] - sent if e else None
+    out["engine_first_token"] = e["t"] - sent if e else None
+    out["engine_ttft_s"] = e.get("engine_ttft_s") if e else None
+    q, pf = (e.get("queue_s"), e.get("prefill_s")) if e else (None, None)
+    out["engine_queue_prefill_s"] = q + pf if q is not None and pf is not None else None
     return out
+
+
+def mesh_share(points: dict[str, Any]) -> float | None:
+    """The client's TTFT minus the first engine's own TTFT (module docstring)."""
+    ttft, engine = points.get("first_token"), points.get("engine_ttft_s")
+    return ttft - engine if ttft is not None and engine is not None else None
 
 
 def segments(points: dict[str, Any]) -> dict[str, float | None]:

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from bench.pd_overhead.report import stage_table
+from bench.pd_overhead.report import engine_free_table, stage_table, summary_rows
 from bench.pd_overhead.stages import (
     SEGMENTS,
     load_stamps,
+    mesh_share,
     request_points,
     segment_medians,
     segments,
@@ -134,3 +135,42 @@ def test_ttft_stages_leave_ds_stages_out_when_ps_token_went_first() -> None:
     assert ttft_stages(p_first, 0.52) == pytest.approx(
         {"to_p": 0.01, "p_prefill": 0.5, "p_to_client": 0.01})
     assert ttft_stages(p_first, None)["p_to_client"] is None
+
+
+def _e(dt: float, role: str, engine_ttft: float, base: float = SENT) -> dict:
+    return {"t": base + dt, "ev": "e_first_token", "req": f"r-{role}", "pid": 2, "role": role,
+            "arrival": base + 0.005, "queue_s": 0.001, "prefill_s": engine_ttft - 0.003,
+            "engine_ttft_s": engine_ttft}
+
+
+def test_the_first_engines_ttft_is_taken_out_of_the_clients() -> None:
+    """P's engine stamp (role p) is the one whose token goes out first; D's is not used."""
+    stamps = sorted([*_stamps(), _e(0.049, "p", 0.040), _e(0.091, "d", 0.030)],
+                    key=lambda r: r["t"])
+    pts = request_points(stamps, SENT, SENT + 0.060, SENT + 0.200)
+    assert pts["engine_role"] == "p"
+    assert pts["engine_ttft_s"] == pytest.approx(0.040)
+    assert pts["engine_queue_prefill_s"] == pytest.approx(0.038)
+    assert mesh_share(pts) == pytest.approx(0.020)
+    # agg: only the worker's stamp, no connector's
+    agg = request_points([_e(0.045, "a", 0.035)], SENT, SENT + 0.050, SENT + 0.100)
+    assert agg["engine_role"] == "a" and mesh_share(agg) == pytest.approx(0.015)
+    # no stamp (toy's plain vLLM servers): nothing is guessed
+    none = request_points([], SENT, SENT + 0.050, SENT + 0.100)
+    assert none["engine_ttft_s"] is None and mesh_share(none) is None
+
+
+def test_summary_rows_give_the_engine_free_overhead_and_the_goal() -> None:
+    def mode(share: float | None) -> dict[str, Any]:
+        return {"lengths": {"128": {"ttft_s": {"median": 0.5, "p90": 0.6},
+                                    "mesh_share_s": None if share is None
+                                    else {"median": share}}}}
+
+    anchor = {"by_length": {"128": {"raw_transfer_s": 0.002, "kv_bytes": 1}}}
+    (row,) = summary_rows([128], {"agg": mode(0.018), "pull": mode(0.024),
+                                  "toy": mode(None)}, anchor)
+    assert row["goal_s"] == pytest.approx(1.2 * 0.002 + 0.005)
+    assert row["engine_free_overhead_s"]["pull"] == pytest.approx(0.006)
+    assert row["meets_goal"] == {"pull": True, "toy": None}
+    text = engine_free_table([row], ["agg", "pull", "toy"])
+    assert "ovh pull" in text and "6.0" in text
