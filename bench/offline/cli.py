@@ -52,6 +52,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--disagg-order", choices=ORDERS, default="prefill_first")
     p.add_argument("--no-conditional-disagg", action="store_true",
                    help="always disaggregate (no Dynamo conditional disaggregation)")
+    p.add_argument("--prefill-whole", action="store_true",
+                   help="when every D's KV is full, a P worker serves the request whole "
+                   "(prefill and decode; the router's \"P serves whole\", offline only)")
     p.add_argument("--policies", default="kv,round_robin,approx",
                    help="router policies or profiles (comma separated; also ttft, ttft_kv)")
     p.add_argument("--prefill-policy", default=None)
@@ -104,6 +107,7 @@ def base_config(a: argparse.Namespace) -> SimConfig:
         transfer_bandwidth=a.bandwidth, workers=a.workers,
         prefill_workers=a.prefill_workers, decode_workers=a.decode_workers,
         disagg_order=a.disagg_order, conditional_disagg=not a.no_conditional_disagg,
+        prefill_whole=a.prefill_whole,
         prefill_policy=a.prefill_policy, profiles_file=a.profiles,
         event_delay_s=a.event_delay_ms / 1000.0, seed=a.seed)
 

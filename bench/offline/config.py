@@ -8,6 +8,10 @@ Topology: ``prefill_workers == decode_workers == 0`` means ``workers`` aggregate
 otherwise P prefill + D decode workers (``disagg_order`` ``prefill_first`` or
 ``decode_first``, ``conditional_disagg`` on/off; transfer time = KV bytes /
 ``transfer_bandwidth``, KV bytes = blocks · ``kv_bytes_per_token`` · block size).
+``prefill_whole`` turns on the router's "P serves whole" (:mod:`services.router.disagg`):
+the simulated P workers advertise ``can_decode_alone`` (the mock engine is vLLM-like)
+and, when every D's KV is full, a P runs the request whole as an aggregated worker would;
+the label then ends ``-whole``.
 ``admission``: ``none`` (admit all), or a policy of :mod:`services.router.admission.core`
 (``early``: Mooncake early rejection; ``current_load``).
 """
@@ -55,6 +59,7 @@ class SimConfig:
     decode_workers: int = 0
     disagg_order: str = "prefill_first"
     conditional_disagg: bool = True
+    prefill_whole: bool = False
     # routing, indexing, admission
     policy: str = "kv"
     prefill_policy: str | None = None
@@ -120,7 +125,8 @@ class SimConfig:
     def label(self) -> str:
         """A short name for plots: policy, topology, admission."""
         topo = (f"{self.prefill_workers}P{self.decode_workers}D-{self.disagg_order}"
-                f"{'' if self.conditional_disagg else '-always'}" if self.disaggregated
+                f"{'' if self.conditional_disagg else '-always'}"
+                f"{'-whole' if self.prefill_whole else ''}" if self.disaggregated
                 else f"{self.workers}agg")
         adm = "" if self.admission == "none" else f"+{self.admission}"
         return f"{self.policy}/{topo}{adm}"

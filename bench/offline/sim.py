@@ -14,6 +14,10 @@ It drives the same pure cores the live services run:
 - :class:`services.indexer.core.KvIndex`, fed with the engines' KV events translated by
   :class:`workers.kv.event_translate.EventTranslator` exactly as the live relay does,
   delivered ``event_delay_s`` after the step that produced them;
+- "P serves whole" (``cfg.prefill_whole``): P workers advertise ``can_decode_alone``; a
+  plan whose worker is a P and has no prefill runs whole on that P's scheduler, exactly
+  as on an aggregated worker (its KV, its decode steps, mixed with P's prefill chunks);
+  counted in ``served_whole_on_prefill``;
 - optionally an admission policy of :mod:`services.router.admission.core` (early rejection);
   a rejected request is a miss.
 
@@ -167,7 +171,8 @@ class Simulation:
             wid = f"{role[0]}{i:03d}"
             rec = WorkerRecord(wid, f"sim://{wid}", MODEL, role, cfg.block_size,
                                cfg.max_model_len, handoff_mode="push" if cfg.disaggregated
-                               else "", kv_layout="sim")
+                               else "", kv_layout="sim",
+                               can_decode_alone=role == "prefill" and cfg.prefill_whole)
             sched = Scheduler(SchedulerConfig(
                 num_blocks=cfg.num_blocks, block_size=cfg.block_size,
                 max_num_seqs=cfg.max_num_seqs,
@@ -182,13 +187,15 @@ class Simulation:
         prefill_policy = (registry.create(cfg.prefill_policy, self.rng)
                           if cfg.prefill_policy else None)
         self.router = RouterCore(policy, prefill_policy, DisaggConfig(
-            order=cfg.disagg_order, conditional=cfg.conditional_disagg),
+            order=cfg.disagg_order, conditional=cfg.conditional_disagg,
+            prefill_whole=cfg.prefill_whole),
             clock=lambda: self.now)
         self.router.set_workers(w.record for w in self.workers.values())
         self.use_index = cfg.uses_index()
         self.admission = cfg.make_admission(self)
         self.tracks: list[_Track] = []
         self.counters: dict[str, Any] = {"routed_disaggregated": 0, "rejected": 0,
+                                         "served_whole_on_prefill": 0,
                                          "kv_events": 0, "predicted_overlap_tokens": 0,
                                          "steps": 0}
 
@@ -275,7 +282,9 @@ class Simulation:
             tr.prefill_worker = plan.prefill.instance_id
             self._submit(self.workers[tr.prefill_worker],
                          SimRequest(rid + "#p", tokens, 1, ignore_eos=True, remote_decode=True))
-        else:
+        else:  # an agg worker, D prefilling locally, or P serving the request whole
+            if plan.worker.role == "prefill":
+                self.counters["served_whole_on_prefill"] += 1
             self._submit(self.workers[tr.decode_worker],
                          SimRequest(rid, tokens, tr.osl, ignore_eos=True))
 

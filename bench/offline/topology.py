@@ -188,7 +188,8 @@ def plot_topology(path: Path, rows: Sequence[dict[str, Any]], target: float) -> 
         if r["best"]:
             label = r["best"].removeprefix("kvmesh ").split("/")[0]
             cond = "" if r["prefill"] == 0 else (
-                " always" if r["best"].endswith("-always") else " cond")
+                (" always" if "-always" in r["best"] else " cond")
+                + (" +whole" if r["best"].endswith("-whole") else ""))
             ax.annotate(f"{label}{cond}", (b.get_x() + b.get_width() / 2, b.get_height()),
                         xytext=(0, -4), textcoords="offset points", ha="center", va="top",
                         fontsize=7, rotation=90, color="white")

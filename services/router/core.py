@@ -19,6 +19,17 @@ Contract of :class:`RouterCore`:
     conditional disaggregation on, when Dynamo's rule keeps the remote prefill and the
     decode policy has a ``prefer_local_prefill(ctx, p_state, d_state)`` hook (e.g.
     ``ttft_pd``), its answer (``(local, reason)``, or None: no opinion) decides.
+    "P serves whole" (``disagg.prefill_whole``, off by default; order ``prefill_first``
+    only): when the chosen P can decode alone (:func:`~services.router.disagg.
+    can_decode_alone` of its ``WorkerRecord.can_decode_alone``, never an SGLang P), the
+    decode policy's ``prefer_prefill_whole(ctx, p_state, d_states)`` hook answers
+    ``(whole, reason)`` (None: no opinion, and without the hook) or else the default rule
+    :func:`~services.router.disagg.prefill_serves_whole` does, over the predicted KV
+    fractions (:func:`~services.router.disagg.kv_after`) of P and of every D that pairs
+    with it. A "whole" plan has ``worker`` = P and no ``prefill``: P is accounted as an
+    aggregated worker (in flight and pending prefill until released). The live frontend
+    cannot execute such a plan yet (it sends P prefill-only requests), so the live router
+    leaves it off (see :mod:`services.router.disagg`); the offline replay turns it on.
   Raises :class:`AlreadyInFlight` when ``ctx.request_id`` is in flight (routed, not
   released), :class:`UnknownModel` when no worker ever served the model,
   :class:`InvalidRequest` when the prompt (+ ``max_tokens``) exceeds the model's context
@@ -100,9 +111,12 @@ from services.router.disagg import (
     DisaggConfig,
     PairInfo,
     bypass_prefill,
+    can_decode_alone,
     can_prefill_locally,
     decode_first_needs_prefill,
     incompatibility,
+    kv_after,
+    prefill_serves_whole,
 )
 from services.router.history import PrefixHistory
 from services.router.policies.base import (
@@ -164,6 +178,10 @@ class WorkerRecord:
     # ends a failure mark (see the module docstring).
     pid: int = 0
     started_at_ms: int = 0
+    # The worker can serve a request whole (prefill and decode) although its role is
+    # "prefill" (a vLLM P worker: its connector only adds the handoff). Discovery does not
+    # advertise it yet, so it is False for every live worker; see "P serves whole".
+    can_decode_alone: bool = False
 
     def fits(self, tokens: int) -> bool:
         """Whether ``tokens`` (prompt + output) fit its context (0: unknown, no limit)."""
@@ -289,6 +307,8 @@ class RouterCore:
     failure_hold_s: float = 5.0
     inflight_ttl_s: float = 1800.0
     _marks: dict[str, _Mark] = field(default_factory=dict)
+    # request id → the prefill worker serving it whole ("P serves whole"), until released.
+    _whole: dict[str, str] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -306,6 +326,8 @@ class RouterCore:
             del self._prefills[rid]
         for wid in [w for w in self._pending if w not in self._workers]:
             del self._pending[wid]
+        for rid in [r for r, w in self._whole.items() if w not in self._workers]:
+            del self._whole[rid]
         self._stale &= set(self._workers)
         for wid in [w for w, m in self._marks.items() if self._workers.get(w) != m.record]:
             del self._marks[wid]  # re-registered (new record) or vanished
@@ -459,8 +481,14 @@ class RouterCore:
         return self._workers[decision.worker_id], decision
 
     def _queue(self, w: WorkerRecord) -> int:
+        """P's prefill queue for conditional disaggregation: queued + running requests
+        (engine report or the router's count, the larger), less the requests P serves
+        whole that are past their prefill (they decode there; not P's prefill queue)."""
         load = self._loads.get(w.instance_id, _Load())
-        return max(load.num_waiting + load.num_running, self.in_flight().get(w.instance_id, 0))
+        decoding = sum(1 for rid, wid in self._whole.items()
+                       if wid == w.instance_id and rid not in self._prefills)
+        return max(load.num_waiting + load.num_running - decoding,
+                   self.in_flight().get(w.instance_id, 0) - decoding, 0)
 
     def flights(self) -> list[Flight]:
         """Admitted requests not yet released (tracked only with admission on)."""
@@ -555,6 +583,8 @@ class RouterCore:
         self._in_flight[ctx.request_id] = _Entry(tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
             for w in chosen), self.clock())
+        if plan.prefill is None and plan.worker.role == "prefill":
+            self._whole[ctx.request_id] = plan.worker.instance_id
         if tokens > 0:
             self._prefills[ctx.request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
@@ -623,12 +653,37 @@ class RouterCore:
                          self._states(prompt, [d])[0])
             if asked is not None:
                 bypass, why = asked[0], f"{why}; {asked[1]}"
+        whole = self._serve_whole(prompt, p, partners)
+        if whole is not None:
+            return self._plan(prompt, p, pd, None, None, f"prefill {pd.reason}; {whole}")
         if bypass and can_prefill_locally(d.pair_info()):
             return self._plan(prompt, d, dd, None, None, f"{dd.reason}; {why}")
         if bypass:
             why = f"{why}, but {d.instance_id} cannot prefill alone"
         return self._plan(prompt, d, dd, p, pd, f"prefill first: prefill {pd.reason}; "
                           f"decode {dd.reason}; {why}")
+
+    def _serve_whole(self, prompt: _Prompt, p: WorkerRecord,
+                     decode: list[WorkerRecord]) -> str | None:
+        """The reason P serves the request whole, or None (see "P serves whole")."""
+        if not self.disagg.prefill_whole or not can_decode_alone(p.pair_info(),
+                                                                 p.can_decode_alone):
+            return None
+        p_state = self._states(prompt, [p])[0]
+        d_states = self._states(prompt, decode)
+        hook = getattr(self.policy, "prefer_prefill_whole", None)
+        asked = hook(prompt.ctx, p_state, d_states) if callable(hook) else None
+        if asked is None:
+            n = len(prompt.ctx.token_ids)
+
+            def after(w: WorkerState) -> float | None:
+                return kv_after(w.kv_usage, w.active_blocks, w.block_size,
+                                w.kv_total_blocks,
+                                uncached_tokens(n, w.overlap_blocks, w.block_size))
+
+            asked = prefill_serves_whole(after(p_state), [after(d) for d in d_states],
+                                         self.disagg)
+        return asked[1] if asked[0] else None
 
     def release_prefill(self, request_id: str) -> bool:
         """The request's prefill is over: its uncached tokens stop counting as the
@@ -653,6 +708,7 @@ class RouterCore:
         """Stops counting ``request_id`` as load (and as pending prefill). False when it
         was not in flight."""
         self._flights.pop(request_id, None)
+        self._whole.pop(request_id, None)
         self.release_prefill(request_id)
         entry = self._in_flight.pop(request_id, None)
         if entry is None:

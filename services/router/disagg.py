@@ -17,6 +17,26 @@ Contract:
   cached on D), or when the prefill pool is overloaded. Returns (bypass, reason).
 - :func:`decode_first_needs_prefill(...)` is llm-d's prefix-based decider: use a remote P
   only when the tokens not cached on the chosen D are at least ``threshold``.
+- "P serves whole" (``DisaggConfig.prefill_whole``, **off by default**): when every decode
+  worker's KV is full, a prefill worker that can decode alone runs the request as an
+  aggregated worker would (prefill and decode locally), using the spare KV of the P pool.
+  :func:`can_decode_alone(p, advertised)` is that capability: the worker must advertise
+  it (``WorkerRecord.can_decode_alone``; a vLLM P worker can, its NIXL connector only
+  adds the handoff) and must not be an SGLang prefill server (which only hands KV to its
+  decode peer through the bootstrap), whatever it advertises.
+  :func:`kv_after(kv_usage, active_blocks, block_size, capacity_blocks, tokens)` is a
+  worker's predicted KV fraction once ``tokens`` more are placed there: ``(max(kv_usage ·
+  capacity, active_blocks · block_size) + tokens) / capacity`` tokens (None when the
+  capacity is unknown). :func:`prefill_serves_whole(p_after, d_afters, cfg)` is the
+  default rule (a policy's ``prefer_prefill_whole`` hook may replace it, see
+  :mod:`services.router.core`): True when every D's predicted fraction is above
+  ``whole_d_kv`` and P's stays at or below ``whole_p_kv``; an unknown fraction (None)
+  never counts as full on D and always as full on P, so the rule stays off without load
+  reports. Returns (serve whole, reason).
+  The live frontend cannot yet execute such a plan (a P worker is sent prefill-only
+  requests), so the live router never turns it on: discovery records leave
+  ``can_decode_alone`` False and ``services/router/main.py`` leaves ``prefill_whole``
+  False. Only the offline replay (``python -m bench.offline --prefill-whole``) uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +57,10 @@ class DisaggConfig:
     # A prefill worker with at least this many queued + in-flight requests is overloaded.
     prefill_max_queue: int = 8
     decode_first_threshold: int = 16
+    # "P serves whole" (module docstring): off by default, offline replay only for now.
+    prefill_whole: bool = False
+    whole_d_kv: float = 0.9
+    whole_p_kv: float = 0.8
 
     def problems(self) -> list[str]:
         """Human-readable problems; empty when valid."""
@@ -49,6 +73,8 @@ class DisaggConfig:
             out.append("prefill_max_queue must be >= 1")
         if self.decode_first_threshold < 0:
             out.append("decode_first_threshold must be >= 0")
+        if not 0.0 < self.whole_d_kv <= 1.0 or not 0.0 < self.whole_p_kv <= 1.0:
+            out.append("whole_d_kv and whole_p_kv must be in (0, 1]")
         return out
 
 
@@ -74,6 +100,35 @@ def _engine(w: PairInfo) -> str:
 def can_prefill_locally(d: PairInfo) -> bool:
     """Whether decode worker ``d`` can run a prompt itself (module docstring)."""
     return _engine(d) != "sglang"
+
+
+def can_decode_alone(p: PairInfo, advertised: bool) -> bool:
+    """Whether prefill worker ``p`` can serve a request whole (module docstring)."""
+    return advertised and _engine(p) != "sglang"
+
+
+def kv_after(kv_usage: float, active_blocks: int, block_size: int, capacity_blocks: int,
+             tokens: int) -> float | None:
+    """A worker's predicted KV fraction with ``tokens`` more (module docstring)."""
+    cap = capacity_blocks * block_size
+    if cap <= 0:
+        return None
+    used = max(kv_usage * cap, float(active_blocks * block_size))
+    return (used + max(tokens, 0)) / cap
+
+
+def prefill_serves_whole(p_after: float | None, d_afters: list[float | None],
+                         cfg: DisaggConfig) -> tuple[bool, str]:
+    """The default "P serves whole" rule (module docstring)."""
+    if not cfg.prefill_whole:
+        return False, "P serving whole is off"
+    if not d_afters or any(d is None or d <= cfg.whole_d_kv for d in d_afters):
+        return False, "a decode worker has KV headroom"
+    if p_after is None or p_after > cfg.whole_p_kv:
+        return False, "every decode worker's KV is full, and so is P's"
+    worst = min(d for d in d_afters if d is not None)
+    return True, (f"P serves whole: every decode worker's KV would be above "
+                  f"{cfg.whole_d_kv:g} (least {worst:.2f}), P's {p_after:.2f}")
 
 
 def incompatibility(p: PairInfo, d: PairInfo) -> str | None:
