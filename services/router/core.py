@@ -27,9 +27,9 @@ Contract of :class:`RouterCore`:
     :func:`~services.router.disagg.prefill_serves_whole` does, over the predicted KV
     fractions (:func:`~services.router.disagg.kv_after`) of P and of every D that pairs
     with it. A "whole" plan has ``worker`` = P and no ``prefill``: P is accounted as an
-    aggregated worker (in flight and pending prefill until released). The live frontend
-    cannot execute such a plan yet (it sends P prefill-only requests), so the live router
-    leaves it off (see :mod:`services.router.disagg`); the offline replay turns it on.
+    aggregated worker (in flight and pending prefill until released). The live path is not
+    wired for such a plan yet, so the live router leaves it off (see
+    :mod:`services.router.disagg`); the offline replay turns it on.
   Raises :class:`AlreadyInFlight` when ``ctx.request_id`` is in flight (routed, not
   released), :class:`UnknownModel` when no worker ever served the model,
   :class:`InvalidRequest` when the prompt (+ ``max_tokens``) exceeds the model's context

@@ -33,8 +33,9 @@ Contract:
   ``whole_d_kv`` and P's stays at or below ``whole_p_kv``; an unknown fraction (None)
   never counts as full on D and always as full on P, so the rule stays off without load
   reports. Returns (serve whole, reason).
-  The live frontend cannot yet execute such a plan (a P worker is sent prefill-only
-  requests), so the live router never turns it on: discovery records leave
+  The live path is not wired for such a plan yet (the frontend and the P workers are
+  built and tested for prefill-only requests on P; nothing tells a live P that it may
+  decode), so the live router never turns it on: discovery records leave
   ``can_decode_alone`` False and ``services/router/main.py`` leaves ``prefill_whole``
   False. Only the offline replay (``python -m bench.offline --prefill-whole``) uses it.
 """
