@@ -20,9 +20,10 @@ Contract of :class:`RouterCore`:
     decode policy has a ``prefer_local_prefill(ctx, p_state, d_state)`` hook (e.g.
     ``ttft_pd``), its answer (``(local, reason)``, or None: no opinion) decides.
     "P serves whole" (``disagg.prefill_whole``, off by default; order ``prefill_first``
-    only): when the chosen P can decode alone (:func:`~services.router.disagg.
-    can_decode_alone` of its ``WorkerRecord.can_decode_alone``, never an SGLang P), the
-    decode policy's ``prefer_prefill_whole(ctx, p_state, d_states)`` hook answers
+    only): when the chosen P can decode alone
+    (:func:`~services.router.disagg.can_decode_alone` of its
+    ``WorkerRecord.can_decode_alone``, never an SGLang P), the decode policy's
+    ``prefer_prefill_whole(ctx, p_state, d_states)`` hook answers
     ``(whole, reason)`` (None: no opinion, and without the hook) or else the default rule
     :func:`~services.router.disagg.prefill_serves_whole` does, over the predicted KV
     fractions (:func:`~services.router.disagg.kv_after`) of P and of every D that pairs
