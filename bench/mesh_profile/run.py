@@ -2,7 +2,7 @@
 
 ``python -m bench.mesh_profile [--requests 400] [--concurrency 8] [--words 240]
 [--max-tokens 16] [--stream] [--router standalone|embedded] [--phases cpu,profile]
-[--compare] [--out bench/results]``
+[--compare | --baseline DIR [--rounds 3]] [--out bench/results]``
 
 Contracts:
 
@@ -31,6 +31,12 @@ Contracts:
 - ``--compare``: instead, the ``cpu`` phase with each router mode in the order
   standalone, embedded, embedded, standalone, and embedded ÷ standalone of the means of
   req/s, p50, p99 and the mesh's CPU per request.
+- ``--baseline DIR``: instead, the ``cpu`` phase alternating between this checkout's code
+  and DIR's (another checkout of kvmesh, e.g. ``git archive HEAD | tar -x -C DIR``:
+  its children run with DIR as their working directory, so ``python -m`` imports DIR's
+  services; the client and this bench stay this checkout's), ``--rounds`` rounds of
+  baseline then current, with the ``--router`` mode; per process the means and
+  current ÷ baseline of the CPU per request, and of req/s, p50 and p99.
 - Writes ``<out>/<name>.json`` (default name ``mesh_profile``). All processes share this
   machine's cores with the client and with anything else running: absolute numbers are
   noisy; compare ratios taken in one run.
@@ -359,6 +365,42 @@ def run_phase(phase: str, args: argparse.Namespace, cpu: dict[str, Any] | None
         return out
 
 
+def compare_baseline(args: argparse.Namespace, baseline: Path) -> dict[str, Any]:
+    """The ``--baseline`` report (module docstring): runs, means and current ÷ baseline."""
+    if not (baseline / "services" / "frontend").is_dir():
+        raise SystemExit(f"--baseline {baseline}: not a kvmesh checkout")
+    here = os.getcwd()
+    runs: dict[str, list[dict[str, Any]]] = {"baseline": [], "current": []}
+    for _ in range(args.rounds):
+        for side in ("baseline", "current"):
+            os.chdir(baseline if side == "baseline" else here)  # the children inherit it
+            try:
+                print(f"[{side}]", end=" ", flush=True)
+                runs[side].append(run_phase("cpu", args, None))
+            finally:
+                os.chdir(here)
+
+    def mean(side: str, *path: str) -> float:
+        vals = []
+        for r in runs[side]:
+            v: Any = r
+            for key in path:
+                v = v[key]
+            vals.append(float(v))
+        return float(np.mean(vals))
+
+    means: dict[str, dict[str, float]] = {}
+    for side in runs:
+        means[side] = {k: mean(side, "load", k) for k in ("req_per_s", "p50_ms", "p99_ms")}
+        for name in runs[side][0]["cpu_us_per_req"]:
+            means[side][f"cpu_us_per_req.{name}"] = mean(side, "cpu_us_per_req", name)
+        means[side]["cpu_us_per_req_mesh_total"] = mean(side, "cpu_us_per_req_mesh_total")
+    ratio = {k: means["current"][k] / v for k, v in means["baseline"].items() if v}
+    print({k: round(v, 3) for k, v in ratio.items()}, flush=True)
+    return {"baseline": str(baseline), "order": ["baseline", "current"] * args.rounds,
+            "runs": runs, "means": means, "ratio_current_over_baseline": ratio}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.mesh_profile", description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=400)
@@ -371,6 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--compare", action="store_true",
                    help="instead of --phases: the cpu phase with the standalone and the "
                         "embedded router, alternating (ABBA), and their ratios")
+    p.add_argument("--baseline", default=None,
+                   help="instead of --phases: the cpu phase alternating between DIR's code "
+                        "(another checkout) and this one's, --rounds times, and the ratios")
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="mesh_profile")
     args = p.parse_args(argv)
@@ -399,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             k: mean("embedded", k) / mean("standalone", k)
             for k in ("req_per_s", "p50_ms", "p99_ms", "cpu_us_per_req_mesh_total")}
         print(report["ratio_embedded_over_standalone"], flush=True)
+        args.phases = ""
+    if args.baseline:
+        report.update(compare_baseline(args, Path(args.baseline).resolve()))
         args.phases = ""
     cpu = None
     for phase in filter(None, args.phases.split(",")):
