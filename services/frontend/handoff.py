@@ -5,7 +5,8 @@ Contract of :func:`run_plan` (an async iterator of ``worker_pb2.GenerateResponse
 - Aggregated plan: one ``Generate`` call on the chosen worker, streamed through.
 - Disaggregated plan, ``pull`` handoff (vLLM NixlConnector): P runs the prompt with
   ``max_tokens=1`` and ``do_remote_decode``; its last chunk carries the handoff parameters
-  (engine id, block ids, side channel); D is then called with them (``do_remote_prefill``)
+  (engine id, block ids, side channel) and is acted on when it comes (P's call is then
+  cancelled, not waited on for its trailers); D is then called with them (``do_remote_prefill``)
   and READs the blocks it does not hold, and its tokens are streamed through. P keeps its
   blocks until D has read them (or its lease expires).
 - Disaggregated plan, ``push`` handoff (vLLM NixlPushConnector): D is called first with P's
@@ -415,8 +416,10 @@ class _Run:
                         text.append(resp.text)
                         if resp.prompt_logprobs and not self.p_prompt_logprobs:
                             self.p_prompt_logprobs = list(resp.prompt_logprobs)
+                        if _finished(resp):
+                            break  # P's answer is whole: its trailers are not waited for
                 finally:
-                    call.cancel()
+                    call.cancel()  # a no-op once the call has ended
                 if last is None or not _finished(last):
                     event = hm.PrefillFailed("ended without finishing")
                 elif mode not in PUSH_LIKE and not is_set(last.kv_transfer):
