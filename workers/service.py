@@ -202,9 +202,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         bad field."""
         if not request.token_ids:
             raise EngineError("token_ids must not be empty")
-        negative = [t for t in request.token_ids if t < 0]
-        if negative:
-            raise EngineError(f"token_ids must be >= 0, got {negative[0]}")
+        if min(request.token_ids) < 0:  # one C pass; the message names the first
+            first = next(t for t in request.token_ids if t < 0)
+            raise EngineError(f"token_ids must be >= 0, got {first}")
         salt = request.cache_salt
         if len(salt) > MAX_CACHE_SALT_CHARS or CACHE_SALT_FORBIDDEN.intersection(salt):
             raise EngineError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters "
@@ -291,7 +291,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     resp = worker_pb2.GenerateResponse(
                         token_ids=out.token_ids, text=out.text, worker_id=self._worker_id
                     )
-                    resp.logprobs.extend(position_logprobs_to_proto(p) for p in out.logprobs)
+                    if out.logprobs:
+                        resp.logprobs.extend(position_logprobs_to_proto(p)
+                                             for p in out.logprobs)
                     if out.prompt_logprobs:
                         resp.prompt_logprobs.extend(position_logprobs_to_proto(p)
                                                     for p in out.prompt_logprobs)

@@ -106,6 +106,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
@@ -217,6 +218,30 @@ def _attached(ctx: Context | None) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
+
+
+def _context_with(ctx: Context | None) -> contextvars.Context | None:
+    """A copy of the current contextvars with ``ctx`` attached (None for None): what
+    ``with _attached(ctx)`` makes current, taken once instead of per step."""
+    if ctx is None:
+        return None
+    copied = contextvars.copy_context()
+    copied.run(otel_context.attach, ctx)
+    return copied
+
+
+async def _anext(responses: AsyncIterator[Any]) -> Any:
+    return await responses.__anext__()
+
+
+def _next_step(responses: AsyncIterator[Any],
+               step_ctx: contextvars.Context | None) -> asyncio.Future[Any]:
+    """The task of ``responses``' next item, run in a fresh copy of ``step_ctx`` (the
+    current context when None), as ``with _attached(ctx): ensure_future(...)`` runs it."""
+    if step_ctx is None:
+        return asyncio.ensure_future(responses.__anext__())
+    return asyncio.get_running_loop().create_task(_anext(responses),
+                                                  context=step_ctx.copy())
 
 
 def sampling_proto(job: Job) -> common_pb2.SamplingParams:
@@ -584,10 +609,10 @@ class Pipeline:
                 failure: WorkerFailure | None = None
                 cause: BaseException | None = None
                 attempt_first = True
+                step_ctx = _context_with(ctx)  # each step's task runs in a copy of it
                 try:
                     while True:
-                        with _attached(ctx):
-                            pending = asyncio.ensure_future(responses.__anext__())
+                        pending = _next_step(responses, step_ctx)
                         try:
                             resp = await pending
                         except StopAsyncIteration:

@@ -133,3 +133,22 @@ def test_p_gets_no_output_features_and_d_no_prompt_logprobs() -> None:
     expected.ClearField("prompt_logprobs")
     assert d == expected  # everything else, unchanged
     assert req.sampling.HasField("prompt_logprobs")  # the caller's copy is untouched
+
+
+async def test_worker_names_the_first_negative_prompt_token() -> None:
+    engine = MockEngine(MockEngineConfig(model_name="mock", timing="zero"))
+    server, stub = await _stub(engine)
+    try:
+        bad = _req("neg")
+        bad.token_ids[:] = [5, -3, 7, -9]
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await _ids(stub, bad)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details() == "token_ids must be >= 0, got -3"
+        resps = [r async for r in stub.Generate(_req("ok"))]
+        assert "".join(r.text for r in resps) == "".join(
+            f" w{t}" for r in resps for t in r.token_ids)
+        assert not any(r.logprobs for r in resps)
+    finally:
+        await server.stop(None)
+        await engine.shutdown()

@@ -301,7 +301,11 @@ class MockEngine(Engine):
             raise EngineError(f"request id {request.request_id!r} is already running")
 
     def _text(self, ids: list[int]) -> str:
-        return "".join(f" w{t}" for t in ids) if self.config.token_text else ""
+        if not self.config.token_text:
+            return ""
+        if len(ids) == 1:  # the usual step: one token
+            return f" w{ids[0]}"
+        return "".join(f" w{t}" for t in ids)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         core = self.core
