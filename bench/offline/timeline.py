@@ -11,19 +11,21 @@ Contract:
   requests (queued, not yet running), running requests, requests receiving KV, KV usage
   (used / total blocks), the router's pending prefill tokens, and the preemptions,
   prefill tokens and steps since the previous sample; and, for the whole system, the
-  requests routed since then, how many were disaggregated (remote prefill on P), and how
-  many were rejected. Samples only read the simulation.
+  requests routed since then, how many were disaggregated (remote prefill on P), how many
+  a P served whole (``--prefill-whole``), and how many were rejected. Samples only read
+  the simulation.
 - :func:`run_timeline(trace, cfg, interval_s)` runs one simulation with the recorder and
   returns a JSON-able dict: ``config`` (the label), ``speedup``, ``interval_s``,
   ``workers`` ({id: role}), ``samples`` (one per tick: ``t``, ``routed``,
-  ``disaggregated``, ``rejected`` and ``workers``: {id: {``waiting``, ``running``,
+  ``disaggregated``, ``whole``, ``rejected`` and ``workers``: {id: {``waiting``, ``running``,
   ``receiving``, ``kv_usage``, ``pending_prefill``, ``preemptions``,
   ``prefill_tokens``, ``steps``}}), ``slo_by_arrival`` (per interval of arrival time:
   requests, share meeting both SLOs, share missing the TTFT SLO, share missing the ITL
   SLO) and ``counters`` (the run's totals).
 - :func:`plot_timeline(path, data)` draws it as a PNG: waiting queue per worker, KV usage
-  per worker, preemptions per interval per worker, remote vs local prefills per
-  interval, SLO shares by arrival interval (P workers dashed, D solid, agg dotted).
+  per worker, preemptions per interval per worker, remote vs local prefills (and requests
+  served whole on P) per interval, SLO shares by arrival interval (P workers dashed, D
+  solid, agg dotted).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class TimelineRecorder:
     def __init__(self) -> None:
         self.samples: list[dict[str, Any]] = []
         self._last: dict[str, tuple[int, int, int]] = {}
-        self._last_routed = (0, 0, 0)
+        self._last_routed = (0, 0, 0, 0)
 
     def __call__(self, sim: Simulation) -> None:
         pending = sim.router.pending_prefill()
@@ -65,12 +67,14 @@ class TimelineRecorder:
             }
         routed = sum(1 for tr in sim.tracks if tr.arrival <= sim.now)
         cnt = sim.counters
-        totals = (routed, cnt["routed_disaggregated"], cnt["rejected"])
+        totals = (routed, cnt["routed_disaggregated"], cnt["rejected"],
+                  cnt["served_whole_on_prefill"])
         prev = self._last_routed
         self._last_routed = totals
         self.samples.append({"t": round(sim.now, 3), "routed": totals[0] - prev[0],
                              "disaggregated": totals[1] - prev[1],
-                             "rejected": totals[2] - prev[2], "workers": workers})
+                             "rejected": totals[2] - prev[2],
+                             "whole": totals[3] - prev[3], "workers": workers})
 
 
 def slo_by_arrival(sim: Simulation, interval_s: float) -> list[dict[str, Any]]:
@@ -137,9 +141,12 @@ def plot_timeline(path: Path, data: dict[str, Any]) -> None:
     remote = [s["disaggregated"] for s in samples]
     ra.plot(ts, routed, label="routed")
     ra.plot(ts, remote, label="remote prefill (P then D)")
-    ra.plot(ts, [r - d - s["rejected"] for r, d, s in zip(routed, remote, samples,
-                                                          strict=True)],
+    whole = [s.get("whole", 0) for s in samples]  # older timelines lack it
+    ra.plot(ts, [r - d - w - s["rejected"] for r, d, w, s in zip(routed, remote, whole,
+                                                                 samples, strict=True)],
             label="local prefill (D or agg alone)")
+    if any(whole):
+        ra.plot(ts, whole, label="served whole on P (--prefill-whole)")
     ra.set_ylabel(f"requests per {data['interval_s']:g} s")
     ra.legend(fontsize=7)
     slo = data["slo_by_arrival"]

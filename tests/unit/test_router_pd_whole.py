@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
 from bench.offline.config import SimConfig
 from bench.offline.sim import simulate
+from bench.offline.timeline import plot_timeline, run_timeline
 from bench.replay.trace import TraceRequest
 from services.router.core import RouterCore, WorkerRecord
 from services.router.disagg import (
@@ -206,3 +208,14 @@ def test_offline_replay_serves_whole_on_p_only_when_asked() -> None:
     assert cfg.replace(prefill_whole=True).label().endswith("-whole")
     mean = sum(r.ttft_s or 0 for r in on.results) / 12
     assert mean < sum(r.ttft_s or 0 for r in off.results) / 12  # no wait for D's blocks
+
+
+def test_timeline_counts_requests_served_whole(tmp_path: Path) -> None:
+    cfg = SimConfig(trace_block_size=64, block_size=16, num_blocks=640,
+                    max_num_batched_tokens=2048, prefill_workers=2, decode_workers=1,
+                    policy="ttft_hit", conditional_disagg=False, prefill_whole=True)
+    data = run_timeline(_trace(), cfg, interval_s=0.2)
+    whole = sum(s["whole"] for s in data["samples"])
+    assert whole == data["counters"]["served_whole_on_prefill"] > 0
+    plot_timeline(tmp_path / "t.png", data)
+    assert (tmp_path / "t.png").stat().st_size > 0
