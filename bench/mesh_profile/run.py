@@ -244,9 +244,15 @@ def _bucket(func: tuple[str, int, str]) -> str:
     return "other"
 
 
+def _ours() -> str:
+    """The folder whose code the children run (``python -m`` imports from the working
+    directory they inherit), with a trailing slash: kvmesh's own functions are there."""
+    return os.path.join(os.getcwd(), "")
+
+
 def _fname(func: tuple[str, int, str]) -> str:
     path = func[0]
-    for root in ("site-packages/", "/work/main/", "lib/python3.11/"):
+    for root in ("site-packages/", _ours(), "lib/python3.11/"):
         if root in path:
             path = path.split(root, 1)[1]
     return f"{path}:{func[1]}({func[2]})" if func[0] != "~" else func[2]
@@ -310,7 +316,7 @@ def analyse(before: dict[Any, Any], after: dict[Any, Any], n: int,
 
     def top(key: int, only_ours: bool) -> list[dict[str, Any]]:
         items = [(f, v) for f, v in window.items()
-                 if not only_ours or "/work/main/" in f[0]]
+                 if not only_ours or _ours() in f[0]]
         items.sort(key=lambda fv: -fv[1][key])
         return [{"function": _fname(f), "calls_per_req": v[0] / n,
                  "self_us_per_req": v[1] / n * 1e6, "cum_us_per_req": v[2] / n * 1e6,
