@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from protos import discovery_pb2, worker_pb2, worker_pb2_grpc
+from services.common.discovery import DECODE_ALONE
 from services.common.event_bus import stream_name
 from services.common.server import MeshServer, ServiceSpec, serve_main
 from services.common.tls import tls_for
@@ -167,6 +168,8 @@ def build_server(cfg: WorkerConfig, engine: Engine,
     servicer = WorkerServicer(engine, worker_id, relay,
                               ImageLimits(max_images=cfg.max_images))
     rec_caps = ["generate", "abort", "load"]
+    if cfg.role == "prefill" and engine.info.engine != "sglang":
+        rec_caps.append(DECODE_ALONE)
     if engine.accepts_images:
         rec_caps.append("images")
         if cfg.ec_role:

@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 # role is agg); an FFN worker serves only its attention workers' layers, never a request.
 AFD_ATTENTION = "afd_attention"
 AFD_FFN = "afd_ffn"
+# A prefill worker that also serves a request whole (prefill and decode) when given one
+# without handoff parameters: vLLM's P (its NIXL connector only adds the handoff), the
+# mock engine's P; never SGLang's prefill server. The router's "P serves whole" reads it.
+DECODE_ALONE = "decode_alone"
 
 
 def routable(record: discovery_pb2.InstanceRecord) -> bool:

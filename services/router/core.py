@@ -8,7 +8,8 @@ Contract of :class:`RouterCore`:
 - ``set_workers(records)`` replaces the candidate set with the live discovery records
   (workers whose lease expired are simply absent); state of vanished workers is dropped
   (loads, history, and policy state through the policies' ``keep_only`` hook).
-- ``update_load(worker_id, ..., kv_total_blocks=0)`` stores the latest load report.
+- ``update_load(worker_id, ..., kv_total_blocks=0)`` stores the latest load report;
+  ``kv_usage_of(worker_id)`` reads its KV usage back (None before any report).
 - ``route(ctx)`` returns a :class:`RoutePlan`:
   - with aggregated workers only: one of them, picked by ``policy``;
   - with decode workers: a decode worker, plus a prefill worker when the request is
@@ -28,9 +29,8 @@ Contract of :class:`RouterCore`:
     :func:`~services.router.disagg.prefill_serves_whole` does, over the predicted KV
     fractions (:func:`~services.router.disagg.kv_after`) of P and of every D that pairs
     with it. A "whole" plan has ``worker`` = P and no ``prefill``: P is accounted as an
-    aggregated worker (in flight and pending prefill until released). The live path is not
-    wired for such a plan yet, so the live router leaves it off (see
-    :mod:`services.router.disagg`); the offline replay turns it on.
+    aggregated worker (in flight and pending prefill until released). Live, the frontend
+    runs such a plan as an aggregated one on P (see :mod:`services.router.disagg`).
   Raises :class:`AlreadyInFlight` when ``ctx.request_id`` is in flight (routed, not
   released), :class:`UnknownModel` when no worker ever served the model,
   :class:`InvalidRequest` when the prompt (+ ``max_tokens``) exceeds the model's context
@@ -180,8 +180,8 @@ class WorkerRecord:
     pid: int = 0
     started_at_ms: int = 0
     # The worker can serve a request whole (prefill and decode) although its role is
-    # "prefill" (a vLLM P worker: its connector only adds the handoff). Discovery does not
-    # advertise it yet, so it is False for every live worker; see "P serves whole".
+    # "prefill" (a vLLM or mock P worker: its connector only adds the handoff); discovery's
+    # ``decode_alone`` capability. See "P serves whole".
     can_decode_alone: bool = False
 
     def fits(self, tokens: int) -> bool:
@@ -352,6 +352,11 @@ class RouterCore:
             self._loads[worker_id] = _Load(num_running, num_waiting, kv_usage,
                                            kv_total_blocks)
             self._stale.discard(worker_id)
+
+    def kv_usage_of(self, worker_id: str) -> float | None:
+        """The KV usage of ``worker_id``'s latest load report (None before any)."""
+        load = self._loads.get(worker_id)
+        return load.kv_usage if load is not None else None
 
     def in_flight(self) -> Mapping[str, int]:
         """Requests routed and not yet released, per worker id."""

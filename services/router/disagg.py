@@ -33,11 +33,12 @@ Contract:
   ``whole_d_kv`` and P's stays at or below ``whole_p_kv``; an unknown fraction (None)
   never counts as full on D and always as full on P, so the rule stays off without load
   reports. Returns (serve whole, reason).
-  The live path is not wired for such a plan yet (the frontend and the P workers are
-  built and tested for prefill-only requests on P; nothing tells a live P that it may
-  decode), so the live router never turns it on: discovery records leave
-  ``can_decode_alone`` False and ``services/router/main.py`` leaves ``prefill_whole``
-  False. Only the offline replay (``python -m bench.offline --prefill-whole``) uses it.
+  Live: ``kvmesh router --prefill-whole`` (``--whole-d-kv``, ``--whole-p-kv``) turns it
+  on; vLLM and mock P workers advertise the capability (discovery's ``decode_alone``,
+  :data:`services.common.discovery.DECODE_ALONE`), SGLang's do not. The plan has no
+  prefill, so the frontend runs it as an aggregated request on P (no handoff
+  parameters: P's connector does nothing). The offline replay's flag is
+  ``python -m bench.offline --prefill-whole``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ class DisaggConfig:
     # A prefill worker with at least this many queued + in-flight requests is overloaded.
     prefill_max_queue: int = 8
     decode_first_threshold: int = 16
-    # "P serves whole" (module docstring): off by default, offline replay only for now.
+    # "P serves whole" (module docstring): off by default (kvmesh router --prefill-whole).
     prefill_whole: bool = False
     whole_d_kv: float = 0.9
     whole_p_kv: float = 0.8

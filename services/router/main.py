@@ -118,6 +118,18 @@ class RouterConfig(SeededConfig):
     decode_first_threshold: int = dataclasses.field(
         default=16, metadata={"help": "decode-first: remote P only for >= this many uncached"}
     )
+    prefill_whole: bool = dataclasses.field(
+        default=False, metadata={"help": "P/D: when every D's KV would pass --whole-d-kv, "
+                                         "a P worker that can decode alone serves the "
+                                         "request whole (off by default)"}
+    )
+    whole_d_kv: float = dataclasses.field(
+        default=0.9, metadata={"help": "P serves whole when every D's predicted KV is past "
+                                       "this fraction ..."}
+    )
+    whole_p_kv: float = dataclasses.field(
+        default=0.8, metadata={"help": "... and P's stays at or below this one"}
+    )
 
     admission: str = dataclasses.field(
         default="none", metadata={"help": "admission control: none | early (Mooncake early "
@@ -186,7 +198,9 @@ class RouterConfig(SeededConfig):
         return DisaggConfig(order=self.disagg_order, conditional=self.conditional_disagg,
                             isl_max=self.isl_max, isl_ratio=self.isl_ratio,
                             prefill_max_queue=self.prefill_max_queue,
-                            decode_first_threshold=self.decode_first_threshold)
+                            decode_first_threshold=self.decode_first_threshold,
+                            prefill_whole=self.prefill_whole, whole_d_kv=self.whole_d_kv,
+                            whole_p_kv=self.whole_p_kv)
 
     def registry(self, clock: Clock) -> PolicyRegistry:
         """Built-in policies and packaged profiles, plus ``--profiles`` (files read here,

@@ -72,7 +72,7 @@ import grpc
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
-from services.common.discovery import routable
+from services.common.discovery import DECODE_ALONE, routable
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
@@ -112,6 +112,7 @@ def record_from_proto(rec: discovery_pb2.InstanceRecord) -> WorkerRecord:
         role=ROLE_NAMES.get(rec.role, "agg"), block_size=rec.block_size,
         max_model_len=rec.max_model_len, handoff_mode=rec.handoff.mode,
         kv_layout=rec.kv_layout, pid=rec.pid, started_at_ms=rec.started_at_ms,
+        can_decode_alone=DECODE_ALONE in rec.capabilities,
     )
 
 
@@ -241,6 +242,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._overlaps: OverlapSource = overlaps or HistorySource()
         self._tracer = tracer("router")
         self.metrics = metrics or RouterMetrics(core)
+
+    @property
+    def core(self) -> RouterCore:
+        """The router's core (tools and tests read it; the servicer owns it)."""
+        return self._core
 
     async def _answer(self, method: str, context: grpc.aio.ServicerContext,
                       fn: Callable[[], Awaitable[T]]) -> T:

@@ -116,6 +116,21 @@ async def test_handoff_matches_aggregated(
     assert "kv_external_loaded_tokens" not in p_delta  # P prefilled locally
 
 
+async def test_p_serves_a_request_whole(
+    pull_pd: tuple[VllmEngine, VllmEngine], aggregated: VllmEngine
+) -> None:
+    """A P worker can decode alone (the router's "P serves whole", advertised as
+    ``decode_alone``): a request without handoff parameters runs there as on an aggregated
+    worker, same greedy tokens, and P holds no blocks for anyone afterwards."""
+    p, _ = pull_pd
+    tokens = prompt(5, 90)
+    ref = token_ids(await run(aggregated, rid("agg"), tokens))
+    outs = await run(p, rid("whole"), tokens)
+    assert outs[-1].finish_reason == "length" and outs[-1].kv_transfer_params is None
+    assert token_ids(outs) == ref
+    await wait_for(idle(p), 10, "P idle after serving whole", interval_s=0.02)
+
+
 async def test_d_with_cached_prefix_loads_only_the_rest(
     pull_pd: tuple[VllmEngine, VllmEngine], aggregated: VllmEngine
 ) -> None:
