@@ -14,6 +14,8 @@ one a caller that never released (a bug) |
 | ``kvmesh_router_failure_reports_total`` | ``ReportFailure`` calls about a known worker |
 | ``kvmesh_router_unroutable_workers`` | workers marked unroutable now (gauge) |
 | ``kvmesh_router_errors_total{method}`` | requests that failed unexpectedly (INTERNAL) |
+| ``kvmesh_router_routes_total{plan}`` | requests routed, by plan: ``agg``, ``disagg``, \
+``decode_alone`` (D prefills itself), ``prefill_whole`` (P serves it whole) |
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class RouterMetrics:
         self.unroutable.set_function(core.unroutable_count)
         self.errors = Counter("kvmesh_router_errors", "Requests that failed unexpectedly",
                               ["method"], registry=r)
+        self.routes = Counter("kvmesh_router_routes", "Requests routed, by plan", ["plan"],
+                              registry=r)
 
 
 @dataclass

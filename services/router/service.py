@@ -116,6 +116,14 @@ def record_from_proto(rec: discovery_pb2.InstanceRecord) -> WorkerRecord:
     )
 
 
+def plan_kind(plan: RoutePlan) -> str:
+    """``disagg`` (P then D), ``agg`` (an aggregated worker), ``decode_alone`` (D prefills
+    itself: conditional disaggregation), or ``prefill_whole`` (P serves it whole)."""
+    if plan.prefill is not None:
+        return "disagg"
+    return {"decode": "decode_alone", "prefill": "prefill_whole"}.get(plan.worker.role, "agg")
+
+
 def _set_plan_attributes(span: Any, plan: RoutePlan) -> None:
     """The plan's decision numbers as ``router.route`` span attributes."""
     span.set_attribute("kvmesh.worker_id", plan.worker.instance_id)
@@ -332,6 +340,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 raise Refused(_routing_code(exc), str(exc)) from exc
             _set_plan_attributes(span, plan)
             _set_admission_attributes(span, plan.admission)
+        self.metrics.routes.labels(plan_kind(plan)).inc()
         resp = router_pb2.RouteResponse(
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,

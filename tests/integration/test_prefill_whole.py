@@ -99,6 +99,11 @@ async def test_a_full_d_sends_the_request_whole_to_p(
         assert 'kvmesh_requests_total{outcome="length",path="agg"} 1.0' in metrics, \
             [m for m in metrics.splitlines() if m.startswith("kvmesh_requests_total")]
 
+        routes = {s.labels["plan"]: s.value for m in router.servicer.metrics.registry.collect()
+                  if m.name == "kvmesh_router_routes" for s in m.samples
+                  if s.name.endswith("_total")}
+        assert routes == {"disagg": 1.0, "prefill_whole": 1.0}
+
         async def drained() -> bool:
             return core.in_flight_count() == 0
         await wait_for(drained, 30, "A and B released")
