@@ -318,7 +318,14 @@ async def test_vllm_worker_refuses_the_crafted_request_and_dies_cleanly_with_its
             assert (in_flight.value.details() or "").startswith("engine dead: ")
             assert await next_status(statuses) == NOT_SERVING
         later = await refused(rec.address, plain("later"))
-        assert later.code() == grpc.StatusCode.UNAVAILABLE
+        if later.code() == grpc.StatusCode.CANCELLED:
+            # sent while the worker stops its server (seen once in a full run on a loaded
+            # host): grpc cancels what the grace period did not finish; the frontend
+            # migrates on it as on UNAVAILABLE (services.frontend.failures.MIGRATABLE)
+            assert "cannot serve: engine dead" in child.log_path.read_text(errors="replace")
+        else:
+            assert later.code() == grpc.StatusCode.UNAVAILABLE, later
+            assert (later.details() or "").startswith("engine dead: ")
         await wait_for(lambda: _no_workers(etcd.address), 60,
                        "the dead worker's key to vanish (TTL 300 s: only a revoke)")
         code = await exit_code(child)
