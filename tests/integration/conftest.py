@@ -6,6 +6,7 @@ read whole traces.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -19,6 +20,7 @@ from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.router.main import RouterApp, RouterConfig, start_router
 from tests.waiting import wait_for
 from workers.config import WorkerConfig
+from workers.fleet import Fleet, FleetConfig, start_fleet
 from workers.main import build_engine, build_server
 from workers.model.tiny import ensure_tiny_model
 
@@ -45,6 +47,44 @@ class Mesh:
     @property
     def url(self) -> str:
         return self.frontend.base_url
+
+
+@contextlib.asynccontextmanager
+async def mock_pd_fleet(etcd: str, ns: str, model_path: str, *, block_size: int,
+                        num_blocks: int, max_num_seqs: int, speedup: float,
+                        worker_id: str) -> AsyncIterator[Fleet]:
+    """One mock P and one mock D (``workers.fleet``, Dynamo mocker ``poly`` timing at
+    ``speedup``, model name ``mock``, context 4096) registered in ``ns``; stopped after."""
+    cfg = load_config(FleetConfig, [
+        *base_args(etcd, ns), "--workers", "0", "--prefill-workers", "1",
+        "--decode-workers", "1", "--block-size", str(block_size), "--num-blocks",
+        str(num_blocks), "--max-num-seqs", str(max_num_seqs), "--max-model-len", "4096",
+        "--timing", "poly", "--speedup-ratio", str(speedup), "--worker-id", worker_id,
+        "--model-path", model_path, "--model-name", "mock"], {})
+    f = await start_fleet(cfg)
+    try:
+        yield f
+    finally:
+        await f.stop()
+
+
+@contextlib.asynccontextmanager
+async def router_and_frontend(etcd: str, ns: str,
+                              router_flags: list[str]) -> AsyncIterator[tuple[RouterApp,
+                                                                              FrontendApp]]:
+    """An in-process router (``router_flags``) and a frontend on it (any free HTTP port)
+    in ``ns``; both stopped after."""
+    args = base_args(etcd, ns)
+    router = await start_router(load_config(RouterConfig, [*args, *router_flags], {}))
+    try:
+        frontend = await start_frontend(load_config(FrontendConfig, [
+            *args, "--http-port", "0", "--router-address", router.server.address], {}))
+        try:
+            yield router, frontend
+        finally:
+            await frontend.server.stop()
+    finally:
+        await router.server.stop()
 
 
 async def wait_routable(router: RouterApp, n: int, what: str, timeout_s: float = 30) -> None:

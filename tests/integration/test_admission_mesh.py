@@ -28,14 +28,11 @@ import pytest
 
 from bench.replay.client import send
 from bench.replay.stats import Result
-from services.common.config import load_config
 from services.common.procs import Child
-from services.frontend.main import FrontendConfig, start_frontend
-from services.router.main import RouterConfig, start_router
-from tests.integration.conftest import base_args
+from tests.integration.conftest import mock_pd_fleet, router_and_frontend
 from tests.waiting import wait_for
 from workers.engines.mock.engine import MockEngine
-from workers.fleet import Fleet, FleetConfig, start_fleet
+from workers.fleet import Fleet
 
 SPEEDUP = 2.0
 ITL_SLO_MS = 20.0 / SPEEDUP
@@ -48,31 +45,20 @@ PROMPT, OUTPUT = 512, 64
 @pytest.fixture(scope="module")
 async def fleet(etcd: Child, tiny_model: str) -> AsyncIterator[tuple[str, Fleet]]:
     ns = "admission"
-    cfg = load_config(FleetConfig, [
-        *base_args(etcd.address, ns), "--workers", "0", "--prefill-workers", "1",
-        "--decode-workers", "1", "--block-size", str(BLOCK), "--num-blocks", str(BLOCKS),
-        "--max-num-seqs", "256", "--max-model-len", "4096", "--timing", "poly",
-        "--speedup-ratio", str(SPEEDUP), "--worker-id", "adm-",
-        "--model-path", tiny_model, "--model-name", "mock"], {})
-    f = await start_fleet(cfg)
-    try:
+    async with mock_pd_fleet(etcd.address, ns, tiny_model, block_size=BLOCK,
+                             num_blocks=BLOCKS, max_num_seqs=256, speedup=SPEEDUP,
+                             worker_id="adm-") as f:
         yield ns, f
-    finally:
-        await f.stop()
 
 
 async def run_burst(etcd: str, ns: str, admission: str) -> tuple[list[Result],
                                                                   list[httpx.Response]]:
-    args = base_args(etcd, ns)
-    router = await start_router(load_config(RouterConfig, [
-        *args, "--policy", "least_loaded", "--load-poll-s", "0.1",
-        "--conditional-disagg", "false",
-        "--admission", admission, "--admission-itl-slo-ms", str(ITL_SLO_MS),
-        "--admission-perf-speedup", str(SPEEDUP), "--admission-decode-correction", "1.1",
-        "--admission-kv-capacity-tokens", str(BLOCK * BLOCKS)], {}))
-    frontend = await start_frontend(load_config(FrontendConfig, [
-        *args, "--http-port", "0", "--router-address", router.server.address], {}))
-    try:
+    async with router_and_frontend(etcd, ns, [
+            "--policy", "least_loaded", "--load-poll-s", "0.1",
+            "--conditional-disagg", "false",
+            "--admission", admission, "--admission-itl-slo-ms", str(ITL_SLO_MS),
+            "--admission-perf-speedup", str(SPEEDUP), "--admission-decode-correction", "1.1",
+            "--admission-kv-capacity-tokens", str(BLOCK * BLOCKS)]) as (router, frontend):
         async def ready() -> bool:
             return (len(router.watcher.instances()) == 2
                     and await frontend_ready(frontend.base_url))
@@ -105,9 +91,6 @@ async def run_burst(etcd: str, ns: str, admission: str) -> tuple[list[Result],
         assert ("kvmesh_admission_rejections_total{" in metrics) == any(
             r.status == "rejected" for r in results)
         return results, raw
-    finally:
-        await frontend.server.stop()
-        await router.server.stop()
 
 
 async def frontend_ready(url: str) -> bool:

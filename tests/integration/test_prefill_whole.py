@@ -15,13 +15,10 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from services.common.config import load_config
 from services.common.procs import Child
-from services.frontend.main import FrontendConfig, start_frontend
-from services.router.main import RouterConfig, start_router
-from tests.integration.conftest import base_args
+from tests.integration.conftest import mock_pd_fleet, router_and_frontend
 from tests.waiting import wait_for
-from workers.fleet import Fleet, FleetConfig, start_fleet
+from workers.fleet import Fleet
 
 BLOCK, BLOCKS = 16, 256
 A_PROMPT, A_OUTPUT = 3000, 1000
@@ -31,31 +28,20 @@ B_PROMPT, B_OUTPUT = 800, 8
 @pytest.fixture(scope="module")
 async def fleet(etcd: Child, tiny_model: str) -> AsyncIterator[tuple[str, Fleet]]:
     ns = "whole"
-    cfg = load_config(FleetConfig, [
-        *base_args(etcd.address, ns), "--workers", "0", "--prefill-workers", "1",
-        "--decode-workers", "1", "--block-size", str(BLOCK), "--num-blocks", str(BLOCKS),
-        "--max-num-seqs", "16", "--max-model-len", "4096", "--timing", "poly",
-        "--speedup-ratio", "1", "--worker-id", "whole-",
-        "--model-path", tiny_model, "--model-name", "mock"], {})
-    f = await start_fleet(cfg)
-    try:
+    async with mock_pd_fleet(etcd.address, ns, tiny_model, block_size=BLOCK,
+                             num_blocks=BLOCKS, max_num_seqs=16, speedup=1,
+                             worker_id="whole-") as f:
         yield ns, f
-    finally:
-        await f.stop()
 
 
 async def test_a_full_d_sends_the_request_whole_to_p(
         etcd: Child, fleet: tuple[str, Fleet]) -> None:
     ns, f = fleet
     (p,), (d,) = f.by_role("prefill"), f.by_role("decode")
-    args = base_args(etcd.address, ns)
-    router = await start_router(load_config(RouterConfig, [
-        *args, "--policy", "least_loaded", "--load-poll-s", "0.05",
-        "--conditional-disagg", "false", "--prefill-whole", "true"], {}))
-    frontend = await start_frontend(load_config(FrontendConfig, [
-        *args, "--http-port", "0", "--router-address", router.server.address], {}))
-    core = router.servicer.core
-    try:
+    async with router_and_frontend(etcd.address, ns, [
+            "--policy", "least_loaded", "--load-poll-s", "0.05",
+            "--conditional-disagg", "false", "--prefill-whole", "true"]) as (router, frontend):
+        core = router.servicer.core
         def seen() -> bool:
             workers = {w.role: w for w in core.workers()}
             return set(workers) == {"prefill", "decode"}
@@ -107,6 +93,3 @@ async def test_a_full_d_sends_the_request_whole_to_p(
         async def drained() -> bool:
             return core.in_flight_count() == 0
         await wait_for(drained, 30, "A and B released")
-    finally:
-        await frontend.server.stop()
-        await router.server.stop()
