@@ -308,8 +308,6 @@ class RouterCore:
     failure_hold_s: float = 5.0
     inflight_ttl_s: float = 1800.0
     _marks: dict[str, _Mark] = field(default_factory=dict)
-    # request id → the prefill worker serving it whole ("P serves whole"), until released.
-    _whole: dict[str, str] = field(default_factory=dict)
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -327,8 +325,6 @@ class RouterCore:
             del self._prefills[rid]
         for wid in [w for w in self._pending if w not in self._workers]:
             del self._pending[wid]
-        for rid in [r for r, w in self._whole.items() if w not in self._workers]:
-            del self._whole[rid]
         self._stale &= set(self._workers)
         for wid in [w for w, m in self._marks.items() if self._workers.get(w) != m.record]:
             del self._marks[wid]  # re-registered (new record) or vanished
@@ -491,8 +487,10 @@ class RouterCore:
         (engine report or the router's count, the larger), less the requests P serves
         whole that are past their prefill (they decode there; not P's prefill queue)."""
         load = self._loads.get(w.instance_id, _Load())
-        decoding = sum(1 for rid, wid in self._whole.items()
-                       if wid == w.instance_id and rid not in self._prefills)
+        # a P's in-flight entry with P alone is one it serves whole (a P/D entry holds D)
+        decoding = sum(1 for rid, entry in self._in_flight.items()
+                       if len(entry.workers) == 1 and entry.workers[0][0] == w.instance_id
+                       and rid not in self._prefills)
         return max(load.num_waiting + load.num_running - decoding,
                    self.in_flight().get(w.instance_id, 0) - decoding, 0)
 
@@ -589,8 +587,6 @@ class RouterCore:
         self._in_flight[ctx.request_id] = _Entry(tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
             for w in chosen), self.clock())
-        if plan.prefill is None and plan.worker.role == "prefill":
-            self._whole[ctx.request_id] = plan.worker.instance_id
         if tokens > 0:
             self._prefills[ctx.request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
@@ -714,7 +710,6 @@ class RouterCore:
         """Stops counting ``request_id`` as load (and as pending prefill). False when it
         was not in flight."""
         self._flights.pop(request_id, None)
-        self._whole.pop(request_id, None)
         self.release_prefill(request_id)
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
