@@ -146,7 +146,7 @@ from workers.engines.base import (
 )
 from workers.engines.vllm_stats import StatsRecorder
 from workers.kv.layout import handoff_of, kv_layout
-from workers.kv.stamps import stamp_writer
+from workers.kv.stamps import handoff_role, stamp_writer
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -256,9 +256,8 @@ def _stamp_first_token(rid: str, kv: dict[str, Any] | None, metrics: Any,
     stamp = stamp_writer()
     if stamp is None:
         return
-    role = ("d" if kv and kv.get("do_remote_prefill")
-            else "p" if kv and kv.get("do_remote_decode") else "a")
-    stamp("e_first_token", rid, role=role, arrival=getattr(metrics, "arrival_time", None),
+    stamp("e_first_token", rid, role=handoff_role(kv) or "a",
+          arrival=getattr(metrics, "arrival_time", None),
           queue_s=delta.queue_s, prefill_s=delta.prefill_s,
           engine_ttft_s=getattr(metrics, "first_token_latency", None))
 

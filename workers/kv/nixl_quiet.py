@@ -73,7 +73,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-from workers.kv.stamps import stamp_writer
+from workers.kv.stamps import handoff_role, stamp_writer
 
 _QUIET_MARK = "_kvmesh_quiet"
 
@@ -92,15 +92,6 @@ def _install() -> None:
 
 
 _install()
-
-
-def _handoff_role(request: Any) -> str | None:
-    params = getattr(request, "kv_transfer_params", None) or {}
-    if params.get("do_remote_prefill"):
-        return "d"
-    if params.get("do_remote_decode"):
-        return "p"
-    return None
 
 
 class _Stamped:
@@ -160,7 +151,7 @@ class _Stamped:
         result = super().get_num_new_matched_tokens(  # type: ignore[misc]
             request, num_computed_tokens)
         if self._stamp is not None and request.request_id not in self._roles:
-            role = _handoff_role(request)
+            role = handoff_role(getattr(request, "kv_transfer_params", None))
             if role is not None:
                 self._roles[request.request_id] = role
                 self._stamp(f"{role}_seen", request.request_id,

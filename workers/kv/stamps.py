@@ -37,6 +37,18 @@ class StampWriter:
             self._file.write(line + "\n")
 
 
+def handoff_role(params: dict[str, Any] | None) -> str | None:
+    """A request's side of a P/D handoff by its ``kv_transfer_params``: ``d`` (remote
+    prefill), ``p`` (remote decode), None (no handoff)."""
+    if not params:
+        return None
+    if params.get("do_remote_prefill"):
+        return "d"
+    if params.get("do_remote_decode"):
+        return "p"
+    return None
+
+
 _WRITER: StampWriter | None = None
 
 

@@ -301,11 +301,7 @@ class MockEngine(Engine):
             raise EngineError(f"request id {request.request_id!r} is already running")
 
     def _text(self, ids: list[int]) -> str:
-        if not self.config.token_text:
-            return ""
-        if len(ids) == 1:  # the usual step: one token
-            return f" w{ids[0]}"
-        return "".join(f" w{t}" for t in ids)
+        return "".join(f" w{t}" for t in ids) if self.config.token_text else ""
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         core = self.core
