@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from services.router.admission.core import POLICIES as ADMISSION_POLICIES
-from services.router.disagg import ORDERS
+from services.router.disagg import DisaggConfig
 from workers.engines.mock.timing import TimingModel, make_timing
 
 if TYPE_CHECKING:
@@ -87,8 +87,9 @@ class SimConfig:
                 out.append("prefill_workers must be >= 0")
         elif self.workers < 1:
             out.append("workers must be >= 1")
-        if self.disagg_order not in ORDERS:
-            out.append(f"disagg_order must be one of {ORDERS}")
+        # the router's own checks of these knobs (order; prefill_whole needs prefill_first)
+        out.extend(DisaggConfig(order=self.disagg_order, conditional=self.conditional_disagg,
+                                prefill_whole=self.prefill_whole).problems())
         if self.event_delay_s < 0:
             out.append("event_delay_s must be >= 0")
         if self.admission not in ADMISSIONS:

@@ -77,6 +77,9 @@ class DisaggConfig:
             out.append("decode_first_threshold must be >= 0")
         if not 0.0 < self.whole_d_kv <= 1.0 or not 0.0 < self.whole_p_kv <= 1.0:
             out.append("whole_d_kv and whole_p_kv must be in (0, 1]")
+        if self.prefill_whole and self.order != "prefill_first":
+            out.append("prefill_whole needs disagg order prefill_first (decode_first picks "
+                       "D before any P)")
         return out
 
 

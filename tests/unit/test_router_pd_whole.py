@@ -75,6 +75,13 @@ def test_kv_after_and_the_default_rule() -> None:
     assert not prefill_serves_whole(0.1, [], ON)[0]
     assert not prefill_serves_whole(0.1, [0.99], DisaggConfig())[0]  # off by default
     assert DisaggConfig(whole_d_kv=0.0).problems() and DisaggConfig(whole_p_kv=1.5).problems()
+    # decode-first never reaches the decision: the flag is refused there, not ignored
+    (problem,) = DisaggConfig(prefill_whole=True, order="decode_first").problems()
+    assert "prefill_whole needs disagg order prefill_first" in problem
+    assert not DisaggConfig(prefill_whole=True).problems()
+    bad = SimConfig(prefill_workers=1, decode_workers=1, disagg_order="decode_first",
+                    prefill_whole=True).problems()
+    assert any("prefill_whole needs disagg order prefill_first" in b for b in bad), bad
 
 
 def test_off_by_default_the_request_waits_for_full_d() -> None:
