@@ -30,7 +30,11 @@ async def structured_outputs(t: Target) -> Any:
 @case("continuous_usage")
 async def continuous_usage(t: Target) -> Any:
     """``stream_options.continuous_usage_stats``: every chunk carries usage, the prompt's
-    tokens and the tokens so far, growing to ``max_tokens``; the last chunk the total."""
+    tokens and the tokens so far, growing to ``max_tokens``; the last chunk the total.
+
+    Which counts appear in between is timing, not contract: a server whose client reads
+    slower than the engine steps sends two tokens in one chunk (vLLM's output collector
+    merges deltas the same way), so the compared result is the prompt and the total."""
     seen: list[tuple[int, int]] = []
     last = None
     opts: Any = {"include_usage": True, "continuous_usage_stats": True}
@@ -46,7 +50,7 @@ async def continuous_usage(t: Target) -> Any:
     assert last is not None and last[1] == 5, (seen, last)
     assert [c for _, c in seen] == sorted(c for _, c in seen) and seen[-1][1] == 5, seen
     assert {p for p, _ in seen} == {last[0]}, seen
-    return {"prompt": last[0], "completion": sorted({c for _, c in seen} - {0})}
+    return {"prompt": last[0], "completion": last[1]}
 
 
 @case("render_options")
