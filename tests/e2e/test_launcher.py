@@ -522,20 +522,15 @@ async def test_redis_keeps_its_data_across_a_restart(supervised: Supervised) -> 
 
 
 # Hung once in CI (the suite ran into CI's 90-minute limit here; 12/12 and 6/6 repeated
-# runs passed on this machine): a hang now fails this test, with its stack, within 5 min.
+# runs passed on this machine): a hang now fails this test, with its stack, within 5 min,
+# and the etcd read, which had no deadline of its own, fails alone after one minute.
 @pytest.mark.timeout(300)
 async def test_the_launched_mesh_is_mtls_by_default(supervised: Supervised) -> None:
     """The router of a default ``kvmesh up`` refuses a plaintext client and a worker's
     certificate on Route; the certificates are where ``kvmesh up`` said."""
     mesh = supervised
-    client = etcd_client(mesh.address("etcd"), mesh.tls("router"))
-    await client.connect()
-    try:
-        (kv,) = await client.get_prefix(instances_prefix("kvmesh", "router").encode())
-    finally:
-        await client.close()
-    rec = discovery_pb2.InstanceRecord()
-    rec.ParseFromString(kv.value)
+    (rec,) = await asyncio.wait_for(read_instance_records(
+        mesh.address("etcd"), "kvmesh", "router", mesh.tls("router")), timeout=60)
     route = router_pb2.RouteRequest(request_id="e2e-tls", model="tiny-llama", token_ids=[1])
     async with grpc.aio.insecure_channel(rec.address) as ch:
         with pytest.raises(grpc.aio.AioRpcError) as plain:
