@@ -23,7 +23,9 @@ Contract:
   engine's ``ec_transfer_params`` (:func:`workers.ec.proto.ec_transfer_params`); an
   image without one is encoded by the engine. It streams one GenerateResponse per
   engine delta (with its ``logprobs``, one per token, and, on the first chunk, the
-  ``prompt_logprobs``), and fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
+  ``prompt_logprobs``); with ``whole`` set, the deltas after the first one with tokens
+  are merged and sent with the finish (or per :data:`WHOLE_FLUSH_TOKENS` tokens). It
+  fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
   when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
   the engine raised EngineDeadError) every in-flight and later call ends UNAVAILABLE
@@ -173,6 +175,42 @@ def position_logprobs_to_proto(p: PositionLogprobs) -> common_pb2.PositionLogpro
     return common_pb2.PositionLogprobs(token=tok(p.token), top=[tok(t) for t in p.top])
 
 
+WHOLE_FLUSH_TOKENS = 512  # GenerateRequest.whole: the most tokens held in one message
+
+
+class WholeAnswer:
+    """The messages of one ``whole`` request (GenerateRequest.whole): the first message
+    with tokens, and any before it, pass; the later ones are merged into one held
+    message, sent with the finish or once it holds :data:`WHOLE_FLUSH_TOKENS` tokens."""
+
+    def __init__(self) -> None:
+        self._passed = False  # a message with tokens went out
+        self._held: worker_pb2.GenerateResponse | None = None
+
+    def take(self, resp: worker_pb2.GenerateResponse,
+             finished: bool) -> worker_pb2.GenerateResponse | None:
+        """What to send now for ``resp`` (None: it is held)."""
+        if not self._passed:
+            self._passed = bool(resp.token_ids)
+            return resp
+        held = self._held
+        if held is None:
+            held = self._held = resp
+        else:
+            held.token_ids.extend(resp.token_ids)
+            held.text += resp.text
+            held.logprobs.extend(resp.logprobs)
+            held.finish_reason = resp.finish_reason
+            if resp.HasField("usage"):
+                held.usage.CopyFrom(resp.usage)
+            if resp.HasField("kv_transfer"):
+                held.kv_transfer.CopyFrom(resp.kv_transfer)
+        if finished or len(held.token_ids) >= WHOLE_FLUSH_TOKENS:
+            self._held = None
+            return held
+        return None
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Serves one engine."""
 
@@ -275,6 +313,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prefill_ns: int | None = None
         cached = 0
         ec_params: dict[str, Any] | None = None
+        whole = WholeAnswer()
         self._active += 1
         try:
             try:
@@ -310,6 +349,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 cached_tokens=out.cached_tokens,
                             )
                         )
+                    if request.whole:
+                        held = whole.take(resp, out.finished)
+                        if held is None:
+                            continue
+                        resp = held
                     yield resp
             except EngineError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -142,6 +142,9 @@ class Request:
     # The model's EOS ids (the tokenizer's and generation_config's); None: unknown, and
     # P's token is never sent as the first token (see p_token_first).
     first_token_stops: frozenset[int] | None = None
+    # The client reads the answer whole (GenerateRequest.whole): workers send the first
+    # tokens at once and hold the rest for their last message.
+    whole: bool = False
 
     def generate_request(self, *, embeddings: bool = True,
                          sampling: common_pb2.SamplingParams | None = None
@@ -151,7 +154,7 @@ class Request:
             request_id=self.request_id, token_ids=self.token_ids,
             sampling=sampling if sampling is not None else self.sampling, model=self.model,
             cache_salt=self.cache_salt, images=list(self.images),
-            embeddings=list(self.embeddings) if embeddings else [])
+            embeddings=list(self.embeddings) if embeddings else [], whole=self.whole)
 
 
 def _finished(resp: worker_pb2.GenerateResponse) -> bool:

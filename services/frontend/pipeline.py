@@ -602,7 +602,8 @@ class Pipeline:
                               for i in job.mm.images]
                 prompt = job.mm.engine_ids if job.mm is not None else job.token_ids
                 plan = Request(mesh_id, job.req.model, prompt + generated,
-                               attempt_sampling, job.cache_salt, images, embeddings, stops)
+                               attempt_sampling, job.cache_salt, images, embeddings, stops,
+                               whole=not job.req.stream)
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None

@@ -29,6 +29,7 @@ from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from tests.integration.conftest import base_args
 from tests.waiting import wait_for
 from workers.fleet import Fleet, FleetConfig, start_fleet
+from workers.service import WHOLE_FLUSH_TOKENS
 
 NS = "mockfleet"
 BLOCK = 32
@@ -140,6 +141,34 @@ async def test_prefill_decode_handoff_over_grpc(fleet: tuple[Fleet, IndexerApp])
     assert sum(len(c.token_ids) for c in chunks) == 4
     assert chunks[-1].usage.cached_tokens == len(prompt) - 1
     assert d.engine.counters()["kv_transfers"] == 1
+
+
+async def test_a_whole_answer_is_its_first_tokens_then_one_message(
+        fleet: tuple[Fleet, IndexerApp]) -> None:
+    """GenerateRequest.whole: the first token comes alone, the rest in the finishing
+    message (or per WHOLE_FLUSH_TOKENS); the tokens and text are the streamed call's."""
+    f, _ = fleet
+    worker = f.workers[7]
+    prompt = [(5 * i + 1) % 900 for i in range(2 * BLOCK)]
+    answers = {}
+    for whole, n in ((False, 40), (True, 40), (True, WHOLE_FLUSH_TOKENS + 30)):
+        req = worker_pb2.GenerateRequest(
+            request_id=f"fl-whole-{whole}-{n}", token_ids=prompt, model="mock", whole=whole,
+            sampling=common_pb2.SamplingParams(max_tokens=n, ignore_eos=True, seed=3))
+        answers[whole, n] = await generate(worker.address, req)
+    sizes = {k: [len(c.token_ids) for c in v if c.token_ids] for k, v in answers.items()}
+    # the first message holds what the engine had then: one token, or more when the
+    # worker's loop lagged behind the engine's steps
+    assert len(sizes[True, 40]) == 2 and sum(sizes[True, 40]) == 40, sizes
+    big = sizes[True, WHOLE_FLUSH_TOKENS + 30]
+    assert len(big) == 3 and sum(big) == WHOLE_FLUSH_TOKENS + 30, sizes
+    assert WHOLE_FLUSH_TOKENS <= big[1] < WHOLE_FLUSH_TOKENS + 30, sizes
+    streamed, whole_40 = answers[False, 40], answers[True, 40]
+    assert [t for c in whole_40 for t in c.token_ids] == \
+        [t for c in streamed for t in c.token_ids]
+    assert "".join(c.text for c in whole_40) == "".join(c.text for c in streamed)
+    assert whole_40[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert whole_40[-1].usage.completion_tokens == 40
 
 
 async def test_malformed_kv_transfer_is_refused_naming_the_key(
