@@ -25,12 +25,15 @@ Contracts:
 - :func:`load_attention_side` / :func:`load_ffn_side` read only their own tensors.
 - :meth:`AttentionLayer.forward` and :meth:`FfnLayer.forward` take ``[T, hidden]`` rows
   (the batch's tokens, concatenated request by request) and return new ``[T, hidden]``.
-- Batch invariance: every projection goes through :func:`linear`, which pads the row
-  count to a multiple of :data:`ROW_PAD` before the GEMM. On this MKL build a row's
-  result then does not depend on how many other rows share the GEMM (measured, and
-  checked by ``tests/unit/test_afd_model.py``), so FFN-side batching across attention
-  workers and microbatch splits give bitwise the same rows as unsplit. Norms, RoPE and
-  SwiGLU are row-wise; attention runs per request.
+- Batch invariance: every projection goes through :func:`linear`, which pads the rows
+  to a multiple of :data:`ROW_CHUNK` and runs one GEMM per chunk of exactly that many
+  rows. Every GEMM then has the same shape, so MKL takes the same kernel path whatever
+  the batch size, and a row's result does not depend on how many other rows share the
+  batch (checked by ``tests/unit/test_afd_model.py``). Padding alone to a multiple of 4
+  held on AVX2 machines but not on AVX-512 ones, where MKL picks its kernel by the row
+  count. FFN-side batching across attention workers and microbatch splits thus give
+  bitwise the same rows as unsplit. Norms, RoPE and SwiGLU are row-wise; attention runs
+  per request.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-ROW_PAD = 4  # pad GEMM rows to a multiple of this (batch invariance, module docstring)
+ROW_CHUNK = 16  # rows per GEMM, padded (batch invariance, module docstring)
 
 
 @dataclass(frozen=True)
@@ -108,11 +111,12 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for ``x`` of ``[T, in]``, batch-invariant (module docstring)."""
     rows = x.shape[0]
-    pad = (-rows) % ROW_PAD
+    pad = (-rows) % ROW_CHUNK
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if x.shape[0] == ROW_CHUNK:
         return F.linear(x, weight)[:rows]
-    return F.linear(x, weight)
+    return torch.cat([F.linear(chunk, weight) for chunk in x.split(ROW_CHUNK)])[:rows]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
