@@ -84,11 +84,10 @@ class InProcessRouterStub:
         unknown = set(kwargs) - _IGNORED
         if unknown:
             raise TypeError(f"{name}() got unexpected keyword arguments {sorted(unknown)}")
-        call = method(request, _Context())
         try:
-            if timeout is None:
-                return await call
-            return await asyncio.wait_for(call, timeout)
+            # awaited in the caller's task (asyncio.timeout, unlike wait_for, starts none)
+            async with asyncio.timeout(timeout):
+                return await method(request, _Context())
         except grpc.aio.AioRpcError:
             raise
         except TimeoutError:
