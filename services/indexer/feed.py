@@ -6,7 +6,9 @@ core). Contract of :class:`IndexFeed`:
 - ``start()``: connects Redis and etcd, creates the consumer group (``MKSTREAM``) if
   needed and rewinds it to the stream's start, so the index is rebuilt from the stream
   after every (re)start; returns once that replay is applied (``ready``), then keeps
-  consuming new entries (``XREADGROUP`` ``>``, acknowledged after they are applied).
+  consuming new entries (``XREADGROUP`` ``>`` with ``NOACK``: a restart replays the
+  stream from its start rather than from a pending list, so none is kept and no
+  ``XACK`` round trip follows each read).
 - Batches are applied event by event. A :class:`~services.indexer.core.Gap` (an event id
   skipped) makes the feed ask the worker for its full state (``Worker.GetKvState``, the
   address comes from etcd) and resync that worker; the events of the batch that follow
@@ -347,16 +349,12 @@ class IndexFeed:
         """Reads and applies one chunk; returns the number of entries."""
         assert self._redis is not None
         resp: Any = await self._redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                            count=self._batch, block=block_ms)
+                                            count=self._batch, block=block_ms, noack=True)
         n = 0
-        ids = []
         for _stream, entries in resp or ():
-            for entry_id, fields in entries:
-                ids.append(entry_id)
+            for _entry_id, fields in entries:
                 n += 1
                 await self._apply(fields)
-        if ids:
-            await self._redis.xack(self.stream, self.group, *ids)
         return n
 
     async def _apply(self, fields: Mapping[bytes, bytes]) -> None:
