@@ -49,7 +49,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   whatever ends it (finish, error, migration, the consumer closing the iterator or being
   cancelled at any point): its worker calls are cancelled (which aborts the request on
   the workers) and ``Release`` is sent by a task that the consumer's cancellation cannot
-  interrupt; :meth:`Pipeline.close` waits for those tasks. A Route that failed on the
+  interrupt; :meth:`Pipeline.close` waits for those tasks. The stream waits for that task
+  only when the attempt did not finish (before a migration's next Route, or before the
+  error): a finished request's last chunk never waits for its Release. A Route that failed on the
   client's side after the router may have committed it (:data:`MAYBE_ROUTED` codes, or
   the consumer's cancellation) gets a best-effort ``Release`` (idempotent). When an
   attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
@@ -656,8 +658,10 @@ class Pipeline:
                 except HandoffError as exc:
                     failure, cause = worker_failure(exc, route), exc
                 finally:
-                    await asyncio.shield(self._spawn(
-                        self._end_attempt(router, mesh_id, pending, responses)))
+                    ending = self._spawn(self._end_attempt(router, mesh_id, pending,
+                                                           responses))
+                    if not finished:  # a failed attempt is released before the next one
+                        await asyncio.shield(ending)
                 assert failure is not None
                 # A grammar's state would restart on the carried tokens: a structured
                 # request migrates only before its first token.
