@@ -59,10 +59,11 @@ class BenchMesh:
         return self._add(spawn(name, [sys.executable, "-m", module, *args], self.logs,
                                {**self.env, **env}))
 
-    def frontend(self, workers: int, timeout_s: float = 180.0) -> str:
-        """Starts the frontend; its base URL once ``workers`` workers serve."""
+    def frontend(self, workers: int, timeout_s: float = 180.0, *args: str) -> str:
+        """Starts the frontend (with ``args``); its base URL once ``workers`` workers
+        serve."""
         port = free_port()
-        front = self.py("frontend", "services.frontend", "--http-port", str(port))
+        front = self.py("frontend", "services.frontend", "--http-port", str(port), *args)
         url = f"http://127.0.0.1:{port}"
 
         def ready() -> bool:

@@ -2,7 +2,8 @@
 what mTLS adds, per RPC.
 
 ``python -m bench.router_overhead [--rates 25,50,100,200] [--duration-s 4] [--workers 4]
-[--policy kv] [--tls both] [--rpc-rounds 6] [--rpc-calls 200] [--out bench/results]``
+[--policy kv] [--router standalone|embedded] [--tls both] [--rpc-rounds 6]
+[--rpc-calls 200] [--out bench/results]``
 
 Contracts:
 
@@ -10,7 +11,11 @@ Contracts:
   meshes side by side) it starts, as child processes on free loopback ports (stopped by
   PID at the end): etcd, Redis, the indexer, a fleet of ``--workers`` mock workers with the
   ``zero`` timing model (every engine step takes no time; KV events still flow to the
-  indexer), the router (``--policy``, remote indexer) and the frontend. The mTLS mesh is
+  indexer), the router (``--policy``, remote indexer) and the frontend; with ``--router
+  embedded`` no indexer and no router process: the frontend routes in-process with the
+  index embedded (``--router embedded --router-args '--policy P --indexer embedded'``,
+  Dynamo's deployment), and the router's RPCs are measured on the gRPC server the embedded
+  router registers in etcd. The mTLS mesh is
   exactly what ``--tls-dir`` turns on (:mod:`bench.tls_cost`): certificates from
   ``write_mesh_certs`` in the mesh's temporary folder, every server requiring client
   certificates with the role authorization interceptor, every client presenting its
@@ -71,6 +76,7 @@ from bench.tls_cost import (
     verdict,
 )
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from services.common.discovery import read_instance_records
 from services.common.grpc_client import channel
 from services.common.procs import free_port
 from services.common.tls import MeshTls, write_mesh_certs
@@ -331,15 +337,24 @@ def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace)
         fleet_env["KVMESH_TLS_CERT"] = "worker-fleet"
         mesh.env["KVMESH_TLS_DIR"] = str(certs)
         tls = MeshTls.load(certs, "frontend")
-    mesh.py("indexer", "services.indexer")
+    embedded = args.router == "embedded"
+    if not embedded:
+        mesh.py("indexer", "services.indexer")
     mesh.py("fleet", "workers.fleet", "--workers", str(args.workers), "--timing", "zero",
             "--model-path", "tiny", "--model-name", MODEL, "--max-model-len", "512",
             **fleet_env)
-    router_port = free_port()
-    mesh.py("router", "services.router", "--policy", args.policy, "--indexer", args.indexer,
-            "--port", str(router_port))
-    url = mesh.frontend(args.workers, 120)
-    router = f"127.0.0.1:{router_port}"
+    if embedded:
+        url = mesh.frontend(args.workers, 120, "--router", "embedded", "--router-args",
+                            f"--policy {args.policy} --indexer embedded")
+        (rec,) = asyncio.run(read_instance_records(
+            mesh.children[0].address, mesh.namespace, "router", tls))
+        router = rec.address
+    else:
+        router_port = free_port()
+        mesh.py("router", "services.router", "--policy", args.policy, "--indexer",
+                args.indexer, "--port", str(router_port))
+        url = mesh.frontend(args.workers, 120)
+        router = f"127.0.0.1:{router_port}"
 
     async def workers() -> list[str]:
         ch = channel(router, tls, "router")
@@ -363,7 +378,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.rpc_rounds > 0 else None
     report: dict[str, Any] = {
         "benchmark": "router_overhead", "workers": args.workers, "policy": args.policy,
-        "indexer": args.indexer, "engine": "mock (zero timing)", "duration_s": args.duration_s,
+        "indexer": "embedded" if args.router == "embedded" else args.indexer,
+        "router": args.router, "engine": "mock (zero timing)", "duration_s": args.duration_s,
         "cpus": os.cpu_count(), "loadavg_1_5_15": {"before": load_before,
                                                     "after": os.getloadavg()},
         "tls": args.tls, "modes": list(modes),
@@ -382,7 +398,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration-s", type=float, default=4.0)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--policy", default="kv")
-    p.add_argument("--indexer", default="remote", choices=("remote", "embedded", "none"))
+    p.add_argument("--indexer", default="remote", choices=("remote", "embedded", "none"),
+                   help="the router process's index (--router standalone)")
+    p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--name", default="router_overhead", help="output file stem")
     p.add_argument("--tls", default="both", choices=tuple(TLS_FLAG),
