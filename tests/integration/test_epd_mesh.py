@@ -485,8 +485,10 @@ class TestEpdDisaggregated:
         assert len(tokens) == len(reference["c"]) and tokens != reference["c"]  # P's encode
         await wait_for(lambda: e_p_d.d.engine.counters()["kv_external_loaded_tokens"]
                        >= loaded0 + prompt - BLOCK, 10, "D counted P's KV it loaded")
-        assert e_p_d.router.servicer._core.in_flight_count() == 0  # noqa: SLF001
-        assert sum(e_p_d.router.servicer.encoders.in_flight().values()) == 0
+        servicer = e_p_d.router.servicer  # the Release follows the response: waited for
+        await wait_for(lambda: servicer._core.in_flight_count() == 0  # noqa: SLF001
+                       and sum(servicer.encoders.in_flight().values()) == 0, 20,
+                       "the router to hold no request and no encoder pick")
         for role, worker in (("P", e_p_d.p), ("D", e_p_d.d)):
             await wait_for(lambda w=worker: _idle(w.server.address), 20,  # type: ignore[misc]
                            f"{role} idle")
@@ -544,8 +546,10 @@ async def test_encoder_killed_mid_request_falls_back_to_the_worker_and_leaks_not
     assert len(tokens) == len(reference["c"]) and tokens != reference["c"]  # local encode
     assert _metric(epd, "kvmesh_frontend_encode_fallbacks_total", reason="UNAVAILABLE") == 1
     core = epd.router.servicer._core  # noqa: SLF001
-    assert core.in_flight_count() == 0
-    assert sum(epd.router.servicer.encoders.in_flight().values()) == 0
+    encoders = epd.router.servicer.encoders  # the Release follows the response: waited for
+    await wait_for(lambda: core.in_flight_count() == 0
+                   and sum(encoders.in_flight().values()) == 0, 20,
+                   "the router to hold no request and no encoder pick")
 
     async def idle() -> bool:
         rep = await _worker_load(epd.worker_address)
