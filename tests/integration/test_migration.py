@@ -18,6 +18,7 @@ to it through a fresh channel).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -267,6 +268,44 @@ async def test_decode_worker_killed_mid_stream_migrates_through_p_to_another_d(
     assert last.usage.prompt_tokens == again[-1].usage.prompt_tokens
     assert counter(mig.frontend, "kvmesh_frontend_migrations_total",
                    stage="decode") == before + 1
+
+
+async def test_a_whole_answer_whose_worker_dies_migrates_with_what_it_was_sent(
+        mig: MigMesh, reference: list[int], restart: list[Worker],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A non-streamed request (GenerateRequest.whole: after its first message the worker
+    holds every token for its last one) whose worker is killed KILL_AFTER engine steps
+    in: the held tokens die with it, the migration carries the first message's, the next
+    worker makes the rest, and the answer is the unbroken run's."""
+    caplog.set_level(logging.INFO, logger="services.frontend.pipeline")
+    before = counter(mig.frontend, "kvmesh_frontend_migrations_total", stage="agg")
+    async with httpx.AsyncClient(base_url=mig.frontend.base_url, timeout=60) as client:
+        answer = asyncio.ensure_future(client.post("/v1/completions", json=body(AGG)))
+        w = await mig.running(["a1", "a2"])
+        start = await engine_steps(w)
+
+        async def stepped() -> bool:
+            return await engine_steps(w) >= start + KILL_AFTER
+        await wait_for(stepped, 30, f"{KILL_AFTER} engine steps on {w.name}")
+        mig.kill(w)
+        restart.append(w)
+        resp = await answer
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert mock_ids(out["choices"][0]["text"]) == reference  # none repeated, none missing
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == MAX_TOKENS
+    assert counter(mig.frontend, "kvmesh_frontend_migrations_total", stage="agg") == before + 1
+    carried = [r.args[-1] for r in caplog.records if "migrating with" in r.getMessage()]
+    assert len(carried) == 1 and 1 <= carried[0] < MAX_TOKENS, carried  # type: ignore[operator]
+
+
+async def engine_steps(w: Worker) -> int:
+    """The mock engine's step count, from the worker's GetLoad counters."""
+    async with grpc.aio.insecure_channel(w.address) as ch:
+        rep = await worker_pb2_grpc.WorkerStub(ch).GetLoad(worker_pb2.GetLoadRequest(),
+                                                            timeout=5)
+    return rep.counters["steps"]
 
 
 async def test_migration_limit_0_gives_the_client_the_error(
