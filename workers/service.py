@@ -181,14 +181,15 @@ WHOLE_FLUSH_TOKENS = 512  # GenerateRequest.whole: the most tokens held in one m
 class WholeAnswer:
     """The messages of one ``whole`` request (GenerateRequest.whole): the first message
     with tokens, and any before it, pass; the later ones are merged into one held
-    message, sent with the finish or once it holds :data:`WHOLE_FLUSH_TOKENS` tokens."""
+    message (protobuf's merge: repeated fields appended, set fields taken; the text
+    concatenated), sent with the finish or once it holds :data:`WHOLE_FLUSH_TOKENS`
+    tokens."""
 
     def __init__(self) -> None:
         self._passed = False  # a message with tokens went out
         self._held: worker_pb2.GenerateResponse | None = None
 
-    def take(self, resp: worker_pb2.GenerateResponse,
-             finished: bool) -> worker_pb2.GenerateResponse | None:
+    def take(self, resp: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse | None:
         """What to send now for ``resp`` (None: it is held)."""
         if not self._passed:
             self._passed = bool(resp.token_ids)
@@ -197,15 +198,11 @@ class WholeAnswer:
         if held is None:
             held = self._held = resp
         else:
-            held.token_ids.extend(resp.token_ids)
-            held.text += resp.text
-            held.logprobs.extend(resp.logprobs)
-            held.finish_reason = resp.finish_reason
-            if resp.HasField("usage"):
-                held.usage.CopyFrom(resp.usage)
-            if resp.HasField("kv_transfer"):
-                held.kv_transfer.CopyFrom(resp.kv_transfer)
-        if finished or len(held.token_ids) >= WHOLE_FLUSH_TOKENS:
+            text = held.text + resp.text
+            held.MergeFrom(resp)
+            held.text = text
+        if held.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED \
+                or len(held.token_ids) >= WHOLE_FLUSH_TOKENS:
             self._held = None
             return held
         return None
@@ -350,7 +347,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             )
                         )
                     if request.whole:
-                        held = whole.take(resp, out.finished)
+                        held = whole.take(resp)
                         if held is None:
                             continue
                         resp = held

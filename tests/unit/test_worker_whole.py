@@ -21,7 +21,7 @@ def msg(ids: list[int], finish: bool = False) -> worker_pb2.GenerateResponse:
 
 def run(parts: list[tuple[list[int], bool]]) -> list[worker_pb2.GenerateResponse]:
     whole = WholeAnswer()
-    sent = [whole.take(msg(ids, fin), fin) for ids, fin in parts]
+    sent = [whole.take(msg(ids, fin)) for ids, fin in parts]
     return [m for m in sent if m is not None]
 
 
