@@ -28,6 +28,11 @@ from services.common.procs import (
 from services.launcher.up import CHILD_ENV, health
 
 
+def embedded_router_args(policy: str) -> list[str]:
+    """The frontend's flags for a router and KV index inside it (Dynamo's deployment)."""
+    return ["--router", "embedded", "--router-args", f"--policy {policy} --indexer embedded"]
+
+
 class BenchMesh:
     """See the module docstring."""
 

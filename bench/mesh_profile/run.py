@@ -61,7 +61,7 @@ import httpx
 import numpy as np
 import psutil
 
-from bench.mesh import BenchMesh
+from bench.mesh import BenchMesh, embedded_router_args
 from services.common.procs import Child, free_port, wait_until
 from services.launcher.up import health
 
@@ -192,8 +192,7 @@ def start(mesh: BenchMesh, args: argparse.Namespace, profile_dir: Path | None
                            "--max-model-len", "1024")
     front_args: list[str] = []
     if embedded:
-        front_args = ["--router", "embedded", "--router-args",
-                      "--policy kv --indexer embedded"]
+        front_args = embedded_router_args("kv")
     else:
         router_port = free_port()
         children["router"] = py("router", "services.router", "--policy", "kv",

@@ -63,7 +63,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.mesh import BenchMesh
+from bench.mesh import BenchMesh, embedded_router_args
 from bench.tls_cost import (
     TLS_FLAG,
     cpu_block,
@@ -344,8 +344,7 @@ def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace)
             "--model-path", "tiny", "--model-name", MODEL, "--max-model-len", "512",
             **fleet_env)
     if embedded:
-        url = mesh.frontend(args.workers, 120, "--router", "embedded", "--router-args",
-                            f"--policy {args.policy} --indexer embedded")
+        url = mesh.frontend(args.workers, 120, *embedded_router_args(args.policy))
         (rec,) = asyncio.run(read_instance_records(
             mesh.children[0].address, mesh.namespace, "router", tls))
         router = rec.address
