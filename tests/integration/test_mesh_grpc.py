@@ -10,6 +10,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from protos import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.integration.conftest import Mesh
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.vllm
 
@@ -100,7 +101,24 @@ async def test_one_trace_per_request_with_stage_spans(mesh: Mesh,
             "model": "tiny", "prompt": "trace me", "max_tokens": 4, "temperature": 0,
             "ignore_eos": True})
     assert resp.status_code == 200
-    finished = spans.get_finished_spans()
+    needed = {"frontend.request", "frontend.tokenize", "router.route", "worker.queue",
+              "prefill", "decode", "/kvmesh.router.Router/Route",
+              "/kvmesh.worker.Worker/Generate"}
+
+    def closed() -> list | None:  # type: ignore[type-arg]
+        """The finished spans once ``needed`` ended and every span's parent did: the
+        worker records its spans after its last message, and the Release follows the
+        response, so both may end after the client has its answer."""
+        snap = list(spans.get_finished_spans())
+        traces = {s.context.trace_id for s in snap if s.name == "frontend.request"}
+        mine = [s for s in snap if s.context.trace_id in traces]
+        ids = {s.context.span_id for s in mine}
+        if needed <= {s.name for s in mine} and all(
+                s.parent is None or s.parent.span_id in ids for s in mine):
+            return snap
+        return None
+    finished = await wait_for(closed, 20, lambda: f"spans {needed} and their parents "
+                              f"ended, have {sorted(s.name for s in spans.get_finished_spans())}")
     roots = [s for s in finished if s.name == "frontend.request"]
     assert len(roots) == 1
     root = roots[0]
