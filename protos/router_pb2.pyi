@@ -154,3 +154,29 @@ class ReportFailureResponse(_message.Message):
     FOUND_FIELD_NUMBER: _ClassVar[int]
     found: bool
     def __init__(self, found: _Optional[bool] = ...) -> None: ...
+
+class ReplicaLoad(_message.Message):
+    __slots__ = ("replica_id", "seq", "workers", "leaving")
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    seq: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerShare]
+    leaving: bool
+    def __init__(self, replica_id: _Optional[str] = ..., seq: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerShare, _Mapping]]] = ..., leaving: _Optional[bool] = ...) -> None: ...
+
+class WorkerShare(_message.Message):
+    __slots__ = ("worker_id", "in_flight", "active_blocks", "pending_prefill_tokens", "decoding_alone")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ACTIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODING_ALONE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    in_flight: int
+    active_blocks: int
+    pending_prefill_tokens: int
+    decoding_alone: int
+    def __init__(self, worker_id: _Optional[str] = ..., in_flight: _Optional[int] = ..., active_blocks: _Optional[int] = ..., pending_prefill_tokens: _Optional[int] = ..., decoding_alone: _Optional[int] = ...) -> None: ...

@@ -23,7 +23,9 @@ Contract:
     ``SETID`` / ``CREATECONSUMER`` / ``DELCONSUMER``, ``XREAD``, ``XRANGE``,
     ``XREVRANGE``, ``XLEN``, ``XINFO``, ``XPENDING``, ``XCLAIM``, ``XAUTOCLAIM``, plus
     ``INFO`` (the feed reads ``run_id`` to notice a Redis restart) and ``PING``. They
-    cannot XADD, XDEL, XTRIM or DEL.
+    cannot XADD, XDEL, XTRIM or DEL there. A ``router`` may also ``XADD`` to and
+    ``XREAD`` the namespace's replica sync stream
+    (:func:`services.router.replica_sync.sync_stream`), and nothing else on it.
   - ``store_master``: every ``@read`` / ``@write`` / ``@transaction`` command on its own
     keys ``kvmesh:<ns>:store:*`` (:func:`store_key_pattern`, the keys of
     :mod:`services.store_master.persist`), plus ``INFO`` and ``PING``. It gets no
@@ -49,6 +51,12 @@ from pathlib import Path
 
 from services.common.event_bus import stream_name
 
+
+def sync_stream(namespace: str) -> str:
+    """The namespace's router replica sync stream key (:mod:`services.router.replica_sync`
+    uses this one)."""
+    return f"kvmesh:{namespace}:router-sync"
+
 ACL_FILE = "redis-users.acl"
 ACL_ROLES = ("worker", "indexer", "router", "store_master", "admin")
 CONNECT = ("+ping",)
@@ -69,8 +77,11 @@ def _rules(role: str, namespace: str) -> tuple[str, ...]:
     stream = stream_name(namespace)
     if role == "worker":
         return ("-@all", *CONNECT, "+xadd", f"%W~{stream}")
-    if role in ("indexer", "router"):
+    if role == "indexer":
         return ("-@all", *CONNECT, *STREAM_READ, f"~{stream}")
+    if role == "router":  # the event stream read-only; the sync stream read-write
+        return ("-@all", *CONNECT, *STREAM_READ, "+xadd", f"%R~{stream}",
+                f"~{sync_stream(namespace)}")
     if role == "store_master":
         return ("-@all", *CONNECT, *STORE, f"~{store_key_pattern(namespace)}")
     if role == "admin":

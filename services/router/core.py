@@ -94,6 +94,16 @@ Contract of :class:`RouterCore`:
   finish) until released; ``plan.admission`` holds the decision. ``flights()`` lists them.
 - ``evict(now)`` forwards to the policies' ``evict`` hook (e.g. the approx trees);
   returns how many entries they evicted.
+- Replica sync (:mod:`services.router.peers`): ``peers`` holds the other router
+  replicas' in-flight shares. ``in_flight()``, ``active_blocks()``, ``pending_prefill()``,
+  the policies' :class:`WorkerState` and P's prefill queue count them on top of this
+  router's own; ``in_flight_count()`` and ``release`` stay this router's.
+  ``local_shares()`` is this router's own part per worker (what it publishes);
+  ``set_peer(replica_id, seq, shares)`` applies a peer's snapshot at ``clock()`` (False
+  when older than the one applied; a worker whose peer count fell gets its load report
+  treated as stale, as after a local release), ``drop_peer`` and
+  ``expire_peers(timeout_s)`` forget peers. ``on_change`` (None: nobody) is called after
+  every change of this router's own in-flight state (a route, a prefill done, a release).
 - The clock (``clock=``, keyword-only, required) is injected: no wall clock is read here.
 """
 
@@ -101,7 +111,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.block_hash import block_hashes, mm_block_keys
@@ -120,6 +130,7 @@ from services.router.disagg import (
     prefill_serves_whole,
 )
 from services.router.history import PrefixHistory
+from services.router.peers import PeerLoads, Share
 from services.router.policies.base import (
     Decision,
     Policy,
@@ -308,6 +319,13 @@ class RouterCore:
     failure_hold_s: float = 5.0
     inflight_ttl_s: float = 1800.0
     _marks: dict[str, _Mark] = field(default_factory=dict)
+    # Replica sync: the other replicas' shares, and who hears of this one's changes.
+    peers: PeerLoads = field(default_factory=PeerLoads)
+    on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     def _policies(self) -> list[Policy]:
         out = [self.policy]
@@ -329,6 +347,7 @@ class RouterCore:
         for wid in [w for w, m in self._marks.items() if self._workers.get(w) != m.record]:
             del self._marks[wid]  # re-registered (new record) or vanished
         self.history.keep_only(self._workers)
+        self.peers.keep_only(self._workers)
         for policy in self._policies():
             keep_only = getattr(policy, "keep_only", None)
             if callable(keep_only):
@@ -355,20 +374,68 @@ class RouterCore:
         return load.kv_usage if load is not None else None
 
     def in_flight(self) -> Mapping[str, int]:
-        """Requests routed and not yet released, per worker id."""
-        counts: dict[str, int] = {}
+        """Requests routed and not yet released, per worker id (peers' included)."""
+        counts = {wid: s.in_flight for wid, s in self.peers.totals().items() if s.in_flight}
         for entry in self._in_flight.values():
             for wid, _ in entry.workers:
                 counts[wid] = counts.get(wid, 0) + 1
         return counts
 
     def active_blocks(self) -> Mapping[str, int]:
-        """Prompt blocks of requests routed and not yet released, per worker id."""
-        blocks: dict[str, int] = {}
+        """Prompt blocks of requests routed and not yet released, per worker id (peers'
+        included)."""
+        blocks = {wid: s.active_blocks for wid, s in self.peers.totals().items()
+                  if s.active_blocks}
         for entry in self._in_flight.values():
             for wid, n in entry.workers:
                 blocks[wid] = blocks.get(wid, 0) + n
         return blocks
+
+    def local_shares(self) -> dict[str, Share]:
+        """This router's own in-flight load per worker (what replica sync publishes)."""
+        flight: dict[str, list[int]] = {}
+        for rid, entry in self._in_flight.items():
+            alone = len(entry.workers) == 1 and rid not in self._prefills
+            for wid, n in entry.workers:
+                f = flight.setdefault(wid, [0, 0, 0])
+                f[0] += 1
+                f[1] += n
+                f[2] += alone
+        out = {wid: Share(f[0], f[1], self._pending.get(wid, 0), f[2])
+               for wid, f in flight.items()}
+        for wid, tokens in self._pending.items():
+            if wid not in out:
+                out[wid] = Share(pending_prefill_tokens=tokens)
+        return out
+
+    def set_peer(self, replica_id: str, seq: int, shares: Mapping[str, Share]) -> bool:
+        """Applies a peer replica's snapshot (see the module docstring)."""
+        before = self.peers.totals()
+        if not self.peers.update(replica_id, seq, {w: s for w, s in shares.items()
+                                                   if w in self._workers}, self.clock()):
+            return False
+        after = self.peers.totals()
+        self._stale.update(w for w, s in before.items()
+                           if s.in_flight > after.get(w, Share()).in_flight)
+        return True
+
+    def drop_peer(self, replica_id: str) -> bool:
+        """Forgets a peer replica's shares (it left); False when unknown."""
+        before = self.peers.totals()
+        if not self.peers.drop(replica_id):
+            return False
+        self._stale.update(w for w, s in before.items() if s.in_flight)
+        return True
+
+    def expire_peers(self, timeout_s: float) -> list[str]:
+        """Forgets the peers not heard from for more than ``timeout_s``; their ids."""
+        before = self.peers.totals()
+        gone = self.peers.expire(self.clock(), timeout_s)
+        if gone:
+            after = self.peers.totals()
+            self._stale.update(w for w, s in before.items()
+                               if s.in_flight > after.get(w, Share()).in_flight)
+        return gone
 
     def in_flight_count(self) -> int:
         """Requests routed and not yet released (one ``len``: safe from another thread)."""
@@ -433,8 +500,13 @@ class RouterCore:
         return [w for w in pool if marks[w.instance_id] == oldest], True
 
     def pending_prefill(self) -> Mapping[str, int]:
-        """Uncached prompt tokens whose prefill is not over, per worker id."""
-        return dict(self._pending)
+        """Uncached prompt tokens whose prefill is not over, per worker id (peers'
+        included)."""
+        out = {wid: s.pending_prefill_tokens for wid, s in self.peers.totals().items()
+               if s.pending_prefill_tokens}
+        for wid, n in self._pending.items():
+            out[wid] = out.get(wid, 0) + n
+        return out
 
     def evict(self, now: float) -> int:
         """Calls the policies' ``evict(now)`` hooks; returns the entries they evicted."""
@@ -446,7 +518,8 @@ class RouterCore:
         return n
 
     def _states(self, prompt: _Prompt, candidates: Iterable[WorkerRecord]) -> list[WorkerState]:
-        flight, active = self.in_flight(), self.active_blocks()
+        flight, active, pending = self.in_flight(), self.active_blocks(), \
+            self.pending_prefill()
         trees = prompt.ctx.tree_blocks
         out = []
         for w in sorted(candidates, key=lambda w: w.instance_id):
@@ -463,7 +536,7 @@ class RouterCore:
                 overlap_blocks=ov.blocks, overlap_by_tier=ov.by_tier,
                 tree_blocks=(trees.get(w.instance_id, 0) if trees is not None
                              else self.history.size(w.instance_id)),
-                pending_prefill_tokens=self._pending.get(w.instance_id, 0),
+                pending_prefill_tokens=pending.get(w.instance_id, 0),
                 role=w.role,
             ))
         return out
@@ -490,7 +563,8 @@ class RouterCore:
         # a P's in-flight entry with P alone is one it serves whole (a P/D entry holds D)
         decoding = sum(1 for rid, entry in self._in_flight.items()
                        if len(entry.workers) == 1 and entry.workers[0][0] == w.instance_id
-                       and rid not in self._prefills)
+                       and rid not in self._prefills) \
+            + self.peers.totals().get(w.instance_id, Share()).decoding_alone
         return max(load.num_waiting + load.num_running - decoding,
                    self.in_flight().get(w.instance_id, 0) - decoding, 0)
 
@@ -590,6 +664,7 @@ class RouterCore:
         if tokens > 0:
             self._prefills[ctx.request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
+        self._changed()
         return plan
 
     def _compatible_pairs(self, prefill: list[WorkerRecord],
@@ -697,6 +772,8 @@ class RouterCore:
             self._stale.add(flight.workers[1][0])
         entry = self._prefills.pop(request_id, None)
         if entry is None:
+            if flight is not None and len(flight.workers) > 1:
+                self._changed()
             return False
         wid, tokens = entry
         left = self._pending.get(wid, 0) - tokens
@@ -704,6 +781,7 @@ class RouterCore:
             self._pending[wid] = left
         else:
             self._pending.pop(wid, None)
+        self._changed()
         return True
 
     def release(self, request_id: str) -> bool:
@@ -715,4 +793,5 @@ class RouterCore:
         if entry is None:
             return False
         self._stale.update(wid for wid, _ in entry.workers)
+        self._changed()
         return True

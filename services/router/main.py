@@ -34,6 +34,13 @@ Contract:
 - ``--metrics-port`` (0 = any free, -1 = off) serves the router's Prometheus metrics
   (:mod:`services.router.metrics`) on ``--host``; the address is published as the
   router record's ``metrics_address`` and the endpoint stops with the server.
+- Replica sync: ``--replica-sync`` (off by default; needs ``--redis-url``) shares this
+  router's in-flight load with the other routers of the namespace, and counts theirs
+  (:mod:`services.router.replica_sync`): snapshots at most every
+  ``--replica-sync-interval-ms`` after a change, a heartbeat every third of
+  ``--replica-peer-timeout-s``, after which a silent peer stops counting. Turn it on for
+  every router of a deployment with several (``kvmesh up --frontends N --router
+  embedded`` does).
 - EPD: a second watcher follows etcd's component ``encoder`` into the servicer's
   :class:`~services.router.encoders.EncoderPicker` (which E gets a request's images).
 """
@@ -70,6 +77,7 @@ from services.router.policies.base import Clock
 from services.router.policies.profile import ProfileError
 from services.router.policies.registry import PolicyRegistry
 from services.router.policy_setup import default_registry
+from services.router.replica_sync import DEFAULT_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, ReplicaSync
 from services.router.service import Evictor, InflightExpiry, LoadPoller, RouterServicer
 
 
@@ -170,6 +178,19 @@ class RouterConfig(SeededConfig):
     metrics_port: int = dataclasses.field(
         default=0, metadata={"help": "Prometheus /metrics port (0 = any free, -1 = off)"}
     )
+    replica_sync: bool = dataclasses.field(
+        default=False, metadata={"help": "share in-flight load with the namespace's other "
+                                         "routers over Redis, and count theirs (several "
+                                         "routers or frontend replicas)"}
+    )
+    replica_sync_interval_ms: float = dataclasses.field(
+        default=DEFAULT_INTERVAL_S * 1000, metadata={
+            "help": "replica sync: longest wait between a change and its snapshot"}
+    )
+    replica_peer_timeout_s: float = dataclasses.field(
+        default=DEFAULT_PEER_TIMEOUT_S, metadata={
+            "help": "replica sync: a peer not heard from for this long stops counting"}
+    )
 
     def admission_settings(self) -> AdmissionSettings:
         """The admission knobs as the core's AdmissionSettings."""
@@ -230,6 +251,12 @@ class RouterConfig(SeededConfig):
             out.append(f"failure_hold_s must be >= 0, got {self.failure_hold_s}")
         if not self.inflight_ttl_s > 0:
             out.append(f"inflight_ttl_s must be > 0, got {self.inflight_ttl_s}")
+        if self.replica_sync and not self.redis_url:
+            out.append("--replica-sync needs --redis-url (the sync stream)")
+        if not self.replica_sync_interval_ms > 0 or not self.replica_peer_timeout_s > 0:
+            out.append("replica_sync_interval_ms and replica_peer_timeout_s must be > 0, "
+                       f"got {self.replica_sync_interval_ms} and "
+                       f"{self.replica_peer_timeout_s}")
         if not -1 <= self.metrics_port <= 65535:
             out.append(f"metrics_port out of range: {self.metrics_port}")
         if self.admission not in ADMISSION_POLICIES:
@@ -259,6 +286,7 @@ class RouterApp:
     indexer_watcher: InstanceWatcher | None = None
     # host:port of the Prometheus endpoint ("" with --metrics-port -1).
     metrics_address: str = ""
+    sync: ReplicaSync | None = None  # with --replica-sync
 
 
 async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterApp:
@@ -326,9 +354,19 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
         on_stop.append(endpoint.close)
     if indexer_watcher is not None:
         on_stop.append(indexer_watcher.close)
+    sync = None
+    if cfg.replica_sync:
+        sync = ReplicaSync(core, cfg.redis_url, cfg.namespace, tls,
+                           interval_s=cfg.replica_sync_interval_ms / 1000,
+                           heartbeat_s=cfg.replica_peer_timeout_s / 3,
+                           peer_timeout_s=cfg.replica_peer_timeout_s,
+                           on_failure=lambda op: metrics.sync_failures.labels(op).inc())
+        await sync.start()
+        on_stop.insert(0, sync.close)
     server = MeshServer(cfg, "router", [spec], record_factory=record, on_stop=on_stop)
     await server.start()
-    return RouterApp(server, servicer, watcher, overlaps, indexer_watcher, metrics_address)
+    return RouterApp(server, servicer, watcher, overlaps, indexer_watcher, metrics_address,
+                     sync)
 
 
 async def start_router_with_index(cfg: RouterConfig, consumer: str) -> tuple[RouterApp, Any]:

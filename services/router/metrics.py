@@ -16,6 +16,10 @@ one a caller that never released (a bug) |
 | ``kvmesh_router_errors_total{method}`` | requests that failed unexpectedly (INTERNAL) |
 | ``kvmesh_router_routes_total{plan}`` | requests routed, by plan: ``agg``, ``disagg``, \
 ``decode_alone`` (D prefills itself), ``prefill_whole`` (P serves it whole) |
+| ``kvmesh_router_replica_peers`` | other router replicas whose in-flight load counts \
+here (replica sync; gauge) |
+| ``kvmesh_router_replica_sync_failures_total{op}`` | replica sync Redis failures: \
+``publish`` or ``read`` |
 """
 
 from __future__ import annotations
@@ -49,6 +53,12 @@ class RouterMetrics:
                               ["method"], registry=r)
         self.routes = Counter("kvmesh_router_routes", "Requests routed, by plan", ["plan"],
                               registry=r)
+        self.peers = Gauge("kvmesh_router_replica_peers",
+                           "Other router replicas whose in-flight load counts here",
+                           registry=r)
+        self.peers.set_function(core.peers.count)
+        self.sync_failures = Counter("kvmesh_router_replica_sync_failures",
+                                     "Replica sync Redis failures", ["op"], registry=r)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from services.common.config import load_config
 from services.common.discovery import Registration
 from services.common.event_bus import STATE, encode_batch, encode_state, mac_input, stream_name
 from services.common.procs import Child, start_redis
+from services.common.redis_acl import sync_stream
 from services.common.redis_conn import REDIS_SERVER_NAME, redis_client
 from services.common.tls import ROLES, MeshTls, redis_password_file, write_mesh_certs
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
@@ -175,6 +176,20 @@ async def test_the_indexer_may_only_read_the_stream(secure_redis: SecureRedis,
                 ("KEYS", "*"), ("HGETALL", STORE_KEY), ("SET", "x", "1")):
         assert "no permissions" in await refused(r.client(role), *cmd), cmd
     assert "keys" in await refused(r.client(role), "XRANGE", stream_name("other"), "-", "+")
+
+
+async def test_a_router_may_publish_and_read_the_replica_sync_stream_only(
+        secure_redis: SecureRedis) -> None:
+    r, sync = secure_redis, sync_stream(NS)
+    assert await run(r.client("router"), "XADD", sync, "*", "r", "x", "d", "")
+    assert await run(r.client("router"), "XREAD", "COUNT", "1", "STREAMS", sync, "0")
+    for cmd in (("XADD", STREAM, "*", "a", "b"), ("DEL", sync), ("XTRIM", sync, "MAXLEN", "0"),
+                ("XDEL", sync, "0-1")):
+        assert "no permissions" in await refused(r.client("router"), *cmd), cmd
+    for role in ("indexer", "worker"):
+        assert "no permissions" in await refused(r.client(role), "XADD", sync, "*", "a", "b")
+    assert "keys" in await refused(r.client("router"), "XADD", sync_stream("other"), "*",
+                                   "a", "b")
 
 
 async def test_the_store_master_owns_its_keys_only(secure_redis: SecureRedis) -> None:

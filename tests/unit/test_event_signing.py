@@ -25,7 +25,7 @@ from services.common.event_bus import (
     encode_state,
     mac_input,
 )
-from services.common.redis_acl import ACL_FILE, acl_lines, write_acl_file
+from services.common.redis_acl import ACL_FILE, acl_lines, sync_stream, write_acl_file
 from services.common.tls import (
     EVENTS_KEY,
     ROLES,
@@ -56,10 +56,14 @@ def test_acl_lines_one_user_per_role_default_off_passwords_hashed() -> None:
         assert not any(password in w for w in words)  # only the hash
     worker = user_line(lines, "worker")
     assert worker[5:] == ["-@all", "+ping", "+xadd", f"%W~{STREAM}"]
-    for reader in ("indexer", "router"):
-        words = user_line(lines, reader)
-        assert f"~{STREAM}" in words and "+xreadgroup" in words and "+info" in words
-        assert "+xadd" not in words and not any(w.startswith("+@") for w in words)
+    indexer = user_line(lines, "indexer")
+    assert f"~{STREAM}" in indexer and "+xreadgroup" in indexer and "+info" in indexer
+    assert "+xadd" not in indexer and not any(w.startswith("+@") for w in indexer)
+    # the router reads the event stream only (%R~), and writes its replica sync stream
+    router = user_line(lines, "router")
+    assert f"%R~{STREAM}" in router and f"~{STREAM}" not in router
+    assert f"~{sync_stream(NS)}" in router and "+xreadgroup" in router and "+xadd" in router
+    assert not any(w.startswith("+@") for w in router)
     store = user_line(lines, "store_master")
     assert "~kvmesh:ns1:store:*" in store and "-@dangerous" in store
     assert store.index("-@dangerous") > store.index("+@write")  # dangerous removed after
