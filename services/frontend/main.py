@@ -27,6 +27,14 @@ first one in etcd; ``--router embedded`` (``KVMESH_ROUTER``) starts a router in 
 process (:mod:`services.router.embedded`, configured by ``--router-args``, e.g. ``'--policy
 kv --indexer embedded'``, which also embeds the KV index) and calls it without a channel.
 It is stopped after the HTTP server. With ``--router-address`` it is a config error.
+
+Replicas: ``--reuse-port`` binds the HTTP port with ``SO_REUSEPORT``, so several frontend
+processes share it (the kernel spreads connections over them; ``kvmesh up --frontends
+N``). Each replica also serves the same app on a port of its own (any free), and that one
+is the ``http_address`` of its etcd record: a scraper reaches every replica's
+``/metrics``, not whichever the kernel picks. With embedded routers, give each
+``--router-args '... --replica-sync'`` (:mod:`services.router.replica_sync`) so that each
+counts the others' in-flight requests.
 """
 
 from __future__ import annotations
@@ -101,6 +109,11 @@ class FrontendConfig(BaseConfig, ImageFlags):
     header_timeout_s: float = dataclasses.field(
         default=10.0, metadata={"help": "a connection whose first request headers are not "
                                         "complete after this many seconds is closed"}
+    )
+    reuse_port: bool = dataclasses.field(
+        default=False, metadata={"help": "share --http-port with other frontend replicas "
+                                         "(SO_REUSEPORT); this one is also served on a port "
+                                         "of its own, advertised in etcd"}
     )
     keep_alive_s: int = dataclasses.field(
         default=5, metadata={"help": "an idle keep-alive HTTP connection is closed after "
@@ -265,6 +278,8 @@ class FrontendApp:
     http_port: int
     http_task: asyncio.Task[None]
     router: EmbeddedRouter | None = None  # with --router embedded
+    # This replica's own HTTP port (--reuse-port; else http_port).
+    own_http_port: int = 0
 
     @property
     def base_url(self) -> str:
@@ -301,13 +316,12 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
                             cfg.limits(), remote_urls=cfg.allow_remote_images),
                         encode_timeout_s=cfg.encode_timeout_s,
                         remote_images=cfg.remote_image_limits())
-    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
-    # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((cfg.http_host, cfg.http_port))
-    sock.listen(1024)
-    http_port = sock.getsockname()[1]
+    sock = _listen(cfg.http_host, cfg.http_port, cfg.reuse_port)
+    http_port = own_port = sock.getsockname()[1]
+    sockets = [sock]
+    if cfg.reuse_port:  # plus a port of this replica alone (module docstring)
+        sockets.append(_listen(cfg.http_host, 0, False))
+        own_port = sockets[1].getsockname()[1]
     app = create_app(pipeline, cfg.http_limits(), keys, metrics_auth=cfg.metrics_auth,
                      metrics_keys=ApiKeys.from_sources(cfg.metrics_api_keys),
                      responses_store=cfg.responses_store())
@@ -315,7 +329,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
                                       max_connections=cfg.max_connections,
                                       keep_alive_s=cfg.keep_alive_s,
                                       header_timeout_s=cfg.header_timeout_s))
-    http_task = asyncio.create_task(http.serve(sockets=[sock]), name="http")
+    http_task = asyncio.create_task(http.serve(sockets=sockets), name="http")
 
     async def stop_http() -> None:
         http.should_exit = True
@@ -325,7 +339,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     def record(address: str) -> discovery_pb2.InstanceRecord:
         return discovery_pb2.InstanceRecord(
             instance_id=f"frontend-{address}", component="frontend", address=address,
-            http_address=f"{cfg.public_host}:{http_port}",
+            http_address=f"{cfg.public_host}:{own_port}",
         )
 
     spec = ServiceSpec(frontend_pb2_grpc.add_FrontendServicer_to_server,
@@ -341,7 +355,20 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     # (a tools request that comes first waits for it, see tool_chat.WARMUP)
     tool_chat.WARMUP.start()
     await server.start()
-    return FrontendApp(server, pipeline, http, http_port, http_task, embedded)
+    return FrontendApp(server, pipeline, http, http_port, http_task, embedded, own_port)
+
+
+def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (``SO_REUSEPORT`` when ``reuse_port``)."""
+    # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on accepted sockets whose proto is
+    # TCP; with the default 0 every response waited ~40 ms for the peer's delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
 
 
 async def _serve(cfg: FrontendConfig) -> MeshServer:

@@ -13,6 +13,14 @@ scrapes the frontend's ``/metrics``, changes nothing). ``stop()`` stops everythi
 started, in reverse start order, by PID. Logs go to ``log_dir/<name>.log``. A child that
 dies while ``start()`` waits fails the start (and stops the rest).
 
+Frontend replicas (``frontends`` > 1, ``kvmesh up --frontends N``): children
+``frontend``, ``frontend-1`` ... share the HTTP port (``KVMESH_REUSE_PORT=1``,
+``SO_REUSEPORT``: the kernel spreads connections over them), each with the frontend's
+identity; the start waits until all N are in etcd. With ``--router embedded`` each
+routes with ``--replica-sync`` (:mod:`services.router.replica_sync`); with a router
+process they share it. The planner then scrapes each replica on its own port (from
+discovery) rather than the shared one.
+
 EPD (``epd=True``, ``kvmesh up --epd``): ``encoders`` encoder children ``encoder-<i>``
 (``python -m services.encoder``, vLLM as an ``ec_producer``, identity ``encoder``) start
 after the router, and the LM workers read image embeddings from them: mode ``disagg``
@@ -188,6 +196,9 @@ class MeshSpec:
                           "Retry-After", ADMISSIONS)
     admission_ttft_slo_ms: float = _opt(2000.0, "admission control's TTFT target in ms")
     admission_itl_slo_ms: float = _opt(50.0, "admission control's ITL target in ms")
+    frontends: int = _opt(1, "frontend replicas sharing the HTTP port (SO_REUSEPORT); with "
+                          "--router embedded each routes, in sync with the others over "
+                          "Redis (--replica-sync)")
     planner: bool = _opt(False, "also run the planner (dry-run actuator: publishes desired "
                          "counts)")
     epd: bool = _opt(False, "EPD: also run encoder(s) on the multimodal model, the LM "
@@ -223,7 +234,7 @@ class MeshSpec:
                 out.append(f"{_flag(name)} must not be empty")
         if not 0 <= self.http_port <= 65535:
             out.append(f"{_flag('http_port')} out of range: {self.http_port}")
-        for name in ("workers", "max_model_len", "encoders"):
+        for name in ("workers", "max_model_len", "encoders", "frontends"):
             if getattr(self, name) < 1:
                 out.append(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("kv_cache_gib", "admission_ttft_slo_ms", "admission_itl_slo_ms"):
@@ -435,7 +446,7 @@ class LocalMesh:
         ``identity`` (default ``name``) alone. Users' API keys (``KVMESH_API_KEY*``) go to
         the frontend only: any other child holding them could act as any tenant."""
         env = self._env(**self._child_tls(name, identity or name))
-        if name != "frontend":
+        if (identity or name) != "frontend":
             for var in [v for v in env if v.startswith(USER_KEY_VARS)]:
                 del env[var]
         return env
@@ -496,8 +507,11 @@ class LocalMesh:
             port = s.http_port or free_port()
             front_scrape, planner_scrape = scrape_keys(os.environ, secrets.token_hex) \
                 if s.planner else ({}, {})
-            front = self._python("frontend", "services.frontend", KVMESH_HTTP_PORT=str(port),
-                                 **images, **front_scrape, **self.embedded_router_env())
+            fronts = [self._python(name, "services.frontend", identity="frontend",
+                                   KVMESH_HTTP_PORT=str(port), **images, **front_scrape,
+                                   **self.embedded_router_env(), **self.reuse_port_env())
+                      for name in self.frontend_names()]
+            front = fronts[0]
             self.url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + s.start_timeout_s
 
@@ -515,12 +529,13 @@ class LocalMesh:
                     return self.registered_afd_attention() >= s.afd_attention
                 if code != 200 or int(str(body.get("workers", 0))) < s.workers * len(roles):
                     return False
-                if not s.epd:
+                if not s.epd and s.frontends == 1:
                     return True
                 if time.monotonic() < polled[0] + 0.5:  # etcd is read twice a second
                     return False
                 polled[0] = time.monotonic()
-                return self.registered("encoder") >= s.encoders
+                return self.registered("encoder") >= (s.encoders if s.epd else 0) \
+                    and self.registered("frontend") >= s.frontends
 
             polled = [0.0]
             try:
@@ -532,10 +547,12 @@ class LocalMesh:
                                        f"{self._etcd_error}") from exc
                 raise
             if s.planner:
+                # one frontend: its URL; replicas: each one's own, from discovery
+                urls = {"KVMESH_METRICS_URLS": f"{self.url}/metrics"} \
+                    if s.frontends == 1 else {}
                 self._python("planner", "services.planner", KVMESH_ACTUATOR="dry_run",
                              KVMESH_MODE="agg" if s.mode == "agg" else "disagg",
-                             KVMESH_METRICS_URLS=f"{self.url}/metrics",
-                             **planner_scrape)
+                             **urls, **planner_scrape)
         except BaseException:
             self.stop()
             raise
@@ -684,7 +701,17 @@ class LocalMesh:
         args = [f"--policy={s.policy}", f"--indexer={s.indexer}"] + [
             f"--{k[len('KVMESH_'):].lower().replace('_', '-')}={v}"
             for k, v in self.admission_env().items()]
+        if s.frontends > 1:  # one router per replica: each counts the others' requests
+            args.append("--replica-sync")
         return {"KVMESH_ROUTER": "embedded", "KVMESH_ROUTER_ARGS": shlex.join(args)}
+
+    def frontend_names(self) -> list[str]:
+        """The frontend children: ``frontend``, then ``frontend-1`` ... (``--frontends``)."""
+        return ["frontend", *(f"frontend-{i}" for i in range(1, self.spec.frontends))]
+
+    def reuse_port_env(self) -> dict[str, str]:
+        """``KVMESH_REUSE_PORT=1`` with several frontends (they share the HTTP port)."""
+        return {"KVMESH_REUSE_PORT": "1"} if self.spec.frontends > 1 else {}
 
     def _start_afd(self, model: str) -> None:
         """``kvmesh up --afd``: the FFN worker ``afd-ffn-0`` (worker id ``afd-ffn-0`` in
