@@ -10,13 +10,16 @@ newest first, and the folder is removed. :func:`warm_up` sends one small complet
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
+from services.common.discovery import read_instance_records
 from services.common.procs import (
     Child,
     free_port,
@@ -28,9 +31,12 @@ from services.common.procs import (
 from services.launcher.up import CHILD_ENV, health
 
 
-def embedded_router_args(policy: str) -> list[str]:
-    """The frontend's flags for a router and KV index inside it (Dynamo's deployment)."""
-    return ["--router", "embedded", "--router-args", f"--policy {policy} --indexer embedded"]
+def embedded_router_args(policy: str, replica_sync: bool = False) -> list[str]:
+    """The frontend's flags for a router and KV index inside it (Dynamo's deployment);
+    ``replica_sync``: one of several frontend replicas, its router in sync with theirs."""
+    sync = " --replica-sync" if replica_sync else ""
+    return ["--router", "embedded", "--router-args",
+            f"--policy {policy} --indexer embedded{sync}"]
 
 
 class BenchMesh:
@@ -64,18 +70,34 @@ class BenchMesh:
         return self._add(spawn(name, [sys.executable, "-m", module, *args], self.logs,
                                {**self.env, **env}))
 
-    def frontend(self, workers: int, timeout_s: float = 180.0, *args: str) -> str:
-        """Starts the frontend (with ``args``); its base URL once ``workers`` workers
-        serve."""
-        port = free_port()
+    def frontend(self, workers: int, timeout_s: float = 180.0, *args: str, port: int = 0,
+                 replicas: int = 1) -> str:
+        """Starts the frontend (with ``args``, on ``port`` or a free one); its base URL
+        once ``workers`` workers serve. ``replicas`` > 1: the other replicas were started
+        on the same port (``--reuse-port``); waits until ``replicas`` frontends are in
+        etcd and each serves on its own port (its record's ``http_address``)."""
+        port = port or free_port()
         front = self.py("frontend", "services.frontend", "--http-port", str(port), *args)
         url = f"http://127.0.0.1:{port}"
+        wait_until(self.serving(url, workers, replicas), front, timeout_s,
+                   "the mesh to serve")
+        return url
+
+    def serving(self, url: str, workers: int, replicas: int = 1) -> Callable[[], bool]:
+        """Whether the frontend at ``url`` serves ``workers`` workers; with ``replicas`` >
+        1, whether that many frontends are in etcd and each does on its own port."""
+        def serves(base: str) -> bool:
+            code, body = health(base)
+            return code == 200 and int(str(body.get("workers", 0))) >= workers
 
         def ready() -> bool:
-            code, body = health(url)
-            return code == 200 and int(str(body.get("workers", 0))) >= workers
-        wait_until(ready, front, timeout_s, "the mesh to serve")
-        return url
+            if replicas == 1:
+                return serves(url)
+            records = asyncio.run(read_instance_records(
+                self.env["KVMESH_ETCD_ENDPOINT"], self.namespace, "frontend"))
+            return len(records) == replicas and all(serves(f"http://{r.http_address}")
+                                                    for r in records)
+        return ready
 
     def close(self) -> None:
         """Stops every child (newest first) and removes the folder. Idempotent."""

@@ -2,7 +2,7 @@
 
 ``python -m bench.frontend_vs_dynamo [--requests 400] [--concurrency 1,8,32] [--words 240]
 [--max-tokens 16] [--rounds 2] [--open-loop-rps R,...] [--router standalone|embedded]
-[--out bench/results]``
+[--frontends N] [--out bench/results]``
 
 Contracts:
 
@@ -12,7 +12,9 @@ Contracts:
   the same tokenizer, under the served name ``tiny``.
   - kvmesh: :func:`bench.mesh_profile.run.start` (etcd, Redis, the indexer, one
     ``workers.fleet`` with 2 mock workers at ``--timing zero``, the ``kv`` router and the
-    frontend; ``--router embedded``: the router and index inside the frontend).
+    frontend; ``--router embedded``: the router and index inside the frontend;
+    ``--frontends N``: N frontend processes sharing the HTTP port, ``--reuse-port``, each
+    with its embedded router in replica sync).
   - Dynamo: :class:`bench.frontend_vs_dynamo.dynamo_side.DynamoMesh` (``dynamo.frontend
     --router-mode kv`` and 2 ``dynamo.mocker`` at block size 32, speedup 10000, file
     discovery, loopback only), from ``.dynvenv``, installed on demand
@@ -153,11 +155,12 @@ def _git_rev() -> str | None:
     return None
 
 
-def start_kvmesh(stack: contextlib.ExitStack, router: str) -> Side:
-    side = Side("kvmesh", info={"router": router})
+def start_kvmesh(stack: contextlib.ExitStack, router: str, frontends: int = 1) -> Side:
+    side = Side("kvmesh", info={"router": router, "frontends": frontends})
     try:
         mesh = stack.enter_context(BenchMesh("fvd"))
-        url, children = mesh_profile.start(mesh, argparse.Namespace(router=router), None)
+        url, children = mesh_profile.start(
+            mesh, argparse.Namespace(router=router, frontends=frontends), None)
         side.url, side.pids = url, {n: c.pid for n, c in children.items()}
     except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
         side.error = f"{type(exc).__name__}: {exc}"[-2000:]
@@ -263,6 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--open-loop-rps", default="")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
+    p.add_argument("--frontends", type=int, default=1)
     p.add_argument("--no-install", action="store_true",
                    help="do not install Dynamo into .dynvenv when it is missing")
     p.add_argument("--out", default=str(RESULTS))
@@ -273,7 +277,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.open_loop_rps = parse_list(args.open_loop_rps, float)
     except ValueError as exc:
         p.error(f"--concurrency / --open-loop-rps: {exc}")
-    for name in ("requests", "words", "max_tokens", "rounds"):
+    if args.frontends > 1 and args.router != "embedded":
+        p.error("--frontends > 1 needs --router embedded (a router in each replica)")
+    for name in ("requests", "words", "max_tokens", "rounds", "frontends"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
 
@@ -287,12 +293,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "concurrency": args.concurrency, "open_loop_rps": args.open_loop_rps,
         "words": args.words, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "order": "per point and round: kvmesh then dynamo (A B A B ...)",
-        "router": args.router, "model": {"name": MODEL, "path": str(model_dir)},
+        "router": args.router, "frontends": args.frontends,
+        "model": {"name": MODEL, "path": str(model_dir)},
         "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "note": NOTE,
         "versions": {"kvmesh": _git_rev(), "python": platform.python_version()}}
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        sides = [start_kvmesh(stack, args.router), start_dynamo(stack, model_dir,
+        sides = [start_kvmesh(stack, args.router, args.frontends), start_dynamo(stack, model_dir,
                                                                 not args.no_install)]
         for s in sides:
             s.info["listening"] = listeners(s.pids)

@@ -63,7 +63,6 @@ import psutil
 
 from bench.mesh import BenchMesh, embedded_router_args
 from services.common.procs import Child, free_port, wait_until
-from services.launcher.up import health
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODEL = "tiny"
@@ -191,22 +190,25 @@ def start(mesh: BenchMesh, args: argparse.Namespace, profile_dir: Path | None
                            "--model-path", "tiny", "--model-name", MODEL,
                            "--max-model-len", "1024")
     front_args: list[str] = []
+    replicas = getattr(args, "frontends", 1)
     if embedded:
-        front_args = embedded_router_args("kv")
+        front_args = embedded_router_args("kv", replica_sync=replicas > 1)
     else:
         router_port = free_port()
         children["router"] = py("router", "services.router", "--policy", "kv",
                                 "--indexer", "remote", "--port", str(router_port))
         front_args = ["--router-address", f"127.0.0.1:{router_port}"]
     port = free_port()
+    if replicas > 1:  # they share the port (SO_REUSEPORT)
+        front_args.append("--reuse-port")
     front = py("frontend", "services.frontend", "--http-port", str(port), *front_args)
     children["frontend"] = front
+    for i in range(1, replicas):
+        children[f"frontend-{i}"] = py(f"frontend-{i}", "services.frontend", "--http-port",
+                                       str(port), *front_args)
     url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
-        code, body = health(url)
-        return code == 200 and int(str(body.get("workers", 0))) >= 2
-    wait_until(ready, front, 180, "the mesh to serve")
+    wait_until(mesh.serving(url, 2, replicas), front, 180, "the mesh to serve")
     _wait_idle(children)
     return url, children
 
