@@ -81,6 +81,9 @@ def _up(args: argparse.Namespace) -> int:
         layout = (f"AFD: 1 FFN worker + {spec.afd_attention} attention worker"
                   f"{'s' if spec.afd_attention > 1 else ''}, hidden states over "
                   f"{spec.afd_transport}")
+    if spec.frontends > 1:
+        layout += (f", {spec.frontends} frontends on one port"
+                   + (" (routers in replica sync)" if spec.router == "embedded" else ""))
     print(f"starting kvmesh (model {model}, {engine} engine, {layout}); logs in "
           f"{spec.log_dir}", flush=True)
     try:
