@@ -411,8 +411,8 @@ class RouterCore:
     def set_peer(self, replica_id: str, seq: int, shares: Mapping[str, Share]) -> bool:
         """Applies a peer replica's snapshot (see the module docstring)."""
         before = self.peers.totals()
-        if not self.peers.update(replica_id, seq, {w: s for w, s in shares.items()
-                                                   if w in self._workers}, self.clock()):
+        # shares of workers not (yet) discovered here are kept: they count once we see them
+        if not self.peers.update(replica_id, seq, shares, self.clock()):
             return False
         after = self.peers.totals()
         self._stale.update(w for w, s in before.items()

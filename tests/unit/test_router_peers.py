@@ -63,9 +63,9 @@ def test_local_shares_count_requests_blocks_pending_prefill_and_decoding_alone()
 def test_peer_shares_add_to_in_flight_blocks_and_pending_prefill() -> None:
     c, _ = core(w("w0"), w("w1"))
     assert {c.route(ctx(r, n=32)).worker.instance_id for r in ("r1", "r2")} == {"w0", "w1"}
-    c.set_peer("A", 1, {"w0": Share(2, 10, 100, 0), "gone": Share(5, 5, 5, 5)})
+    c.set_peer("A", 1, {"w0": Share(2, 10, 100, 0)})
     c.set_peer("B", 1, {"w0": Share(1, 1, 0, 0)})
-    assert c.in_flight() == {"w0": 4, "w1": 1}  # "gone": a worker this router does not know
+    assert c.in_flight() == {"w0": 4, "w1": 1}
     assert c.active_blocks() == {"w0": 2 + 11, "w1": 2}
     assert c.pending_prefill() == {"w0": 32 + 100, "w1": 32}
     assert c.in_flight_count() == 2  # this router's own requests only
@@ -109,6 +109,13 @@ def test_workers_leaving_discovery_drop_their_peer_shares() -> None:
     c.set_peer("A", 1, {"w0": Share(1, 1, 0, 0), "w1": Share(1, 1, 0, 0)})
     c.set_workers([w("w1")])
     assert c.in_flight() == {"w1": 1}
+
+
+def test_a_peers_share_of_a_worker_not_yet_discovered_counts_once_it_is() -> None:
+    c, _ = core(w("w0"))
+    c.set_peer("A", 1, {"w0": Share(1, 1, 0, 0), "w1": Share(2, 2, 0, 0)})
+    c.set_workers([w("w0"), w("w1")])  # w1 registers here after A routed to it
+    assert c.route(ctx("r1")).worker.instance_id == "w0"  # w0: 1 in flight, w1: 2
 
 
 def test_on_change_is_called_for_each_own_change() -> None:
