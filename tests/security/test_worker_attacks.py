@@ -29,6 +29,7 @@ from tests.security.conftest import (
     drain,
     roles_except,
 )
+from tests.waiting import wait_for
 
 ABORT = "/kvmesh.worker.Worker/Abort"
 GENERATE = "/kvmesh.worker.Worker/Generate"
@@ -84,7 +85,15 @@ async def test_the_id_on_a_victims_stream_is_the_one_its_worker_knows(
 async def test_abort_of_another_users_stream_is_refused(secure: SecureMesh) -> None:
     await secure.settled()
     async with victim_stream(secure, list(range(7100, 7140)), LONG) as (mesh_id, rest):
-        assert await active(secure, secure.decode.address) == 1  # the victim's, decoding
+        # the victim's, decoding: the first chunk is P's token (first token from prefill),
+        # sent before D has taken the request over
+        n = 0
+
+        async def decoding() -> bool:
+            nonlocal n
+            n = await active(secure, secure.decode.address)
+            return n == 1
+        await wait_for(decoding, 30, lambda: f"D to decode the victim's request ({n} active)")
         request = worker_pb2.AbortRequest(request_id=mesh_id)
         for who in WHO:
             for worker in (secure.prefill, secure.decode):
