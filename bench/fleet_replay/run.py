@@ -164,16 +164,19 @@ def plot(report: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    fig, ax = plt.subplots(1, 3, figsize=(16, 4))
     for p in report["policies"]:
         xs = [r["speedup"] for r in p["runs"]]
         ax[0].plot(xs, [r["slo_attainment"] for r in p["runs"]], "o-", label=p["policy"])
         ax[1].plot(xs, [r["hit_ratio"] for r in p["runs"]], "o-", label=p["policy"])
+        ax[2].plot(xs, [r["spread"]["cv"] for r in p["runs"]], "o-", label=p["policy"])
     ax[0].axhline(0.9, color="grey", ls="--", lw=1)
     ax[0].set(xlabel="arrival speed-up", ylabel="share meeting both SLOs", ylim=(0, 1.05),
               title="SLO attainment")
     ax[1].set(xlabel="arrival speed-up", ylabel="prompt tokens served from cache",
               ylim=(0, 1.05), title="KV hit ratio")
+    ax[2].set(xlabel="arrival speed-up", ylabel="coefficient of variation",
+              title="requests per worker: spread (lower is even)")
     for a in ax:
         a.legend()
         a.grid(alpha=0.3)
