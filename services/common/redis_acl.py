@@ -23,9 +23,10 @@ Contract:
     ``SETID`` / ``CREATECONSUMER`` / ``DELCONSUMER``, ``XREAD``, ``XRANGE``,
     ``XREVRANGE``, ``XLEN``, ``XINFO``, ``XPENDING``, ``XCLAIM``, ``XAUTOCLAIM``, plus
     ``INFO`` (the feed reads ``run_id`` to notice a Redis restart) and ``PING``. They
-    cannot XADD, XDEL, XTRIM or DEL there. A ``router`` may also ``XADD`` to and
-    ``XREAD`` the namespace's replica sync stream
-    (:func:`services.router.replica_sync.sync_stream`), and nothing else on it.
+    cannot XADD, XDEL, XTRIM or DEL there. A ``router`` also has one Redis 7 selector
+    allowing ``XADD`` and ``XREAD`` of the namespace's replica sync stream
+    (:func:`sync_stream`) and nothing else there (known limit: ``XADD`` with ``MAXLEN 0``
+    empties it; the next snapshots refill it).
   - ``store_master``: every ``@read`` / ``@write`` / ``@transaction`` command on its own
     keys ``kvmesh:<ns>:store:*`` (:func:`store_key_pattern`, the keys of
     :mod:`services.store_master.persist`), plus ``INFO`` and ``PING``. It gets no
@@ -79,9 +80,9 @@ def _rules(role: str, namespace: str) -> tuple[str, ...]:
         return ("-@all", *CONNECT, "+xadd", f"%W~{stream}")
     if role == "indexer":
         return ("-@all", *CONNECT, *STREAM_READ, f"~{stream}")
-    if role == "router":  # the event stream read-only; the sync stream read-write
-        return ("-@all", *CONNECT, *STREAM_READ, "+xadd", f"%R~{stream}",
-                f"~{sync_stream(namespace)}")
+    if role == "router":  # the indexer's rules, plus a selector: XADD/XREAD of the sync
+        return ("-@all", *CONNECT, *STREAM_READ, f"~{stream}",
+                f"(+xadd +xread ~{sync_stream(namespace)})")
     if role == "store_master":
         return ("-@all", *CONNECT, *STORE, f"~{store_key_pattern(namespace)}")
     if role == "admin":

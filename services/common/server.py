@@ -19,7 +19,8 @@ Contract of :class:`MeshServer`:
   reachable there, so it needs no authorization).
 - ``stop()``: marks every service NOT_SERVING, revokes the etcd lease (watchers drop the
   instance at once), runs the ``on_stop`` hooks and stops the server (then the health
-  port's) with the configured grace period. Idempotent.
+  port's) with the configured grace period, then runs the ``after_stop`` hooks (what
+  must outlive the calls in flight). Idempotent.
 - :func:`serve_main` is every kvmesh process's ``main(argv)``: it loads the config class
   from flags and ``KVMESH_*`` env (a bad config prints the problems and returns 2),
   sets up logging and tracing, then runs ``start(cfg)`` (which returns anything with an
@@ -196,6 +197,7 @@ class MeshServer:
     # Builds the record to publish, given the bound address; None = do not register.
     record_factory: Callable[[str], discovery_pb2.InstanceRecord] | None = None
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    after_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # False: TLS without a required client certificate (methods the policy marks public)
     client_auth: bool = True
 
@@ -281,7 +283,8 @@ class MeshServer:
         self._health_server = hs
 
     async def stop(self) -> None:
-        """NOT_SERVING → revoke lease → on_stop hooks → server.stop(grace). Idempotent."""
+        """NOT_SERVING → revoke lease → on_stop hooks → server.stop(grace) → after_stop
+        hooks. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
@@ -298,6 +301,11 @@ class MeshServer:
             await self._server.stop(self.cfg.grace_s)
         if self._health_server is not None:
             await self._health_server.stop(0)
+        for hook in self.after_stop:
+            try:
+                await hook()
+            except Exception:
+                log.exception("after_stop hook failed")
 
     async def wait(self) -> None:
         """Waits until the server terminates."""

@@ -251,6 +251,11 @@ class MeshSpec:
             out.append(f"{_flag('encoders')} ({self.encoders}) needs {_flag('epd')}")
         out.extend(self._afd_problems())
         out.extend(self._sglang_problems())
+        if self.frontends > 1 and self.router == "embedded" and self.admission != "none":
+            out.append(f"{_flag('frontends')} {self.frontends} with {_flag('router')} "
+                       f"embedded and {_flag('admission')} {self.admission} is not supported "
+                       "(each replica's admission control would count only its own flights; "
+                       "use a router process)")
         if self.router == "embedded" and not self.insecure:
             # each child holds its own identity alone; the frontend would need the router's
             out.append(f"{_flag('router')} embedded needs {_flag('insecure')} for now (with "

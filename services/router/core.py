@@ -419,10 +419,11 @@ class RouterCore:
                            if s.in_flight > after.get(w, Share()).in_flight)
         return True
 
-    def drop_peer(self, replica_id: str) -> bool:
-        """Forgets a peer replica's shares (it left); False when unknown."""
+    def drop_peer(self, replica_id: str, seq: int = 0) -> bool:
+        """Forgets a peer replica's shares (it left, ``seq``: its leaving message's); False
+        when unknown."""
         before = self.peers.totals()
-        if not self.peers.drop(replica_id):
+        if not self.peers.drop(replica_id, seq):
             return False
         self._stale.update(w for w, s in before.items() if s.in_flight)
         return True

@@ -253,6 +253,10 @@ class RouterConfig(SeededConfig):
             out.append(f"inflight_ttl_s must be > 0, got {self.inflight_ttl_s}")
         if self.replica_sync and not self.redis_url:
             out.append("--replica-sync needs --redis-url (the sync stream)")
+        if self.replica_sync and self.admission != "none":
+            out.append(f"--replica-sync with --admission {self.admission} is not supported: "
+                       "admission control counts only this router's own flights, so each "
+                       "replica would admit as if it were alone")
         if not self.replica_sync_interval_ms > 0 or not self.replica_peer_timeout_s > 0:
             out.append("replica_sync_interval_ms and replica_peer_timeout_s must be > 0, "
                        f"got {self.replica_sync_interval_ms} and "
@@ -354,17 +358,17 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
         on_stop.append(endpoint.close)
     if indexer_watcher is not None:
         on_stop.append(indexer_watcher.close)
+    server = MeshServer(cfg, "router", [spec], record_factory=record, on_stop=on_stop)
+    await server.start()
     sync = None
-    if cfg.replica_sync:
+    if cfg.replica_sync:  # it leaves after the calls in flight (their releases publish)
         sync = ReplicaSync(core, cfg.redis_url, cfg.namespace, tls,
                            interval_s=cfg.replica_sync_interval_ms / 1000,
                            heartbeat_s=cfg.replica_peer_timeout_s / 3,
                            peer_timeout_s=cfg.replica_peer_timeout_s,
                            on_failure=lambda op: metrics.sync_failures.labels(op).inc())
         await sync.start()
-        on_stop.insert(0, sync.close)
-    server = MeshServer(cfg, "router", [spec], record_factory=record, on_stop=on_stop)
-    await server.start()
+        server.after_stop.append(sync.close)
     return RouterApp(server, servicer, watcher, overlaps, indexer_watcher, metrics_address,
                      sync)
 

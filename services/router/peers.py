@@ -13,9 +13,13 @@ Contract of :class:`PeerLoads` (no clock of its own: callers pass ``now``):
   :class:`Share`; a worker absent from ``shares`` has none) when ``seq`` is newer than the
   last one applied for it, and returns True; an older or repeated ``seq`` changes nothing
   and returns False. Either way the replica counts as heard from at ``now``.
-- ``drop(replica_id)`` forgets a replica (it left); False when unknown.
+- ``drop(replica_id, seq=0)`` forgets a replica (it left; ``seq``: its leaving message's);
+  False when unknown.
 - ``expire(now, timeout_s)`` forgets every replica not heard from for more than
   ``timeout_s`` (it died or its sync broke) and returns their ids, sorted.
+- A forgotten replica leaves a tombstone (its last ``seq``, the latest
+  :data:`TOMBSTONES` replicas kept): a snapshot of it that arrives late, at or below that
+  ``seq``, is ignored rather than bringing it back.
 - ``totals()`` is the sum of every replica's shares per worker (a worker with no share
   is absent); ``replicas()`` the known replica ids, sorted; ``count()`` how many (one
   ``len``: safe from another thread).
@@ -26,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+
+TOMBSTONES = 1024
 
 
 @dataclass(frozen=True)
@@ -57,9 +63,12 @@ class PeerLoads:
 
     _peers: dict[str, _Peer] = field(default_factory=dict)
     _totals: dict[str, Share] | None = None
+    _gone: dict[str, int] = field(default_factory=dict)  # replica id → its last seq
 
     def update(self, replica_id: str, seq: int, shares: Mapping[str, Share],
                now: float) -> bool:
+        if seq <= self._gone.get(replica_id, -1):
+            return False  # a late snapshot of a replica that left or expired
         peer = self._peers.get(replica_id)
         if peer is not None:
             peer.heard_at = max(peer.heard_at, now)
@@ -70,8 +79,13 @@ class PeerLoads:
         self._totals = None
         return True
 
-    def drop(self, replica_id: str) -> bool:
-        if self._peers.pop(replica_id, None) is None:
+    def drop(self, replica_id: str, seq: int = 0) -> bool:
+        peer = self._peers.pop(replica_id, None)
+        self._gone[replica_id] = max(seq, self._gone.get(replica_id, 0),
+                                     peer.seq if peer is not None else 0)
+        while len(self._gone) > TOMBSTONES:
+            del self._gone[next(iter(self._gone))]
+        if peer is None:
             return False
         self._totals = None
         return True

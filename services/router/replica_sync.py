@@ -20,8 +20,9 @@ Contract of :class:`ReplicaSync`:
   ``on_change``, wired by :meth:`start`), a snapshot goes out at most ``interval_s``
   later; changes within one interval share one snapshot. With no change, one goes out
   every ``heartbeat_s``. ``seq`` increases with each.
-- Reading: from the entries added after :meth:`start` (``XREAD BLOCK``); the replica's
-  own entries are skipped; a ``leaving`` snapshot drops its replica at once; an entry
+- Reading: from the entries added after :meth:`start` (``XREAD BLOCK``), and after a
+  read failure from the entries added after it (the next heartbeats fill the gap); the
+  replica's own entries are skipped; a ``leaving`` snapshot drops its replica at once; an entry
   that does not parse is skipped and counted (``stats.bad_entries``, logged).
 - Expiry: every ``peer_timeout_s / 4``, peers not heard from for more than
   ``peer_timeout_s`` are dropped (logged).
@@ -182,6 +183,9 @@ class ReplicaSync:
                 self._tasks[1].note_progress()
         except (RedisError, OSError):
             self.stats.read_failures += 1
+            # Redis may come back empty (a restart without persistence) with a clock behind
+            # the ids read so far: read what comes next instead of waiting for them
+            self._last_id = "$"
             if self._on_failure is not None:
                 self._on_failure("read")
             raise
@@ -198,7 +202,7 @@ class ReplicaSync:
         if msg.replica_id == self.replica_id or not msg.replica_id:
             return
         if msg.leaving:
-            if self.core.drop_peer(msg.replica_id):
+            if self.core.drop_peer(msg.replica_id, msg.seq):
                 log.info("router replica %s left", msg.replica_id)
             return
         known = msg.replica_id in self.core.peers.replicas()

@@ -183,8 +183,13 @@ async def test_a_router_may_publish_and_read_the_replica_sync_stream_only(
     r, sync = secure_redis, sync_stream(NS)
     assert await run(r.client("router"), "XADD", sync, "*", "r", "x", "d", "")
     assert await run(r.client("router"), "XREAD", "COUNT", "1", "STREAMS", sync, "0")
+    # its embedded index still sets up its consumer group on the event stream
+    assert await run(r.client("router"), "XGROUP", "CREATE", STREAM, "g-router", "0",
+                     "MKSTREAM")
+    assert await run(r.client("router"), "XGROUP", "SETID", STREAM, "g-router", "0")
     for cmd in (("XADD", STREAM, "*", "a", "b"), ("DEL", sync), ("XTRIM", sync, "MAXLEN", "0"),
-                ("XDEL", sync, "0-1")):
+                ("XDEL", sync, "0-1"), ("XGROUP", "CREATE", sync, "g", "0"),
+                ("XRANGE", sync, "-", "+"), ("SET", sync, "x")):
         assert "no permissions" in await refused(r.client("router"), *cmd), cmd
     for role in ("indexer", "worker"):
         assert "no permissions" in await refused(r.client(role), "XADD", sync, "*", "a", "b")

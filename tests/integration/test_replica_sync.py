@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 import redis.asyncio as aioredis
 
+from services.common.config import load_config
 from services.common.procs import Child, free_port, start_redis
 from services.common.redis_acl import sync_stream
 from services.router.core import RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
+from services.router.main import RouterConfig, start_router
 from services.router.peers import Share
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
 from services.router.replica_sync import ReplicaSync, encode_load
+from tests.integration.conftest import base_args
 from tests.waiting import wait_for
 
 WORKERS = [WorkerRecord(f"w{i}", f"addr-{i}", "m", "agg", 16, 4096) for i in range(2)]
@@ -41,8 +44,8 @@ def ctx(rid: str) -> RouteContext:
 
 async def pair(url: str, ns: str, timeout_s: float = 3.0
                ) -> tuple[ReplicaSync, ReplicaSync]:
-    a = ReplicaSync(core(), url, ns, replica_id="A", peer_timeout_s=timeout_s, block_ms=200)
-    b = ReplicaSync(core(), url, ns, replica_id="B", peer_timeout_s=timeout_s, block_ms=200)
+    a, b = (ReplicaSync(core(), url, ns, replica_id=r, peer_timeout_s=timeout_s,
+                        heartbeat_s=min(timeout_s / 3, 1.0), block_ms=200) for r in "AB")
     await a.start()
     await b.start()
     # each has heard the other (the first snapshot goes out at start)
@@ -132,8 +135,33 @@ async def test_a_redis_restart_is_counted_and_the_sync_resumes(log_dir: Path) ->
         redis = start_redis(log_dir, port)  # empty: no persistence
         await wait_for(lambda: sum(b.core.in_flight().values()) == 1, 30,
                        lambda: f"B to hear A's request after the restart ({b.stats})")
-        assert a.core.peers.replicas() == ["B"]
+        await wait_for(lambda: a.core.peers.replicas() == ["B"], 30,
+                       lambda: f"A to hear B after the restart ({a.stats})")
     finally:
         await a.close()
         await b.close()
         redis.stop()
+
+
+async def test_a_router_process_with_replica_sync_joins_and_leaves_after_its_calls(
+        etcd: Child, redis_server: Child) -> None:
+    """``--replica-sync`` on a router: a peer meets it, and its leaving snapshot goes out
+    once its gRPC server has stopped (an after_stop hook: calls in flight during the grace
+    period still publish their releases)."""
+    url, ns = f"redis://{redis_server.address}", "sync-router"
+    app = await start_router(load_config(RouterConfig, [
+        *base_args(etcd.address, ns), "--redis-url", url, "--replica-sync",
+        "--replica-peer-timeout-s", "600"], {}))
+    peer = ReplicaSync(core(), url, ns, replica_id="peer", peer_timeout_s=600, block_ms=200)
+    await peer.start()
+    try:
+        assert app.sync is not None and app.sync.close in app.server.after_stop
+        assert app.sync.close not in app.server.on_stop
+        rid = app.sync.replica_id
+        await wait_for(lambda: peer.core.peers.replicas() == [rid], 10, "the peer to meet it")
+        await app.server.stop()
+        await wait_for(lambda: peer.core.peers.count() == 0, 10,
+                       "the peer to drop the stopped router on its leaving snapshot")
+    finally:
+        await app.server.stop()
+        await peer.close()

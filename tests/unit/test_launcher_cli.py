@@ -126,3 +126,17 @@ def test_epd_workers_read_embeddings_only_where_they_prefill() -> None:
         "agg": "ec_consumer", "prefill": "ec_consumer", "decode": ""}
     plain = LocalMesh(MeshSpec())
     assert {plain.ec_env(r)["KVMESH_EC_ROLE"] for r in ("agg", "prefill", "decode")} == {""}
+
+
+def test_frontend_replicas_with_embedded_routers_refuse_admission_control() -> None:
+    from services.launcher.up import MeshSpec
+
+    (problem,) = MeshSpec(frontends=2, router="embedded", insecure=True,
+                          admission="early").problems()
+    assert problem.startswith("--frontends (KVMESH_FRONTENDS) 2 with --router "
+                              "(KVMESH_ROUTER) embedded and --admission (KVMESH_ADMISSION) "
+                              "early is not supported"), problem
+    assert MeshSpec(frontends=2, router="embedded", insecure=True).problems() == []
+    assert MeshSpec(frontends=2, admission="early").problems() == []  # one router process
+    assert MeshSpec(frontends=0).problems() == [
+        "--frontends (KVMESH_FRONTENDS) must be >= 1, got 0"]

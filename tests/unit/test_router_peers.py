@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from protos import router_pb2
 from services.router.core import RouterCore, WorkerRecord
 from services.router.disagg import DisaggConfig
@@ -147,3 +149,31 @@ def test_the_wire_message_round_trips() -> None:
     assert (msg.replica_id, msg.seq, msg.leaving) == ("A", 7, False)
     assert decode_shares(msg) == shares
     assert encode_load("A", 8, {}, leaving=True).leaving
+
+
+def test_a_late_snapshot_of_a_replica_that_left_or_expired_does_not_bring_it_back() -> None:
+    c, clock = core(w("w0"))
+    c.set_peer("A", 3, {"w0": Share(1, 1, 0, 0)})
+    assert c.drop_peer("A", 5)  # its leaving message, seq 5
+    assert not c.set_peer("A", 4, {"w0": Share(1, 1, 0, 0)})  # sent before it left
+    assert c.in_flight() == {} and c.peers.count() == 0
+    c.set_peer("B", 7, {"w0": Share(1, 1, 0, 0)})
+    clock.advance(10)
+    assert c.expire_peers(3.0) == ["B"]
+    assert not c.set_peer("B", 7, {"w0": Share(1, 1, 0, 0)})  # a replayed old one
+    assert c.set_peer("B", 8, {"w0": Share(2, 2, 0, 0)})  # it is alive after all
+    assert c.in_flight() == {"w0": 2}
+
+
+def test_replica_sync_with_admission_control_is_refused_by_name() -> None:
+    from services.common.config import ConfigError, load_config
+    from services.router.main import RouterConfig
+
+    with pytest.raises(ConfigError, match="--replica-sync with --admission early is not "
+                                          "supported"):
+        load_config(RouterConfig, ["--replica-sync", "--redis-url", "redis://x:1",
+                                   "--admission", "early"], {})
+    with pytest.raises(ConfigError, match="--replica-sync needs --redis-url"):
+        load_config(RouterConfig, ["--replica-sync"], {})
+    assert load_config(RouterConfig, ["--replica-sync", "--redis-url", "redis://x:1"],
+                       {}).replica_sync
