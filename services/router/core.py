@@ -408,15 +408,21 @@ class RouterCore:
                 out[wid] = Share(pending_prefill_tokens=tokens)
         return out
 
-    def set_peer(self, replica_id: str, seq: int, shares: Mapping[str, Share]) -> bool:
-        """Applies a peer replica's snapshot (see the module docstring)."""
-        before = self.peers.totals()
-        # shares of workers not (yet) discovered here are kept: they count once we see them
-        if not self.peers.update(replica_id, seq, shares, self.clock()):
-            return False
+    def _peers_released(self, before: Mapping[str, Share]) -> None:
+        """Workers whose peer in-flight count fell since ``before`` (a peers' release):
+        their latest load report may still count it, as after a local release."""
         after = self.peers.totals()
         self._stale.update(w for w, s in before.items()
                            if s.in_flight > after.get(w, Share()).in_flight)
+
+    def set_peer(self, replica_id: str, seq: int, shares: Mapping[str, Share]) -> bool:
+        """Applies a peer replica's snapshot (see the module docstring)."""
+        before = self.peers.totals()
+        # shares of workers not (yet) discovered here are kept until the next discovery
+        # change: a worker the peer saw first counts as soon as it registers here
+        if not self.peers.update(replica_id, seq, shares, self.clock()):
+            return False
+        self._peers_released(before)
         return True
 
     def drop_peer(self, replica_id: str, seq: int = 0) -> bool:
@@ -425,7 +431,7 @@ class RouterCore:
         before = self.peers.totals()
         if not self.peers.drop(replica_id, seq):
             return False
-        self._stale.update(w for w, s in before.items() if s.in_flight)
+        self._peers_released(before)
         return True
 
     def expire_peers(self, timeout_s: float) -> list[str]:
@@ -433,9 +439,7 @@ class RouterCore:
         before = self.peers.totals()
         gone = self.peers.expire(self.clock(), timeout_s)
         if gone:
-            after = self.peers.totals()
-            self._stale.update(w for w, s in before.items()
-                               if s.in_flight > after.get(w, Share()).in_flight)
+            self._peers_released(before)
         return gone
 
     def in_flight_count(self) -> int:

@@ -364,7 +364,6 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     if cfg.replica_sync:  # it leaves after the calls in flight (their releases publish)
         sync = ReplicaSync(core, cfg.redis_url, cfg.namespace, tls,
                            interval_s=cfg.replica_sync_interval_ms / 1000,
-                           heartbeat_s=cfg.replica_peer_timeout_s / 3,
                            peer_timeout_s=cfg.replica_peer_timeout_s,
                            on_failure=lambda op: metrics.sync_failures.labels(op).inc())
         await sync.start()

@@ -21,8 +21,8 @@ Contract of :class:`PeerLoads` (no clock of its own: callers pass ``now``):
   :data:`TOMBSTONES` replicas kept): a snapshot of it that arrives late, at or below that
   ``seq``, is ignored rather than bringing it back.
 - ``totals()`` is the sum of every replica's shares per worker (a worker with no share
-  is absent); ``replicas()`` the known replica ids, sorted; ``count()`` how many (one
-  ``len``: safe from another thread).
+  is absent); ``replicas()`` the known replica ids, sorted; ``knows(replica_id)``
+  whether one is known; ``count()`` how many (one ``len``: safe from another thread).
 - ``keep_only(worker_ids)`` drops shares of workers that left discovery.
 """
 
@@ -71,11 +71,10 @@ class PeerLoads:
             return False  # a late snapshot of a replica that left or expired
         peer = self._peers.get(replica_id)
         if peer is not None:
-            peer.heard_at = max(peer.heard_at, now)
+            peer.heard_at = now
             if seq <= peer.seq:
                 return False
-        self._peers[replica_id] = _Peer(seq, now if peer is None else peer.heard_at,
-                                        dict(shares))
+        self._peers[replica_id] = _Peer(seq, now, dict(shares))
         self._totals = None
         return True
 
@@ -101,6 +100,9 @@ class PeerLoads:
             for wid in [w for w in peer.shares if w not in worker_ids]:
                 del peer.shares[wid]
                 self._totals = None
+
+    def knows(self, replica_id: str) -> bool:
+        return replica_id in self._peers
 
     def count(self) -> int:
         return len(self._peers)

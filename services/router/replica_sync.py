@@ -19,7 +19,8 @@ Contract of :class:`ReplicaSync`:
 - Publishing: after a change of the core's own in-flight state (the core's
   ``on_change``, wired by :meth:`start`), a snapshot goes out at most ``interval_s``
   later; changes within one interval share one snapshot. With no change, one goes out
-  every ``heartbeat_s``. ``seq`` increases with each.
+  every ``heartbeat_s`` (default a third of ``peer_timeout_s``). ``seq`` increases with
+  each.
 - Reading: from the entries added after :meth:`start` (``XREAD BLOCK``), and after a
   read failure from the entries added after it (the next heartbeats fill the gap); the
   replica's own entries are skipped; a ``leaving`` snapshot drops its replica at once; an entry
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 
 STREAM_MAXLEN = 1000
 DEFAULT_INTERVAL_S = 0.01
-DEFAULT_HEARTBEAT_S = 1.0
 DEFAULT_PEER_TIMEOUT_S = 3.0
 
 
@@ -109,7 +109,7 @@ class ReplicaSync:
     def __init__(self, core: RouterCore, redis_url: str, namespace: str,
                  tls: MeshTls | None = None, *, replica_id: str = "",
                  interval_s: float = DEFAULT_INTERVAL_S,
-                 heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+                 heartbeat_s: float | None = None,
                  peer_timeout_s: float = DEFAULT_PEER_TIMEOUT_S,
                  block_ms: int = 1000,
                  on_failure: Callable[[str], None] | None = None) -> None:
@@ -118,18 +118,19 @@ class ReplicaSync:
         self.stream = sync_stream(namespace)
         self.stats = SyncStats()
         self._url, self._tls = redis_url, tls
-        self._interval_s, self._heartbeat_s = interval_s, heartbeat_s
+        self._interval_s = interval_s
+        self._heartbeat_s = peer_timeout_s / 3 if heartbeat_s is None else heartbeat_s
         self._timeout_s, self._block_ms = peer_timeout_s, block_ms
         self._redis: aioredis.Redis | None = None
         self._seq = 0
         self._last_id = "$"
         self._changed = asyncio.Event()
-        self._tasks = [
-            Periodic("replica-sync-publish", self._publish_loop, 0.5, max_backoff_s=5.0),
-            Periodic("replica-sync-read", self._read_loop, 0.5, max_backoff_s=5.0),
-            Periodic("replica-sync-expire", self._expire, peer_timeout_s / 4,
-                     delay_first=True),
-        ]
+        self._publisher = Periodic("replica-sync-publish", self._publish_loop, 0.5,
+                                   max_backoff_s=5.0)
+        self._reader = Periodic("replica-sync-read", self._read_loop, 0.5, max_backoff_s=5.0)
+        self._tasks = [self._publisher, self._reader,
+                       Periodic("replica-sync-expire", self._expire, peer_timeout_s / 4,
+                                delay_first=True)]
         self._closed = False
         self._on_failure = on_failure
 
@@ -160,7 +161,7 @@ class ReplicaSync:
                     await asyncio.wait_for(self._changed.wait(), self._heartbeat_s)
                 self._changed.clear()
                 await self._publish()
-                self._tasks[0].note_progress()
+                self._publisher.note_progress()
                 await asyncio.sleep(self._interval_s)  # coalesce the next changes
         except (RedisError, OSError):
             self.stats.publish_failures += 1
@@ -180,7 +181,7 @@ class ReplicaSync:
                     for entry_id, fields in entries:
                         self._last_id = entry_id
                         self._apply(fields)
-                self._tasks[1].note_progress()
+                self._reader.note_progress()
         except (RedisError, OSError):
             self.stats.read_failures += 1
             # Redis may come back empty (a restart without persistence) with a clock behind
@@ -205,7 +206,7 @@ class ReplicaSync:
             if self.core.drop_peer(msg.replica_id, msg.seq):
                 log.info("router replica %s left", msg.replica_id)
             return
-        known = msg.replica_id in self.core.peers.replicas()
+        known = self.core.peers.knows(msg.replica_id)
         if self.core.set_peer(msg.replica_id, msg.seq, decode_shares(msg)):
             self.stats.applied += 1
             if not known:

@@ -45,7 +45,7 @@ def ctx(rid: str) -> RouteContext:
 async def pair(url: str, ns: str, timeout_s: float = 3.0
                ) -> tuple[ReplicaSync, ReplicaSync]:
     a, b = (ReplicaSync(core(), url, ns, replica_id=r, peer_timeout_s=timeout_s,
-                        heartbeat_s=min(timeout_s / 3, 1.0), block_ms=200) for r in "AB")
+                        block_ms=200) for r in "AB")
     await a.start()
     await b.start()
     # each has heard the other (the first snapshot goes out at start)
