@@ -70,13 +70,16 @@ class BenchMesh:
         return self._add(spawn(name, [sys.executable, "-m", module, *args], self.logs,
                                {**self.env, **env}))
 
-    def frontend(self, workers: int, timeout_s: float = 180.0, *args: str, port: int = 0,
+    def frontend(self, workers: int, timeout_s: float = 180.0, *args: str,
                  replicas: int = 1) -> str:
-        """Starts the frontend (with ``args``, on ``port`` or a free one); its base URL
-        once ``workers`` workers serve. ``replicas`` > 1: the other replicas were started
-        on the same port (``--reuse-port``); waits until ``replicas`` frontends are in
-        etcd and each serves on its own port (its record's ``http_address``)."""
-        port = port or free_port()
+        """Starts the frontend (with ``args``) on a free port; its base URL once
+        ``workers`` workers serve. ``replicas`` > 1: that many frontends ``frontend``,
+        ``frontend-1`` ... on that one port (``args`` must hold ``--reuse-port``); waits
+        until all are in etcd and each serves on its own port (its record's
+        ``http_address``)."""
+        port = free_port()
+        for i in range(1, replicas):
+            self.py(f"frontend-{i}", "services.frontend", "--http-port", str(port), *args)
         front = self.py("frontend", "services.frontend", "--http-port", str(port), *args)
         url = f"http://127.0.0.1:{port}"
         wait_until(self.serving(url, workers, replicas), front, timeout_s,

@@ -53,7 +53,6 @@ from bench.mesh import BenchMesh, warm_up
 from bench.replay.stats import goodput
 from bench.replay.trace import PromptMaker, load_trace
 from services.common.discovery import read_instance_records
-from services.common.procs import free_port
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DEFAULT_TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / \
@@ -109,10 +108,7 @@ def _frontends(mesh: BenchMesh, policy: str, indexer: str, topology: str,
              f" --seed 1{' --replica-sync' if sync else ''}"
     args = ["--router", "embedded", "--router-args", router,
             *(["--reuse-port"] if n > 1 else [])]
-    port = free_port()
-    for i in range(1, n):
-        mesh.py(f"frontend-{i}", "services.frontend", "--http-port", str(port), *args)
-    return mesh.frontend(workers, 180.0, *args, port=port, replicas=n)
+    return mesh.frontend(workers, 180.0, *args, replicas=n)
 
 
 def run_policy(policy: str, args: argparse.Namespace, topology: str = "standalone"

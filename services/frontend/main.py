@@ -278,8 +278,6 @@ class FrontendApp:
     http_port: int
     http_task: asyncio.Task[None]
     router: EmbeddedRouter | None = None  # with --router embedded
-    # This replica's own HTTP port (--reuse-port; else http_port).
-    own_http_port: int = 0
 
     @property
     def base_url(self) -> str:
@@ -355,7 +353,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     # (a tools request that comes first waits for it, see tool_chat.WARMUP)
     tool_chat.WARMUP.start()
     await server.start()
-    return FrontendApp(server, pipeline, http, http_port, http_task, embedded, own_port)
+    return FrontendApp(server, pipeline, http, http_port, http_task, embedded)
 
 
 def _listen(host: str, port: int, reuse_port: bool) -> socket.socket:

@@ -512,11 +512,11 @@ class LocalMesh:
             port = s.http_port or free_port()
             front_scrape, planner_scrape = scrape_keys(os.environ, secrets.token_hex) \
                 if s.planner else ({}, {})
-            fronts = [self._python(name, "services.frontend", identity="frontend",
-                                   KVMESH_HTTP_PORT=str(port), **images, **front_scrape,
-                                   **self.embedded_router_env(), **self.reuse_port_env())
-                      for name in self.frontend_names()]
-            front = fronts[0]
+            for name in self.frontend_names():
+                self._python(name, "services.frontend", identity="frontend",
+                             KVMESH_HTTP_PORT=str(port), **images, **front_scrape,
+                             **self.embedded_router_env(), **self.reuse_port_env())
+            front = self.child("frontend")
             self.url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + s.start_timeout_s
 
@@ -539,8 +539,9 @@ class LocalMesh:
                 if time.monotonic() < polled[0] + 0.5:  # etcd is read twice a second
                     return False
                 polled[0] = time.monotonic()
-                return self.registered("encoder") >= (s.encoders if s.epd else 0) \
-                    and self.registered("frontend") >= s.frontends
+                if s.epd and self.registered("encoder") < s.encoders:
+                    return False
+                return s.frontends == 1 or self.registered("frontend") >= s.frontends
 
             polled = [0.0]
             try:
