@@ -50,6 +50,7 @@ import json
 import marshal
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -369,6 +370,8 @@ def run_phase(phase: str, args: argparse.Namespace, cpu: dict[str, Any] | None
                 after = marshal.loads((profile_dir / f"{name}.2.pstats").read_bytes())
                 ref = (cpu or {}).get("cpu_us_per_req", {}).get(name)
                 out["processes"][name] = analyse(before, after, args.requests, ref)
+            if args.keep_profiles:
+                shutil.copytree(profile_dir, args.keep_profiles, dirs_exist_ok=True)
         return out
 
 
@@ -417,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stream", action="store_true")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
     p.add_argument("--phases", default="cpu,profile")
+    p.add_argument("--keep-profiles", type=Path, default=None, metavar="DIR",
+                   help="copy the profile phase's pstats snapshots (NAME.1 before the load, "
+                        "NAME.2 after it) to DIR")
     p.add_argument("--compare", action="store_true",
                    help="instead of --phases: the cpu phase with the standalone and the "
                         "embedded router, alternating (ABBA), and their ratios")
