@@ -72,6 +72,28 @@ def _eos_token_ids(model_path: str, tokenizer_eos: int | None) -> frozenset[int]
     return frozenset(ids)
 
 
+def _plain_backend(tok: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind ``tok`` when calling it directly gives what
+    ``tok.encode(text)`` gives, else None. That holds for transformers' plain fast
+    tokenizer class (no subclass reworking the text or the ids) whose backend truncates
+    and pads nothing and splits special tokens as ``tok`` says: then ``tok.encode`` only
+    wraps one backend call in Python (~0.1 ms per prompt here)."""
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: always through tok.encode
+        return None
+    backend = getattr(tok, "_tokenizer", None)
+    if (backend is None or not getattr(tok, "is_fast", False)
+            or type(tok)._encode_plus is not TokenizersBackend._encode_plus
+            or type(tok).encode is not TokenizersBackend.encode):
+        return None
+    if backend.truncation is not None or backend.padding is not None:
+        return None
+    if bool(backend.encode_special_tokens) != bool(getattr(tok, "split_special_tokens", False)):
+        return None
+    return backend
+
+
 class Tokenizer:
     """A local Hugging Face tokenizer plus chat template."""
 
@@ -82,6 +104,7 @@ class Tokenizer:
 
         self._tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self._eos_ids = _eos_token_ids(model_path, self._tok.eos_token_id)
+        self._backend = _plain_backend(self._tok)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -96,7 +119,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a raw prompt, with the model's BOS if it adds one (and
-        ``add_special_tokens``)."""
+        ``add_special_tokens``): exactly what the Hugging Face tokenizer's ``encode``
+        gives, straight from its Rust backend when nothing in between can change them
+        (see :func:`_plain_backend`)."""
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids  # type: ignore[no-any-return]
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
     @property
