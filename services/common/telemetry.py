@@ -24,7 +24,12 @@ Contract:
   would carry). What is recorded and what propagates (trace ids, the sampled flag) is
   unchanged; a sampled call still goes through the interceptors in full.
   :func:`may_record` tells code whether a span started now could be recorded.
-- :func:`tracer` returns the tracer for a kvmesh component.
+- :func:`tracer` returns the tracer for a kvmesh component (one object per component).
+  In lean mode a span it starts under an unsampled parent (or none) skips the SDK: it is
+  a ``NonRecordingSpan`` with the parent's trace id (a fresh one at a root), a fresh span
+  id and the parent's unsampled flag and trace state, exactly what the SDK's
+  ``parentbased_always_off`` sampler would make, at a fraction of its cost. Any other
+  span (sampled parent, or not lean) is the SDK's.
 - gRPC spans come from opentelemetry-instrumentation-grpc interceptors, wired in
   ``services.common.server`` (servers) and ``services.common.grpc_client`` (clients).
 """
@@ -34,9 +39,11 @@ from __future__ import annotations
 import os
 import random
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -132,9 +139,69 @@ def setup_in_memory_tracing() -> InMemorySpanExporter:
         return exporter
 
 
+class _LeanTracer(trace.Tracer):
+    """:func:`tracer`'s tracer: the global one, but for lean-mode spans that cannot record
+    (see the module docstring)."""
+
+    def __init__(self, name: str) -> None:
+        self._real = trace.get_tracer(name)  # a proxy until a provider is installed
+
+    @staticmethod
+    def _unrecorded(context: Context | None) -> trace.Span | None:
+        """The span to start under ``context`` if it cannot record, else None."""
+        if not _lean:
+            return None
+        parent = trace.get_current_span(context).get_span_context()
+        if parent.trace_flags.sampled:
+            return None
+        valid = parent.is_valid
+        return trace.NonRecordingSpan(trace.SpanContext(
+            parent.trace_id if valid else random.getrandbits(128) or 1,
+            random.getrandbits(64) or 1, is_remote=False, trace_flags=parent.trace_flags,
+            trace_state=parent.trace_state if valid else None))
+
+    def start_span(self, name: str, context: Context | None = None,
+                   kind: trace.SpanKind = trace.SpanKind.INTERNAL,
+                   attributes: Any = None, links: Any = None, start_time: int | None = None,
+                   record_exception: bool = True, set_status_on_exception: bool = True
+                   ) -> trace.Span:
+        span = self._unrecorded(context)
+        if span is not None:
+            return span
+        return self._real.start_span(name, context, kind, attributes, links, start_time,
+                                     record_exception, set_status_on_exception)
+
+    @contextmanager
+    def start_as_current_span(  # type: ignore[override]
+            self, name: str, context: Context | None = None,
+            kind: trace.SpanKind = trace.SpanKind.INTERNAL, attributes: Any = None,
+            links: Any = None, start_time: int | None = None, record_exception: bool = True,
+            set_status_on_exception: bool = True, end_on_exit: bool = True
+    ) -> Iterator[trace.Span]:
+        span = self._unrecorded(context)
+        if span is None:
+            with self._real.start_as_current_span(
+                    name, context, kind, attributes, links, start_time, record_exception,
+                    set_status_on_exception, end_on_exit) as real:
+                yield real
+            return
+        token = otel_context.attach(trace.set_span_in_context(span, context))
+        try:
+            yield span
+        finally:
+            otel_context.detach(token)
+
+
+_tracers: dict[str, _LeanTracer] = {}
+
+
 def tracer(component: str) -> trace.Tracer:
-    """The tracer kvmesh component ``component`` records its spans with."""
-    return trace.get_tracer(f"kvmesh.{component}")
+    """The tracer kvmesh component ``component`` records its spans with (see the module
+    docstring for lean mode)."""
+    found = _tracers.get(component)
+    if found is None:
+        found = _tracers[component] = _LeanTracer(f"kvmesh.{component}")
+    return found
 
 
 def shutdown_tracing() -> None:

@@ -63,6 +63,14 @@ async def main():
         async for _ in stub.Watch(req):
             break
         out["root"] = [format(root.get_span_context().trace_id, "032x"), *seen[-2:]]
+    unsampled = {"traceparent": "00-" + "ef" * 16 + "-" + "12" * 8 + "-00", "tracestate": "k=v"}
+    span = t.start_span("u", context=TraceContextTextMapPropagator().extract(unsampled))
+    sc = span.get_span_context()
+    out["under_unsampled"] = [format(sc.trace_id, "032x"), span.is_recording(),
+                              bool(sc.trace_flags.sampled), sc.trace_state.to_header(),
+                              format(sc.span_id, "016x") != "12" * 8, sc.is_valid]
+    span.end()
+    out["same_tracer"] = telemetry.tracer("probe") is t
     out["unsampled_spans"] = len(exporter.get_finished_spans())
     exporter.clear()
     parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
@@ -101,6 +109,9 @@ def test_unsampled_calls_propagate_without_spans_and_sampled_ones_record(uvloop:
     root, check, watch = got["root"]
     assert check == [root, False] and watch == [root, False]  # the caller's trace
     assert got["unsampled_spans"] == 0
+    # a span under an unsampled parent: the SDK's parentbased_always_off span, unrecorded
+    assert got["under_unsampled"] == ["ef" * 16, False, False, "k=v", True, True]
+    assert got["same_tracer"] is True
     assert got["sampled"] == [TRACE, True]
     assert got["sampled_spans"] == SAMPLED  # client and server spans, as OpenTelemetry's
 
@@ -110,4 +121,5 @@ def test_without_lean_mode_every_call_goes_through_the_interceptors() -> None:
     assert got["lean"] is False
     # root, and the client and server spans of both Checks (Watch's may still be open)
     assert got["unsampled_spans"] >= 5
+    assert got["under_unsampled"][:2] == ["ef" * 16, True]  # always_on: the SDK records it
     assert got["sampled_spans"] == SAMPLED
