@@ -221,7 +221,7 @@ def with_tenant(req: ParsedRequest, tenant_salt: str) -> ParsedRequest:
     salt = tenant_salt
     if req.client_salt:
         salt = hashlib.sha256(f"{tenant_salt}\0{req.client_salt}".encode()).hexdigest()[:16]
-    return replace(req, cache_salt=salt)
+    return req if req.cache_salt == salt else replace(req, cache_salt=salt)
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -774,4 +774,6 @@ def check_context(req: ParsedRequest, prompt_tokens: int, max_model_len: int) ->
     if req.sampling.min_tokens > max_tokens:
         raise _bad(f"'min_tokens' ({req.sampling.min_tokens}) must be less than or equal to "
                    f"'max_tokens' ({max_tokens})", "min_tokens")
+    if max_tokens == req.sampling.max_tokens:
+        return req
     return replace(req, sampling=replace(req.sampling, max_tokens=max_tokens))
