@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -96,6 +97,36 @@ def test_same_prefix_computed_twice_shares_one_cached_block() -> None:
     assert bm.num_used == 2
     assert [e["type"] for e in bm.drain_events()] == ["BlockStored"]
     bm.check()
+
+
+@pytest.mark.parametrize("salt", ["", "tenant"])
+@pytest.mark.parametrize("n_known", [0, 1, 3, 5])
+def test_commit_reuses_known_hashes_and_hashes_only_the_rest(salt: str, n_known: int) -> None:
+    """``known`` (the admission's hashes of leading full blocks) changes nothing but the
+    work: same hashes, same events as hashing everything; blocks past them are hashed."""
+    toks = list(range(100, 118))  # 4 full blocks + 2 tokens
+    plain, reuse = BlockManager(16, BS), BlockManager(16, BS)
+    known = reuse.hash_blocks(toks[:n_known * BS], salt=salt)
+    hashed: list[int] = []
+    orig = reuse.hash_blocks
+
+    def counting(token_ids: Sequence[int], parent: int | None = None,
+                 salt: str = "") -> list[int]:
+        out = orig(token_ids, parent, salt)
+        hashed.extend(out)
+        return out
+
+    reuse.hash_blocks = counting  # type: ignore[method-assign]
+    for bm in (plain, reuse):
+        assert bm.allocate("a", len(toks))
+    for computed in (6, 13, len(toks)):  # chunk by chunk: 1, 3, then 4 full blocks
+        plain.commit("a", toks, computed, salt)
+        reuse.commit("a", toks, computed, salt, known)
+        assert reuse.drain_events() == plain.drain_events()
+        assert reuse.cached_hashes() == plain.cached_hashes()
+    assert plain.cached_hashes() == set(block_hashes(toks, BS, salt=salt))
+    assert len(hashed) == 4 - min(n_known, 4)  # only the blocks past the known ones
+    reuse.check()
 
 
 def test_reset_only_when_nothing_is_in_use() -> None:

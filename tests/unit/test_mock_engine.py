@@ -180,6 +180,28 @@ async def test_concurrent_requests_batch_together_and_shutdown_aborts() -> None:
     assert rest[-1].finish_reason == "abort"
 
 
+async def test_a_consumer_cancelled_while_waiting_aborts_its_request() -> None:
+    e = await engine(timing="poly", speedup_ratio=10.0)
+    try:
+        got: list[EngineOutput] = []
+
+        async def consume() -> None:
+            async for o in e.generate(request("a", list(range(40)), max_tokens=200)):
+                got.append(o)
+
+        task = asyncio.create_task(consume())
+        await wait_for(lambda: len(got) >= 2, 10, "two outputs")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert e.load().num_running == 0 and e.load().kv_usage == 0.0
+        assert e.counters()["aborted_requests"] == 1
+        outs = await collect(e, request("a", list(range(40)), max_tokens=3))  # id is free
+        assert [o.completion_tokens for o in outs] == [1, 2, 3]
+    finally:
+        await e.shutdown()
+
+
 async def test_a_consumer_that_lags_gets_the_waiting_outputs_merged() -> None:
     """Outputs already waiting when the consumer asks are merged (as vLLM's output
     collector merges them for a slow consumer); nothing is lost or reordered."""

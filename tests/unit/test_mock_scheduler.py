@@ -251,6 +251,37 @@ def test_random_workload_keeps_blocks_and_index_consistent(seed: int) -> None:
     assert s.blocks.num_used == 0 and not s.requests
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_every_computed_full_block_is_cached_after_each_step(seed: int) -> None:
+    """A step caches the blocks it filled (chunked prefill, decode, preemption and
+    recompute, KV reception, salts): after every step, each live request's computed full
+    blocks are cached with its salt's hashes."""
+    rng = random.Random(seed)
+    s = sched(num_blocks=rng.choice([12, 24, 48]), max_num_batched_tokens=rng.choice([5, 8, 32]),
+              max_num_seqs=rng.choice([2, 4, 8]), timing=PolynomialTiming())
+    prefixes = [[rng.randrange(40) for _ in range(rng.randint(1, 9))] for _ in range(3)]
+    now = 0.0
+    for i in range(80):
+        if rng.random() < 0.5:
+            s.add(req(f"r{i}", rng.choice(prefixes) + [rng.randrange(40)] * rng.randint(1, 6),
+                      max_tokens=rng.randint(1, 9), remote_prefill=rng.random() < 0.2,
+                      cache_salt=rng.choice(["", "t"])), now)
+        b = s.schedule(now)
+        ready = s.next_ready_at()
+        if b.empty and ready is not None:
+            now = max(now, ready)
+        now += b.duration_s
+        s.complete(b, now)
+        s.blocks.check()
+        cached = s.blocks.cached_hashes()
+        for r in s.requests.values():
+            if s.blocks.holds(r.request_id):
+                full = r.num_computed // BS * BS
+                assert set(s.blocks.hash_blocks(r.tokens[:full], salt=r.cache_salt)) <= cached
+    drain(s, now)
+    assert s.blocks.num_used == 0 and not s.requests
+
+
 def test_prompt_hash_packs_the_little_endian_u32_prompt() -> None:
     import struct
 

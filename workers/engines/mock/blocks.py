@@ -17,8 +17,10 @@ Contract of :class:`BlockManager` (vLLM v1 ``KVCacheManager`` semantics):
 - ``hash_blocks(token_ids, parent=None, salt="")``: kvmesh's chained hashes, the first
   block salted with the request's cache salt (tenant isolation: a salted prefix never
   hits another salt's blocks).
-- ``commit(req, token_ids, num_computed, salt="")``: the request's blocks that are now full
-  (``num_computed // block_size``) and not yet cached become cached: their hashes are
+- ``commit(req, token_ids, num_computed, salt="", known=())``: the request's blocks that
+  are now full (``num_computed // block_size``) and not yet cached become cached: their
+  hashes (``known``, when given, are ``hash_blocks`` of leading full blocks of
+  ``token_ids`` with this salt, already computed: they are reused, the rest is hashed) are
   registered and one ``BlockStored`` event per contiguous run is queued, in vLLM's decoded
   form (``block_hashes``, ``parent_block_hash``, ``token_ids`` of those blocks,
   ``block_size``, ``medium``, and, for a run starting at the first block of a salted
@@ -162,7 +164,7 @@ class BlockManager:
         self._ref[b] += 1
 
     def commit(self, req: str, token_ids: Sequence[int], num_computed: int,
-               salt: str = "") -> None:
+               salt: str = "", known: Sequence[int] = ()) -> None:
         """Caches the request's newly full blocks; see the module docstring."""
         if not self.enable_caching:
             return
@@ -173,8 +175,11 @@ class BlockManager:
         start = len(hashes)
         if full <= start:
             return
-        parent = hashes[-1] if hashes else None
-        new = self.hash_blocks(token_ids[start * bs:full * bs], parent, salt)
+        new = list(known[start:full])
+        if start + len(new) < full:  # hash the blocks past the known ones
+            rest = start + len(new)
+            parent = new[-1] if new else hashes[-1] if hashes else None
+            new += self.hash_blocks(token_ids[rest * bs:full * bs], parent, salt)
         run: list[int] = []
         run_start = start
         for i, h in enumerate(new, start):

@@ -73,6 +73,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -152,14 +153,39 @@ class MockEngineConfig:
             eos_token_id=self.eos_token_id, seed=self.seed, engine_id=engine_id)
 
 
-def _merge_waiting(first: StepOutput, queue: asyncio.Queue[StepOutput]) -> StepOutput:
-    """``first`` merged with the outputs waiting behind it, up to a finished one (see
-    ``generate`` in the module docstring)."""
+class _Stream:
+    """One request's outputs for its single consumer: an unbounded FIFO that wakes the
+    consumer as ``asyncio.Queue`` does (``put`` resolves the waiting ``get``'s future),
+    without the queue's bookkeeping."""
+
+    __slots__ = ("items", "_loop", "_waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[StepOutput] = deque()
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, out: StepOutput) -> None:
+        self.items.append(out)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> StepOutput:
+        while not self.items:
+            self._waiter = self._loop.create_future()
+            await self._waiter
+        return self.items.popleft()
+
+
+def _merge_waiting(first: StepOutput, waiting: deque[StepOutput]) -> StepOutput:
+    """``first`` merged with the outputs ``waiting`` behind it (taken from it), up to a
+    finished one (see ``generate`` in the module docstring)."""
     ids = list(first.token_ids)
     out = first
     queue_s, prefill_s, params = first.queue_s, first.prefill_s, first.kv_transfer_params
-    while not out.finished and not queue.empty():
-        out = queue.get_nowait()
+    while not out.finished and waiting:
+        out = waiting.popleft()
         ids.extend(out.token_ids)
         queue_s = queue_s if queue_s is not None else out.queue_s
         prefill_s = prefill_s if prefill_s is not None else out.prefill_s
@@ -182,7 +208,7 @@ class MockEngine(Engine):
         self._clock = clock
         self._core: Scheduler | None = None
         self._info: EngineInfo | None = None
-        self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._closed = False
@@ -266,9 +292,9 @@ class MockEngine(Engine):
     def _deliver(self, out: StepOutput | None) -> None:
         if out is None:
             return
-        q = self._streams.get(out.request_id)
-        if q is not None:
-            q.put_nowait(out)
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.put(out)
 
     def _emit(self) -> None:
         if self._core is None:
@@ -301,7 +327,11 @@ class MockEngine(Engine):
             raise EngineError(f"request id {request.request_id!r} is already running")
 
     def _text(self, ids: list[int]) -> str:
-        return "".join(f" w{t}" for t in ids) if self.config.token_text else ""
+        if not self.config.token_text:
+            return ""
+        if len(ids) == 1:  # the usual output: one token
+            return f" w{ids[0]}"
+        return "".join(f" w{t}" for t in ids)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         core = self.core
@@ -317,16 +347,16 @@ class MockEngine(Engine):
             sampling_seed=s.seed, min_tokens=s.min_tokens,
             remote_prefill=bool(params.get("do_remote_prefill")),
             remote_decode=bool(params.get("do_remote_decode")), cache_salt=request.cache_salt)
-        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._streams[rid] = queue
+        stream = _Stream()
+        self._streams[rid] = stream
         done = False
         try:
             core.add(sim, self._clock())
             self._wake.set()
             while True:
-                out = await queue.get()
-                if not out.finished and not queue.empty():
-                    out = _merge_waiting(out, queue)
+                out = await stream.get()
+                if not out.finished and stream.items:
+                    out = _merge_waiting(out, stream.items)
                 done = out.finished
                 yield EngineOutput(
                     token_ids=out.token_ids, text=self._text(out.token_ids),

@@ -155,6 +155,9 @@ class SimRequest:
     finish_reason: str | None = None
     token_hash: Any = None  # xxh3_64 state over (seeds, tokens so far); see _sample
     decode_s: float = 0.0  # modelled time of the steps that gave its 2nd..last tokens
+    # chained hashes of leading full blocks of ``tokens`` (from its admission's lookup),
+    # reused when those blocks are cached
+    prefix_hashes: list[int] = field(default_factory=list)
 
     @property
     def num_prompt(self) -> int:
@@ -252,7 +255,7 @@ class Scheduler:
         h = req.token_hash
         digest, vocab = h.intdigest(), self.config.vocab_size
         tok = int(digest % vocab)
-        if req.num_output < req.min_tokens:
+        if req.min_tokens and req.num_output < req.min_tokens:
             banned = set(req.stop_token_ids)
             if self.config.eos_token_id is not None:
                 banned.add(self.config.eos_token_id)
@@ -279,6 +282,12 @@ class Scheduler:
         return self._finish(req, "abort")
 
     def _finish(self, req: SimRequest, reason: str) -> StepOutput:
+        params = self._release(req, reason)
+        return StepOutput(req.request_id, [], True, reason, req.num_prompt, req.num_output,
+                          max(req.cached_tokens, 0), kv_transfer_params=params)
+
+    def _release(self, req: SimRequest, reason: str) -> dict[str, Any] | None:
+        """Ends ``req`` (frees its blocks, forgets it); its ``kv_transfer_params``."""
         req.status = FINISHED
         req.finish_reason = reason
         params = None
@@ -290,8 +299,7 @@ class Scheduler:
                       "tp_size": 1}
         self.blocks.free(req.request_id)
         del self.requests[req.request_id]
-        return StepOutput(req.request_id, [], True, reason, req.num_prompt, req.num_output,
-                          max(req.cached_tokens, 0), kv_transfer_params=params)
+        return params
 
     # -- one step ------------------------------------------------------------------------
 
@@ -329,6 +337,7 @@ class Scheduler:
             if not self.blocks.holds(req.request_id):  # fresh or preempted
                 limit = (len(req.tokens) - 1) // bs * bs
                 hashes = self.blocks.hash_blocks(req.tokens[:limit], salt=req.cache_salt)
+                req.prefix_hashes = hashes
                 hits = self.blocks.lookup(hashes)
                 computed = hits * bs
                 n = min(len(req.tokens) - computed, budget)
@@ -375,6 +384,7 @@ class Scheduler:
         n_prompt = req.num_prompt
         hashes = self.blocks.hash_blocks(req.prompt[:(n_prompt - 1) // bs * bs],
                                          salt=req.cache_salt)
+        req.prefix_hashes = hashes
         hits = self.blocks.lookup(hashes)
         if not self.blocks.allocate(req.request_id, n_prompt, hashes[:hits]):
             return False
@@ -403,30 +413,42 @@ class Scheduler:
             self.receiving.remove(req)
             req.num_computed = req.num_prompt - 1
             req.cached_tokens = req.num_computed
-            self.blocks.commit(req.request_id, req.tokens, req.num_computed, req.cache_salt)
+            self.blocks.commit(req.request_id, req.tokens, req.num_computed, req.cache_salt,
+                               req.prefix_hashes)
             req.status = WAITING
             self.waiting.appendleft(req)
 
     def complete(self, batch: Batch, now: float) -> list[StepOutput]:
         """Applies a scheduled step; see the module docstring."""
         cfg = self.config
+        bs = cfg.block_size
+        counters = self.counters
         out: list[StepOutput] = []
-        self.counters["steps"] += 1
-        self.counters["prefill_tokens"] += batch.prefill_tokens
-        self.counters["decode_tokens"] += batch.decode_seqs
+        counters["steps"] += 1
+        counters["prefill_tokens"] += batch.prefill_tokens
+        counters["decode_tokens"] += batch.decode_seqs
         finished = False
         for req, n in batch.entries:
             if req.status != RUNNING:
                 continue  # aborted (or preempted) meanwhile
-            req.num_computed += n
-            self.blocks.commit(req.request_id, req.tokens, req.num_computed, req.cache_salt)
-            if req.num_computed < len(req.tokens):
+            computed = req.num_computed + n
+            req.num_computed = computed
+            if computed // bs != (computed - n) // bs:
+                # a block filled up (the ones full before were cached by the earlier step,
+                # the admission's cache hits or the KV reception)
+                self.blocks.commit(req.request_id, req.tokens, computed, req.cache_salt,
+                                   req.prefix_hashes)
+            tokens = req.tokens
+            if computed < len(tokens):
                 continue  # more prefill chunks to come
             tok = self._sample(req)
-            req.tokens.append(tok)
-            self.counters["generated_tokens"] += 1
-            so = StepOutput(req.request_id, [tok], num_prompt=req.num_prompt,
-                            num_output=req.num_output, cached_tokens=max(req.cached_tokens, 0))
+            tokens.append(tok)
+            num_tokens = len(tokens)
+            num_prompt = len(req.prompt)
+            num_output = num_tokens - num_prompt
+            counters["generated_tokens"] += 1
+            so = StepOutput(req.request_id, [tok], False, None, num_prompt, num_output,
+                            max(req.cached_tokens, 0))
             if req.first_token is not None:
                 req.decode_s += batch.duration_s
             else:
@@ -435,24 +457,22 @@ class Scheduler:
                 so.queue_s = max(0.0, start - req.arrival)
                 so.prefill_s = max(0.0, now - start)
             reason = None
-            if req.num_output >= req.max_tokens or len(req.tokens) >= cfg.max_model_len:
+            if num_output >= req.max_tokens or num_tokens >= cfg.max_model_len:
                 reason = "length"
             elif tok in req.stop_token_ids or (
                     tok == cfg.eos_token_id and not req.ignore_eos):
                 reason = "stop"
             if reason is not None:
-                fin = self._finish(req, reason)
                 so.finished, so.finish_reason = True, reason
-                so.kv_transfer_params = fin.kv_transfer_params
-                self.counters["finished_requests"] += 1
-                if req.num_output > 1:
-                    self.modelled_tpot.append(
-                        (req.request_id, req.decode_s / (req.num_output - 1)))
+                so.kv_transfer_params = self._release(req, reason)
+                counters["finished_requests"] += 1
+                if num_output > 1:
+                    self.modelled_tpot.append((req.request_id, req.decode_s / (num_output - 1)))
                 finished = True
             out.append(so)
         if finished:
             self.running = [r for r in self.running if r.status == RUNNING]
-        self.counters["evicted_blocks"] = self.blocks.evictions
+        counters["evicted_blocks"] = self.blocks.evictions
         return out
 
     # -- state ---------------------------------------------------------------------------
