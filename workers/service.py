@@ -70,7 +70,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -183,17 +183,44 @@ class WholeAnswer:
     with tokens, and any before it, pass; the later ones are merged into one held
     message (protobuf's merge: repeated fields appended, set fields taken; the text
     concatenated), sent with the finish or once it holds :data:`WHOLE_FLUSH_TOKENS`
-    tokens."""
+    tokens. ``take_plain`` holds an output that is tokens and text only without making
+    a message of it (the usual decode step): the same answer, built once."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker_id: str = "") -> None:
+        self._worker_id = worker_id
         self._passed = False  # a message with tokens went out
         self._held: worker_pb2.GenerateResponse | None = None
+        self._ids: list[int] = []  # take_plain's tokens and texts, after _held's
+        self._texts: list[str] = []
 
-    def take(self, resp: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse | None:
-        """What to send now for ``resp`` (None: it is held)."""
-        if not self._passed:
-            self._passed = bool(resp.token_ids)
-            return resp
+    @property
+    def passed(self) -> bool:
+        """A message with tokens went out: later outputs are held."""
+        return self._passed
+
+    def take_plain(self, token_ids: Sequence[int], text: str
+                   ) -> worker_pb2.GenerateResponse | None:
+        """``take`` of a message with only these tokens and text (and the worker id), once
+        :attr:`passed`: what to send now (None: held)."""
+        self._ids.extend(token_ids)
+        self._texts.append(text)
+        held = len(self._ids) + (len(self._held.token_ids) if self._held is not None else 0)
+        if held < WHOLE_FLUSH_TOKENS:
+            return None
+        self._fold()
+        out, self._held = self._held, None
+        return out
+
+    def _fold(self) -> None:
+        """Moves take_plain's tokens into the held message."""
+        if not self._ids and not self._texts:
+            return
+        plain = worker_pb2.GenerateResponse(token_ids=self._ids, text="".join(self._texts),
+                                            worker_id=self._worker_id)
+        self._ids, self._texts = [], []
+        self._merge(plain)
+
+    def _merge(self, resp: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse:
         held = self._held
         if held is None:
             held = self._held = resp
@@ -201,6 +228,15 @@ class WholeAnswer:
             text = held.text + resp.text
             held.MergeFrom(resp)
             held.text = text
+        return held
+
+    def take(self, resp: worker_pb2.GenerateResponse) -> worker_pb2.GenerateResponse | None:
+        """What to send now for ``resp`` (None: it is held)."""
+        if not self._passed:
+            self._passed = bool(resp.token_ids)
+            return resp
+        self._fold()
+        held = self._merge(resp)
         if held.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED \
                 or len(held.token_ids) >= WHOLE_FLUSH_TOKENS:
             self._held = None
@@ -310,7 +346,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prefill_ns: int | None = None
         cached = 0
         ec_params: dict[str, Any] | None = None
-        whole = WholeAnswer()
+        whole = WholeAnswer(self._worker_id) if request.whole else None
         self._active += 1
         try:
             try:
@@ -324,6 +360,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     cached = out.cached_tokens
                     if out.ec_transfer_params:
                         ec_params = out.ec_transfer_params
+                    if (whole is not None and whole.passed and not out.finished
+                            and not out.logprobs and not out.prompt_logprobs
+                            and not out.kv_transfer_params):
+                        held = whole.take_plain(out.token_ids, out.text)
+                        if held is not None:
+                            yield held
+                        continue
                     resp = worker_pb2.GenerateResponse(
                         token_ids=out.token_ids, text=out.text, worker_id=self._worker_id
                     )
@@ -346,7 +389,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 cached_tokens=out.cached_tokens,
                             )
                         )
-                    if request.whole:
+                    if whole is not None:
                         held = whole.take(resp)
                         if held is None:
                             continue
