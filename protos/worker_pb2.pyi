@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "model", "kv_transfer", "cache_salt", "images", "embeddings", "whole")
+    __slots__ = ("request_id", "token_ids", "sampling", "model", "kv_transfer", "cache_salt", "images", "embeddings", "whole", "stream_interval")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class GenerateRequest(_message.Message):
     IMAGES_FIELD_NUMBER: _ClassVar[int]
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -30,7 +31,8 @@ class GenerateRequest(_message.Message):
     images: _containers.RepeatedCompositeFieldContainer[ImageItem]
     embeddings: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.EmbeddingDescriptor]
     whole: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[_encoder_pb2.EmbeddingDescriptor, _Mapping]]] = ..., whole: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[_encoder_pb2.EmbeddingDescriptor, _Mapping]]] = ..., whole: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class ImageItem(_message.Message):
     __slots__ = ("data", "mm_hash")

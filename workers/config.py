@@ -104,6 +104,11 @@ class WorkerConfig(BaseConfig):
     max_images: int = dataclasses.field(
         default=4, metadata={"help": "images per request at most (multimodal models)"}
     )
+    stream_interval: int = dataclasses.field(
+        default=1, metadata={"help": "vLLM's --stream-interval: a streamed answer's tokens "
+                                     "after its first go in messages of at least this "
+                                     "many (a request's stream_interval may ask for more)"}
+    )
     # AFD (--engine afd): attention and FFN on separate workers (workers.engines.afd)
     afd_role: str = dataclasses.field(
         default="", metadata={"help": "AFD: attention (KV cache, lm_head; serves requests) or "
@@ -207,6 +212,8 @@ class WorkerConfig(BaseConfig):
             out.append("ec_backend example needs ec_shared_path")
         if self.max_images < 1:
             out.append(f"max_images must be >= 1, got {self.max_images}")
+        if self.stream_interval < 1:
+            out.append(f"stream_interval must be >= 1, got {self.stream_interval}")
         out.extend(self._afd_problems())
         return out
 

@@ -166,7 +166,8 @@ def build_server(cfg: WorkerConfig, engine: Engine,
     With a ``relay`` the worker answers GetKvState and closes the relay on stop."""
     worker_id = cfg.resolved_worker_id()
     servicer = WorkerServicer(engine, worker_id, relay,
-                              ImageLimits(max_images=cfg.max_images))
+                              ImageLimits(max_images=cfg.max_images),
+                              stream_interval=cfg.stream_interval)
     rec_caps = ["generate", "abort", "load"]
     if cfg.role == "prefill" and engine.info.engine != "sglang":
         rec_caps.append(DECODE_ALONE)

@@ -24,7 +24,9 @@ Contract:
   image without one is encoded by the engine. It streams one GenerateResponse per
   engine delta (with its ``logprobs``, one per token, and, on the first chunk, the
   ``prompt_logprobs``); with ``whole`` set, the deltas after the first one with tokens
-  are merged and sent with the finish (or per :data:`WHOLE_FLUSH_TOKENS` tokens). It
+  are merged and sent with the finish (or per :data:`WHOLE_FLUSH_TOKENS` tokens); with
+  a ``stream_interval`` over 1 (the request's, at least the servicer's), likewise per
+  that many tokens (vLLM's stream_interval). It
   fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
   when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
@@ -179,15 +181,18 @@ WHOLE_FLUSH_TOKENS = 512  # GenerateRequest.whole: the most tokens held in one m
 
 
 class WholeAnswer:
-    """The messages of one ``whole`` request (GenerateRequest.whole): the first message
+    """The messages of one ``whole`` request (GenerateRequest.whole), or of one with a
+    ``stream_interval`` over 1 (``flush_tokens``: the interval): the first message
     with tokens, and any before it, pass; the later ones are merged into one held
     message (protobuf's merge: repeated fields appended, set fields taken; the text
-    concatenated), sent with the finish or once it holds :data:`WHOLE_FLUSH_TOKENS`
-    tokens. ``take_plain`` holds an output that is tokens and text only without making
-    a message of it (the usual decode step): the same answer, built once."""
+    concatenated), sent with the finish or once it holds ``flush_tokens`` (default
+    :data:`WHOLE_FLUSH_TOKENS`) tokens: vLLM's stream_interval rule. ``take_plain``
+    holds an output that is tokens and text only without making a message of it (the
+    usual decode step): the same answer, built once."""
 
-    def __init__(self, worker_id: str = "") -> None:
+    def __init__(self, worker_id: str = "", flush_tokens: int = WHOLE_FLUSH_TOKENS) -> None:
         self._worker_id = worker_id
+        self._flush = flush_tokens
         self._passed = False  # a message with tokens went out
         self._held: worker_pb2.GenerateResponse | None = None
         self._ids: list[int] = []  # take_plain's tokens and texts, after _held's
@@ -205,7 +210,7 @@ class WholeAnswer:
         self._ids.extend(token_ids)
         self._texts.append(text)
         held = len(self._ids) + (len(self._held.token_ids) if self._held is not None else 0)
-        if held < WHOLE_FLUSH_TOKENS:
+        if held < self._flush:
             return None
         self._fold()
         out, self._held = self._held, None
@@ -238,20 +243,23 @@ class WholeAnswer:
         self._fold()
         held = self._merge(resp)
         if held.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED \
-                or len(held.token_ids) >= WHOLE_FLUSH_TOKENS:
+                or len(held.token_ids) >= self._flush:
             self._held = None
             return held
         return None
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    """Serves one engine."""
+    """Serves one engine. ``stream_interval``: the worker's least stream interval
+    (vLLM's ``--stream-interval``; a request's GenerateRequest.stream_interval may raise
+    it, see :class:`WholeAnswer`)."""
 
     def __init__(self, engine: Engine, worker_id: str,
                  relay: KvEventRelay | None = None,
                  image_limits: ImageLimits | None = None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, stream_interval: int = 1) -> None:
         self._engine = engine
+        self._stream_interval = stream_interval
         self.metrics = metrics or worker_metrics(worker_id)
         self._image_limits = image_limits or ImageLimits()
         self._relay = relay
@@ -346,7 +354,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prefill_ns: int | None = None
         cached = 0
         ec_params: dict[str, Any] | None = None
-        whole = WholeAnswer(self._worker_id) if request.whole else None
+        interval = max(request.stream_interval, self._stream_interval)
+        whole = (WholeAnswer(self._worker_id) if request.whole
+                 else WholeAnswer(self._worker_id, interval) if interval > 1 else None)
         self._active += 1
         try:
             try:

@@ -145,6 +145,7 @@ class Request:
     # The client reads the answer whole (GenerateRequest.whole): workers send the first
     # tokens at once and hold the rest for their last message.
     whole: bool = False
+    stream_interval: int = 0  # GenerateRequest.stream_interval (vLLM's); 0: the worker's
 
     def generate_request(self, *, embeddings: bool = True,
                          sampling: common_pb2.SamplingParams | None = None
@@ -154,7 +155,8 @@ class Request:
             request_id=self.request_id, token_ids=self.token_ids,
             sampling=sampling if sampling is not None else self.sampling, model=self.model,
             cache_salt=self.cache_salt, images=list(self.images),
-            embeddings=list(self.embeddings) if embeddings else [], whole=self.whole)
+            embeddings=list(self.embeddings) if embeddings else [], whole=self.whole,
+            stream_interval=self.stream_interval)
 
 
 def _finished(resp: worker_pb2.GenerateResponse) -> bool:

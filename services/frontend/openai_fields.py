@@ -23,7 +23,7 @@ since issue 15 (validated by the parser): ``n``, ``logprobs`` (chat: a boolean, 
 ``logit_bias``, vLLM's ``min_tokens``, ``min_p`` and ``structured_outputs``, and on chat ``tools``,
 ``tool_choice`` and ``parallel_tool_calls`` (validated by :mod:`.tools`), vLLM's
 ``add_generation_prompt`` and ``continue_final_message``, and on both
-``add_special_tokens``. A message's own
+``add_special_tokens`` and vLLM's ``stream_interval``. A message's own
 keys are checked by :func:`message_problem`: ``role``, ``content``, ``tool_calls`` and
 ``tool_call_id`` are accepted (their values are :func:`.tools.message_extras`'s to check;
 ``content`` may be null); ``name`` (the chat templates served render no participant
@@ -40,6 +40,7 @@ COMMON = frozenset({
     "request_id", "cache_salt", "stop_token_ids", "repetition_penalty", "return_token_ids",
     "truncate_prompt_tokens", "truncation_side", "bad_words", "allowed_token_ids",
     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "stream_interval",
 })
 # Served on both endpoints: structured outputs, logit_bias and vLLM's min_tokens / min_p.
 SAMPLING = frozenset({"response_format", "logit_bias", "min_tokens", "min_p", "logprobs",

@@ -180,6 +180,9 @@ class ParsedRequest:
     model: str
     sampling: SamplingSpec
     stream: bool = False
+    # vLLM's stream_interval: a streamed answer's tokens go in chunks of at least this many
+    # (the first and the last chunk excepted); None: the workers' --stream-interval
+    stream_interval: int | None = None
     include_usage: bool = False
     # vLLM's prompt rendering options: chat template (chat) and the tokenizer's special
     # tokens (None: the endpoint's default, chat false, completions true)
@@ -628,6 +631,7 @@ def parse_completion(body: Any) -> ParsedRequest:
         sampling=replace(sampling, max_tokens=sampling.max_tokens or 16, logprobs=k,
                          prompt_logprobs=k if echo else None),
         stream=stream, include_usage=include_usage, continuous_usage=continuous,
+        stream_interval=_opt_int(body, "stream_interval", 1),
         prompt=first if isinstance(first, str) else None,
         prompt_token_ids=None if isinstance(first, str) else first,
         request_id=_request_id(body), client_salt=_client_salt(body), n=_n(body), echo=echo,
@@ -726,6 +730,7 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
         sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),
                          logprobs=_chat_logprobs(body)),
         stream=stream, include_usage=include_usage, continuous_usage=continuous,
+        stream_interval=_opt_int(body, "stream_interval", 1),
         messages=tuple(out), **_render(body),
         images=tuple(images), request_id=_request_id(body), client_salt=_client_salt(body),
         n=_n(body),

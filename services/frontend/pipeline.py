@@ -605,7 +605,8 @@ class Pipeline:
                 prompt = job.mm.engine_ids if job.mm is not None else job.token_ids
                 plan = Request(mesh_id, job.req.model, prompt + generated,
                                attempt_sampling, job.cache_salt, images, embeddings, stops,
-                               whole=not job.req.stream)
+                               whole=not job.req.stream,
+                               stream_interval=job.req.stream_interval or 0)
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None

@@ -133,3 +133,29 @@ async def decoding_extensions(t: Target) -> Any:
     assert plain["text"] == "" and special["text"] == t.tok.decode([2, 2],
                                                                    skip_special_tokens=False)
     return [only["text"], banned["text"], cut["text"], kept["text"], special["text"]]
+
+
+@case("stream_interval")
+async def stream_interval(t: Target) -> Any:
+    """vLLM's ``stream_interval`` = 4 on a streamed completion: the first tokens come at
+    once, then every chunk but the last carries at least 4 tokens; the tokens and the
+    text are the unstreamed answer's. (How many chunks is timing: a slow reader gets
+    more tokens per chunk, so the chunk sizes are not compared.)"""
+    sizes: list[int] = []
+    ids: list[int] = []
+    text = ""
+    async for chunk in await t.client().completions.create(
+            model=t.model, prompt=PROMPT, max_tokens=13, temperature=0, stream=True,
+            extra_body={"stream_interval": 4, "return_token_ids": True, **IGNORE_EOS}):
+        for ch in chunk.model_dump()["choices"]:
+            got = ch.get("token_ids") or []
+            if got:
+                sizes.append(len(got))
+            ids += got
+            text += ch["text"]
+    assert sum(sizes) == 13 and all(s >= 4 for s in sizes[1:-1]), sizes
+    whole = (await t.client().completions.create(
+        model=t.model, prompt=PROMPT, max_tokens=13, temperature=0,
+        extra_body={"return_token_ids": True, **IGNORE_EOS})).choices[0].model_dump()
+    assert (whole["text"], whole["token_ids"]) == (text, ids), (whole, text, ids)
+    return {"text": text, "token_ids": ids}

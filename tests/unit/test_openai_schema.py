@@ -46,11 +46,31 @@ def test_completion_defaults_and_fields() -> None:
      "response_format.json_schema.schema"),
     ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stream_interval": 0}, "stream_interval"),
+    ({"model": "m", "prompt": "x", "stream_interval": -2}, "stream_interval"),
+    ({"model": "m", "prompt": "x", "stream_interval": 2.5}, "stream_interval"),
+    ({"model": "m", "prompt": "x", "stream_interval": "4"}, "stream_interval"),
+    ({"model": "m", "prompt": "x", "stream_interval": True}, "stream_interval"),
+    ({"model": "m", "prompt": "x", "stream_interval": 2 ** 31}, "stream_interval"),
 ])
 def test_completion_rejects(body: dict, param: str) -> None:
     with pytest.raises(ApiError) as err:
         parse_completion(body)
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_stream_interval_on_both_endpoints() -> None:
+    """vLLM's per-request stream_interval (an integer >= 1; null or absent: the workers')."""
+    assert parse_completion({"model": "m", "prompt": "x"}).stream_interval is None
+    assert parse_completion({"model": "m", "prompt": "x", "stream": True,
+                             "stream_interval": 8}).stream_interval == 8
+    assert parse_completion({"model": "m", "prompt": "x",
+                             "stream_interval": None}).stream_interval is None
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert parse_chat({**chat, "stream": True, "stream_interval": 3}).stream_interval == 3
+    with pytest.raises(ApiError) as err:
+        parse_chat({**chat, "stream_interval": 0})
+    assert err.value.status == 400 and err.value.param == "stream_interval"
 
 
 def test_chat_parses_text_parts_and_rejects_bad_messages() -> None:
