@@ -137,9 +137,10 @@ async def run_clients(n: int, concurrency: int,
 
 
 async def closed_loop(url: str, n: int, concurrency: int, words: int, max_tokens: int,
-                      stream: bool, offset: int) -> dict[str, Any]:
+                      stream: bool, offset: int, stream_interval: int | None = None
+                      ) -> dict[str, Any]:
     """``n`` requests from ``concurrency`` clients (:func:`run_clients`); latency send →
-    complete response."""
+    complete response. ``stream_interval``: vLLM's field, sent when set."""
     lat: list[float] = []
     errors: list[str] = []
 
@@ -147,6 +148,8 @@ async def closed_loop(url: str, n: int, concurrency: int, words: int, max_tokens
         body = {"model": MODEL, "prompt": prompt_text(offset + i, words),
                 "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
                 "stream": stream}
+        if stream_interval is not None:
+            body["stream_interval"] = stream_interval
         t0 = time.perf_counter()
         try:
             if stream:
@@ -341,7 +344,8 @@ def run_phase(phase: str, args: argparse.Namespace, cpu: dict[str, Any] | None
             profile_dir.mkdir()
         url, children = start(mesh, args, profile_dir)
         go = lambda n, off: asyncio.run(closed_loop(  # noqa: E731
-            url, n, args.concurrency, args.words, args.max_tokens, args.stream, off))
+            url, n, args.concurrency, args.words, args.max_tokens, args.stream, off,
+            args.stream_interval))
         warm = go(WARMUP, 10_000_000)
         if warm["ok"] == 0:
             raise RuntimeError(f"warm-up failed: {warm['first_errors']}")
@@ -418,6 +422,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--words", type=int, default=240)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--stream", action="store_true")
+    p.add_argument("--stream-interval", type=int, default=None,
+                   help="vLLM's stream_interval on every request (default: not sent)")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
     p.add_argument("--phases", default="cpu,profile")
     p.add_argument("--keep-profiles", type=Path, default=None, metavar="DIR",
@@ -436,7 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     report: dict[str, Any] = {
         "benchmark": "mesh_profile", "requests": args.requests,
         "concurrency": args.concurrency, "words": args.words, "max_tokens": args.max_tokens,
-        "stream": args.stream, "router": args.router, "cpus": os.cpu_count(),
+        "stream": args.stream, "stream_interval": args.stream_interval,
+        "router": args.router, "cpus": os.cpu_count(),
         "loadavg_before": os.getloadavg(),
         "note": "2 shared cores, other jobs running: absolute numbers are noisy; the "
                 "profiler inflates Python code, so its buckets are shares scaled by the "
