@@ -81,6 +81,18 @@ def setup_tracing(service_name: str) -> TracerProvider:
         return provider
 
 
+# W3C trace-context level 2's "random trace id" flag, which the SDK sets on the ids it
+# generates (0 with an SDK that predates it)
+_RANDOM_ID = int(getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0))
+
+
+def _unsampled_flags(parent: trace.SpanContext | None) -> trace.TraceFlags:
+    """The flags the SDK gives an unsampled span: the random-id flag of its parent's
+    trace, or at a root (``parent`` None) of the fresh random id."""
+    return trace.TraceFlags(_RANDOM_ID & (parent.trace_flags if parent is not None
+                                          else _RANDOM_ID))
+
+
 def lean() -> bool:
     """True when the global provider is :func:`setup_tracing`'s ``parentbased_always_off``
     (see the module docstring): only a span under a sampled parent can record."""
@@ -118,7 +130,7 @@ def propagation_metadata() -> list[tuple[str, str]]:
     if not trace.get_current_span().get_span_context().is_valid:
         ctx = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
             random.getrandbits(128) or 1, random.getrandbits(64) or 1, is_remote=False,
-            trace_flags=trace.TraceFlags(trace.TraceFlags.DEFAULT))))
+            trace_flags=_unsampled_flags(None))))
     propagate.inject(carrier, ctx)
     return list(carrier.items())
 
@@ -157,7 +169,8 @@ class _LeanTracer(trace.Tracer):
         valid = parent.is_valid
         return trace.NonRecordingSpan(trace.SpanContext(
             parent.trace_id if valid else random.getrandbits(128) or 1,
-            random.getrandbits(64) or 1, is_remote=False, trace_flags=parent.trace_flags,
+            random.getrandbits(64) or 1, is_remote=False,
+            trace_flags=_unsampled_flags(parent if valid else None),
             trace_state=parent.trace_state if valid else None))
 
     def start_span(self, name: str, context: Context | None = None,
@@ -185,7 +198,7 @@ class _LeanTracer(trace.Tracer):
                     set_status_on_exception, end_on_exit) as real:
                 yield real
             return
-        token = otel_context.attach(trace.set_span_in_context(span, context))
+        token = otel_context.attach(trace.set_span_in_context(span))  # as use_span does
         try:
             yield span
         finally:

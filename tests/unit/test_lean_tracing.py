@@ -71,6 +71,10 @@ async def main():
                               format(sc.span_id, "016x") != "12" * 8, sc.is_valid]
     span.end()
     out["same_tracer"] = telemetry.tracer("probe") is t
+    sdk = provider.get_tracer("sdk")  # the SDK's own spans, to compare the flags with
+    ctx = TraceContextTextMapPropagator().extract(unsampled)
+    out["flags"] = [[int(x.start_span("f", context=c).get_span_context().trace_flags)
+                     for x in (t, sdk)] for c in (None, ctx)]
     out["unsampled_spans"] = len(exporter.get_finished_spans())
     exporter.clear()
     parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
@@ -112,6 +116,7 @@ def test_unsampled_calls_propagate_without_spans_and_sampled_ones_record(uvloop:
     # a span under an unsampled parent: the SDK's parentbased_always_off span, unrecorded
     assert got["under_unsampled"] == ["ef" * 16, False, False, "k=v", True, True]
     assert got["same_tracer"] is True
+    assert [ours == sdk for ours, sdk in got["flags"]] == [True, True], got["flags"]
     assert got["sampled"] == [TRACE, True]
     assert got["sampled_spans"] == SAMPLED  # client and server spans, as OpenTelemetry's
 
