@@ -10,6 +10,7 @@ import pytest
 from services.frontend.models import Tokenizer, _plain_backend
 from workers.model import tiny
 from workers.model.prepare import prepare_smollm2
+from workers.model.tiny_vlm import ensure_tiny_vlm
 
 TEXTS = [
     "", " ", "hello", "Hello, world!  Two  spaces\tand a tab\nand lines\n\n",
@@ -18,11 +19,13 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+@pytest.fixture(scope="module", params=["tiny", "smollm2", "tiny-vlm"])
 def tok(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         ) -> Tokenizer:
     if request.param == "tiny":
         path: Path = tiny.ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    elif request.param == "tiny-vlm":
+        path = ensure_tiny_vlm()
     else:
         path = prepare_smollm2(progress=False)
     return Tokenizer(str(path))
@@ -49,7 +52,8 @@ def test_backend_is_not_used_when_it_would_differ(tok: Tokenizer) -> None:
         assert _plain_backend(hf) is None
     finally:
         hf.split_special_tokens = False
-    assert _plain_backend(hf) is backend
+    own = _plain_backend(hf)
+    assert own is not None and own is not backend
 
     class Reworked(type(hf)):  # type: ignore[misc]
         def _encode_plus(self, *args: object, **kwargs: object) -> object:
@@ -60,6 +64,21 @@ def test_backend_is_not_used_when_it_would_differ(tok: Tokenizer) -> None:
         assert _plain_backend(hf) is None
     finally:
         hf.__class__ = cls
+
+
+def test_state_left_on_the_shared_backend_does_not_reach_encode(tok: Tokenizer) -> None:
+    """vLLM's tool parsers get ``tok.hf``: truncation or special-token splitting left on
+    its backend by some later call must not change what the frontend sends."""
+    text = "<|im_start|>user\n" + "word " * 64
+    want = list(tok.hf.encode(text))
+    backend = tok.hf._tokenizer
+    backend.enable_truncation(8)
+    backend.encode_special_tokens = True
+    try:
+        assert tok.encode(text) == want and len(want) > 8
+    finally:
+        backend.no_truncation()
+        backend.encode_special_tokens = False
 
 
 def test_no_fast_tokenizer_means_no_backend() -> None:
