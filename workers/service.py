@@ -25,8 +25,8 @@ Contract:
   engine delta (with its ``logprobs``, one per token, and, on the first chunk, the
   ``prompt_logprobs``); with ``whole`` set, the deltas after the first one with tokens
   are merged and sent with the finish (or per :data:`WHOLE_FLUSH_TOKENS` tokens); with
-  a ``stream_interval`` over 1 (the request's, at least the servicer's), likewise per
-  that many tokens (vLLM's stream_interval). It
+  a ``stream_interval`` over 1 (the request's, at least the servicer's, at most
+  :data:`WHOLE_FLUSH_TOKENS`), likewise per that many tokens (vLLM's stream_interval). It
   fills ``finish_reason`` and ``usage`` on the last one (INTERNAL
   when the engine's
   ``kv_transfer_params`` cannot be carried). Once the engine is dead (``mark_dead``, or
@@ -354,7 +354,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prefill_ns: int | None = None
         cached = 0
         ec_params: dict[str, Any] | None = None
-        interval = max(request.stream_interval, self._stream_interval)
+        interval = min(max(request.stream_interval, self._stream_interval),
+                       WHOLE_FLUSH_TOKENS)
         whole = (WholeAnswer(self._worker_id) if request.whole
                  else WholeAnswer(self._worker_id, interval) if interval > 1 else None)
         self._active += 1

@@ -20,15 +20,15 @@ from services.frontend.pipeline import Chunk
 from tests.unit.test_frontend_release import MODEL, consume, mesh, node, request, serve
 from workers.config import WorkerConfig
 from workers.engines.mock import MockEngine, MockEngineConfig
-from workers.service import WorkerServicer
+from workers.service import WHOLE_FLUSH_TOKENS, WorkerServicer
 
 TOKENS = 23
 
 
-async def _messages(servicer_interval: int, request_interval: int, whole: bool = False
-                    ) -> list[worker_pb2.GenerateResponse]:
+async def _messages(servicer_interval: int, request_interval: int, whole: bool = False,
+                    tokens: int = TOKENS) -> list[worker_pb2.GenerateResponse]:
     engine = MockEngine(MockEngineConfig(model_name="m", block_size=16, num_blocks=256,
-                                         max_model_len=4096))
+                                         max_model_len=4096, timing="zero"))
     await engine.start()
     server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server,
                                   WorkerServicer(engine, "w",
@@ -39,7 +39,7 @@ async def _messages(servicer_interval: int, request_interval: int, whole: bool =
                 worker_pb2.GenerateRequest(
                     request_id="r", token_ids=list(range(5, 40)), whole=whole,
                     stream_interval=request_interval,
-                    sampling=common_pb2.SamplingParams(max_tokens=TOKENS, ignore_eos=True,
+                    sampling=common_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True,
                                                        seed=3)))]
     finally:
         await server.stop(None)
@@ -71,6 +71,15 @@ async def test_the_larger_interval_holds_tokens_and_changes_nothing_else(
 async def test_a_whole_answer_is_held_whole_whatever_the_interval() -> None:
     msgs = await _messages(1, 3, whole=True)
     assert [len(m.token_ids) for m in msgs if m.token_ids] == [1, TOKENS - 1]
+
+
+async def test_no_interval_holds_more_than_a_whole_answer_would() -> None:
+    """A request's interval is at most WHOLE_FLUSH_TOKENS: a huge one still streams."""
+    n = 2 * WHOLE_FLUSH_TOKENS + 40
+    msgs = await _messages(1, 2 ** 32 - 1, tokens=n)
+    sizes = [len(m.token_ids) for m in msgs if m.token_ids]
+    assert sum(sizes) == n and len(sizes) >= 4, sizes
+    assert all(WHOLE_FLUSH_TOKENS <= s < WHOLE_FLUSH_TOKENS + 64 for s in sizes[1:-1]), sizes
 
 
 def test_the_worker_option_is_checked() -> None:
