@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import common_pb2 as protos_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/frontend.proto\x12\x0fkvmesh.frontend\x1a\x13protos/common.proto\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.kvmesh.common.ChatMessage\"\xdc\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.kvmesh.frontend.MessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.kvmesh.common.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x07 \x01(\x08\x12$\n\x05tools\x18\x08 \x03(\x0b\x32\x15.kvmesh.frontend.Tool\x12\x30\n\x0btool_choice\x18\t \x01(\x0b\x32\x1b.kvmesh.frontend.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"w\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x0e\n\x0c_descriptionB\t\n\x07_strict\"\xb0\x01\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .kvmesh.frontend.ToolChoice.Mode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"`\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x12\x11\n\rMODE_FUNCTION\x10\x04\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xde\x02\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.kvmesh.common.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.kvmesh.common.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x31\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\x12\x32\n\ntool_calls\x18\n \x03(\x0b\x32\x1e.kvmesh.frontend.ToolCallDelta\"\x13\n\x11ListModelsRequest\"?\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.kvmesh.frontend.Model2\xb5\x01\n\x08\x46rontend\x12R\n\x08Generate\x12\".kvmesh.frontend.CompletionRequest\x1a .kvmesh.frontend.CompletionChunk0\x01\x12U\n\nListModels\x12\".kvmesh.frontend.ListModelsRequest\x1a#.kvmesh.frontend.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15protos/frontend.proto\x12\x0fkvmesh.frontend\x1a\x13protos/common.proto\"8\n\x08Messages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.kvmesh.common.ChatMessage\"\xf5\x02\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12-\n\x08messages\x18\x03 \x01(\x0b\x32\x19.kvmesh.frontend.MessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.kvmesh.common.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\t\n\x01n\x18\x06 \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x07 \x01(\x08\x12$\n\x05tools\x18\x08 \x03(\x0b\x32\x15.kvmesh.frontend.Tool\x12\x30\n\x0btool_choice\x18\t \x01(\x0b\x32\x1b.kvmesh.frontend.ToolChoice\x12 \n\x13parallel_tool_calls\x18\n \x01(\x08H\x01\x88\x01\x01\x12\x17\n\x0fstream_interval\x18\x0b \x01(\rB\x07\n\x05inputB\x16\n\x14_parallel_tool_calls\"w\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0b\x64\x65scription\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\x12\x13\n\x06strict\x18\x04 \x01(\x08H\x01\x88\x01\x01\x42\x0e\n\x0c_descriptionB\t\n\x07_strict\"\xb0\x01\n\nToolChoice\x12.\n\x04mode\x18\x01 \x01(\x0e\x32 .kvmesh.frontend.ToolChoice.Mode\x12\x10\n\x08\x66unction\x18\x02 \x01(\t\"`\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\r\n\tMODE_NONE\x10\x01\x12\r\n\tMODE_AUTO\x10\x02\x12\x11\n\rMODE_REQUIRED\x10\x03\x12\x11\n\rMODE_FUNCTION\x10\x04\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xde\x02\n\x0f\x43ompletionChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.kvmesh.common.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.kvmesh.common.Usage\x12\r\n\x05model\x18\x06 \x01(\t\x12\r\n\x05index\x18\x07 \x01(\x05\x12\x31\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\x12\x38\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\x12\x32\n\ntool_calls\x18\n \x03(\x0b\x32\x1e.kvmesh.frontend.ToolCallDelta\"\x13\n\x11ListModelsRequest\"?\n\x05Model\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.kvmesh.frontend.Model2\xb5\x01\n\x08\x46rontend\x12R\n\x08Generate\x12\".kvmesh.frontend.CompletionRequest\x1a .kvmesh.frontend.CompletionChunk0\x01\x12U\n\nListModels\x12\".kvmesh.frontend.ListModelsRequest\x1a#.kvmesh.frontend.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MESSAGES']._serialized_start=63
   _globals['_MESSAGES']._serialized_end=119
   _globals['_COMPLETIONREQUEST']._serialized_start=122
-  _globals['_COMPLETIONREQUEST']._serialized_end=470
-  _globals['_TOOL']._serialized_start=472
-  _globals['_TOOL']._serialized_end=591
-  _globals['_TOOLCHOICE']._serialized_start=594
-  _globals['_TOOLCHOICE']._serialized_end=770
-  _globals['_TOOLCHOICE_MODE']._serialized_start=674
-  _globals['_TOOLCHOICE_MODE']._serialized_end=770
-  _globals['_TOOLCALLDELTA']._serialized_start=772
-  _globals['_TOOLCALLDELTA']._serialized_end=847
-  _globals['_COMPLETIONCHUNK']._serialized_start=850
-  _globals['_COMPLETIONCHUNK']._serialized_end=1200
-  _globals['_LISTMODELSREQUEST']._serialized_start=1202
-  _globals['_LISTMODELSREQUEST']._serialized_end=1221
-  _globals['_MODEL']._serialized_start=1223
-  _globals['_MODEL']._serialized_end=1286
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1288
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1348
-  _globals['_FRONTEND']._serialized_start=1351
-  _globals['_FRONTEND']._serialized_end=1532
+  _globals['_COMPLETIONREQUEST']._serialized_end=495
+  _globals['_TOOL']._serialized_start=497
+  _globals['_TOOL']._serialized_end=616
+  _globals['_TOOLCHOICE']._serialized_start=619
+  _globals['_TOOLCHOICE']._serialized_end=795
+  _globals['_TOOLCHOICE_MODE']._serialized_start=699
+  _globals['_TOOLCHOICE_MODE']._serialized_end=795
+  _globals['_TOOLCALLDELTA']._serialized_start=797
+  _globals['_TOOLCALLDELTA']._serialized_end=872
+  _globals['_COMPLETIONCHUNK']._serialized_start=875
+  _globals['_COMPLETIONCHUNK']._serialized_end=1225
+  _globals['_LISTMODELSREQUEST']._serialized_start=1227
+  _globals['_LISTMODELSREQUEST']._serialized_end=1246
+  _globals['_MODEL']._serialized_start=1248
+  _globals['_MODEL']._serialized_end=1311
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1313
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1373
+  _globals['_FRONTEND']._serialized_start=1376
+  _globals['_FRONTEND']._serialized_end=1557
 # @@protoc_insertion_point(module_scope)

@@ -106,6 +106,7 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
     check_choices(n, 1)
     which = req.WhichOneof("input")
     rid = req.request_id or None
+    interval = req.stream_interval or None
     if req.echo and which != "prompt":
         raise ApiError(400, "'echo' is for completions (a prompt), not chat", param="echo")
     if which == "prompt":
@@ -117,7 +118,7 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
         if not req.prompt:
             raise ApiError(400, "'prompt' must not be empty", param="prompt")
         return ParsedRequest("completion", req.model, sampling, stream=True, prompt=req.prompt,
-                             request_id=rid, n=n, echo=req.echo)
+                             request_id=rid, n=n, echo=req.echo, stream_interval=interval)
     if which == "messages":
         if not req.messages.messages:
             raise ApiError(400, "'messages' must be a non-empty list", param="messages")
@@ -128,7 +129,8 @@ def parse_proto(req: frontend_pb2.CompletionRequest) -> ParsedRequest:
             msgs.append(("system" if m.role == "developer" else m.role, m.content))
         tool_req, extras = _tools(req)
         return ParsedRequest("chat", req.model, sampling, stream=True, messages=tuple(msgs),
-                             request_id=rid, n=n, tools=tool_req, message_extras=extras)
+                             request_id=rid, n=n, tools=tool_req, message_extras=extras,
+                             stream_interval=interval)
     raise ApiError(400, "one of 'prompt' or 'messages' is required", param="prompt")
 
 

@@ -184,6 +184,13 @@ def test_grpc_request_options() -> None:
     from protos import frontend_pb2
     from services.frontend.service import parse_proto
 
+    assert parse_proto(frontend_pb2.CompletionRequest(
+        model="m", prompt="x", sampling=common_pb2.SamplingParams(max_tokens=2))
+    ).stream_interval is None  # 0: the workers'
+    assert parse_proto(frontend_pb2.CompletionRequest(
+        model="m", stream_interval=6, sampling=common_pb2.SamplingParams(max_tokens=2),
+        messages=frontend_pb2.Messages(messages=[common_pb2.ChatMessage(
+            role="user", content="x")]))).stream_interval == 6
     req = parse_proto(frontend_pb2.CompletionRequest(
         model="m", prompt="x", n=2, echo=True, sampling=common_pb2.SamplingParams(
             max_tokens=4, logprobs=2, min_tokens=1, min_p=0.5, logit_bias={3: 500.0},
