@@ -1,0 +1,192 @@
+"""The floor of the Python serving stack kvmesh is built on, on this machine: the CPU per
+request of a uvicorn + FastAPI endpoint that does no work (the frontend's HTTP layer
+alone) and of one grpc.aio unary-stream call of three messages (one frontend → worker
+hop), under :mod:`bench.mesh_profile`'s closed-loop client.
+
+``python -m bench.mesh_profile.floors [--requests 2000] [--concurrency 8] [--words 240]
+[--rounds 2] [--out bench/results] [--name mesh_floors]``
+
+Contracts:
+
+- Each server runs in a child process of its own (``--serve http|grpc PORT``), on
+  uvloop, on a free loopback port, stopped by PID at the end:
+  - ``http``: uvicorn with httptools (as the frontend runs it), a FastAPI app whose
+    ``POST /v1/completions`` reads and parses the JSON body and answers a fixed
+    completion (16 tokens of text, usage) as a JSONResponse;
+  - ``grpc``: a ``Worker`` servicer whose ``Generate`` answers three
+    ``GenerateResponse`` messages (one token, fourteen, one with the finish and usage),
+    as a non-streamed request's worker answers.
+- Load: ``--concurrency`` clients in this process; HTTP: the same requests as
+  :func:`bench.mesh_profile.run.closed_loop` (a ``--words`` prompt, 16 tokens); gRPC: a
+  ``GenerateRequest`` of 300 token ids per call, each client on its own channel. ``--requests``
+  per round after 200 of warm-up, ``--rounds`` rounds of each.
+- Reports per server: the server process's CPU per request (user + system, psutil), this
+  process's (the client's), req/s, p50; the means over rounds. Writes
+  ``<out>/<name>.json``. The numbers are a floor for kvmesh's frontend and workers: a
+  request through the mesh pays at least one HTTP request and one such gRPC call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from bench.mesh_profile.run import _cpu, closed_loop
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.procs import free_port, port_open, spawn, wait_until
+from services.common.server import event_loop_factory
+
+WARMUP = 200
+ANSWER = {"id": "cmpl-floor", "object": "text_completion", "created": 0, "model": "tiny",
+          "choices": [{"index": 0, "text": "".join(f" w{i}" for i in range(16)),
+                       "logprobs": None, "finish_reason": "length"}],
+          "usage": {"prompt_tokens": 300, "completion_tokens": 16, "total_tokens": 316}}
+
+
+def _http_app() -> FastAPI:
+    app = FastAPI(docs_url=None, redoc_url=None)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> JSONResponse:
+        body = json.loads(await request.body())
+        return JSONResponse({**ANSWER, "model": body.get("model", "tiny")})
+
+    return app
+
+
+class _Worker(worker_pb2_grpc.WorkerServicer):
+    async def Generate(  # noqa: N802 - gRPC method name
+            self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        yield worker_pb2.GenerateResponse(token_ids=[1], text=" w1", worker_id="w")
+        yield worker_pb2.GenerateResponse(token_ids=list(range(2, 16)), worker_id="w",
+                                          text="".join(f" w{i}" for i in range(2, 16)))
+        yield worker_pb2.GenerateResponse(
+            token_ids=[16], text=" w16", worker_id="w",
+            finish_reason=common_pb2.FINISH_REASON_LENGTH,
+            usage=common_pb2.Usage(prompt_tokens=len(request.token_ids),
+                                   completion_tokens=16))
+
+
+async def _serve(kind: str, port: int) -> None:
+    if kind == "http":
+        import uvicorn
+
+        config = uvicorn.Config(_http_app(), host="127.0.0.1", port=port, loop="none",
+                                http="httptools", log_level="warning", access_log=False)
+        await uvicorn.Server(config).serve()
+        return
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _grpc_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
+    lat: list[float] = []
+    req = worker_pb2.GenerateRequest(request_id="r", token_ids=list(range(300)),
+                                     sampling=common_pb2.SamplingParams(max_tokens=16))
+    next_i = 0
+
+    async def client() -> None:
+        nonlocal next_i
+        async with grpc.aio.insecure_channel(address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            while next_i < n:
+                next_i += 1
+                t0 = time.perf_counter()
+                got = [m async for m in stub.Generate(req)]
+                if len(got) != 3:
+                    raise RuntimeError(f"expected 3 messages, got {len(got)}")
+                lat.append(time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return {"requests": n, "ok": len(lat), "errors": n - len(lat), "req_per_s": len(lat) / wall,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3)}
+
+
+def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One round against a fresh ``kind`` server (module docstring)."""
+    port = free_port()
+    logs = Path(tempfile.mkdtemp(prefix="kvmesh-floors-"))
+    child = spawn(f"floor-{kind}", [sys.executable, "-m", "bench.mesh_profile.floors",
+                                    "--serve", kind, str(port)], logs)
+    try:
+        wait_until(lambda: port_open("127.0.0.1", port), child, 60, f"{kind} to listen")
+
+        def go(n: int, offset: int) -> dict[str, Any]:
+            runner = asyncio.Runner(loop_factory=event_loop_factory())
+            with runner:
+                if kind == "http":
+                    return runner.run(closed_loop(f"http://127.0.0.1:{port}", n,
+                                                  args.concurrency, args.words, 16, False,
+                                                  offset))
+                return runner.run(_grpc_load(f"127.0.0.1:{port}", n, args.concurrency))
+
+        warm = go(WARMUP, 10_000_000)
+        if warm["ok"] != WARMUP:
+            raise RuntimeError(f"{kind} warm-up failed: {warm}")
+        c0, p0 = _cpu(child.pid), time.process_time()
+        load = go(args.requests, 0)
+        server_us = (_cpu(child.pid) - c0) / args.requests * 1e6
+        client_us = (time.process_time() - p0) / args.requests * 1e6
+    finally:
+        child.stop()
+    print(f"[{kind}] {load['req_per_s']:.0f} req/s p50 {load['p50_ms']:.2f} ms; CPU µs/req "
+          f"server={server_us:.0f} client={client_us:.0f}", flush=True)
+    return {"load": load, "server_cpu_us_per_req": server_us,
+            "client_cpu_us_per_req": client_us}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.mesh_profile.floors",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--serve", nargs=2, metavar=("KIND", "PORT"), help=argparse.SUPPRESS)
+    p.add_argument("--requests", type=int, default=2000)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--words", type=int, default=240)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("bench/results"))
+    p.add_argument("--name", default="mesh_floors")
+    args = p.parse_args(argv)
+    if args.serve:
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            runner.run(_serve(args.serve[0], int(args.serve[1])))
+        return 0
+    runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
+    for _ in range(args.rounds):
+        for kind in runs:
+            runs[kind].append(measure(kind, args))
+    means = {kind: {key: float(np.mean([r[key] for r in rs]))
+                    for key in ("server_cpu_us_per_req", "client_cpu_us_per_req")}
+             | {"req_per_s": float(np.mean([r["load"]["req_per_s"] for r in rs]))}
+             for kind, rs in runs.items()}
+    report = {"benchmark": "mesh_floors", "requests": args.requests,
+              "concurrency": args.concurrency, "words": args.words, "rounds": args.rounds,
+              "cpus": os.cpu_count(), "runs": runs, "means": means}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{args.name}.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(json.dumps(means, indent=1))
+    print(f"-> {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
