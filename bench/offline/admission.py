@@ -34,7 +34,7 @@ from services.router.admission.core import (
     RunningRequest,
     make_policy,
 )
-from services.router.core import RoutePlan
+from services.router.plan import RoutePlan
 
 
 class SimAdmission:

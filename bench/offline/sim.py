@@ -57,8 +57,9 @@ from bench.replay.stats import Result
 from bench.replay.trace import TraceRequest
 from services.common.block_hash import block_hashes
 from services.indexer.core import KvEvent, KvIndex
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.plan import WorkerRecord
 from services.router.policies.base import RouteContext, WorkerOverlap
 from workers.engines.mock.scheduler import (
     Batch,

@@ -31,7 +31,7 @@ import grpc
 from protos import discovery_pb2, indexer_pb2, indexer_pb2_grpc
 from services.common.grpc_client import ChannelPool
 from services.common.tls import MeshTls
-from services.router.core import WorkerRecord
+from services.router.plan import WorkerRecord
 from services.router.policies.base import WorkerOverlap
 
 log = logging.getLogger(__name__)

@@ -79,20 +79,20 @@ from services.common.periodic import Periodic
 from services.common.telemetry import tracer
 from services.common.tls import MeshTls
 from services.router.admission.core import AdmissionDecision
-from services.router.core import (
+from services.router.core import RouterCore
+from services.router.encoders import EncoderPicker, EncoderRecord
+from services.router.metrics import RouterMetrics
+from services.router.overlaps import HistorySource, OverlapSource
+from services.router.plan import (
     AlreadyInFlight,
     InvalidRequest,
     NoWorkers,
     Rejected,
     RoutePlan,
-    RouterCore,
     RoutingError,
     UnknownModel,
     WorkerRecord,
 )
-from services.router.encoders import EncoderPicker, EncoderRecord
-from services.router.metrics import RouterMetrics
-from services.router.overlaps import HistorySource, OverlapSource
 from services.router.policies.base import RouteContext
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,11 @@ import redis.asyncio as aioredis
 from services.common.config import load_config
 from services.common.procs import Child, free_port, start_redis
 from services.common.redis_acl import sync_stream
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.main import RouterConfig, start_router
 from services.router.peers import Share
+from services.router.plan import WorkerRecord
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
 from services.router.replica_sync import ReplicaSync, encode_load

@@ -15,9 +15,10 @@ from services.common.config import ConfigError, load_config
 from services.common.perf_model import PolynomialPerfModel
 from services.router.admission.core import AdmissionSettings
 from services.router.admission.live import DecodeLoadReport, Flight, RouterAdmission, tokens_for_ms
-from services.router.core import Rejected, RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.main import RouterConfig
+from services.router.plan import Rejected, WorkerRecord
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
 from tests.manual_clock import Clock

@@ -2,7 +2,8 @@ import random
 
 import pytest
 
-from services.router.core import NoWorkers, RouterCore, RoutingError, UnknownModel, WorkerRecord
+from services.router.core import RouterCore
+from services.router.plan import NoWorkers, RoutingError, UnknownModel, WorkerRecord
 from services.router.policies.base import RouteContext
 from services.router.policies.registry import PolicyRegistry, register_all
 from services.router.policy_setup import default_registry

@@ -11,14 +11,9 @@ import pytest
 from services.common.perf_model import PolynomialPerfModel
 from services.router.admission.core import AdmissionSettings
 from services.router.admission.live import RouterAdmission
-from services.router.core import (
-    AlreadyInFlight,
-    InvalidRequest,
-    NoWorkers,
-    RouterCore,
-    WorkerRecord,
-)
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.plan import AlreadyInFlight, InvalidRequest, NoWorkers, WorkerRecord
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
 from tests.manual_clock import Clock

@@ -7,8 +7,9 @@ from collections import Counter
 
 import pytest
 
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.plan import WorkerRecord
 from services.router.policies.base import RouteContext, WorkerOverlap, WorkerState
 from services.router.policies.plugins import (
     KvCostScorer,

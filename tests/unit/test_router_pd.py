@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from services.router.core import Incompatible, RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig, bypass_prefill, decode_first_needs_prefill
+from services.router.plan import Incompatible, WorkerRecord
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
 

@@ -9,8 +9,9 @@ import random
 import pytest
 
 from services.common.perf_model import PolynomialPerfModel
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.plan import WorkerRecord
 from services.router.policies.base import RouteContext, WorkerOverlap, WorkerState
 from services.router.policies.ttft import TtftPolicy
 from services.router.policy_setup import default_registry

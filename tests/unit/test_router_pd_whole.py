@@ -14,7 +14,7 @@ from bench.offline.config import SimConfig
 from bench.offline.sim import simulate
 from bench.offline.timeline import plot_timeline, run_timeline
 from bench.replay.trace import TraceRequest
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import (
     DisaggConfig,
     PairInfo,
@@ -22,6 +22,7 @@ from services.router.disagg import (
     kv_after,
     prefill_serves_whole,
 )
+from services.router.plan import WorkerRecord
 from services.router.policies.base import Decision, RouteContext, WorkerState
 from services.router.policy_setup import default_registry
 

@@ -9,9 +9,10 @@ import random
 import pytest
 
 from protos import router_pb2
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.peers import PeerLoads, Share
+from services.router.plan import WorkerRecord
 from services.router.policies.base import RouteContext
 from services.router.policy_setup import default_registry
 from services.router.replica_sync import decode_shares, encode_load

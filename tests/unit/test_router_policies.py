@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.main import RouterConfig
+from services.router.plan import WorkerRecord
 from services.router.policies.approx import ApproxPolicy
 from services.router.policies.base import RouteContext, WorkerState
 from services.router.policies.profile import Profile, ProfileError

@@ -14,8 +14,9 @@ from services.common.perf_model import (
     PolynomialPerfModel,
     chunked_prefill_ms,
 )
-from services.router.core import RouterCore, WorkerRecord
+from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.plan import WorkerRecord
 from services.router.policies.base import RouteContext, WorkerOverlap, WorkerState, uncached_tokens
 from services.router.policies.profile import ProfileError
 from services.router.policies.ttft import TtftPolicy
