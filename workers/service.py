@@ -356,8 +356,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         ec_params: dict[str, Any] | None = None
         interval = min(max(request.stream_interval, self._stream_interval),
                        WHOLE_FLUSH_TOKENS)
-        whole = (WholeAnswer(self._worker_id) if request.whole
-                 else WholeAnswer(self._worker_id, interval) if interval > 1 else None)
+        holder = (WholeAnswer(self._worker_id) if request.whole
+                  else WholeAnswer(self._worker_id, interval) if interval > 1 else None)
         self._active += 1
         try:
             try:
@@ -371,10 +371,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     cached = out.cached_tokens
                     if out.ec_transfer_params:
                         ec_params = out.ec_transfer_params
-                    if (whole is not None and whole.passed and not out.finished
+                    if (holder is not None and holder.passed and not out.finished
                             and not out.logprobs and not out.prompt_logprobs
                             and not out.kv_transfer_params):
-                        held = whole.take_plain(out.token_ids, out.text)
+                        held = holder.take_plain(out.token_ids, out.text)
                         if held is not None:
                             yield held
                         continue
@@ -400,8 +400,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 cached_tokens=out.cached_tokens,
                             )
                         )
-                    if whole is not None:
-                        held = whole.take(resp)
+                    if holder is not None:
+                        held = holder.take(resp)
                         if held is None:
                             continue
                         resp = held
