@@ -302,7 +302,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             sampling=sampling,
             kv_transfer_params=kv_transfer,
             cache_salt=request.cache_salt,
+            output_interval=self._hold_tokens(request),
         )
+
+    def _hold_tokens(self, request: worker_pb2.GenerateRequest) -> int:
+        """How many tokens Generate's holder gathers per message after the first (1: it
+        sends each output): WHOLE_FLUSH_TOKENS for a whole answer, else the larger of the
+        request's and the worker's stream_interval, capped at WHOLE_FLUSH_TOKENS."""
+        if request.whole:
+            return WHOLE_FLUSH_TOKENS
+        return min(max(request.stream_interval, self._stream_interval), WHOLE_FLUSH_TOKENS)
 
     def _images(self, request: worker_pb2.GenerateRequest,
                 ereq: EngineRequest) -> EngineRequest:
@@ -354,10 +363,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         prefill_ns: int | None = None
         cached = 0
         ec_params: dict[str, Any] | None = None
-        interval = min(max(request.stream_interval, self._stream_interval),
-                       WHOLE_FLUSH_TOKENS)
-        holder = (WholeAnswer(self._worker_id) if request.whole
-                  else WholeAnswer(self._worker_id, interval) if interval > 1 else None)
+        hold = ereq.output_interval
+        holder = WholeAnswer(self._worker_id, hold) if hold > 1 else None
         self._active += 1
         try:
             try:

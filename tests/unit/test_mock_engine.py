@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -159,6 +160,40 @@ def test_poly_timing_paces_the_stream() -> None:
             step = timing.decode_ms(26 / 128) / 1000
             assert [b - a for a, b in itertools.pairwise(at)] == pytest.approx([step] * 4)
             assert e.modelled_tpot() == [("a", pytest.approx(step))]
+        finally:
+            await e.shutdown()
+
+    run_virtual(scenario)
+
+
+def test_output_interval_wakes_the_consumer_every_n_tokens() -> None:
+    """EngineRequest.output_interval: a consumer that keeps up gets the first token at
+    once, then outputs of N tokens (woken when the N-th token's step ends), then the
+    finished rest: the same tokens, texts and counts as one output per token."""
+    async def scenario(loop: VirtualTimeLoop) -> None:
+        e = await engine(loop.time, timing="poly", speedup_ratio=1.0)
+        try:
+            prompt = list(range(100))
+            each: list[tuple[float, EngineOutput]] = []
+            async for o in e.generate(request("a", prompt, max_tokens=9)):
+                each.append((loop.time(), o))
+            held: list[tuple[float, EngineOutput]] = []
+            req = dataclasses.replace(request("b", prompt, max_tokens=9), output_interval=3)
+            async for o in e.generate(req):
+                held.append((loop.time(), o))
+            assert [len(o.token_ids) for _, o in each] == [1] * 9
+            assert [len(o.token_ids) for _, o in held] == [1, 3, 3, 2]
+            assert [t for _, o in held for t in o.token_ids] == [
+                t for _, o in each for t in o.token_ids]
+            assert "".join(o.text for _, o in held) == "".join(o.text for _, o in each)
+            assert [o.completion_tokens for _, o in held] == [1, 4, 7, 9]
+            assert held[-1][1].finished and held[-1][1].finish_reason == "length"
+            assert not any(o.finished for _, o in held[:-1])
+            assert held[0][1].queue_s is not None and held[1][1].queue_s is None
+            # each output comes when the step of its last token ends (times from each start)
+            t_each = [t - each[0][0] for t, _ in each]
+            t_held = [t - held[0][0] for t, _ in held]
+            assert t_held == pytest.approx([t_each[i] for i in (0, 3, 6, 8)])
         finally:
             await e.shutdown()
 

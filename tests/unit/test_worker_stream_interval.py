@@ -11,6 +11,7 @@ runs a real RouterServicer and Pipeline over them (:mod:`tests.unit.test_fronten
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -19,16 +20,29 @@ from protos import common_pb2, discovery_pb2, worker_pb2, worker_pb2_grpc
 from services.frontend.pipeline import Chunk
 from tests.unit.test_frontend_release import MODEL, consume, mesh, node, request, serve
 from workers.config import WorkerConfig
+from workers.engines.base import EngineOutput, EngineRequest
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.service import WHOLE_FLUSH_TOKENS, WorkerServicer
 
 TOKENS = 23
 
 
+class _Spy(MockEngine):
+    """The mock engine, noting each request's output_interval."""
+
+    intervals: list[int]
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        self.intervals.append(request.output_interval)
+        return super().generate(request)
+
+
 async def _messages(servicer_interval: int, request_interval: int, whole: bool = False,
-                    tokens: int = TOKENS) -> list[worker_pb2.GenerateResponse]:
-    engine = MockEngine(MockEngineConfig(model_name="m", block_size=16, num_blocks=256,
-                                         max_model_len=4096, timing="zero"))
+                    tokens: int = TOKENS, intervals: list[int] | None = None
+                    ) -> list[worker_pb2.GenerateResponse]:
+    engine = _Spy(MockEngineConfig(model_name="m", block_size=16, num_blocks=256,
+                                   max_model_len=4096, timing="zero"))
+    engine.intervals = intervals if intervals is not None else []
     await engine.start()
     server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server,
                                   WorkerServicer(engine, "w",
@@ -80,6 +94,19 @@ async def test_no_interval_holds_more_than_a_whole_answer_would() -> None:
     sizes = [len(m.token_ids) for m in msgs if m.token_ids]
     assert sum(sizes) == n and len(sizes) >= 4, sizes
     assert all(WHOLE_FLUSH_TOKENS <= s < WHOLE_FLUSH_TOKENS + 64 for s in sizes[1:-1]), sizes
+
+
+@pytest.mark.parametrize(("servicer", "requested", "whole", "hint"),
+                         [(1, 0, False, 1), (1, 5, False, 5), (6, 2, False, 6),
+                          (1, 3, True, WHOLE_FLUSH_TOKENS)])
+async def test_the_engine_is_told_how_many_tokens_the_worker_holds(
+        servicer: int, requested: int, whole: bool, hint: int) -> None:
+    """EngineRequest.output_interval is the holder's flush size (1: no holder), so the
+    engine need not wake the worker for tokens it would hold anyway."""
+    intervals: list[int] = []
+    msgs = await _messages(servicer, requested, whole=whole, intervals=intervals)
+    assert intervals == [hint]
+    assert sum(len(m.token_ids) for m in msgs) == TOKENS
 
 
 def test_the_worker_option_is_checked() -> None:

@@ -314,6 +314,14 @@ class EngineRequest:
     images: list[Any] = field(default_factory=list)
     image_uuids: list[str] = field(default_factory=list)
     ec_transfer_params: dict[str, Any] | None = None
+    # A hint from a consumer that holds plain decode outputs anyway (a whole answer, or
+    # vLLM's stream_interval): it is content to be woken for the first output with
+    # tokens, for one that carries more than tokens and text, for the finished one, and
+    # each time this many tokens have come since it last took outputs; in between, an
+    # engine may keep outputs and hand them over merged (tokens and text concatenated, as
+    # for a consumer that lags). The outputs' contents are the same either way. 1: every
+    # output as produced. An engine may ignore it (vLLM, SGLang and AFD do).
+    output_interval: int = 1
 
 
 @dataclass

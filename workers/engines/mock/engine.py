@@ -24,7 +24,10 @@ Contract, method by method (see :mod:`workers.engines.base` for the interface):
   asks for the next one are merged into one (as vLLM's ``RequestOutputCollector`` does
   for a consumer that lags: token ids and text concatenated, the first ``queue_s`` /
   ``prefill_s``, the latest counts, finish and ``kv_transfer_params``; a consumer that
-  keeps up, e.g. at any modelled step time, still gets one per token): deterministic
+  keeps up, e.g. at any modelled step time, still gets one per token; with
+  ``request.output_interval`` N > 1 the consumer is woken only for the first output with
+  tokens, the finished one, one with ``kv_transfer_params``, or once N tokens wait, and
+  gets what waits merged: the same tokens in fewer outputs): deterministic
   token ids, as a greedy model's (token n is a hash of
   the engine seed, the request's sampling seed and every token before it: equal prompts
   give equal tokens on every mock engine with the same seed, so P's first token equals
@@ -156,26 +159,48 @@ class MockEngineConfig:
 class _Stream:
     """One request's outputs for its single consumer: an unbounded FIFO that wakes the
     consumer as ``asyncio.Queue`` does (``put`` resolves the waiting ``get``'s future),
-    without the queue's bookkeeping."""
+    without the queue's bookkeeping. With ``interval`` > 1 (``EngineRequest.output_interval``)
+    the consumer is woken only for the first output with tokens, one with more than
+    tokens (finished, or with ``kv_transfer_params``), or once ``interval`` tokens wait;
+    ``get`` returns everything waiting, merged."""
 
-    __slots__ = ("items", "_loop", "_waiter")
+    __slots__ = ("items", "_loop", "_waiter", "_interval", "_tokens", "_ready", "_passed")
 
-    def __init__(self) -> None:
+    def __init__(self, interval: int = 1) -> None:
         self.items: deque[StepOutput] = deque()
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
+        self._interval = interval
+        self._tokens = 0  # tokens waiting in items
+        self._ready = False  # the consumer may take items now
+        self._passed = False  # an output with tokens was made ready
 
     def put(self, out: StepOutput) -> None:
         self.items.append(out)
-        waiter, self._waiter = self._waiter, None
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if not self._ready:
+            self._tokens += len(out.token_ids)
+            if (self._interval <= 1 or out.finished or self._tokens >= self._interval
+                    or (out.token_ids and not self._passed)
+                    or out.kv_transfer_params is not None):
+                self._ready = True
+        if out.token_ids:
+            self._passed = True
+        if self._ready:
+            waiter, self._waiter = self._waiter, None
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
 
     async def get(self) -> StepOutput:
-        while not self.items:
+        """The waiting outputs, merged up to a finished one (see ``_merge_waiting``)."""
+        while not self._ready:
             self._waiter = self._loop.create_future()
             await self._waiter
-        return self.items.popleft()
+        first = self.items.popleft()
+        out = first if first.finished or not self.items else _merge_waiting(first, self.items)
+        if not self.items:
+            self._ready = False
+            self._tokens = 0
+        return out
 
 
 def _merge_waiting(first: StepOutput, waiting: deque[StepOutput]) -> StepOutput:
@@ -347,7 +372,7 @@ class MockEngine(Engine):
             sampling_seed=s.seed, min_tokens=s.min_tokens,
             remote_prefill=bool(params.get("do_remote_prefill")),
             remote_decode=bool(params.get("do_remote_decode")), cache_salt=request.cache_salt)
-        stream = _Stream()
+        stream = _Stream(request.output_interval)
         self._streams[rid] = stream
         done = False
         try:
@@ -355,8 +380,6 @@ class MockEngine(Engine):
             self._wake.set()
             while True:
                 out = await stream.get()
-                if not out.finished and stream.items:
-                    out = _merge_waiting(out, stream.items)
                 done = out.finished
                 yield EngineOutput(
                     token_ids=out.token_ids, text=self._text(out.token_ids),
