@@ -76,3 +76,30 @@ async def test_events_survive_a_redis_restart(tmp_path: Path) -> None:
     finally:
         await relay.close()
         red.stop()
+
+
+async def test_a_flush_larger_than_one_entry_goes_out_in_order(tmp_path: Path) -> None:
+    """Events beyond ``max_batch_events`` go in further entries of the same flush
+    (pipelined); a flush of one entry is a plain XADD. Both keep every event, in order."""
+    red = start_redis(tmp_path)
+    url = f"redis://{red.address}"
+    relay = KvEventRelay("w-big", BS, url, STREAM, EventEndpoints(tmp_path, "", ""),
+                         max_batch_events=3)
+    await relay.start(zmq_input=False)
+    try:
+        relay.submit([stored(i) for i in range(2)])  # one entry
+        await wait_for(lambda: relay.stats.entries == 1, 10, "the first entry")
+        relay.submit([stored(i) for i in range(10, 18)])  # 8 events: 3 entries
+
+        async def published() -> bool:
+            return relay.stats.entries == 4 and len(await read_all(url)) == 10
+        await wait_for(published, 10, lambda: f"4 entries, got {relay.stats.entries}")
+        events = await read_all(url)
+        assert [e.event_id for e in events] == list(range(10))
+        assert [e.block_hashes for e in events] == [
+            (block_hashes([i, i + 1, i + 2, i + 3], BS)[0],)
+            for i in [*range(2), *range(10, 18)]]
+        assert relay.stats.events == 10 and relay.stats.publish_failures == 0
+    finally:
+        await relay.close()
+        red.stop()

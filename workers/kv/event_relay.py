@@ -18,8 +18,9 @@ Contract of :class:`KvEventRelay`:
 - Each kvmesh event (:mod:`workers.kv.event_translate`) gets the next per-worker event id
   (from 0, no holes; a new relay, i.e. a restarted worker, starts at 0 again) and events
   are appended to the stream in batches: everything that is ready when the socket runs
-  dry, at most ``max_batch_events`` per entry, in one pipelined XADD (approximate MAXLEN
-  ``maxlen``), so the relay keeps up with the engine.
+  dry, at most ``max_batch_events`` per entry, in one round trip (one XADD, or pipelined
+  XADDs for several entries; approximate MAXLEN ``maxlen``), so the relay keeps up with
+  the engine.
 - ``convert`` (optional): applied to each decoded engine event before translation, for
   engines whose events differ from vLLM's (:class:`workers.kv.sglang_events.
   SglangEventConverter`); an event it maps to None is dropped.
@@ -378,8 +379,9 @@ class KvEventRelay:
             block_hashes=ev.block_hashes, tier=ev.tier))
 
     async def _flush(self) -> bool:
-        """Publishes pending events as stream entries (one pipelined round trip); False
-        when Redis failed (the events stay pending, see the module docstring)."""
+        """Publishes pending events as stream entries (one round trip: an XADD, or
+        pipelined XADDs); False when Redis failed (the events stay pending, see the module
+        docstring)."""
         if not self._pending:
             return True
         pending, self._pending = self._pending, []
@@ -391,18 +393,20 @@ class KvEventRelay:
         if not pending:
             return True
         assert self._redis is not None
+        entries = [encode_batch(kv_events_pb2.KvEventBatch(
+            worker_id=self.worker_id, events=pending[i:i + self._max_batch],
+            block_size=self.block_size, started_at_ms=self.started_at_ms),
+            self._key, self._signer) for i in range(0, len(pending), self._max_batch)]
         try:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                entries = 0
-                for i in range(0, len(pending), self._max_batch):
-                    batch = kv_events_pb2.KvEventBatch(worker_id=self.worker_id,
-                                                       events=pending[i:i + self._max_batch],
-                                                       block_size=self.block_size,
-                                                       started_at_ms=self.started_at_ms)
-                    pipe.xadd(self.stream, encode_batch(batch, self._key, self._signer),  # type: ignore[arg-type]
-                              maxlen=self._maxlen, approximate=True)
-                    entries += 1
-                await pipe.execute()
+            if len(entries) == 1:  # the usual flush: one XADD, without a pipeline's cost
+                await self._redis.xadd(self.stream, entries[0],  # type: ignore[arg-type]
+                                       maxlen=self._maxlen, approximate=True)
+            else:
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for entry in entries:
+                        pipe.xadd(self.stream, entry,  # type: ignore[arg-type]
+                                  maxlen=self._maxlen, approximate=True)
+                    await pipe.execute()
         except (RedisError, OSError) as exc:
             self.stats.publish_failures += 1
             if self.stats.publish_failures == 1 or self.stats.publish_failures % 100 == 0:
@@ -414,7 +418,7 @@ class KvEventRelay:
                 del self._pending[:excess]
                 self.stats.dropped_backlog += excess
             return False
-        self.stats.entries += entries
+        self.stats.entries += len(entries)
         self.stats.events += len(pending)
         return True
 
