@@ -47,7 +47,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,40 +148,48 @@ async def _sse_stream(objects: AsyncIterator[dict[str, Any]]) -> AsyncIterator[b
         await objects.aclose()  # type: ignore[attr-defined]
 
 
-async def _disconnected(request: Request) -> None:
-    """Returns once the client has gone. The body is read by now, so the next ASGI
-    message is ``http.disconnect``, which the server sends when the connection closes
-    (Starlette's TestClient: only after the response). A ``receive`` that fails says
-    nothing about the client: then this waits until cancelled."""
+async def _hang_up_on_disconnect(request: Request, hang_up: Callable[[], None]) -> None:
+    """Calls ``hang_up`` once the client has gone. The body is read by now, so the next
+    ASGI message is ``http.disconnect``, which the server sends when the connection
+    closes (Starlette's TestClient: only after the response). A ``receive`` that fails
+    says nothing about the client: then this waits until cancelled."""
     try:
         while (await request.receive())["type"] != "http.disconnect":
             pass
     except Exception:  # noqa: BLE001 - see the docstring
         log.debug("receive() failed while waiting for a disconnect", exc_info=True)
         await asyncio.Event().wait()
+    hang_up()
 
 
 async def _unless_disconnected(request: Request,
                                work: Coroutine[Any, Any, Response]) -> Response:
-    """``work``'s response; when the client disconnects first, ``work`` is cancelled
+    """``work``'s response, ``work`` being awaited in the handler's own task; when the
+    client disconnects first, a watcher task cancels that task, so ``work`` is cancelled
     (which closes the request's chunks: its choices' worker calls are aborted and their
-    router entries released) and a 499 nobody reads is answered."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request))
+    router entries released) and a 499 nobody reads is answered. A cancel from anywhere
+    else (the server's) still propagates."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    def hang_up() -> None:
+        nonlocal gone
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.ensure_future(_hang_up_on_disconnect(request, hang_up))
     try:
-        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:  # also when this handler itself is cancelled
-        if not task.done():
-            task.cancel()
-        gone.cancel()
-        await asyncio.wait([task, gone])
-    if not task.cancelled() and task.exception() is None:
-        return task.result()  # a response: sending it handles a client gone meanwhile
-    if not gone.cancelled():
-        if not task.cancelled():
-            task.exception()  # retrieved: the client is gone, nobody reads it
-        return Response(status_code=499)
-    return task.result()  # raises the work's error
+        resp = await work
+    except BaseException:  # the cancel, or what work made of it: nobody reads it
+        if gone and me.uncancel() == 0:  # our own cancel, and no other one
+            return Response(status_code=499)
+        raise
+    finally:
+        watcher.cancel()
+    if gone:  # work answered despite the cancel: the answer stands, nobody reads it
+        me.uncancel()
+    return resp
 
 
 @dataclass(frozen=True)

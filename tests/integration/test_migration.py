@@ -19,6 +19,7 @@ to it through a fresh channel).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -357,6 +358,37 @@ async def test_client_disconnect_counts_cancelled_and_logs_no_traceback(
         await wait_for(lambda n=name: not_running(mig, n), 20, f"{name} idle")  # type: ignore[misc]
     tracebacks = [r for r in frontend_logs.records if r.exc_info or r.levelno >= logging.ERROR]
     assert not tracebacks, [r.getMessage() for r in tracebacks]
+
+
+async def test_a_client_gone_mid_answer_cancels_a_non_streamed_request(
+        mig: MigMesh, frontend_logs: pytest.LogCaptureFixture) -> None:
+    """A non-streamed request whose client closes the connection while the worker
+    generates: the worker stops it, the router releases it, it counts as cancelled, and
+    the frontend logs no traceback and answers the next request."""
+    before = counter(mig.frontend, "kvmesh_requests_total", outcome="cancelled")
+
+    async def ask() -> None:
+        async with httpx.AsyncClient(base_url=mig.frontend.base_url, timeout=60) as client:
+            await client.post("/v1/completions", json=body(AGG))
+
+    client = asyncio.create_task(ask())
+    try:
+        busy = await mig.running(["a1", "a2"])
+    finally:
+        client.cancel()  # closes the connection mid-answer (400 tokens take seconds)
+        with contextlib.suppress(asyncio.CancelledError):
+            await client
+    await wait_for(lambda: counter(mig.frontend, "kvmesh_requests_total",
+                                   outcome="cancelled") == before + 1, 20,
+                   "the abandoned request counted as cancelled")
+    await wait_for(lambda: not_running(mig, busy.name), 20, f"{busy.name} idle")
+    await wait_for(lambda: not mig.router.servicer.core.in_flight(), 20,
+                   lambda: f"router entries released: {mig.router.servicer.core.in_flight()}")
+    tracebacks = [r for r in frontend_logs.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not tracebacks, [r.getMessage() for r in tracebacks]
+    async with httpx.AsyncClient(base_url=mig.frontend.base_url, timeout=60) as c:
+        resp = await c.post("/v1/completions", json=body(AGG, max_tokens=4))
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 4
 
 
 async def not_running(mig: MigMesh, name: str) -> bool:
