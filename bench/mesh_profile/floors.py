@@ -1,7 +1,9 @@
 """The floor of the Python serving stack kvmesh is built on, on this machine: the CPU per
 request of a uvicorn + FastAPI endpoint that does no work (the frontend's HTTP layer
-alone) and of one grpc.aio unary-stream call of three messages (one frontend → worker
-hop), under :mod:`bench.mesh_profile`'s closed-loop client.
+alone), of one grpc.aio unary-stream call of three messages (one frontend → worker
+hop), and of the same three messages per request multiplexed on one long-lived
+bidirectional stream (what a multiplexed worker transport, as Dynamo's TCP request plane,
+would pay), under :mod:`bench.mesh_profile`'s closed-loop client.
 
 ``python -m bench.mesh_profile.floors [--requests 2000] [--concurrency 8] [--words 240]
 [--rounds 2] [--out bench/results] [--name mesh_floors]``
@@ -15,10 +17,16 @@ Contracts:
     completion (16 tokens of text, usage) as a JSONResponse;
   - ``grpc``: a ``Worker`` servicer whose ``Generate`` answers three
     ``GenerateResponse`` messages (one token, fourteen, one with the finish and usage),
-    as a non-streamed request's worker answers.
+    as a non-streamed request's worker answers;
+  - ``grpc-mux``: one stream-stream method (generic handler, bytes in and out) whose
+    frames are an 8-byte request number and a serialized ``GenerateRequest``; for each
+    frame a task parses it and writes the same three ``GenerateResponse`` messages, each
+    behind the request number (one writer at a time: a stream takes one write at once).
 - Load: ``--concurrency`` clients in this process; HTTP: the same requests as
   :func:`bench.mesh_profile.run.closed_loop` (a ``--words`` prompt, 16 tokens); gRPC: a
-  ``GenerateRequest`` of 300 token ids per call, each client on its own channel. ``--requests``
+  ``GenerateRequest`` of 300 token ids per call, each client on its own channel;
+  gRPC-mux: every client's requests on one channel's one stream, a reader task handing
+  each answer to its request's queue. ``--requests``
   per round after 200 of warm-up, ``--rounds`` rounds of each.
 - Reports per server: the server process's CPU per request (user + system, psutil), this
   process's (the client's), req/s, p50; the means over rounds. Writes
@@ -32,6 +40,7 @@ import argparse
 import asyncio
 import json
 import os
+import struct
 import sys
 import tempfile
 import time
@@ -68,17 +77,51 @@ def _http_app() -> FastAPI:
 
 
 class _Worker(worker_pb2_grpc.WorkerServicer):
+    @staticmethod
+    def answers(request: worker_pb2.GenerateRequest) -> list[worker_pb2.GenerateResponse]:
+        """The three messages of a non-streamed 16-token answer."""
+        return [
+            worker_pb2.GenerateResponse(token_ids=[1], text=" w1", worker_id="w"),
+            worker_pb2.GenerateResponse(token_ids=list(range(2, 16)), worker_id="w",
+                                        text="".join(f" w{i}" for i in range(2, 16))),
+            worker_pb2.GenerateResponse(
+                token_ids=[16], text=" w16", worker_id="w",
+                finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                usage=common_pb2.Usage(prompt_tokens=len(request.token_ids),
+                                       completion_tokens=16))]
+
     async def Generate(  # noqa: N802 - gRPC method name
             self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        yield worker_pb2.GenerateResponse(token_ids=[1], text=" w1", worker_id="w")
-        yield worker_pb2.GenerateResponse(token_ids=list(range(2, 16)), worker_id="w",
-                                          text="".join(f" w{i}" for i in range(2, 16)))
-        yield worker_pb2.GenerateResponse(
-            token_ids=[16], text=" w16", worker_id="w",
-            finish_reason=common_pb2.FINISH_REASON_LENGTH,
-            usage=common_pb2.Usage(prompt_tokens=len(request.token_ids),
-                                   completion_tokens=16))
+        for resp in self.answers(request):
+            yield resp
+
+
+MUX_METHOD = "/kvmesh.bench.Mux/Generate"
+_ID = struct.Struct(">Q")
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+async def _mux_generate(requests: AsyncIterator[bytes],
+                        context: grpc.aio.ServicerContext) -> None:
+    """``grpc-mux``'s handler (module docstring)."""
+    lock = asyncio.Lock()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def answer(frame: bytes) -> None:
+        rid = frame[:_ID.size]
+        request = worker_pb2.GenerateRequest.FromString(frame[_ID.size:])
+        for resp in _Worker.answers(request):
+            async with lock:
+                await context.write(rid + resp.SerializeToString())
+
+    async for frame in requests:
+        task = asyncio.ensure_future(answer(frame))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
 
 
 async def _serve(kind: str, port: int) -> None:
@@ -90,7 +133,12 @@ async def _serve(kind: str, port: int) -> None:
         await uvicorn.Server(config).serve()
         return
     server = grpc.aio.server()
-    worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
+    if kind == "grpc-mux":
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+            MUX_METHOD.split("/")[1], {"Generate": grpc.stream_stream_rpc_method_handler(
+                _mux_generate, _identity, _identity)})])
+    else:
+        worker_pb2_grpc.add_WorkerServicer_to_server(_Worker(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
@@ -121,6 +169,50 @@ async def _grpc_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
             "p50_ms": float(np.percentile(lat, 50) * 1e3)}
 
 
+async def _mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
+    lat: list[float] = []
+    req = worker_pb2.GenerateRequest(request_id="r", token_ids=list(range(300)),
+                                     sampling=common_pb2.SamplingParams(max_tokens=16))
+    body = req.SerializeToString()
+    next_i = 0
+    queues: dict[int, asyncio.Queue[worker_pb2.GenerateResponse]] = {}
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = ch.stream_stream(MUX_METHOD, request_serializer=_identity,
+                                response_deserializer=_identity)()
+        lock = asyncio.Lock()
+
+        async def read() -> None:
+            async for frame in call:
+                (rid,) = _ID.unpack_from(frame)
+                queues[rid].put_nowait(
+                    worker_pb2.GenerateResponse.FromString(frame[_ID.size:]))
+
+        async def client() -> None:
+            nonlocal next_i
+            while next_i < n:
+                rid = next_i = next_i + 1
+                q = queues[rid] = asyncio.Queue()
+                t0 = time.perf_counter()
+                async with lock:
+                    await call.write(_ID.pack(rid) + body)
+                got = [await q.get() for _ in range(3)]
+                if got[-1].finish_reason != common_pb2.FINISH_REASON_LENGTH:
+                    raise RuntimeError(f"request {rid}: no finish in {got}")
+                del queues[rid]
+                lat.append(time.perf_counter() - t0)
+
+        reader = asyncio.ensure_future(read())
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(*(client() for _ in range(concurrency)))
+        finally:
+            wall = time.perf_counter() - t0
+            await call.done_writing()
+            await reader
+    return {"requests": n, "ok": len(lat), "errors": n - len(lat), "req_per_s": len(lat) / wall,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3)}
+
+
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """One round against a fresh ``kind`` server (module docstring)."""
     port = free_port()
@@ -137,7 +229,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                     return runner.run(closed_loop(f"http://127.0.0.1:{port}", n,
                                                   args.concurrency, args.words, 16, False,
                                                   offset))
-                return runner.run(_grpc_load(f"127.0.0.1:{port}", n, args.concurrency))
+                load = _mux_load if kind == "grpc-mux" else _grpc_load
+                return runner.run(load(f"127.0.0.1:{port}", n, args.concurrency))
 
         warm = go(WARMUP, 10_000_000)
         if warm["ok"] != WARMUP:
@@ -169,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(_serve(args.serve[0], int(args.serve[1])))
         return 0
-    runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
+    runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": [], "grpc-mux": []}
     for _ in range(args.rounds):
         for kind in runs:
             runs[kind].append(measure(kind, args))
