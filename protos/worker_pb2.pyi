@@ -34,6 +34,48 @@ class GenerateRequest(_message.Message):
     stream_interval: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[_encoder_pb2.EmbeddingDescriptor, _Mapping]]] = ..., whole: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
+class GenerateFrame(_message.Message):
+    __slots__ = ("call_id", "request", "cancel", "metadata", "timeout_s")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    request: GenerateRequest
+    cancel: bool
+    metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    timeout_s: float
+    def __init__(self, call_id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., cancel: _Optional[bool] = ..., metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("call_id", "response", "end")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    response: GenerateResponse
+    end: CallStatus
+    def __init__(self, call_id: _Optional[int] = ..., response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., end: _Optional[_Union[CallStatus, _Mapping]] = ...) -> None: ...
+
+class CallStatus(_message.Message):
+    __slots__ = ("code", "details", "trailing_metadata")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    TRAILING_METADATA_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    trailing_metadata: _containers.RepeatedCompositeFieldContainer[MetadataEntry]
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ..., trailing_metadata: _Optional[_Iterable[_Union[MetadataEntry, _Mapping]]] = ...) -> None: ...
+
+class MetadataEntry(_message.Message):
+    __slots__ = ("key", "value")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    value: str
+    def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+
 class ImageItem(_message.Message):
     __slots__ = ("data", "mm_hash")
     DATA_FIELD_NUMBER: _ClassVar[int]

@@ -40,6 +40,11 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.stream_stream(
+                '/kvmesh.worker.Worker/GenerateStream',
+                request_serializer=protos_dot_worker__pb2.GenerateFrame.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.GenerateReply.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvmesh.worker.Worker/Abort',
                 request_serializer=protos_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -62,6 +67,16 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Runs one request and streams its output. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request_iterator, context):
+        """Many Generate calls multiplexed on one long-lived stream (the frontend's
+        --worker-transport stream): each GenerateFrame starts or cancels one call, each
+        GenerateReply carries one of its responses or its end, with the status a Generate
+        call would have ended with. Ending the stream cancels every call still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -97,6 +112,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=protos_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=protos_dot_worker__pb2.GenerateFrame.FromString,
+                    response_serializer=protos_dot_worker__pb2.GenerateReply.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -141,6 +161,33 @@ class Worker:
             '/kvmesh.worker.Worker/Generate',
             protos_dot_worker__pb2.GenerateRequest.SerializeToString,
             protos_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvmesh.worker.Worker/GenerateStream',
+            protos_dot_worker__pb2.GenerateFrame.SerializeToString,
+            protos_dot_worker__pb2.GenerateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -224,7 +224,8 @@ def build_server(cfg: WorkerConfig, engine: Engine,
         servicer,
         worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
     )
-    on_stop: list[Callable[[], Awaitable[None]]] = [engine.shutdown]
+    # the engine first (running requests end), then the open GenerateStreams
+    on_stop: list[Callable[[], Awaitable[None]]] = [engine.shutdown, servicer.streams.close]
     if relay is not None:
         on_stop.append(relay.close)
         if "kv_events" not in rec_caps:

@@ -72,7 +72,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -96,6 +96,7 @@ from workers.engines.base import (
     TokenLogprob,
     validate_sampling,
 )
+from workers.generate_stream import GenerateStreams
 from workers.kv.event_relay import KvEventRelay
 from workers.metrics import WorkerMetrics, worker_metrics
 
@@ -267,6 +268,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._active = 0
         self._dead: str | None = None
         self._tracer = tracer("worker")
+        self.streams = GenerateStreams(self.Generate)
 
     def mark_dead(self, reason: str) -> None:
         """From now on Generate answers UNAVAILABLE ``engine dead: <reason>``."""
@@ -342,7 +344,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[worker_pb2.GenerateResponse, None]:
         if self._dead is not None:
             await self._abort_dead(context)
         try:
@@ -480,6 +482,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         span = self._tracer.start_span("embedding_transfer", start_time=start,
                                        attributes=span_attrs)
         span.end(end_time=max(start, *(r.end_ns for r in reports)))
+
+    async def GenerateStream(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateFrame],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Generate calls multiplexed on one stream (:mod:`workers.generate_stream`)."""
+        await self.streams.handle(request_iterator, context)
 
     async def Abort(  # noqa: N802
         self, request: worker_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -155,12 +155,15 @@ def _git_rev() -> str | None:
     return None
 
 
-def start_kvmesh(stack: contextlib.ExitStack, router: str, frontends: int = 1) -> Side:
-    side = Side("kvmesh", info={"router": router, "frontends": frontends})
+def start_kvmesh(stack: contextlib.ExitStack, router: str, frontends: int = 1,
+                 worker_transport: str = "call") -> Side:
+    side = Side("kvmesh", info={"router": router, "frontends": frontends,
+                                "worker_transport": worker_transport})
     try:
         mesh = stack.enter_context(BenchMesh("fvd"))
         url, children = mesh_profile.start(
-            mesh, argparse.Namespace(router=router, frontends=frontends), None)
+            mesh, argparse.Namespace(router=router, frontends=frontends,
+                                     worker_transport=worker_transport), None)
         side.url, side.pids = url, {n: c.pid for n, c in children.items()}
     except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
         side.error = f"{type(exc).__name__}: {exc}"[-2000:]
@@ -266,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--open-loop-rps", default="")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
+    p.add_argument("--worker-transport", default="call", choices=("call", "stream"),
+                   help="kvmesh's frontend --worker-transport")
     p.add_argument("--frontends", type=int, default=1)
     p.add_argument("--no-install", action="store_true",
                    help="do not install Dynamo into .dynvenv when it is missing")
@@ -294,13 +299,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "words": args.words, "max_tokens": args.max_tokens, "rounds": args.rounds,
         "order": "per point and round: kvmesh then dynamo (A B A B ...)",
         "router": args.router, "frontends": args.frontends,
+        "worker_transport": args.worker_transport,
         "model": {"name": MODEL, "path": str(model_dir)},
         "cpus": os.cpu_count(), "loadavg_before": os.getloadavg(), "note": NOTE,
         "versions": {"kvmesh": _git_rev(), "python": platform.python_version()}}
     t0 = time.monotonic()
     with contextlib.ExitStack() as stack:
-        sides = [start_kvmesh(stack, args.router, args.frontends), start_dynamo(stack, model_dir,
-                                                                not args.no_install)]
+        sides = [start_kvmesh(stack, args.router, args.frontends, args.worker_transport),
+                 start_dynamo(stack, model_dir, not args.no_install)]
         for s in sides:
             s.info["listening"] = listeners(s.pids)
             s.info["non_loopback_listeners"] = non_loopback(s.info["listening"])

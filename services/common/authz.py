@@ -20,7 +20,8 @@ Contract:
   ================================  =============================================
   method                            roles
   ================================  =============================================
-  Worker.Generate / Abort           frontend
+  Worker.Generate / Abort /         frontend
+  GenerateStream
   Worker.GetLoad                    router, planner, admin
   Worker.GetKvState                 router, indexer, admin
   Router.Route / Release /          frontend
@@ -62,6 +63,7 @@ _STORE_DATA = ("worker", "store_client")
 
 POLICY: dict[str, tuple[str, ...]] = {
     "/kvmesh.worker.Worker/Generate": ("frontend",),
+    "/kvmesh.worker.Worker/GenerateStream": ("frontend",),
     "/kvmesh.worker.Worker/Abort": ("frontend",),
     "/kvmesh.worker.Worker/GetLoad": ("router", "planner", "admin"),
     "/kvmesh.worker.Worker/GetKvState": ("router", "indexer", "admin"),

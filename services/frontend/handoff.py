@@ -99,6 +99,7 @@ from services.common.kv_params import held_blocks, is_set
 from services.common.telemetry import tracer
 from services.frontend import handoff_machine as hm
 from services.frontend.metrics import FrontendMetrics
+from services.frontend.worker_stream import WorkerStreams
 
 log = logging.getLogger(__name__)
 
@@ -271,8 +272,9 @@ class _Run:
     """One :func:`run_plan`: the machine, its event queue and the tasks it started."""
 
     def __init__(self, pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
-                 metrics: FrontendMetrics) -> None:
+                 metrics: FrontendMetrics, streams: WorkerStreams | None = None) -> None:
         self.pool, self.req, self.route, self.metrics = pool, req, route, metrics
+        self.streams = streams
         # The mode as the spans and metrics label it (a mock P says "mock": pull-like).
         self.mode = (route.prefill.handoff.mode or "pull") if route.disaggregated else "agg"
         self.machine = hm.HandoffMachine(
@@ -399,6 +401,14 @@ class _Run:
         await asyncio.sleep(PUSH_TIMEOUT_S)  # a timer, not synchronisation
         self.events.put_nowait(hm.Timeout(generation))
 
+    def _generate(self, address: str, request: worker_pb2.GenerateRequest) -> Any:
+        """The worker's Generate call: on its GenerateStream with ``streams``, else a gRPC
+        call of its own (the same responses and errors; :mod:`.worker_stream`)."""
+        if self.streams is not None:
+            return self.streams.generate(address, request, WORKER_TIMEOUT_S)
+        return worker_pb2_grpc.WorkerStub(self.pool.get(address)).Generate(
+            request, timeout=WORKER_TIMEOUT_S)
+
     async def _prefill(self) -> None:
         choice, mode = self.route.prefill, self.mode
         start = time.monotonic()
@@ -409,8 +419,7 @@ class _Run:
                     "kvmesh.handoff_mode": mode,
                     "kvmesh.predicted_cached_tokens": _predicted_tokens(self.route, True),
             }) as span:
-                call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
-                    _prefill_request(self.req, mode), timeout=WORKER_TIMEOUT_S)
+                call = self._generate(choice.address, _prefill_request(self.req, mode))
                 last: worker_pb2.GenerateResponse | None = None
                 tokens: list[int] = []
                 text: list[str] = []
@@ -477,12 +486,10 @@ class _Run:
         event: hm.Event = hm.DecodeEnded()
         try:
             if xfer is None:
-                call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
-                    d_req, timeout=WORKER_TIMEOUT_S)
+                call = self._generate(choice.address, d_req)
             else:
                 with trace.use_span(xfer, end_on_exit=False):
-                    call = worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
-                        d_req, timeout=WORKER_TIMEOUT_S)
+                    call = self._generate(choice.address, d_req)
             start = time.monotonic()
             hold = self.mode in PUSH_LIKE and self.want_prompt_logprobs
             try:
@@ -520,10 +527,11 @@ class _Run:
 
 
 async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
-                   metrics: FrontendMetrics) -> AsyncIterator[worker_pb2.GenerateResponse]:
-    """Runs ``req`` as ``route`` says, recording into ``metrics``; see the module
-    docstring."""
-    responses = _Run(pool, req, route, metrics).responses()
+                   metrics: FrontendMetrics, streams: WorkerStreams | None = None
+                   ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+    """Runs ``req`` as ``route`` says, recording into ``metrics``, its worker calls on
+    ``streams`` when given; see the module docstring."""
+    responses = _Run(pool, req, route, metrics, streams).responses()
     try:
         async for resp in responses:
             yield resp

@@ -126,6 +126,14 @@ class FrontendConfig(BaseConfig, ImageFlags):
                     "(re-sending prompt + tokens so far); 0: never"}
     )
 
+    worker_transport: str = dataclasses.field(
+        default="call", metadata={
+            "help": "call: one gRPC Generate call per worker call; stream: the calls to "
+                    "each worker multiplexed on one long-lived GenerateStream (less CPU "
+                    "per request; services.frontend.worker_stream)",
+            "choices": ("call", "stream")}
+    )
+
     first_token_from_prefill: bool = dataclasses.field(
         default=True, metadata={
             "help": "pull P/D: send P's sampled token as the first token and let D continue "
@@ -309,6 +317,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
         embedded = await start_embedded_router(cfg.embedded_router_config())
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
                         first_token_from_prefill=cfg.first_token_from_prefill,
+                        worker_streams=cfg.worker_transport == "stream",
                         router_stub=embedded.stub if embedded is not None else None,
                         tls=tls, image_limits=dataclasses.replace(
                             cfg.limits(), remote_urls=cfg.allow_remote_images),

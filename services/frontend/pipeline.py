@@ -146,6 +146,7 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context, truncated
 from services.frontend.remote_images import RemoteImageFetcher, RemoteImageLimits, fetch_parts
+from services.frontend.worker_stream import WorkerStreams
 
 log = logging.getLogger(__name__)
 DEFAULT_MIGRATION_LIMIT = 3
@@ -295,7 +296,8 @@ class Pipeline:
                  tls: MeshTls | None = None, image_limits: ImageLimits | None = None,
                  encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S,
                  remote_images: RemoteImageLimits | None = None,
-                 router_stub: Any = None, first_token_from_prefill: bool = True) -> None:
+                 router_stub: Any = None, first_token_from_prefill: bool = True,
+                 worker_streams: bool = False) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         if not encode_timeout_s > 0:
@@ -309,6 +311,8 @@ class Pipeline:
         # errors); None: the router at router_address(), over gRPC
         self._router_stub = router_stub
         self._pool = ChannelPool(tls, "worker")
+        # worker calls on one GenerateStream per worker (--worker-transport stream)
+        self._streams = WorkerStreams(self._pool) if worker_streams else None
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
         # remote image URLs (parse_chat lets them through only with image_limits.remote_urls)
@@ -608,7 +612,8 @@ class Pipeline:
                                whole=not job.req.stream,
                                stream_interval=job.req.stream_interval or 0)
                 with _attached(ctx):
-                    responses = run_plan(self._pool, plan, route, self.metrics)
+                    responses = run_plan(self._pool, plan, route, self.metrics,
+                                         self._streams)
                 pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None
                 failure: WorkerFailure | None = None
                 cause: BaseException | None = None
@@ -744,4 +749,6 @@ class Pipeline:
         """Closes the gRPC channels (after the pending ``PrefillDone`` calls)."""
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        if self._streams is not None:
+            await self._streams.close()
         await self._pool.close()

@@ -136,8 +136,10 @@ class LostAnswerRouter(RouterServicer):
 
 @contextlib.asynccontextmanager
 async def mesh(nodes: Sequence[Node],
-               servicer_cls: type[RouterServicer] = RouterServicer) -> AsyncIterator[Setup]:
-    """A router over ``nodes`` and a pipeline using it; stopped with the nodes after."""
+               servicer_cls: type[RouterServicer] = RouterServicer,
+               streams: bool = False) -> AsyncIterator[Setup]:
+    """A router over ``nodes`` and a pipeline using it (its worker calls on
+    GenerateStreams with ``streams``); stopped with the nodes after."""
     registry = default_registry()
     core = RouterCore(policy=registry.create("kv", random.Random(0)),
                       prefill_policy=registry.create("kv", random.Random(1)),
@@ -150,7 +152,7 @@ async def mesh(nodes: Sequence[Node],
                                          servicer)
     catalog = ModelCatalog()
     catalog.on_workers(records)
-    pipeline = Pipeline(catalog, lambda: router_address)
+    pipeline = Pipeline(catalog, lambda: router_address, worker_streams=streams)
     try:
         yield Setup(core, pipeline, list(nodes))
     finally:
@@ -161,14 +163,21 @@ async def mesh(nodes: Sequence[Node],
             await n.engine.shutdown()
 
 
+@pytest.fixture(scope="module", params=["call", "stream"])
+def transport(request: pytest.FixtureRequest) -> str:
+    """The pipeline's worker transport (--worker-transport): every test runs with both."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-async def setup() -> AsyncIterator[Setup]:
+async def setup(transport: str) -> AsyncIterator[Setup]:
     async with mesh([
             await node("a1", discovery_pb2.WORKER_ROLE_AGG, MODEL),
             await node("a2", discovery_pb2.WORKER_ROLE_AGG, MODEL),
             # P/D: P's KV cache is smaller than D's, so P refuses what D accepts
             await node("p1", discovery_pb2.WORKER_ROLE_PREFILL, "pd", num_blocks=16),
-            await node("d1", discovery_pb2.WORKER_ROLE_DECODE, "pd")]) as s:
+            await node("d1", discovery_pb2.WORKER_ROLE_DECODE, "pd")],
+            streams=transport == "stream") as s:
         yield s
 
 
@@ -328,9 +337,10 @@ async def test_an_invalidated_channel_reaches_a_worker_restarted_on_its_port() -
         await engine.shutdown()
 
 
-async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly() -> None:
+async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly(transport: str) -> None:
     async with mesh([await node("m1", discovery_pb2.WORKER_ROLE_AGG, "mig"),
-                     await node("m2", discovery_pb2.WORKER_ROLE_AGG, "mig")]) as s:
+                     await node("m2", discovery_pb2.WORKER_ROLE_AGG, "mig")],
+                    streams=transport == "stream") as s:
         _, chunks = await s.pipeline.run(request(40, "mig"))
         reference = [t for c in [c async for c in chunks] for t in c.token_ids]
         got: list[Chunk] = []
@@ -349,13 +359,14 @@ async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly() -> None:
         await s.settled()
 
 
-async def test_a_handoff_failure_d_reports_is_blamed_on_p() -> None:
+async def test_a_handoff_failure_d_reports_is_blamed_on_p(transport: str) -> None:
     """D's KvHandoffError (P's KV never came) excludes and reports P, not D: the retry
     runs on D alone (it prefills itself) and no D is marked unroutable."""
     async with mesh([await node("hp", discovery_pb2.WORKER_ROLE_PREFILL, "hpd"),
                      await node("hd1", discovery_pb2.WORKER_ROLE_DECODE, "hpd", fault="handoff"),
                      await node("hd2", discovery_pb2.WORKER_ROLE_DECODE, "hpd",
-                                fault="handoff")]) as s:
+                                fault="handoff")],
+                    streams=transport == "stream") as s:
         _, chunks = await s.pipeline.run(request(12, "hpd"))
         out = [c async for c in chunks]
         assert (out[-1].finish_reason, out[-1].completion_tokens) == ("length", 12)
@@ -366,11 +377,12 @@ async def test_a_handoff_failure_d_reports_is_blamed_on_p() -> None:
         await s.settled()
 
 
-async def test_a_poison_request_marks_no_worker_unroutable() -> None:
+async def test_a_poison_request_marks_no_worker_unroutable(transport: str) -> None:
     """INTERNAL from a live worker's engine bug migrates, but reports nobody."""
     async with mesh([await node("x1", discovery_pb2.WORKER_ROLE_AGG, "px", fault="poison"),
                      await node("x2", discovery_pb2.WORKER_ROLE_AGG, "px",
-                                fault="poison")]) as s:
+                                fault="poison")],
+                    streams=transport == "stream") as s:
         _, chunks = await s.pipeline.run(request(8, "px", prompt=(POISON, *PROMPT)))
         with pytest.raises(ApiError):
             async for _ in chunks:

@@ -1,0 +1,263 @@
+"""The frontend's half of ``Worker.GenerateStream`` (``--worker-transport stream``): the
+Generate calls to one worker multiplexed on one long-lived gRPC stream (the worker's
+half: :mod:`workers.generate_stream`).
+
+Contract:
+
+- :class:`WorkerStreams` (``pool``: the :class:`~services.common.grpc_client.ChannelPool`
+  the calls would otherwise use) keeps one :class:`WorkerStream` per worker address, on
+  that address's pooled channel; ``generate(address, request, timeout)`` returns a
+  :class:`StreamCall`. A stream that ended or broke, or whose channel the pool replaced
+  (``invalidate`` after an UNAVAILABLE), is not used again: the next call opens a new one
+  (a replaced stream closes its sending side once its last call ended). ``close()``
+  ends every stream. The stream carries no trace context of its own (no tracing
+  interceptors): each call's frame does.
+- :class:`StreamCall` behaves as the ``grpc.aio`` unary-stream call a ``Generate`` would
+  be, for what the frontend uses: ``async for`` yields the responses in order and ends
+  when the call ends OK; a call ending otherwise raises ``grpc.aio.AioRpcError`` with
+  the worker's code, details and trailing metadata. Past ``timeout`` seconds it raises
+  DEADLINE_EXCEEDED ("Deadline Exceeded") and the worker is told to cancel it (it also
+  gets the timeout). ``cancel()`` ends it with CANCELLED and tells the worker (the engine
+  request is aborted, as for a cancelled Generate call); False when it had ended. When
+  the stream breaks or ends, every call still on it raises UNAVAILABLE naming the worker
+  and how the stream ended: the worker or its connection went away, as a Generate call
+  would see it (the pipeline migrates it).
+- The call's frame carries the current trace context as metadata: the caller's (lean
+  tracing, unsampled) or, otherwise, a client span ``/kvmesh.worker.Worker/Generate``
+  ended with the call, as the client interceptor makes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections import deque
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.propagate import inject
+
+from protos import worker_pb2
+from services.common import telemetry
+from services.common.grpc_client import ChannelPool
+from services.router.embedded import rpc_error
+
+log = logging.getLogger(__name__)
+
+STREAM_METHOD = "/kvmesh.worker.Worker/GenerateStream"
+GENERATE_METHOD = "/kvmesh.worker.Worker/Generate"
+_OK = grpc.StatusCode.OK
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _status_error(status: worker_pb2.CallStatus) -> grpc.aio.AioRpcError:
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return rpc_error(code, status.details,
+                     tuple((m.key, m.value) for m in status.trailing_metadata))
+
+
+class StreamCall:
+    """One Generate call on a :class:`WorkerStream` (see the module docstring)."""
+
+    def __init__(self, stream: WorkerStream, call_id: int, timeout: float | None,
+                 span: trace.Span | None) -> None:
+        self._stream = stream
+        self.call_id = call_id
+        self._items: deque[worker_pb2.GenerateResponse] = deque()
+        self._error: grpc.aio.AioRpcError | None = None
+        self._ended = False  # no more responses will come (OK, error or cancel)
+        self._waiter: asyncio.Future[None] | None = None
+        self._span = span
+        self._timer = (asyncio.get_running_loop().call_later(timeout, self._expire)
+                       if timeout is not None else None)
+
+    def __aiter__(self) -> StreamCall:
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        while not self._items:
+            if self._ended:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def feed(self, reply: worker_pb2.GenerateReply) -> None:
+        """A reply of this call from the stream."""
+        if self._ended:
+            return
+        if reply.HasField("response"):
+            self._items.append(reply.response)
+        else:
+            status = reply.end
+            self._finish(None if status.code == _OK.value[0] else _status_error(status))
+        self._wake()
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        """Ends the call with ``error`` (its responses so far are still read first)."""
+        if not self._ended:
+            self._finish(error)
+            self._wake()
+
+    def _finish(self, error: grpc.aio.AioRpcError | None) -> None:
+        self._ended = True
+        self._error = error
+        if self._timer is not None:
+            self._timer.cancel()
+        self._stream.forget(self.call_id)
+        if self._span is not None:
+            if error is not None:
+                self._span.set_status(trace.Status(trace.StatusCode.ERROR,
+                                                   f"{error.code().name}: {error.details()}"))
+            self._span.end()
+
+    def _expire(self) -> None:
+        if not self._ended:
+            self._stream.send_cancel(self.call_id)
+            self.fail(rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+
+    def cancel(self) -> bool:
+        """Cancels the call (see the module docstring); False when it had ended."""
+        if self._ended:
+            return False
+        self._stream.send_cancel(self.call_id)
+        self._items.clear()
+        self.fail(rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+        return True
+
+
+class WorkerStream:
+    """One GenerateStream to a worker (see the module docstring)."""
+
+    def __init__(self, channel: Any, address: str) -> None:
+        self.channel = channel
+        self.address = address
+        self.broken = False
+        self._retired = False
+        self._calls: dict[int, StreamCall] = {}
+        self._ids = itertools.count(1)
+        self._outbox: asyncio.Queue[worker_pb2.GenerateFrame | None] = asyncio.Queue()
+        make = getattr(channel, "untraced_stream_stream", None)
+        if make is None:  # a plain channel (tests): no interceptors to skip
+            make = channel.stream_stream
+            multicallable = make(STREAM_METHOD,
+                                 request_serializer=worker_pb2.GenerateFrame.SerializeToString,
+                                 response_deserializer=worker_pb2.GenerateReply.FromString)
+        else:
+            multicallable = make(STREAM_METHOD, worker_pb2.GenerateFrame.SerializeToString,
+                                 worker_pb2.GenerateReply.FromString)
+        self._call = multicallable()
+        self._writer = asyncio.ensure_future(self._write())
+        self._reader = asyncio.ensure_future(self._read())
+
+    def generate(self, request: worker_pb2.GenerateRequest,
+                 timeout: float | None) -> StreamCall:
+        """Starts a call (see the module docstring)."""
+        call_id = next(self._ids)
+        span: trace.Span | None = None
+        if telemetry.may_record():
+            span = telemetry.tracer("frontend").start_span(GENERATE_METHOD,
+                                                           kind=trace.SpanKind.CLIENT)
+            carrier: dict[str, str] = {}
+            inject(carrier, trace.set_span_in_context(span))
+            metadata = list(carrier.items())
+        else:
+            metadata = telemetry.propagation_metadata()
+        call = StreamCall(self, call_id, timeout, span)
+        self._calls[call_id] = call
+        self._outbox.put_nowait(worker_pb2.GenerateFrame(
+            call_id=call_id, request=request, timeout_s=timeout or 0.0,
+            metadata=[worker_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]))
+        return call
+
+    def send_cancel(self, call_id: int) -> None:
+        if not self.broken:
+            self._outbox.put_nowait(worker_pb2.GenerateFrame(call_id=call_id, cancel=True))
+
+    def forget(self, call_id: int) -> None:
+        self._calls.pop(call_id, None)
+        if self._retired and not self._calls:
+            self._outbox.put_nowait(None)  # the sending side ends: the stream ends
+
+    def retire(self) -> None:
+        """No new calls; the stream ends once its last call ended."""
+        self._retired = True
+        if not self._calls:
+            self._outbox.put_nowait(None)
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                frame = await self._outbox.get()
+                if frame is None:
+                    await self._call.done_writing()
+                    return
+                await self._call.write(frame)
+        except Exception as exc:  # noqa: BLE001 - the reader sees the stream's end too
+            log.debug("GenerateStream to %s: writing failed: %r", self.address, exc)
+
+    async def _read(self) -> None:
+        how = "ended"
+        try:
+            async for reply in self._call:
+                call = self._calls.get(reply.call_id)
+                if call is not None:
+                    call.feed(reply)
+        except grpc.aio.AioRpcError as exc:
+            how = f"failed: {exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:  # what reading a cancelled call raises (close())
+            how = "was closed"
+        except Exception as exc:  # noqa: BLE001 - every call on it fails below
+            how = f"failed: {type(exc).__name__}: {exc}"
+        self.broken = True
+        self._writer.cancel()
+        if self._calls:
+            err = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                            f"the GenerateStream to worker {self.address} {how}")
+            for call in list(self._calls.values()):
+                call.fail(err)
+
+    async def close(self) -> None:
+        """Ends the stream and fails its calls (UNAVAILABLE)."""
+        self.broken = True
+        self._call.cancel()
+        self._writer.cancel()
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+
+
+class WorkerStreams:
+    """One :class:`WorkerStream` per worker address (see the module docstring)."""
+
+    def __init__(self, pool: ChannelPool) -> None:
+        self._pool = pool
+        self._streams: dict[str, WorkerStream] = {}
+        self._old: set[WorkerStream] = set()
+
+    def generate(self, address: str, request: worker_pb2.GenerateRequest,
+                 timeout: float | None) -> StreamCall:
+        channel = self._pool.get(address)
+        stream = self._streams.get(address)
+        if stream is None or stream.broken or stream.channel is not channel:
+            if stream is not None:
+                stream.retire()
+                self._old.add(stream)
+            self._old = {s for s in self._old if not s.broken}
+            stream = self._streams[address] = WorkerStream(channel, address)
+        return stream.generate(request, timeout)
+
+    async def close(self) -> None:
+        streams = [*self._streams.values(), *self._old]
+        self._streams.clear()
+        self._old.clear()
+        await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)

@@ -1,0 +1,237 @@
+"""Worker.GenerateStream: Generate calls multiplexed on one stream (the frontend's
+``--worker-transport stream``; :mod:`services.frontend.worker_stream` and
+:mod:`workers.generate_stream`).
+
+Real WorkerServicers over mock engines on loopback gRPC servers. A call on a stream gives
+what a Generate call gives, responses and errors alike; a cancel or a deadline aborts the
+engine request; a worker that stops fails the calls on its stream with UNAVAILABLE and a
+restarted one is reached by the next call; a caller that breaks the protocol ends its
+stream with INVALID_ARGUMENT. The pipeline over streams is
+:mod:`tests.unit.test_frontend_release` (every test there runs with both transports).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+
+from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.grpc_client import ChannelPool
+from services.frontend.worker_stream import WorkerStreams
+from tests.unit.test_frontend_release import serve
+from tests.waiting import wait_for
+from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.service import WorkerServicer
+
+
+@dataclass
+class Worker:
+    engine: MockEngine
+    servicer: WorkerServicer
+    server: grpc.aio.Server
+    address: str
+
+    def idle(self) -> bool:
+        load = self.engine.load()
+        return not load.num_running and not load.num_waiting
+
+
+async def start_worker(timing: str = "zero", address: str = "") -> Worker:
+    engine = MockEngine(MockEngineConfig(model_name="m", block_size=16, num_blocks=512,
+                                         max_model_len=4096, timing=timing))
+    await engine.start()
+    servicer = WorkerServicer(engine, "w")
+    if address:
+        server = grpc.aio.server()
+        worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+        assert server.add_insecure_port(address)
+        await server.start()
+    else:
+        server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server,
+                                      servicer)
+    return Worker(engine, servicer, server, address)
+
+
+async def stop_worker(w: Worker) -> None:
+    await w.server.stop(0)
+    await w.engine.shutdown()
+
+
+@pytest.fixture
+async def worker() -> AsyncIterator[Worker]:
+    w = await start_worker("poly")
+    yield w
+    await stop_worker(w)
+
+
+@pytest.fixture
+async def streams() -> AsyncIterator[WorkerStreams]:
+    pool = ChannelPool()
+    s = WorkerStreams(pool)
+    yield s
+    await s.close()
+    await pool.close()
+
+
+def request(rid: str, tokens: int = 12, whole: bool = False, seed: int = 1,
+            prompt: list[int] | None = None) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(
+        request_id=rid, token_ids=prompt if prompt is not None else list(range(5, 60)),
+        whole=whole, sampling=common_pb2.SamplingParams(max_tokens=tokens, ignore_eos=True,
+                                                        seed=seed))
+
+
+async def by_call(w: Worker, req: worker_pb2.GenerateRequest
+                  ) -> list[worker_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(w.address) as ch:
+        return [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(req)]
+
+
+async def test_interleaved_calls_answer_what_generate_calls_answer(
+        worker: Worker, streams: WorkerStreams) -> None:
+    reqs = [request(f"r{i}", tokens=4 + 3 * i, whole=i % 2 == 0, seed=i) for i in range(8)]
+    want = [await by_call(worker, r) for r in reqs]
+
+    async def one(r: worker_pb2.GenerateRequest) -> list[worker_pb2.GenerateResponse]:
+        r2 = worker_pb2.GenerateRequest()
+        r2.CopyFrom(r)
+        r2.request_id += "-s"
+        return [m async for m in streams.generate(worker.address, r2, 30)]
+
+    got = await asyncio.gather(*(one(r) for r in reqs))
+    for w_msgs, g_msgs in zip(want, got, strict=True):
+        assert [list(m.token_ids) for m in g_msgs] == [list(m.token_ids) for m in w_msgs]
+        assert [m.text for m in g_msgs] == [m.text for m in w_msgs]
+        assert g_msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert g_msgs[-1].usage.completion_tokens == w_msgs[-1].usage.completion_tokens
+    assert len(streams._streams) == 1  # one stream carried them all
+
+
+async def test_a_call_error_keeps_its_status_and_the_stream_goes_on(
+        worker: Worker, streams: WorkerStreams) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in streams.generate(worker.address, request("bad", prompt=[]), 30):
+            pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids must not be empty" in (err.value.details() or "")
+    ok = [m async for m in streams.generate(worker.address, request("ok", 3), 30)]
+    assert sum(len(m.token_ids) for m in ok) == 3
+
+
+async def test_cancel_aborts_the_engine_request(worker: Worker,
+                                                streams: WorkerStreams) -> None:
+    call = streams.generate(worker.address, request("long", tokens=2000), 30)
+    first = await call.__anext__()
+    assert first.token_ids
+    assert call.cancel() and not call.cancel()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call.__anext__()
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    await wait_for(worker.idle, 10, "the engine request aborted")
+    ok = [m async for m in streams.generate(worker.address, request("after", 2), 30)]
+    assert sum(len(m.token_ids) for m in ok) == 2
+
+
+async def test_a_deadline_ends_the_call_and_aborts_the_engine_request(
+        worker: Worker, streams: WorkerStreams) -> None:
+    call = streams.generate(worker.address, request("slow", tokens=3000), 0.3)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await wait_for(worker.idle, 10, "the engine request aborted")
+
+
+async def test_a_stopped_worker_fails_the_calls_on_its_stream_and_a_restart_is_reached(
+        streams: WorkerStreams) -> None:
+    w = await start_worker("poly")
+    call = streams.generate(w.address, request("mid", tokens=2000), 30)
+    assert (await call.__anext__()).token_ids
+    await w.server.stop(0)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert w.address in (err.value.details() or "")
+    await w.engine.shutdown()
+    again = await start_worker(address=w.address)
+    try:
+        streams._pool.invalidate(w.address)  # what the pipeline does after UNAVAILABLE
+        ok = [m async for m in streams.generate(w.address, request("new", 3), 30)]
+        assert sum(len(m.token_ids) for m in ok) == 3
+    finally:
+        await stop_worker(again)
+
+
+async def test_a_stopping_worker_ends_its_streams_and_refuses_new_calls(
+        worker: Worker, streams: WorkerStreams) -> None:
+    call = streams.generate(worker.address, request("run", tokens=2000), 30)
+    assert (await call.__anext__()).token_ids
+    await worker.servicer.streams.close()
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        async for _ in call:
+            pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.details() == "worker is stopping"
+    await wait_for(worker.idle, 10, "the engine request aborted")
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stream = worker_pb2_grpc.WorkerStub(ch).GenerateStream()
+        await stream.write(worker_pb2.GenerateFrame(call_id=1, request=request("late")))
+        reply = await stream.read()
+        assert reply.call_id == 1 and reply.WhichOneof("kind") == "end"
+        assert reply.end.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert reply.end.details == "worker is stopping"
+        stream.cancel()
+
+
+@pytest.mark.parametrize(("frames", "message"), [
+    ([worker_pb2.GenerateFrame(call_id=3)], "frame of call_id 3: neither request nor cancel"),
+    ([worker_pb2.GenerateFrame(call_id=4, request=request("a", 2000)),
+      worker_pb2.GenerateFrame(call_id=4, request=request("b"))],
+     "call_id 4 is already running"),
+])
+async def test_a_caller_breaking_the_protocol_ends_its_stream(
+        worker: Worker, frames: list[worker_pb2.GenerateFrame], message: str) -> None:
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stream = worker_pb2_grpc.WorkerStub(ch).GenerateStream()
+        for f in frames:
+            await stream.write(f)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stream:
+                pass
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == message
+    await wait_for(worker.idle, 10, "the stream's calls cancelled")
+
+
+
+async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
+        streams: WorkerStreams) -> None:
+    """Calls cancelled while the worker writes their responses (the pipeline cancels a
+    call whose client went away, or as soon as its finish is in), interleaved with calls
+    that run to the end: every one of those gets all its replies (a write cancelled
+    mid-way would leave gRPC's send in flight and fail the next one: a lost reply hangs
+    its call, and wait_for fails)."""
+    w = await start_worker("zero")
+    try:
+        async def one(i: int) -> int:
+            call = streams.generate(w.address, request(f"x{i}", tokens=60, seed=i), 30)
+            n = 0
+            async for m in call:
+                n += len(m.token_ids)
+                if i % 2 and n >= 1 + i % 7:
+                    call.cancel()
+                    return -1
+            return n
+
+        for r in range(4):
+            got = await asyncio.wait_for(
+                asyncio.gather(*(one(100 * r + i) for i in range(100))), 30)
+            assert got == [60 if i % 2 == 0 else -1 for i in range(100)]
+        await wait_for(w.idle, 10, "every call ended on the worker")
+    finally:
+        await stop_worker(w)
