@@ -156,7 +156,7 @@ def _git_rev() -> str | None:
 
 
 def start_kvmesh(stack: contextlib.ExitStack, router: str, frontends: int = 1,
-                 worker_transport: str = "call") -> Side:
+                 worker_transport: str = "stream") -> Side:
     side = Side("kvmesh", info={"router": router, "frontends": frontends,
                                 "worker_transport": worker_transport})
     try:
@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--open-loop-rps", default="")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
-    p.add_argument("--worker-transport", default="call", choices=("call", "stream"),
+    p.add_argument("--worker-transport", default="stream", choices=("call", "stream"),
                    help="kvmesh's frontend --worker-transport")
     p.add_argument("--frontends", type=int, default=1)
     p.add_argument("--no-install", action="store_true",

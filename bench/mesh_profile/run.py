@@ -2,7 +2,7 @@
 
 ``python -m bench.mesh_profile [--requests 400] [--concurrency 8] [--words 240]
 [--max-tokens 16] [--stream] [--router standalone|embedded]
-[--worker-transport call|stream] [--phases cpu,profile]
+[--worker-transport stream|call] [--phases cpu,profile]
 [--compare | --baseline DIR [--rounds 3]] [--out bench/results]``
 
 Contracts:
@@ -13,8 +13,9 @@ Contracts:
   nothing, KV events still flow), the ``kv`` router (remote indexer) and the frontend.
   ``--router embedded`` runs no router process: the frontend routes in-process
   (``--router embedded --indexer embedded``, :mod:`services.router.embedded`) and no
-  indexer process either. ``--worker-transport stream``: the frontend's worker calls go
-  on one GenerateStream per worker (:mod:`services.frontend.worker_stream`).
+  indexer process either. ``--worker-transport`` is the frontend's (default ``stream``:
+  its worker calls on one GenerateStream per worker, :mod:`services.frontend.
+  worker_stream`; ``call``: a gRPC call each).
 - Load: a closed loop of ``--concurrency`` clients in this process (httpx, one connection
   each) POSTing ``/v1/completions`` with a text prompt of ``--words`` words (a shared
   head of 5/6 of them, then words of the request's own), ``max_tokens`` 16,
@@ -204,9 +205,9 @@ def start(mesh: BenchMesh, args: argparse.Namespace, profile_dir: Path | None
         children["router"] = py("router", "services.router", "--policy", "kv",
                                 "--indexer", "remote", "--port", str(router_port))
         front_args = ["--router-address", f"127.0.0.1:{router_port}"]
-    transport = getattr(args, "worker_transport", "call")
-    if transport != "call":  # the default goes unsaid: a --baseline checkout may predate it
-        front_args += ["--worker-transport", transport]
+    transport = getattr(args, "worker_transport", "stream")
+    if transport != "stream":  # the default goes unsaid: a --baseline checkout may predate
+        front_args += ["--worker-transport", transport]  # it (and then runs its own)
     port = free_port()
     if replicas > 1:  # they share the port (SO_REUSEPORT)
         front_args.append("--reuse-port")
@@ -430,7 +431,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stream-interval", type=int, default=None,
                    help="vLLM's stream_interval on every request (default: not sent)")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
-    p.add_argument("--worker-transport", default="call", choices=("call", "stream"),
+    p.add_argument("--worker-transport", default="stream", choices=("call", "stream"),
                    help="the frontend's --worker-transport")
     p.add_argument("--phases", default="cpu,profile")
     p.add_argument("--keep-profiles", type=Path, default=None, metavar="DIR",

@@ -82,17 +82,25 @@ async def _internal(context: Any, details: Any, exc: Exception) -> None:
                         f"{details.method} failed: {type(exc).__name__}: {exc}"[:512])
 
 
+# Long-lived streams whose messages carry their own trace context (and whose handler
+# writes with context.write, which OpenTelemetry's interceptor cannot wrap): no span.
+UNTRACED_METHODS = frozenset({"/kvmesh.worker.Worker/GenerateStream"})
+
+
 class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """OpenTelemetry's server interceptor, except in lean tracing mode
     (:func:`services.common.telemetry.lean`) for a call whose propagated context is not
     sampled: its server span could not record, so the handler just runs in the caller's
     context (attached in the call's own task, which grpc.aio runs the handler in: ids
-    and the sampled flag propagate on as before)."""
+    and the sampled flag propagate on as before). :data:`UNTRACED_METHODS` are never
+    wrapped."""
 
     def __init__(self) -> None:
         self._otel = aio_server_interceptor()
 
     async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method in UNTRACED_METHODS:
+            return await continuation(details)
         if telemetry.lean():
             ctx = telemetry.remote_context(details.invocation_metadata)
             if not telemetry.is_sampled(ctx):

@@ -127,10 +127,10 @@ class FrontendConfig(BaseConfig, ImageFlags):
     )
 
     worker_transport: str = dataclasses.field(
-        default="call", metadata={
-            "help": "call: one gRPC Generate call per worker call; stream: the calls to "
-                    "each worker multiplexed on one long-lived GenerateStream (less CPU "
-                    "per request; services.frontend.worker_stream)",
+        default="stream", metadata={
+            "help": "stream: the calls to each worker multiplexed on one long-lived "
+                    "GenerateStream (less CPU per request; services.frontend."
+                    "worker_stream); call: one gRPC Generate call per worker call",
             "choices": ("call", "stream")}
     )
 
