@@ -7,6 +7,9 @@ request plane keeps one connection per worker.
 
 Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateStream):
 
+- The stream's first reply, ``call_id`` 0 with neither field, says it is open; the
+  caller sends no frame before it (so a worker without GenerateStream, an older
+  version, answers UNIMPLEMENTED before any call was sent to it).
 - Each :class:`GenerateFrame` with ``request`` starts a call: ``generate(request,
   context)`` (the servicer's own Generate, the same validation, engine, holder and
   errors) in a task of its own, in the trace context the frame's ``metadata`` carries
@@ -48,6 +51,7 @@ from services.common import telemetry
 log = logging.getLogger(__name__)
 
 GENERATE_METHOD = "/kvmesh.worker.Worker/Generate"
+FLUSH_TIMEOUT_S = 5.0  # a closing stream's last replies wait at most this for the caller
 Generate = Callable[[worker_pb2.GenerateRequest, Any],
                     AsyncGenerator[worker_pb2.GenerateResponse, None]]
 
@@ -112,12 +116,16 @@ class _Stream:
 
     async def flush(self) -> None:
         """Writes what is queued, then stops the writer (quietly when the stream is gone:
-        nobody is left to tell)."""
+        nobody is left to tell; a write still pending after FLUSH_TIMEOUT_S is dropped)."""
         self._outbox.put_nowait(None)
-        try:
-            await self._writer
-        except Exception as exc:  # noqa: BLE001 - see the docstring
-            log.debug("GenerateStream: a reply could not be written: %r", exc)
+        done, _ = await asyncio.wait({self._writer}, timeout=FLUSH_TIMEOUT_S)
+        if not done:
+            self._writer.cancel()
+            log.warning("GenerateStream: replies not written within %.0f s dropped "
+                        "(the caller is gone or stalled)", FLUSH_TIMEOUT_S)
+        elif not self._writer.cancelled() and self._writer.exception() is not None:
+            log.debug("GenerateStream: a reply could not be written: %r",
+                      self._writer.exception())
 
 
 class GenerateStreams:
@@ -143,6 +151,8 @@ class GenerateStreams:
                      context: grpc.aio.ServicerContext) -> None:
         stream = _Stream(context)
         self._streams.add(stream)
+        stream.send(worker_pb2.GenerateReply(call_id=0))  # open: frames may come
+        problem: str | None = None  # how the caller broke the protocol
         try:
             async for frame in frames:
                 kind = frame.WhichOneof("kind")
@@ -153,12 +163,11 @@ class GenerateStreams:
                         task.cancel()
                     continue
                 if kind != "request":
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"frame of call_id {frame.call_id}: neither request "
-                                        "nor cancel")
+                    problem = f"frame of call_id {frame.call_id}: neither request nor cancel"
+                    break
                 if frame.call_id in stream.calls:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                        f"call_id {frame.call_id} is already running")
+                    problem = f"call_id {frame.call_id} is already running"
+                    break
                 if self._closing:
                     stream.send(_end(frame.call_id, grpc.StatusCode.UNAVAILABLE,
                                      "worker is stopping"))
@@ -174,6 +183,8 @@ class GenerateStreams:
             if calls:
                 await asyncio.gather(*calls, return_exceptions=True)
             await stream.flush()  # their end replies too, while the stream is open
+        if problem is not None:  # after the writer stopped: no write races the status
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
     async def _call(self, stream: _Stream, frame: worker_pb2.GenerateFrame) -> None:
         """Runs one call and writes its replies; never raises but for the stream's end."""

@@ -21,7 +21,10 @@ Contract:
   request is aborted, as for a cancelled Generate call); False when it had ended. When
   the stream breaks or ends, every call still on it raises UNAVAILABLE naming the worker
   and how the stream ended: the worker or its connection went away, as a Generate call
-  would see it (the pipeline migrates it).
+  would see it (the pipeline migrates it). No frame is sent before the worker's opening
+  reply; a worker without GenerateStream (an older version) answers UNIMPLEMENTED
+  instead, having run none of the calls: each goes on as a Generate call of its own, and
+  so do that address's later calls (logged once).
 - The call's frame carries the current trace context as metadata: the caller's (lean
   tracing, unsampled) or, otherwise, a client span ``/kvmesh.worker.Worker/Generate``
   ended with the call, as the client interceptor makes.
@@ -39,7 +42,7 @@ import grpc
 from opentelemetry import trace
 from opentelemetry.propagate import inject
 
-from protos import worker_pb2
+from protos import worker_pb2, worker_pb2_grpc
 from services.common import telemetry
 from services.common.grpc_client import ChannelPool
 from services.router.embedded import rpc_error
@@ -62,9 +65,13 @@ class StreamCall:
     """One Generate call on a :class:`WorkerStream` (see the module docstring)."""
 
     def __init__(self, stream: WorkerStream, call_id: int, timeout: float | None,
-                 span: trace.Span | None) -> None:
+                 span: trace.Span | None, request: worker_pb2.GenerateRequest) -> None:
         self._stream = stream
         self.call_id = call_id
+        self._request = request
+        self._timeout = timeout
+        self._unary: Any = None  # the Generate call it became (a worker without streams)
+        self._unary_iter: Any = None
         self._items: deque[worker_pb2.GenerateResponse] = deque()
         self._error: grpc.aio.AioRpcError | None = None
         self._ended = False  # no more responses will come (OK, error or cancel)
@@ -77,7 +84,12 @@ class StreamCall:
         return self
 
     async def __anext__(self) -> worker_pb2.GenerateResponse:
-        while not self._items:
+        while True:
+            if self._items:
+                return self._items.popleft()
+            if self._unary_iter is not None:
+                resp: worker_pb2.GenerateResponse = await self._unary_iter.__anext__()
+                return resp
             if self._ended:
                 if self._error is not None:
                     raise self._error
@@ -87,7 +99,6 @@ class StreamCall:
                 await self._waiter
             finally:
                 self._waiter = None
-        return self._items.popleft()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -122,6 +133,22 @@ class StreamCall:
                                                    f"{error.code().name}: {error.details()}"))
             self._span.end()
 
+    def fall_back(self, channel: Any) -> None:
+        """Goes on as a Generate call of its own on ``channel`` (the worker has no
+        GenerateStream: it never saw this call)."""
+        if self._ended:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._span is not None:
+            self._span.end()  # the Generate call makes its own client span
+            self._span = None
+        self._stream.forget(self.call_id)
+        self._unary = worker_pb2_grpc.WorkerStub(channel).Generate(self._request,
+                                                                   timeout=self._timeout)
+        self._unary_iter = self._unary.__aiter__()
+        self._wake()
+
     def _expire(self) -> None:
         if not self._ended:
             self._stream.send_cancel(self.call_id)
@@ -129,6 +156,8 @@ class StreamCall:
 
     def cancel(self) -> bool:
         """Cancels the call (see the module docstring); False when it had ended."""
+        if self._unary is not None:
+            return bool(self._unary.cancel())
         if self._ended:
             return False
         self._stream.send_cancel(self.call_id)
@@ -144,10 +173,12 @@ class WorkerStream:
         self.channel = channel
         self.address = address
         self.broken = False
+        self.unimplemented = False  # the worker has no GenerateStream (an older version)
         self._retired = False
         self._calls: dict[int, StreamCall] = {}
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue[worker_pb2.GenerateFrame | None] = asyncio.Queue()
+        self._opened = asyncio.Event()  # the worker's first reply (call_id 0) came
         make = getattr(channel, "untraced_stream_stream", None)
         if make is None:  # a plain channel (tests): no interceptors to skip
             make = channel.stream_stream
@@ -174,7 +205,7 @@ class WorkerStream:
             metadata = list(carrier.items())
         else:
             metadata = telemetry.propagation_metadata()
-        call = StreamCall(self, call_id, timeout, span)
+        call = StreamCall(self, call_id, timeout, span, request)
         self._calls[call_id] = call
         self._outbox.put_nowait(worker_pb2.GenerateFrame(
             call_id=call_id, request=request, timeout_s=timeout or 0.0,
@@ -198,6 +229,7 @@ class WorkerStream:
 
     async def _write(self) -> None:
         try:
+            await self._opened.wait()  # nothing goes to a worker that cannot take it
             while True:
                 frame = await self._outbox.get()
                 if frame is None:
@@ -211,17 +243,25 @@ class WorkerStream:
         how = "ended"
         try:
             async for reply in self._call:
+                if not reply.call_id:
+                    self._opened.set()
+                    continue
                 call = self._calls.get(reply.call_id)
                 if call is not None:
                     call.feed(reply)
         except grpc.aio.AioRpcError as exc:
-            how = f"failed: {exc.code().name}: {exc.details()}"
+            code = exc.code()
+            how = f"failed: {code.name}: {exc.details()}"
+            self.unimplemented = code == grpc.StatusCode.UNIMPLEMENTED
         except asyncio.CancelledError:  # what reading a cancelled call raises (close())
             how = "was closed"
         except Exception as exc:  # noqa: BLE001 - every call on it fails below
             how = f"failed: {type(exc).__name__}: {exc}"
         self.broken = True
         self._writer.cancel()
+        if self.unimplemented:  # it ran none of them: each goes on as a call of its own
+            for call in list(self._calls.values()):
+                call.fall_back(self.channel)
         if self._calls:
             err = rpc_error(grpc.StatusCode.UNAVAILABLE,
                             f"the GenerateStream to worker {self.address} {how}")
@@ -243,11 +283,18 @@ class WorkerStreams:
         self._pool = pool
         self._streams: dict[str, WorkerStream] = {}
         self._old: set[WorkerStream] = set()
+        self._call_only: set[str] = set()  # workers without GenerateStream
 
     def generate(self, address: str, request: worker_pb2.GenerateRequest,
-                 timeout: float | None) -> StreamCall:
+                 timeout: float | None) -> Any:
         channel = self._pool.get(address)
         stream = self._streams.get(address)
+        if stream is not None and stream.unimplemented and address not in self._call_only:
+            self._call_only.add(address)
+            log.warning("worker %s has no GenerateStream (an older version?): its calls "
+                        "are gRPC calls of their own", address)
+        if address in self._call_only:
+            return worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=timeout)
         if stream is None or stream.broken or stream.channel is not channel:
             if stream is not None:
                 stream.retire()

@@ -180,6 +180,8 @@ async def test_a_stopping_worker_ends_its_streams_and_refuses_new_calls(
     await wait_for(worker.idle, 10, "the engine request aborted")
     async with grpc.aio.insecure_channel(worker.address) as ch:
         stream = worker_pb2_grpc.WorkerStub(ch).GenerateStream()
+        hello = await stream.read()  # the stream is open: frames may come
+        assert hello == worker_pb2.GenerateReply(call_id=0)
         await stream.write(worker_pb2.GenerateFrame(call_id=1, request=request("late")))
         reply = await stream.read()
         assert reply.call_id == 1 and reply.WhichOneof("kind") == "end"
@@ -235,3 +237,32 @@ async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
         await wait_for(w.idle, 10, "every call ended on the worker")
     finally:
         await stop_worker(w)
+
+
+async def test_a_worker_without_generate_stream_is_called_the_old_way(
+        streams: WorkerStreams) -> None:
+    """An older worker (no GenerateStream: UNIMPLEMENTED) ran none of the calls sent on
+    the stream: each goes on as a Generate call of its own, as do the later ones."""
+    engine = MockEngine(MockEngineConfig(model_name="m", block_size=16, num_blocks=512,
+                                         max_model_len=4096, timing="zero"))
+    await engine.start()
+    servicer = WorkerServicer(engine, "old")
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "kvmesh.worker.Worker", {"Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, worker_pb2.GenerateRequest.FromString,
+            worker_pb2.GenerateResponse.SerializeToString)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    try:
+        async def one(i: int) -> int:
+            call = streams.generate(address, request(f"o{i}", tokens=5, seed=i), 30)
+            return sum([len(m.token_ids) async for m in call])
+
+        assert await asyncio.gather(*(one(i) for i in range(4))) == [5] * 4
+        assert await one(9) == 5
+        assert address in streams._call_only
+    finally:
+        await server.stop(0)
+        await engine.shutdown()
