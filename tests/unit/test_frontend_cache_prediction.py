@@ -73,7 +73,8 @@ async def test_pipeline_records_predicted_and_actual(monkeypatch: pytest.MonkeyP
     resp = route(disagg, 3, 1)
     monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: FakeRouter(resp))
 
-    async def fake_plan(pool: Any, req: Any, route: Any, metrics: Any) -> AsyncIterator[Any]:
+    async def fake_plan(pool: Any, req: Any, route: Any, metrics: Any,
+                        streams: Any = None) -> AsyncIterator[Any]:
         yield worker_pb2.GenerateResponse(text="a", token_ids=[1])
         last = worker_pb2.GenerateResponse(text="b", token_ids=[2],
                                            finish_reason=common_pb2.FINISH_REASON_STOP)

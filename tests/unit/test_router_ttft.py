@@ -293,7 +293,8 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
             calls.append("release")
             return router_pb2.ReleaseResponse(found=True)
 
-    async def plan(pool: Any, req: Any, route: Any, metrics: Any) -> AsyncIterator[Any]:
+    async def plan(pool: Any, req: Any, route: Any, metrics: Any,
+                   streams: Any = None) -> AsyncIterator[Any]:
         yield worker_pb2.GenerateResponse(text="a", token_ids=[1])
         calls.append("second chunk")
         yield worker_pb2.GenerateResponse(text="b", token_ids=[2],
