@@ -21,8 +21,11 @@ Contract of :class:`ReplicaSync`:
   later; changes within one interval share one snapshot. With no change, one goes out
   every ``heartbeat_s`` (default a third of ``peer_timeout_s``). ``seq`` increases with
   each.
-- Reading: from the entries added after :meth:`start` (``XREAD BLOCK``), and after a
-  read failure from the entries added after it (the next heartbeats fill the gap); the
+- Reading: from the entries of the last ``peer_timeout_s`` before :meth:`start` (by the
+  Redis server's clock: a replica that joins hears the live peers' latest snapshots at
+  once instead of at their next heartbeat; a dead peer's last one expires as any), then
+  as they come (``XREAD BLOCK``), and after a read failure from the entries added after
+  it (the next heartbeats fill the gap); the
   replica's own entries are skipped; a ``leaving`` snapshot drops its replica at once; an entry
   that does not parse is skipped and counted (``stats.bad_entries``, logged).
 - Expiry: every ``peer_timeout_s / 4``, peers not heard from for more than
@@ -137,6 +140,13 @@ class ReplicaSync:
     async def start(self) -> None:
         """Connects, wires the core's ``on_change`` and starts the tasks."""
         self._redis = redis_client(self._url, self._tls)
+        try:  # the stream id of peer_timeout_s ago (module docstring)
+            sec, usec = await self._redis.time()
+            since_ms = sec * 1000 + usec // 1000 - int(self._timeout_s * 1000)
+            self._last_id = f"{max(since_ms, 0)}-0"
+        except (RedisError, OSError) as exc:  # the reader's retries report the outage
+            log.warning("replica sync: no Redis time at start (%r): peers are heard from "
+                        "their next snapshot", exc)
         self.core.on_change = self._changed.set
         self._changed.set()  # announce this replica at once
         for task in self._tasks:

@@ -83,6 +83,28 @@ async def test_a_route_and_its_release_on_one_replica_reach_the_other(
     assert a.stats.read_failures == b.stats.publish_failures == 0
 
 
+async def test_a_replica_that_joins_hears_the_live_peers_at_once(
+        redis_server: Child) -> None:
+    """A's first snapshot went out before B started; A's next heartbeat is 200 s away
+    (peer timeout 600 s): B still counts A at once, from the stream's recent entries."""
+    url = f"redis://{redis_server.address}"
+    a = ReplicaSync(core(), url, "sync-join", replica_id="A", peer_timeout_s=600,
+                    block_ms=200)
+    await a.start()
+    b = ReplicaSync(core(), url, "sync-join", replica_id="B", peer_timeout_s=600,
+                    block_ms=200)
+    try:
+        await wait_for(lambda: a.stats.published >= 1, 10, "A's first snapshot")
+        a.core.route(ctx("r1"))
+        await wait_for(lambda: a.stats.published >= 2, 10, "A's snapshot with r1")
+        await b.start()
+        await wait_for(lambda: b.core.peers.replicas() == ["A"]
+                       and sum(b.core.in_flight().values()) == 1, 10, "B to count A")
+    finally:
+        await a.close()
+        await b.close()
+
+
 async def test_a_leaving_replica_is_dropped_at_once(redis_server: Child) -> None:
     a, b = await pair(f"redis://{redis_server.address}", "sync-leave", timeout_s=600)
     try:
