@@ -26,7 +26,8 @@ Contract:
     cannot XADD, XDEL, XTRIM or DEL there. A ``router`` also has one Redis 7 selector
     allowing ``XADD`` and ``XREAD`` of the namespace's replica sync stream
     (:func:`sync_stream`) and nothing else there (known limit: ``XADD`` with ``MAXLEN 0``
-    empties it; the next snapshots refill it).
+    empties it; the next snapshots refill it), and ``TIME`` (where a replica starts
+    reading that stream).
   - ``store_master``: every ``@read`` / ``@write`` / ``@transaction`` command on its own
     keys ``kvmesh:<ns>:store:*`` (:func:`store_key_pattern`, the keys of
     :mod:`services.store_master.persist`), plus ``INFO`` and ``PING``. It gets no
@@ -81,7 +82,8 @@ def _rules(role: str, namespace: str) -> tuple[str, ...]:
     if role == "indexer":
         return ("-@all", *CONNECT, *STREAM_READ, f"~{stream}")
     if role == "router":  # the indexer's rules, plus a selector: XADD/XREAD of the sync
-        return ("-@all", *CONNECT, *STREAM_READ, f"~{stream}",
+        # stream; TIME: where a replica starts reading it (services.router.replica_sync)
+        return ("-@all", *CONNECT, *STREAM_READ, f"~{stream}", "+time",
                 f"(+xadd +xread ~{sync_stream(namespace)})")
     if role == "store_master":
         return ("-@all", *CONNECT, *STORE, f"~{store_key_pattern(namespace)}")

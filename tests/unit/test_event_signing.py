@@ -62,7 +62,7 @@ def test_acl_lines_one_user_per_role_default_off_passwords_hashed() -> None:
     # the router: the indexer's rules, plus a selector for its replica sync stream
     router = user_line(lines, "router")
     assert router[5:5 + len(indexer) - 5] == indexer[5:]
-    assert router[-3:] == ["(+xadd", "+xread", f"~{sync_stream(NS)})"]
+    assert router[-4:] == ["+time", "(+xadd", "+xread", f"~{sync_stream(NS)})"]
     assert not any(w.startswith("+@") for w in router)
     store = user_line(lines, "store_master")
     assert "~kvmesh:ns1:store:*" in store and "-@dangerous" in store
