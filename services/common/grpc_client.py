@@ -109,14 +109,11 @@ class LeanChannel:
     def stream_stream(self, *args: Any, **kwargs: Any) -> Any:
         return self._call("stream_stream", args, kwargs)
 
-    def untraced_stream_stream(self, method: str, request_serializer: Any,
-                               response_deserializer: Any) -> Any:
-        """``method``'s stream-stream multicallable without the tracing interceptors: for
-        a long-lived stream whose messages carry their own trace context (one span for
-        the whole stream would say nothing)."""
-        bare = copy.copy(self._inner.stream_stream(
-            method, request_serializer=request_serializer,
-            response_deserializer=response_deserializer))
+    def untraced_stream_stream(self, method: str, **kwargs: Any) -> Any:
+        """``stream_stream(method, **kwargs)`` without the tracing interceptors: for a
+        long-lived stream whose messages carry their own trace context (one span for the
+        whole stream would say nothing)."""
+        bare = copy.copy(self._inner.stream_stream(method, **kwargs))
         bare._interceptors = None  # as _LeanCall's bare call
         return bare
 

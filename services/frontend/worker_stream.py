@@ -24,7 +24,9 @@ Contract:
   would see it (the pipeline migrates it). No frame is sent before the worker's opening
   reply; a worker without GenerateStream (an older version) answers UNIMPLEMENTED
   instead, having run none of the calls: each goes on as a Generate call of its own, and
-  so do that address's later calls (logged once).
+  so do that address's later calls (logged once) for ``retry_stream_s`` (60), after which a
+  stream is tried again (a worker upgraded in place gets one; an old one costs nothing:
+  its calls fall back again).
 - The call's frame carries the current trace context as metadata: the caller's (lean
   tracing, unsampled) or, otherwise, a client span ``/kvmesh.worker.Worker/Generate``
   ended with the call, as the client interceptor makes.
@@ -35,7 +37,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -50,6 +54,9 @@ from services.router.embedded import rpc_error
 log = logging.getLogger(__name__)
 
 STREAM_METHOD = "/kvmesh.worker.Worker/GenerateStream"
+# A worker that had no GenerateStream is offered one again after this long (an upgrade);
+# meanwhile its calls are gRPC calls of their own.
+RETRY_STREAM_S = 60.0
 GENERATE_METHOD = "/kvmesh.worker.Worker/Generate"
 _OK = grpc.StatusCode.OK
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
@@ -179,16 +186,11 @@ class WorkerStream:
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue[worker_pb2.GenerateFrame | None] = asyncio.Queue()
         self._opened = asyncio.Event()  # the worker's first reply (call_id 0) came
-        make = getattr(channel, "untraced_stream_stream", None)
-        if make is None:  # a plain channel (tests): no interceptors to skip
-            make = channel.stream_stream
-            multicallable = make(STREAM_METHOD,
-                                 request_serializer=worker_pb2.GenerateFrame.SerializeToString,
-                                 response_deserializer=worker_pb2.GenerateReply.FromString)
-        else:
-            multicallable = make(STREAM_METHOD, worker_pb2.GenerateFrame.SerializeToString,
-                                 worker_pb2.GenerateReply.FromString)
-        self._call = multicallable()
+        # a plain grpc.aio channel (tests) has no interceptors to skip
+        make = getattr(channel, "untraced_stream_stream", channel.stream_stream)
+        self._call = make(STREAM_METHOD,
+                          request_serializer=worker_pb2.GenerateFrame.SerializeToString,
+                          response_deserializer=worker_pb2.GenerateReply.FromString)()
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
 
@@ -279,21 +281,30 @@ class WorkerStream:
 class WorkerStreams:
     """One :class:`WorkerStream` per worker address (see the module docstring)."""
 
-    def __init__(self, pool: ChannelPool) -> None:
+    def __init__(self, pool: ChannelPool, clock: Callable[[], float] = time.monotonic,
+                 retry_stream_s: float = RETRY_STREAM_S) -> None:
         self._pool = pool
         self._streams: dict[str, WorkerStream] = {}
         self._old: set[WorkerStream] = set()
-        self._call_only: set[str] = set()  # workers without GenerateStream
+        self._call_only: dict[str, float] = {}  # worker without GenerateStream -> since
+        self._clock = clock
+        self._retry_s = retry_stream_s
 
     def generate(self, address: str, request: worker_pb2.GenerateRequest,
                  timeout: float | None) -> Any:
         channel = self._pool.get(address)
         stream = self._streams.get(address)
-        if stream is not None and stream.unimplemented and address not in self._call_only:
-            self._call_only.add(address)
-            log.warning("worker %s has no GenerateStream (an older version?): its calls "
-                        "are gRPC calls of their own", address)
-        if address in self._call_only:
+        now = self._clock()
+        if stream is not None and stream.unimplemented:
+            del self._streams[address]
+            if address not in self._call_only:
+                log.warning("worker %s has no GenerateStream (an older version?): its calls "
+                            "are gRPC calls of their own (a stream is tried again every "
+                            "%.0f s)", address, self._retry_s)
+            self._call_only[address] = now
+            stream = None
+        since = self._call_only.get(address)
+        if since is not None and now - since < self._retry_s:
             return worker_pb2_grpc.WorkerStub(channel).Generate(request, timeout=timeout)
         if stream is None or stream.broken or stream.channel is not channel:
             if stream is not None:

@@ -239,10 +239,13 @@ async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
         await stop_worker(w)
 
 
-async def test_a_worker_without_generate_stream_is_called_the_old_way(
-        streams: WorkerStreams) -> None:
+async def test_a_worker_without_generate_stream_is_called_the_old_way() -> None:
     """An older worker (no GenerateStream: UNIMPLEMENTED) ran none of the calls sent on
-    the stream: each goes on as a Generate call of its own, as do the later ones."""
+    the stream: each goes on as a Generate call of its own, as do the later ones, until
+    retry_stream_s has passed; the same address upgraded in place then gets a stream."""
+    now = [0.0]
+    pool = ChannelPool()
+    streams = WorkerStreams(pool, clock=lambda: now[0], retry_stream_s=60)
     engine = MockEngine(MockEngineConfig(model_name="m", block_size=16, num_blocks=512,
                                          max_model_len=4096, timing="zero"))
     await engine.start()
@@ -255,6 +258,7 @@ async def test_a_worker_without_generate_stream_is_called_the_old_way(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     address = f"127.0.0.1:{port}"
+    new: Worker | None = None
     try:
         async def one(i: int) -> int:
             call = streams.generate(address, request(f"o{i}", tokens=5, seed=i), 30)
@@ -262,7 +266,18 @@ async def test_a_worker_without_generate_stream_is_called_the_old_way(
 
         assert await asyncio.gather(*(one(i) for i in range(4))) == [5] * 4
         assert await one(9) == 5
-        assert address in streams._call_only
+        assert address in streams._call_only and address not in streams._streams
+        await server.stop(0)
+        new = await start_worker(address=address)  # upgraded in place
+        pool.invalidate(address)  # as the pipeline does after the restart's UNAVAILABLE
+        now[0] = 59.0
+        assert await one(10) == 5 and address not in streams._streams  # still calls
+        now[0] = 61.0
+        assert await one(11) == 5 and address in streams._streams  # a stream again
     finally:
         await server.stop(0)
         await engine.shutdown()
+        if new is not None:
+            await stop_worker(new)
+        await streams.close()
+        await pool.close()
