@@ -2,7 +2,11 @@
 
 Contract:
 
-- :func:`free_port` returns a loopback TCP port that was free a moment ago.
+- :func:`free_port` returns a loopback TCP port that was free a moment ago, taken from
+  outside the kernel's ephemeral range (``ip_local_port_range``) and never the same port
+  twice in one process. A port from inside that range could be taken, between the pick
+  and the child's bind, by any outgoing connection on the machine (the fault mesh's
+  frontend once failed to bind that way); outside it only another explicit bind can.
 - :func:`spawn` starts a child in its own process group (session), output appended to or
   replacing ``log_dir/<name>.log``, PID in ``log_dir/<name>.pid``. Called from the main
   thread (the default ``die_with_parent=True``), the child gets ``PR_SET_PDEATHSIG(SIGTERM)``
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -39,12 +44,43 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+_LOWEST_PORT = 10000
+_given_ports: set[int] = set()
+_given_lock = threading.Lock()
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range, both ends included (Linux's default elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
 
 def free_port() -> int:
-    """A free port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port on 127.0.0.1, outside the ephemeral range, new to this process (see the
+    module docstring). Falls back to a kernel-chosen port when no such port binds."""
+    lo, hi = ephemeral_range()
+    candidates = [*range(_LOWEST_PORT, lo), *range(hi + 1, 65536)]
+    with _given_lock:
+        for port in random.sample(candidates, min(len(candidates), 200)):
+            if port not in _given_ports and _bindable(port):
+                _given_ports.add(port)
+                return port
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        _given_ports.add(port)
+        return port
 
 
 def port_open(host: str, port: int) -> bool:

@@ -14,7 +14,6 @@ a HandoffError at P's stage before any chunk goes out.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -23,7 +22,7 @@ import pytest
 from protos import common_pb2, discovery_pb2, router_pb2, worker_pb2, worker_pb2_grpc
 from services.common.config import load_config
 from services.common.grpc_client import ChannelPool
-from services.common.procs import Child
+from services.common.procs import Child, free_port
 from services.frontend import handoff
 from services.frontend.failures import worker_failure
 from services.frontend.handoff import HandoffError, Request, run_plan
@@ -60,9 +59,7 @@ async def pool() -> AsyncIterator[ChannelPool]:
 
 
 def closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
+    return f"127.0.0.1:{free_port()}"  # outside the ephemeral range: nothing connects from it
 
 
 def choice(instance_id: str, address: str, mode: str = "") -> router_pb2.WorkerChoice:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import gzip
 import io
 import logging
-import socket
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +25,7 @@ from PIL import Image
 
 from protos import discovery_pb2
 from services.common.config import ConfigError, load_config
+from services.common.procs import free_port
 from services.encoder.images import ImageLimits
 from services.frontend.main import FrontendConfig
 from services.frontend.models import ModelCatalog
@@ -144,9 +144,7 @@ def site() -> Iterator[Site]:
 
 
 def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_port()  # outside the ephemeral range: nothing connects from it
 
 
 async def test_fetch_outcomes(site: Site) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kubernetes.config import incluster_config
 
 from services.common.config import ConfigError, load_config
 from services.common.perf_model import PolynomialPerfModel
+from services.common.procs import free_port
 from services.common.tls import issue, make_ca
 from services.planner.actuators import make_actuator
 from services.planner.core import PlannerCore, ScalingDecision
@@ -169,9 +169,7 @@ async def test_another_status_is_an_error_with_the_servers_message(api: MockKube
 
 
 async def test_an_unreachable_api_server_is_a_clear_error() -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nothing listens on
     host = f"http://127.0.0.1:{port}"
     act = KubernetesActuator(MAP, NS, k8s.Configuration(host=host), timeout_s=5)
     with pytest.raises(ApiUnreachable, match=f"cannot reach the Kubernetes API at {host} to "
