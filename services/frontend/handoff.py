@@ -77,7 +77,9 @@ on D (:mod:`workers.main`; tested in ``tests/integration/test_epd_mesh.py``).
 The order of events is decided by the pure :class:`~services.frontend.handoff_machine.
 HandoffMachine`; this module is its driver: one task per call (and one for the push timer)
 feeds the call's outcomes into one queue of events, and the machine's effects are executed
-here. D's chunks are queued as they come (at most ``max_tokens`` of them).
+here. D's chunks are queued as they come (at most ``max_tokens`` of them). An aggregated
+plan has one call and no timer: it is read in the consumer's task and each outcome is fed
+to the machine directly, without a task or a queue.
 """
 
 from __future__ import annotations
@@ -292,6 +294,10 @@ class _Run:
         self.started: list[asyncio.Task[None]] = []  # all, re-armed timers included
 
     async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        if self.mode == "agg":
+            async for resp in self._agg_responses():
+                yield resp
+            return
         effects = self.machine.start()
         try:
             while True:
@@ -310,6 +316,38 @@ class _Run:
             await self._settle()
         if isinstance(self.machine.terminal, hm.Fail):
             raise self._error(self.machine.terminal)
+
+    async def _agg_responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """Aggregated: the one call is read in the consumer's own task, each outcome fed
+        to the machine as it comes (no call task, no event queue: the same effects and
+        errors, one hop less per chunk)."""
+        machine = self.machine
+        machine.start()  # StartDecode(None): the call below
+        call = self._generate(self.route.worker.address, self.req.generate_request())
+        try:
+            it = call.__aiter__()
+            while machine.terminal is None:
+                event: hm.Event
+                try:
+                    resp = await it.__anext__()
+                except StopAsyncIteration:
+                    event = hm.DecodeEnded()
+                except Exception as exc:  # every failure becomes an event
+                    event = hm.DecodeFailed(_rpc_reason(exc), exc)
+                else:
+                    event = hm.DecodeChunk(resp, _finished(resp))
+                for effect in machine.handle(event):
+                    if isinstance(effect, hm.EmitChunk):
+                        yield effect.chunk  # type: ignore[misc]
+                    elif isinstance(effect, hm.Warn):
+                        self._execute(effect)
+                    # CancelDecode: the finally below; Done and Fail end the loop
+        finally:
+            call.cancel()  # a no-op once the call has ended
+            if machine.terminal is None:  # closed or cancelled by the consumer
+                machine.handle(hm.Cancel())
+        if isinstance(machine.terminal, hm.Fail):
+            raise self._error(machine.terminal)
 
     # effects ------------------------------------------------------------------------
 
@@ -463,11 +501,8 @@ class _Run:
         self.events.put_nowait(event)
 
     async def _decode(self, prefill: object) -> None:
-        """D's call; ``prefill`` is P's last response (pull) or None (push, agg)."""
+        """D's call; ``prefill`` is P's last response (pull) or None (push)."""
         choice, req = self.route.worker, self.req
-        if self.mode == "agg":
-            await self._stream(choice, req.generate_request(), None)
-            return
         p_last: worker_pb2.GenerateResponse | None = prefill  # type: ignore[assignment]
         params = p_last.kv_transfer if p_last is not None else _push_params(req, self.route)
         p_cached = p_last.usage.cached_tokens if p_last is not None else 0
@@ -479,17 +514,14 @@ class _Run:
         await self._stream(choice, _decode_request(req, params, self.p_token), xfer)
 
     async def _stream(self, choice: router_pb2.WorkerChoice,
-                      d_req: worker_pb2.GenerateRequest, xfer: trace.Span | None) -> None:
-        """D's (or the aggregated worker's) call; ``xfer`` is the kv_transfer span, ended at
-        D's first token, when the decode span starts."""
+                      d_req: worker_pb2.GenerateRequest, xfer: trace.Span) -> None:
+        """D's call; ``xfer`` is the kv_transfer span, ended at D's first token, when the
+        decode span starts."""
         decode: trace.Span | None = None
         event: hm.Event = hm.DecodeEnded()
         try:
-            if xfer is None:
+            with trace.use_span(xfer, end_on_exit=False):
                 call = self._generate(choice.address, d_req)
-            else:
-                with trace.use_span(xfer, end_on_exit=False):
-                    call = self._generate(choice.address, d_req)
             start = time.monotonic()
             hold = self.mode in PUSH_LIKE and self.want_prompt_logprobs
             try:
@@ -497,16 +529,14 @@ class _Run:
                     if hold:  # the first chunk carries P's prompt logprobs (_outgoing)
                         await self.p_settled.wait()
                         hold = False
-                    if xfer is not None:
-                        decode = self._observe_decode(resp, choice, xfer, decode, start)
+                    decode = self._observe_decode(resp, choice, xfer, decode, start)
                     self.events.put_nowait(hm.DecodeChunk(resp, _finished(resp)))
             finally:
                 call.cancel()
         except Exception as exc:  # every failure becomes an event
             event = hm.DecodeFailed(_rpc_reason(exc), exc)
         finally:
-            if xfer is not None:
-                (xfer if decode is None else decode).end()
+            (xfer if decode is None else decode).end()
         self.events.put_nowait(event)
 
     def _observe_decode(self, resp: worker_pb2.GenerateResponse,
