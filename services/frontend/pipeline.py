@@ -108,7 +108,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import logging
 import time
 import uuid
@@ -221,30 +220,6 @@ def _attached(ctx: Context | None) -> Iterator[None]:
         yield
     finally:
         otel_context.detach(token)
-
-
-def _context_with(ctx: Context | None) -> contextvars.Context | None:
-    """A copy of the current contextvars with ``ctx`` attached (None for None): what
-    ``with _attached(ctx)`` makes current, taken once instead of per step."""
-    if ctx is None:
-        return None
-    copied = contextvars.copy_context()
-    copied.run(otel_context.attach, ctx)
-    return copied
-
-
-async def _anext(responses: AsyncIterator[Any]) -> Any:
-    return await responses.__anext__()
-
-
-def _next_step(responses: AsyncIterator[Any],
-               step_ctx: contextvars.Context | None) -> asyncio.Future[Any]:
-    """The task of ``responses``' next item, run in a fresh copy of ``step_ctx`` (the
-    current context when None), as ``with _attached(ctx): ensure_future(...)`` runs it."""
-    if step_ctx is None:
-        return asyncio.ensure_future(responses.__anext__())
-    return asyncio.get_running_loop().create_task(_anext(responses),
-                                                  context=step_ctx.copy())
 
 
 def sampling_proto(job: Job) -> common_pb2.SamplingParams:
@@ -364,15 +339,11 @@ class Pipeline:
         self._spawn(call())
 
     async def _end_attempt(self, router: router_pb2_grpc.RouterStub, request_id: str,
-                           pending: asyncio.Future[Any] | None,
                            responses: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
-        """Cancels what an attempt still runs on its workers, then releases its routing
-        entry (exactly once per attempt: the attempt's ``finally`` runs this once)."""
-        if pending is not None:
-            pending.cancel()  # the consumer went away mid-step: cancels the worker calls
-            await asyncio.wait([pending])
-            if not pending.cancelled():
-                pending.exception()  # retrieved: its failure is the attempt's, seen already
+        """Closes the attempt's worker calls (cancelling what still runs on its workers;
+        a consumer cancelled mid-step has closed them already, the cancellation having
+        gone through ``responses``), then releases its routing entry (exactly once per
+        attempt: the attempt's ``finally`` runs this once)."""
         try:
             await responses.aclose()  # type: ignore[attr-defined]
         except Exception:
@@ -614,24 +585,20 @@ class Pipeline:
                 with _attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics,
                                          self._streams)
-                pending: asyncio.Future[worker_pb2.GenerateResponse] | None = None
                 failure: WorkerFailure | None = None
                 cause: BaseException | None = None
                 attempt_first = True
-                step_ctx = _context_with(ctx)  # each step's task runs in a copy of it
                 try:
                     while True:
-                        pending = _next_step(responses, step_ctx)
-                        try:
-                            resp = await pending
+                        try:  # each step in this task, its worker calls made in ctx
+                            with _attached(ctx):
+                                resp = await responses.__anext__()
                         except StopAsyncIteration:
-                            pending = None
                             w = route.worker
                             failure = WorkerFailure(
                                 "decode" if route.disaggregated else "agg", w.instance_id,
                                 w.address, None, "worker ended the stream without finishing")
                             break
-                        pending = None
                         first_tokens = bool(resp.token_ids) and not prompt_sent
                         check_logprobs(job, resp, first_tokens)
                         chunk = Chunk(resp.text, list(resp.token_ids),
@@ -664,8 +631,7 @@ class Pipeline:
                 except HandoffError as exc:
                     failure, cause = worker_failure(exc, route), exc
                 finally:
-                    ending = self._spawn(self._end_attempt(router, mesh_id, pending,
-                                                           responses))
+                    ending = self._spawn(self._end_attempt(router, mesh_id, responses))
                     if not finished:  # a failed attempt is released before the next one
                         await asyncio.shield(ending)
                 assert failure is not None
