@@ -127,8 +127,10 @@ class Tokenizer:
         ``add_special_tokens``): exactly what the Hugging Face tokenizer's ``encode``
         gives, straight from its Rust backend when nothing in between can change them
         (see :func:`_plain_backend`)."""
-        if self._backend is not None:  # encode_batch, unlike encode, lets go of the GIL
-            return self._backend.encode_batch(  # type: ignore[no-any-return]
+        if self._backend is not None:
+            # encode_batch*, unlike encode, let go of the GIL; _fast skips the character
+            # offsets (unused here): ~25% less CPU per prompt, the same ids
+            return self._backend.encode_batch_fast(  # type: ignore[no-any-return]
                 [text], add_special_tokens=add_special_tokens)[0].ids
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens))
 
