@@ -111,8 +111,15 @@ class _Stream:
         self._outbox.put_nowait(reply)
 
     async def _write(self) -> None:
-        while (reply := await self._outbox.get()) is not None:
-            await self.context.write(reply)
+        """Writes the outbox in order until its None; a failed write (the caller or the
+        server is gone: nobody is left to tell) ends it, logged at debug level, so the
+        task never ends with an exception nobody retrieves (the stream's teardown may be
+        cancelled before ``flush``)."""
+        try:
+            while (reply := await self._outbox.get()) is not None:
+                await self.context.write(reply)
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            log.debug("GenerateStream: a reply could not be written: %r", exc)
 
     async def flush(self) -> None:
         """Writes what is queued, then stops the writer (quietly when the stream is gone:
@@ -123,9 +130,6 @@ class _Stream:
             self._writer.cancel()
             log.warning("GenerateStream: replies not written within %.0f s dropped "
                         "(the caller is gone or stalled)", FLUSH_TIMEOUT_S)
-        elif not self._writer.cancelled() and self._writer.exception() is not None:
-            log.debug("GenerateStream: a reply could not be written: %r",
-                      self._writer.exception())
 
 
 class GenerateStreams:
