@@ -236,6 +236,34 @@ async def _json_body(request: Request, limits: HttpLimits) -> Any:
     return body
 
 
+class _DirectPosts(FastAPI):
+    """FastAPI, but a ``POST`` to a path of ``direct_posts`` calls its handler straight
+    from the ASGI entry: no middleware stack, routing or dependency solving (~35 µs of
+    Python per request). The answers are the stack's: an ApiError is its error response,
+    any other exception a logged 500 ``internal_error``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.direct_posts: dict[str, Callable[[Request], Coroutine[Any, Any, Response]]] = {}
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        handler = (self.direct_posts.get(scope["path"])
+                   if scope["type"] == "http" and scope["method"] == "POST" else None)
+        if handler is None:
+            await super().__call__(scope, receive, send)
+            return
+        scope["app"] = self
+        try:
+            response = await handler(Request(scope, receive, send))
+        except ApiError as err:
+            response = _error_response(err)
+        except Exception as exc:
+            log.exception("%s failed", scope["path"])
+            response = _error_response(ApiError(500, f"internal error: {exc}",
+                                                type="internal_error"))
+        await response(scope, receive, send)
+
+
 def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                keys: ApiKeys | None = None, metrics_auth: bool = False,
                metrics_keys: ApiKeys | None = None,
@@ -255,7 +283,7 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         except ApiError:
             pipeline.metrics.auth_failures.labels("http").inc()
             raise
-    app = FastAPI(title="kvmesh", docs_url=None, redoc_url=None)
+    app = _DirectPosts(title="kvmesh", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
@@ -357,18 +385,22 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
             return None
         return await asyncio.to_thread(pipeline.catalog.tokenizer, fan.prompts[0].model)
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         who = tenant(request)
         return await _unless_disconnected(
             request, _serve(parse_completion(await _json_body(request, lim)), who))
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         who = tenant(request)
         body = await _json_body(request, lim)
         return await _unless_disconnected(
             request, _serve(parse_chat(body, pipeline.image_limits), who))
+
+    # registered as routes (other methods: 405, listed in the app's routes) and served
+    # ahead of the FastAPI stack by _DirectPosts
+    app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat)
+    app.direct_posts.update({"/v1/completions": completions, "/v1/chat/completions": chat})
 
     async def run_chat(body: dict[str, Any], request: Request) -> dict[str, Any] | (
             AsyncIterator[dict[str, Any]]):

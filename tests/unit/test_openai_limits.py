@@ -347,6 +347,26 @@ def test_a_failing_stream_ends_with_an_error_event_and_done(
     assert pipe.closed
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_an_unexpected_failure_of_a_non_streamed_request_is_a_logged_500(
+        path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """The completion routes are served ahead of the FastAPI stack (http_api._DirectPosts):
+    an exception the handler lets escape is still a 500 ``internal_error`` naming it,
+    logged with its traceback, and the request's chunks are closed."""
+    pipe = _FailingStreamPipeline(RuntimeError("boom"))
+    body: dict[str, Any] = ({"model": "m", "prompt": "x"} if path == "/v1/completions"
+                            else dict(CHAT))
+    with TestClient(create_app(pipe)) as client:  # type: ignore[arg-type]
+        resp = client.post(path, json=body)
+        assert client.get(path).status_code == 405  # still a route: other methods refused
+    assert resp.status_code == 500
+    assert resp.json()["error"] == {"message": "internal error: boom",
+                                    "type": "internal_error", "param": None, "code": None}
+    assert pipe.closed
+    failed = [r for r in caplog.records if r.getMessage() == f"{path} failed"]
+    assert failed and failed[0].exc_info is not None
+
+
 def test_a_non_streamed_request_is_answered_under_the_testclient() -> None:
     """The disconnect watcher sees no false disconnect from the TestClient: the
     non-streamed request's failure comes back as its status."""
