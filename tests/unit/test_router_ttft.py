@@ -276,6 +276,7 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
 
     calls: list[str] = []
     gate = asyncio.Event()
+    told = asyncio.Event()  # PrefillDone was called
 
     class Router:
         async def Route(self, req: Any, **kw: Any) -> Any:  # noqa: N802
@@ -284,6 +285,7 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
 
         async def PrefillDone(self, req: Any, **kw: Any) -> Any:  # noqa: N802
             calls.append("prefill_done:" + req.request_id)
+            told.set()
             await gate.wait()  # a slow router must not hold the stream
             if fails:
                 raise RuntimeError("router gone")
@@ -296,6 +298,10 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
     async def plan(pool: Any, req: Any, route: Any, metrics: Any,
                    streams: Any = None) -> AsyncIterator[Any]:
         yield worker_pb2.GenerateResponse(text="a", token_ids=[1])
+        # the worker's next chunk comes once PrefillDone went out: sent at the first
+        # token (else this waits forever), and not awaited by the stream (else the stream
+        # would wait for the gate, which opens only after it ended)
+        await told.wait()
         calls.append("second chunk")
         yield worker_pb2.GenerateResponse(text="b", token_ids=[2],
                                           finish_reason=common_pb2.FINISH_REASON_STOP)
