@@ -217,6 +217,10 @@ class RouterCore:
     _workers: dict[str, WorkerRecord] = field(default_factory=dict)
     _loads: dict[str, _Load] = field(default_factory=dict)
     _in_flight: dict[str, _Entry] = field(default_factory=dict)
+    # _in_flight's totals per worker id (requests, active blocks), kept as entries come
+    # and go: a route reads them in O(workers), not O(requests in flight)
+    _flight_counts: dict[str, int] = field(default_factory=dict)
+    _flight_blocks: dict[str, int] = field(default_factory=dict)
     _known_models: set[str] = field(default_factory=set)
     admission: RouterAdmission | None = None
     # Required, keyword-only: monotonic seconds (the live router's, or a virtual clock).
@@ -290,9 +294,8 @@ class RouterCore:
     def in_flight(self) -> Mapping[str, int]:
         """Requests routed and not yet released, per worker id (peers' included)."""
         counts = {wid: s.in_flight for wid, s in self.peers.totals().items() if s.in_flight}
-        for entry in self._in_flight.values():
-            for wid, _ in entry.workers:
-                counts[wid] = counts.get(wid, 0) + 1
+        for wid, n in self._flight_counts.items():
+            counts[wid] = counts.get(wid, 0) + n
         return counts
 
     def active_blocks(self) -> Mapping[str, int]:
@@ -300,10 +303,20 @@ class RouterCore:
         included)."""
         blocks = {wid: s.active_blocks for wid, s in self.peers.totals().items()
                   if s.active_blocks}
-        for entry in self._in_flight.values():
-            for wid, n in entry.workers:
-                blocks[wid] = blocks.get(wid, 0) + n
+        for wid, n in self._flight_blocks.items():
+            blocks[wid] = blocks.get(wid, 0) + n
         return blocks
+
+    def _tally(self, workers: Iterable[tuple[str, int]], sign: int) -> None:
+        """Adds (``sign`` 1) or takes (-1) an in-flight entry's workers to or from the
+        per-worker totals; a total that reaches 0 is dropped."""
+        for wid, blocks in workers:
+            for totals, n in ((self._flight_counts, 1), (self._flight_blocks, blocks)):
+                left = totals.get(wid, 0) + sign * n
+                if left > 0:
+                    totals[wid] = left
+                else:
+                    totals.pop(wid, None)
 
     def local_shares(self) -> dict[str, Share]:
         """This router's own in-flight load per worker (what replica sync publishes)."""
@@ -577,9 +590,11 @@ class RouterCore:
         chosen = [plan.worker] + ([plan.prefill] if plan.prefill is not None else [])
         for w in chosen:
             self.history.record(w.instance_id, prompt.hashes(w.block_size))
-        self._in_flight[ctx.request_id] = _Entry(tuple(
+        entry = _Entry(tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
             for w in chosen), self.clock())
+        self._in_flight[ctx.request_id] = entry
+        self._tally(entry.workers, 1)
         if tokens > 0:
             self._prefills[ctx.request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
@@ -688,6 +703,7 @@ class RouterCore:
         if flight is not None and len(flight.workers) > 1:  # P/D: (D, P); P's part is over
             self._in_flight[request_id] = dataclasses.replace(flight,
                                                               workers=flight.workers[:1])
+            self._tally(flight.workers[1:], -1)
             self._stale.add(flight.workers[1][0])
         entry = self._prefills.pop(request_id, None)
         if entry is None:
@@ -711,6 +727,7 @@ class RouterCore:
         entry = self._in_flight.pop(request_id, None)
         if entry is None:
             return False
+        self._tally(entry.workers, -1)
         self._stale.update(wid for wid, _ in entry.workers)
         self._changed()
         return True

@@ -195,3 +195,43 @@ def test_the_context_limit_is_the_largest_worker_and_smaller_ones_are_skipped() 
 def test_unknown_context_length_means_no_limit() -> None:
     c, _ = core(dataclasses.replace(w("w1"), max_model_len=0))
     assert c.route(ctx("a", 10_000)).worker.instance_id == "w1"
+
+
+def test_per_worker_totals_follow_every_route_and_release() -> None:
+    """in_flight() and active_blocks() are kept as entries come and go; after any mix of
+    routes (agg and P/D), prefill ends, releases, expiries and repeated releases they
+    equal the totals summed over the requests still in flight."""
+    c, clock = core(w("a1"), w("a2"), w("p1", "prefill"), w("d1", "decode"),
+                    w("d2", "decode"), inflight_ttl_s=50.0)
+    rng = random.Random(7)
+    live: dict[str, dict[str, int]] = {}  # request id -> worker id -> blocks
+    for i in range(400):
+        clock.t += 1.0
+        op = rng.random()
+        if op < 0.5 or not live:
+            rid = f"r{i}"
+            n = rng.randint(1, 200)
+            plan = c.route(ctx(rid, n, start=rng.randint(0, 3) * 1000))
+            live[rid] = {plan.worker.instance_id: -(-n // BS)}
+            if plan.prefill is not None:
+                live[rid][plan.prefill.instance_id] = -(-n // BS)
+        elif op < 0.7:
+            rid = rng.choice(sorted(live))
+            c.release_prefill(rid)
+            c.release_prefill(rid)  # a second end of the prefill changes nothing
+            keep = next(iter(live[rid]))  # D (or the agg worker) stays
+            live[rid] = {keep: live[rid][keep]}
+        else:
+            rid = rng.choice(sorted(live))
+            assert c.release(rid) and not c.release(rid)
+            del live[rid]
+        if i % 97 == 96:  # entries older than the TTL go
+            for rid in c.expire_in_flight():
+                del live[rid]
+        counts: dict[str, int] = {}
+        blocks: dict[str, int] = {}
+        for workers in live.values():
+            for wid, nb in workers.items():
+                counts[wid] = counts.get(wid, 0) + 1
+                blocks[wid] = blocks.get(wid, 0) + nb
+        assert dict(c.in_flight()) == counts and dict(c.active_blocks()) == blocks
