@@ -93,7 +93,7 @@ from services.common.event_bus import (
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
-from services.common.redis_conn import redis_client
+from services.common.redis_conn import PackedCommand, redis_client
 from services.common.tls import EVENTS_KEY, MeshTls, derive_event_key
 from services.indexer.core import Admission, Gap, Incarnations, KvEvent, KvIndex
 
@@ -173,6 +173,7 @@ class IndexFeed:
         self._resync_fails: dict[str, int] = {}  # failed resyncs in a row, per worker
         self._stale: set[str] = set()  # workers to resync after a bus reset
         self._redis: aioredis.Redis | None = None
+        self._follow_read: PackedCommand | None = None  # the follower's blocking read
         self._run_id = ""  # the Redis server's run_id when last checked
         self._checked_at = 0.0
         self._failing = 0  # failed follow runs in a row (an outage)
@@ -186,6 +187,9 @@ class IndexFeed:
     async def start(self) -> None:
         """Replays the stream into the index, then follows it (see the contract)."""
         self._redis = redis_client(self._redis_url, self._tls)
+        self._follow_read = PackedCommand(
+            self._redis, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT",
+            self._batch, "BLOCK", self._block_ms, "NOACK", "STREAMS", self.stream, ">")
         self._run_id = await self._server_run_id()
         self._checked_at = self._clock()
         if not await self._ensure_group():
@@ -287,7 +291,7 @@ class IndexFeed:
             while True:
                 self._raise_if_closing()
                 try:
-                    await self._read_once(block_ms=self._block_ms)
+                    await self._read_followed()
                 except ResponseError as exc:
                     if "NOGROUP" not in str(exc):
                         raise
@@ -355,6 +359,20 @@ class IndexFeed:
             for _entry_id, fields in entries:
                 n += 1
                 await self._apply(fields)
+        return n
+
+    async def _read_followed(self) -> int:
+        """:meth:`_read_once` with ``block_ms``, as one packed command on a connection of
+        its own (:class:`~services.common.redis_conn.PackedCommand`); the raw reply's
+        field lists are read as the client's ``xreadgroup`` would parse them."""
+        assert self._follow_read is not None
+        resp: Any = await self._follow_read()
+        n = 0
+        for _stream, entries in (resp.items() if isinstance(resp, dict) else resp or ()):
+            for _entry_id, flat in entries:
+                n += 1
+                await self._apply(dict(zip(flat[::2], flat[1::2], strict=True))
+                                  if flat else {})
         return n
 
     async def _apply(self, fields: Mapping[bytes, bytes]) -> None:
@@ -483,6 +501,8 @@ class IndexFeed:
         await self._follower.stop()
         await self._watcher.close()
         await self._pool.close()
+        if self._follow_read is not None:
+            await self._follow_read.close(broken=True)  # a read may have been cut short
         if self._redis is not None:
             await self._redis.aclose()
             self._redis = None

@@ -1,0 +1,89 @@
+"""services.common.redis_conn.PackedCommand against a real redis-server: raw replies,
+error replies, a connection killed under it, and a cancel mid-call."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from services.common.procs import Child
+from services.common.redis_conn import PackedCommand
+from tests.waiting import wait_for
+
+
+def streams(reply: object) -> list[list[object]]:
+    """A group read's reply as RESP2 lists (RESP3 answers a map of streams)."""
+    return [[k, v] for k, v in reply.items()] if isinstance(reply, dict) else reply  # type: ignore[return-value]
+
+
+@pytest.fixture
+async def client(redis_server: Child) -> AsyncIterator[aioredis.Redis]:
+    r = aioredis.Redis.from_url(f"redis://{redis_server.address}")
+    yield r
+    await r.aclose()
+
+
+async def test_the_raw_reply_of_a_blocking_group_read(client: aioredis.Redis) -> None:
+    await client.delete("pc-s")
+    await client.xgroup_create("pc-s", "g", id="0", mkstream=True)
+    entry = await client.xadd("pc-s", {b"k": b"v", b"k2": b"v2"})
+    read = PackedCommand(client, "XREADGROUP", "GROUP", "g", "c", "COUNT", 10, "BLOCK", 50,
+                         "NOACK", "STREAMS", "pc-s", ">")
+    assert streams(await read()) == [[b"pc-s", [[entry, [b"k", b"v", b"k2", b"v2"]]]]]
+    assert await read() is None  # nothing new within BLOCK
+    await read.close()
+
+
+async def test_an_error_reply_raises_and_keeps_the_connection(
+        client: aioredis.Redis) -> None:
+    read = PackedCommand(client, "XREADGROUP", "GROUP", "nogroup", "c", "STREAMS",
+                         "pc-none", ">")
+    with pytest.raises(ResponseError, match="NOGROUP"):
+        await read()
+    conn = read._conn
+    with pytest.raises(ResponseError, match="NOGROUP"):
+        await read()
+    assert read._conn is conn and conn is not None
+    await read.close()
+
+
+async def test_a_killed_connection_raises_then_the_next_call_reconnects(
+        client: aioredis.Redis) -> None:
+    ping = PackedCommand(client, "PING")
+    assert await ping() == b"PONG"
+    assert ping._conn is not None
+    await client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    with pytest.raises((RedisConnectionError, OSError)):
+        await ping()
+    assert ping._conn is None
+    assert await ping() == b"PONG"
+    await ping.close()
+
+
+async def test_a_cancel_mid_call_drops_the_connection(client: aioredis.Redis) -> None:
+    await client.delete("pc-c")
+    await client.xgroup_create("pc-c", "g", id="0", mkstream=True)
+    read = PackedCommand(client, "XREADGROUP", "GROUP", "g", "c", "BLOCK", 0, "STREAMS",
+                         "pc-c", ">")
+    call = asyncio.ensure_future(read())
+
+    async def blocked() -> bool:
+        clients = (await client.execute_command("CLIENT", "LIST")).decode()
+        return "cmd=xreadgroup" in clients
+
+    await wait_for(blocked, 10, "the read to block on the server")
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert read._conn is None
+    entry = await client.xadd("pc-c", {b"a": b"1"})
+    # the next call, on a new connection, reads the entry (the cut call never got it)
+    again = PackedCommand(client, "XREADGROUP", "GROUP", "g", "c", "BLOCK", 1000,
+                          "STREAMS", "pc-c", ">")
+    assert streams(await again()) == [[b"pc-c", [[entry, [b"a", b"1"]]]]]
+    await again.close()
