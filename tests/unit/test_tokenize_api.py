@@ -8,6 +8,7 @@ against the ids the pipeline itself routes a completion with.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from protos import discovery_pb2
 from services.frontend.http_api import create_app
 from services.frontend.models import ModelCatalog
 from services.frontend.openai_schema import parse_chat, parse_completion
-from services.frontend.pipeline import Pipeline
+from services.frontend.pipeline import INLINE_PROMPT_CHARS, Pipeline
 from workers.model import tiny
 
 MODEL = "tiny"
@@ -153,3 +154,40 @@ def test_keys_guard_tokenize_like_the_v1_api(pipeline: Pipeline) -> None:
     ok = keyed.post("/tokenize", json={"prompt": "x"},
                     headers={"Authorization": "Bearer sk-1"})
     assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize(("kind", "chars", "threaded"), [
+    ("completion", 100, False), ("completion", INLINE_PROMPT_CHARS, False),
+    ("completion", INLINE_PROMPT_CHARS + 1, True),
+    ("chat", 100, False), ("chat", INLINE_PROMPT_CHARS + 1, True)])
+async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
+        tiny_dir: Path, hf: Any, monkeypatch: pytest.MonkeyPatch, kind: str, chars: int,
+        threaded: bool) -> None:
+    """A thread hop costs more than tokenizing a short prompt: only a prompt over
+    INLINE_PROMPT_CHARS goes to a thread; the ids are the same either way."""
+    catalog = ModelCatalog()
+    catalog.update([discovery_pb2.InstanceRecord(
+        instance_id="w0", component="worker", address="127.0.0.1:1", model=MODEL,
+        model_path=str(tiny_dir), block_size=32, max_model_len=1 << 20)])
+    pipe = Pipeline(catalog, lambda: None)
+    await pipe.prepare(parse_completion({"model": MODEL, "prompt": "warm"}))  # loaded
+    hopped: list[str] = []
+    real = asyncio.to_thread
+
+    async def to_thread(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        hopped.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    text = ("lorem ipsum " * (chars // 12 + 1))[:chars]
+    if kind == "completion":
+        job = await pipe.prepare(parse_completion({"model": MODEL, "prompt": text}))
+        want = hf.encode(text)
+    else:
+        messages = [{"role": "user", "content": text}]
+        job = await pipe.prepare(parse_chat({"model": MODEL, "messages": messages}))
+        want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                      return_dict=False)
+    assert list(job.token_ids) == list(want)
+    assert hopped == (["encode" if kind == "completion" else "apply_chat"]
+                      if threaded else [])
