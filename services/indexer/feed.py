@@ -187,17 +187,19 @@ class IndexFeed:
     async def start(self) -> None:
         """Replays the stream into the index, then follows it (see the contract)."""
         self._redis = redis_client(self._redis_url, self._tls)
-        self._follow_read = PackedCommand(
-            self._redis, "XREADGROUP", "GROUP", self.group, self.consumer, "COUNT",
-            self._batch, "BLOCK", self._block_ms, "NOACK", "STREAMS", self.stream, ">")
+        self._follow_read = self._group_read("BLOCK", self._block_ms)
         self._run_id = await self._server_run_id()
         self._checked_at = self._clock()
         if not await self._ensure_group():
             await self._redis.xgroup_setid(self.stream, self.group, id="0")
         self._watcher.on_change(self._on_workers)
         await self._watcher.start()
-        while await self._read_once(block_ms=None):
-            pass
+        replay = self._group_read()
+        try:
+            while await self._read(replay):
+                pass
+        finally:
+            await replay.close()
         self._drop_dead_after_replay()
         self.ready.set()
         self._follower.start()
@@ -291,7 +293,8 @@ class IndexFeed:
             while True:
                 self._raise_if_closing()
                 try:
-                    await self._read_followed()
+                    assert self._follow_read is not None
+                    await self._read(self._follow_read)
                 except ResponseError as exc:
                     if "NOGROUP" not in str(exc):
                         raise
@@ -349,24 +352,19 @@ class IndexFeed:
                      self._failing)
             self._failing = 0
 
-    async def _read_once(self, block_ms: int | None) -> int:
-        """Reads and applies one chunk; returns the number of entries."""
+    def _group_read(self, *block: Any) -> PackedCommand:
+        """This consumer's ``XREADGROUP`` of new entries (``block``: ``"BLOCK", ms``), as
+        one packed command on a connection of its own
+        (:class:`~services.common.redis_conn.PackedCommand`)."""
         assert self._redis is not None
-        resp: Any = await self._redis.xreadgroup(self.group, self.consumer, {self.stream: ">"},
-                                            count=self._batch, block=block_ms, noack=True)
-        n = 0
-        for _stream, entries in resp or ():
-            for _entry_id, fields in entries:
-                n += 1
-                await self._apply(fields)
-        return n
+        return PackedCommand(self._redis, "XREADGROUP", "GROUP", self.group, self.consumer,
+                             "COUNT", self._batch, *block, "NOACK", "STREAMS", self.stream,
+                             ">")
 
-    async def _read_followed(self) -> int:
-        """:meth:`_read_once` with ``block_ms``, as one packed command on a connection of
-        its own (:class:`~services.common.redis_conn.PackedCommand`); the raw reply's
-        field lists are read as the client's ``xreadgroup`` would parse them."""
-        assert self._follow_read is not None
-        resp: Any = await self._follow_read()
+    async def _read(self, read: PackedCommand) -> int:
+        """Reads and applies one chunk with ``read``; returns the number of entries. The
+        raw reply's field lists become the mapping the client's ``xreadgroup`` gives."""
+        resp: Any = await read()
         n = 0
         for _stream, entries in (resp.items() if isinstance(resp, dict) else resp or ()):
             for _entry_id, flat in entries:
