@@ -28,7 +28,7 @@ from protos import encoder_pb2 as protos_dot_encoder__pb2
 from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\rkvmesh.worker\x1a\x1cgoogle/protobuf/struct.proto\x1a\x13protos/common.proto\x1a\x14protos/encoder.proto\x1a\x16protos/kv_events.proto\"\xcd\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.kvmesh.common.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12(\n\x06images\x18\x07 \x03(\x0b\x32\x18.kvmesh.worker.ImageItem\x12\x37\n\nembeddings\x18\x08 \x03(\x0b\x32#.kvmesh.encoder.EmbeddingDescriptor\x12\r\n\x05whole\x18\t \x01(\x08\x12\x17\n\x0fstream_interval\x18\n \x01(\r\"\xb0\x01\n\rGenerateFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x31\n\x07request\x18\x02 \x01(\x0b\x32\x1e.kvmesh.worker.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12.\n\x08metadata\x18\x04 \x03(\x0b\x32\x1c.kvmesh.worker.MetadataEntry\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x42\x06\n\x04kind\"\x87\x01\n\rGenerateReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x08response\x18\x02 \x01(\x0b\x32\x1f.kvmesh.worker.GenerateResponseH\x00\x12(\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x19.kvmesh.worker.CallStatusH\x00\x42\x06\n\x04kind\"d\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x37\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32\x1c.kvmesh.worker.MetadataEntry\"+\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"*\n\tImageItem\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0f\n\x07mm_hash\x18\x02 \x01(\t\"\xed\x07\n\x10KvTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x18\n\x10\x64o_remote_decode\x18\x02 \x01(\x08\x12\x1d\n\x10remote_engine_id\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1e\n\x11remote_request_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x05\x12\x18\n\x0bremote_host\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bremote_port\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x14\n\x07tp_size\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1a\n\rtransfer_mode\x18\t \x01(\tH\x05\x88\x01\x01\x12;\n\x16remote_block_id_groups\x18\x0b \x03(\x0b\x32\x1b.kvmesh.worker.BlockIdGroup\x12\x15\n\x08\x64\x63p_size\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\x14\n\x07pp_size\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11remote_num_tokens\x18\x0e \x01(\x03H\x08\x88\x01\x01\x12&\n\x19remote_blocks_expiry_time\x18\x0f \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11remote_block_size\x18\x10 \x01(\x05H\n\x88\x01\x01\x12)\n\x1cremote_prefill_cached_tokens\x18\x11 \x01(\x03H\x0b\x88\x01\x01\x12$\n\x17remote_blocks_processed\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12\x1d\n\x10p_side_truncated\x18\x13 \x01(\x08H\r\x88\x01\x01\x12\x39\n\x05\x65xtra\x18\x14 \x03(\x0b\x32*.kvmesh.worker.KvTransferParams.ExtraEntry\x1a\x44\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value:\x02\x38\x01\x42\x13\n\x11_remote_engine_idB\x14\n\x12_remote_request_idB\x0e\n\x0c_remote_hostB\x0e\n\x0c_remote_portB\n\n\x08_tp_sizeB\x10\n\x0e_transfer_modeB\x0b\n\t_dcp_sizeB\n\n\x08_pp_sizeB\x14\n\x12_remote_num_tokensB\x1c\n\x1a_remote_blocks_expiry_timeB\x14\n\x12_remote_block_sizeB\x1f\n\x1d_remote_prefill_cached_tokensB\x1a\n\x18_remote_blocks_processedB\x13\n\x11_p_side_truncatedJ\x04\x08\n\x10\x0b\"!\n\x0c\x42lockIdGroup\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\"\xe6\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.kvmesh.common.FinishReason\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.kvmesh.common.Usage\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\x12\x0f\n\x07queue_s\x18\x07 \x01(\x02\x12\x11\n\tprefill_s\x18\x08 \x01(\x02\x12\x31\n\x08logprobs\x18\t \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\x12\x38\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf9\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fkv_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\x05\x12\x39\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\'.kvmesh.worker.LoadReport.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xfd\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.kvmesh.worker.GenerateRequest\x1a\x1f.kvmesh.worker.GenerateResponse0\x01\x12P\n\x0eGenerateStream\x12\x1c.kvmesh.worker.GenerateFrame\x1a\x1c.kvmesh.worker.GenerateReply(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.kvmesh.worker.AbortRequest\x1a\x1c.kvmesh.worker.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.kvmesh.worker.GetLoadRequest\x1a\x19.kvmesh.worker.LoadReport\x12I\n\nGetKvState\x12 .kvmesh.kv_events.KvStateRequest\x1a\x19.kvmesh.kv_events.KvStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/worker.proto\x12\rkvmesh.worker\x1a\x1cgoogle/protobuf/struct.proto\x1a\x13protos/common.proto\x1a\x14protos/encoder.proto\x1a\x16protos/kv_events.proto\"\xcd\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.kvmesh.common.SamplingParams\x12\r\n\x05model\x18\x04 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x05 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12(\n\x06images\x18\x07 \x03(\x0b\x32\x18.kvmesh.worker.ImageItem\x12\x37\n\nembeddings\x18\x08 \x03(\x0b\x32#.kvmesh.encoder.EmbeddingDescriptor\x12\r\n\x05whole\x18\t \x01(\x08\x12\x17\n\x0fstream_interval\x18\n \x01(\r\">\n\x0eGenerateFrames\x12,\n\x06\x66rames\x18\x01 \x03(\x0b\x32\x1c.kvmesh.worker.GenerateFrame\"@\n\x0fGenerateReplies\x12-\n\x07replies\x18\x01 \x03(\x0b\x32\x1c.kvmesh.worker.GenerateReply\"\xb0\x01\n\rGenerateFrame\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x31\n\x07request\x18\x02 \x01(\x0b\x32\x1e.kvmesh.worker.GenerateRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x03 \x01(\x08H\x00\x12.\n\x08metadata\x18\x04 \x03(\x0b\x32\x1c.kvmesh.worker.MetadataEntry\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x42\x06\n\x04kind\"\x87\x01\n\rGenerateReply\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12\x33\n\x08response\x18\x02 \x01(\x0b\x32\x1f.kvmesh.worker.GenerateResponseH\x00\x12(\n\x03\x65nd\x18\x03 \x01(\x0b\x32\x19.kvmesh.worker.CallStatusH\x00\x42\x06\n\x04kind\"d\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x37\n\x11trailing_metadata\x18\x03 \x03(\x0b\x32\x1c.kvmesh.worker.MetadataEntry\"+\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\"*\n\tImageItem\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0f\n\x07mm_hash\x18\x02 \x01(\t\"\xed\x07\n\x10KvTransferParams\x12\x19\n\x11\x64o_remote_prefill\x18\x01 \x01(\x08\x12\x18\n\x10\x64o_remote_decode\x18\x02 \x01(\x08\x12\x1d\n\x10remote_engine_id\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1e\n\x11remote_request_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x10remote_block_ids\x18\x05 \x03(\x05\x12\x18\n\x0bremote_host\x18\x06 \x01(\tH\x02\x88\x01\x01\x12\x18\n\x0bremote_port\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x14\n\x07tp_size\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x1a\n\rtransfer_mode\x18\t \x01(\tH\x05\x88\x01\x01\x12;\n\x16remote_block_id_groups\x18\x0b \x03(\x0b\x32\x1b.kvmesh.worker.BlockIdGroup\x12\x15\n\x08\x64\x63p_size\x18\x0c \x01(\x05H\x06\x88\x01\x01\x12\x14\n\x07pp_size\x18\r \x01(\x05H\x07\x88\x01\x01\x12\x1e\n\x11remote_num_tokens\x18\x0e \x01(\x03H\x08\x88\x01\x01\x12&\n\x19remote_blocks_expiry_time\x18\x0f \x01(\x01H\t\x88\x01\x01\x12\x1e\n\x11remote_block_size\x18\x10 \x01(\x05H\n\x88\x01\x01\x12)\n\x1cremote_prefill_cached_tokens\x18\x11 \x01(\x03H\x0b\x88\x01\x01\x12$\n\x17remote_blocks_processed\x18\x12 \x01(\x08H\x0c\x88\x01\x01\x12\x1d\n\x10p_side_truncated\x18\x13 \x01(\x08H\r\x88\x01\x01\x12\x39\n\x05\x65xtra\x18\x14 \x03(\x0b\x32*.kvmesh.worker.KvTransferParams.ExtraEntry\x1a\x44\n\nExtraEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12%\n\x05value\x18\x02 \x01(\x0b\x32\x16.google.protobuf.Value:\x02\x38\x01\x42\x13\n\x11_remote_engine_idB\x14\n\x12_remote_request_idB\x0e\n\x0c_remote_hostB\x0e\n\x0c_remote_portB\n\n\x08_tp_sizeB\x10\n\x0e_transfer_modeB\x0b\n\t_dcp_sizeB\n\n\x08_pp_sizeB\x14\n\x12_remote_num_tokensB\x1c\n\x1a_remote_blocks_expiry_timeB\x14\n\x12_remote_block_sizeB\x1f\n\x1d_remote_prefill_cached_tokensB\x1a\n\x18_remote_blocks_processedB\x13\n\x11_p_side_truncatedJ\x04\x08\n\x10\x0b\"!\n\x0c\x42lockIdGroup\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\"\xe6\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.kvmesh.common.FinishReason\x12#\n\x05usage\x18\x04 \x01(\x0b\x32\x14.kvmesh.common.Usage\x12\x11\n\tworker_id\x18\x05 \x01(\t\x12\x34\n\x0bkv_transfer\x18\x06 \x01(\x0b\x32\x1f.kvmesh.worker.KvTransferParams\x12\x0f\n\x07queue_s\x18\x07 \x01(\x02\x12\x11\n\tprefill_s\x18\x08 \x01(\x02\x12\x31\n\x08logprobs\x18\t \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\x12\x38\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1f.kvmesh.common.PositionLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xf9\x01\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x10\n\x08kv_usage\x18\x04 \x01(\x02\x12\x17\n\x0fkv_total_blocks\x18\x05 \x01(\x05\x12\x17\n\x0f\x61\x63tive_requests\x18\x06 \x01(\x05\x12\x39\n\x08\x63ounters\x18\x07 \x03(\x0b\x32\'.kvmesh.worker.LoadReport.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xfd\x02\n\x06Worker\x12M\n\x08Generate\x12\x1e.kvmesh.worker.GenerateRequest\x1a\x1f.kvmesh.worker.GenerateResponse0\x01\x12P\n\x0bGenerateMux\x12\x1d.kvmesh.worker.GenerateFrames\x1a\x1e.kvmesh.worker.GenerateReplies(\x01\x30\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.kvmesh.worker.AbortRequest\x1a\x1c.kvmesh.worker.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.kvmesh.worker.GetLoadRequest\x1a\x19.kvmesh.worker.LoadReport\x12I\n\nGetKvState\x12 .kvmesh.kv_events.KvStateRequest\x1a\x19.kvmesh.kv_events.KvStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,34 +41,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LOADREPORT_COUNTERSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=136
   _globals['_GENERATEREQUEST']._serialized_end=469
-  _globals['_GENERATEFRAME']._serialized_start=472
-  _globals['_GENERATEFRAME']._serialized_end=648
-  _globals['_GENERATEREPLY']._serialized_start=651
-  _globals['_GENERATEREPLY']._serialized_end=786
-  _globals['_CALLSTATUS']._serialized_start=788
-  _globals['_CALLSTATUS']._serialized_end=888
-  _globals['_METADATAENTRY']._serialized_start=890
-  _globals['_METADATAENTRY']._serialized_end=933
-  _globals['_IMAGEITEM']._serialized_start=935
-  _globals['_IMAGEITEM']._serialized_end=977
-  _globals['_KVTRANSFERPARAMS']._serialized_start=980
-  _globals['_KVTRANSFERPARAMS']._serialized_end=1985
-  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_start=1625
-  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_end=1693
-  _globals['_BLOCKIDGROUP']._serialized_start=1987
-  _globals['_BLOCKIDGROUP']._serialized_end=2020
-  _globals['_GENERATERESPONSE']._serialized_start=2023
-  _globals['_GENERATERESPONSE']._serialized_end=2381
-  _globals['_ABORTREQUEST']._serialized_start=2383
-  _globals['_ABORTREQUEST']._serialized_end=2417
-  _globals['_ABORTRESPONSE']._serialized_start=2419
-  _globals['_ABORTRESPONSE']._serialized_end=2449
-  _globals['_GETLOADREQUEST']._serialized_start=2451
-  _globals['_GETLOADREQUEST']._serialized_end=2467
-  _globals['_LOADREPORT']._serialized_start=2470
-  _globals['_LOADREPORT']._serialized_end=2719
-  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_start=2672
-  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_end=2719
-  _globals['_WORKER']._serialized_start=2722
-  _globals['_WORKER']._serialized_end=3103
+  _globals['_GENERATEFRAMES']._serialized_start=471
+  _globals['_GENERATEFRAMES']._serialized_end=533
+  _globals['_GENERATEREPLIES']._serialized_start=535
+  _globals['_GENERATEREPLIES']._serialized_end=599
+  _globals['_GENERATEFRAME']._serialized_start=602
+  _globals['_GENERATEFRAME']._serialized_end=778
+  _globals['_GENERATEREPLY']._serialized_start=781
+  _globals['_GENERATEREPLY']._serialized_end=916
+  _globals['_CALLSTATUS']._serialized_start=918
+  _globals['_CALLSTATUS']._serialized_end=1018
+  _globals['_METADATAENTRY']._serialized_start=1020
+  _globals['_METADATAENTRY']._serialized_end=1063
+  _globals['_IMAGEITEM']._serialized_start=1065
+  _globals['_IMAGEITEM']._serialized_end=1107
+  _globals['_KVTRANSFERPARAMS']._serialized_start=1110
+  _globals['_KVTRANSFERPARAMS']._serialized_end=2115
+  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_start=1755
+  _globals['_KVTRANSFERPARAMS_EXTRAENTRY']._serialized_end=1823
+  _globals['_BLOCKIDGROUP']._serialized_start=2117
+  _globals['_BLOCKIDGROUP']._serialized_end=2150
+  _globals['_GENERATERESPONSE']._serialized_start=2153
+  _globals['_GENERATERESPONSE']._serialized_end=2511
+  _globals['_ABORTREQUEST']._serialized_start=2513
+  _globals['_ABORTREQUEST']._serialized_end=2547
+  _globals['_ABORTRESPONSE']._serialized_start=2549
+  _globals['_ABORTRESPONSE']._serialized_end=2579
+  _globals['_GETLOADREQUEST']._serialized_start=2581
+  _globals['_GETLOADREQUEST']._serialized_end=2597
+  _globals['_LOADREPORT']._serialized_start=2600
+  _globals['_LOADREPORT']._serialized_end=2849
+  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_start=2802
+  _globals['_LOADREPORT_COUNTERSENTRY']._serialized_end=2849
+  _globals['_WORKER']._serialized_start=2852
+  _globals['_WORKER']._serialized_end=3233
 # @@protoc_insertion_point(module_scope)

@@ -34,6 +34,18 @@ class GenerateRequest(_message.Message):
     stream_interval: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., kv_transfer: _Optional[_Union[KvTransferParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., images: _Optional[_Iterable[_Union[ImageItem, _Mapping]]] = ..., embeddings: _Optional[_Iterable[_Union[_encoder_pb2.EmbeddingDescriptor, _Mapping]]] = ..., whole: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
+class GenerateFrames(_message.Message):
+    __slots__ = ("frames",)
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    frames: _containers.RepeatedCompositeFieldContainer[GenerateFrame]
+    def __init__(self, frames: _Optional[_Iterable[_Union[GenerateFrame, _Mapping]]] = ...) -> None: ...
+
+class GenerateReplies(_message.Message):
+    __slots__ = ("replies",)
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[GenerateReply]
+    def __init__(self, replies: _Optional[_Iterable[_Union[GenerateReply, _Mapping]]] = ...) -> None: ...
+
 class GenerateFrame(_message.Message):
     __slots__ = ("call_id", "request", "cancel", "metadata", "timeout_s")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]

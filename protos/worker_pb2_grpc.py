@@ -40,10 +40,10 @@ class WorkerStub:
                 request_serializer=protos_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=protos_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
-        self.GenerateStream = channel.stream_stream(
-                '/kvmesh.worker.Worker/GenerateStream',
-                request_serializer=protos_dot_worker__pb2.GenerateFrame.SerializeToString,
-                response_deserializer=protos_dot_worker__pb2.GenerateReply.FromString,
+        self.GenerateMux = channel.stream_stream(
+                '/kvmesh.worker.Worker/GenerateMux',
+                request_serializer=protos_dot_worker__pb2.GenerateFrames.SerializeToString,
+                response_deserializer=protos_dot_worker__pb2.GenerateReplies.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/kvmesh.worker.Worker/Abort',
@@ -72,11 +72,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def GenerateStream(self, request_iterator, context):
+    def GenerateMux(self, request_iterator, context):
         """Many Generate calls multiplexed on one long-lived stream (the frontend's
         --worker-transport stream): each GenerateFrame starts or cancels one call, each
         GenerateReply carries one of its responses or its end, with the status a Generate
-        call would have ended with. Ending the stream cancels every call still on it.
+        call would have ended with. Each message carries every frame (reply) its sender had
+        queued, in order: one gRPC message for many. Ending the stream cancels every call
+        still on it. (It replaces GenerateStream, whose messages carried one frame each: a
+        peer of that version answers or gets UNIMPLEMENTED, and calls go as Generate calls.)
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,10 +116,10 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=protos_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=protos_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
-            'GenerateStream': grpc.stream_stream_rpc_method_handler(
-                    servicer.GenerateStream,
-                    request_deserializer=protos_dot_worker__pb2.GenerateFrame.FromString,
-                    response_serializer=protos_dot_worker__pb2.GenerateReply.SerializeToString,
+            'GenerateMux': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateMux,
+                    request_deserializer=protos_dot_worker__pb2.GenerateFrames.FromString,
+                    response_serializer=protos_dot_worker__pb2.GenerateReplies.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -172,7 +175,7 @@ class Worker:
             _registered_method=True)
 
     @staticmethod
-    def GenerateStream(request_iterator,
+    def GenerateMux(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -185,9 +188,9 @@ class Worker:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kvmesh.worker.Worker/GenerateStream',
-            protos_dot_worker__pb2.GenerateFrame.SerializeToString,
-            protos_dot_worker__pb2.GenerateReply.FromString,
+            '/kvmesh.worker.Worker/GenerateMux',
+            protos_dot_worker__pb2.GenerateFrames.SerializeToString,
+            protos_dot_worker__pb2.GenerateReplies.FromString,
             options,
             channel_credentials,
             insecure,

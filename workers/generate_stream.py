@@ -1,14 +1,19 @@
-"""The worker's half of ``Worker.GenerateStream``: many Generate calls multiplexed on one
+"""The worker's half of ``Worker.GenerateMux``: many Generate calls multiplexed on one
 long-lived gRPC stream (the frontend's half: :mod:`services.frontend.worker_stream`).
 
 A call through a stream costs its frames, not a gRPC call of its own (measured in
 ``bench/results/mesh_floors.json``: ``grpc`` against ``grpc-mux``), the way Dynamo's
-request plane keeps one connection per worker.
+request plane keeps one connection per worker; and each gRPC message carries every
+frame (reply) queued when it is sent (:func:`services.common.batching.queued_batches`),
+so a call's last response and its end, and the replies of calls that an engine step
+served together, cost one message.
 
-Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateStream):
+Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateMux):
 
+- Messages both ways are batches (:class:`GenerateFrames`, :class:`GenerateReplies`):
+  their frames (replies) count in order, as if each came alone.
 - The stream's first reply, ``call_id`` 0 with neither field, says it is open; the
-  caller sends no frame before it (so a worker without GenerateStream, an older
+  caller sends no frame before it (so a worker without GenerateMux, an older
   version, answers UNIMPLEMENTED before any call was sent to it).
 - Each :class:`GenerateFrame` with ``request`` starts a call: ``generate(request,
   context)`` (the servicer's own Generate, the same validation, engine, holder and
@@ -24,9 +29,10 @@ Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateStrea
   per stream writes them all, in order (a call only queues its replies).
 - A ``cancel`` frame cancels its call (an unknown or ended ``call_id`` is ignored), as
   cancelling a Generate call does: the engine request is aborted.
-- A frame with neither, or a ``request`` whose ``call_id`` is still running, is a broken
-  caller: the stream ends with INVALID_ARGUMENT naming it. A stream that ends, however it
-  ends, cancels the calls still running on it.
+- A frame with neither, a ``request`` whose ``call_id`` is still running, or a
+  GenerateFrames with no frame, is a broken caller: the stream ends with
+  INVALID_ARGUMENT naming it. A stream that ends, however it ends, cancels the calls
+  still running on it.
 - ``close()`` (the worker's stop, after its engine has stopped): every call still
   running ends with UNAVAILABLE ("worker is stopping": the caller migrates it), new
   ``request`` frames end so at once, and every stream still open is then ended, so the
@@ -38,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -47,6 +53,7 @@ from opentelemetry import trace
 
 from protos import worker_pb2
 from services.common import telemetry
+from services.common.batching import queued_batches
 
 log = logging.getLogger(__name__)
 
@@ -111,15 +118,15 @@ class _Stream:
         self._outbox.put_nowait(reply)
 
     async def _write(self) -> None:
-        """Writes the outbox in order until its None; a failed write (the caller or the
-        server is gone: nobody is left to tell) ends it, logged at debug level, so the
-        task never ends with an exception nobody retrieves (the stream's teardown may be
-        cancelled before ``flush``)."""
+        """Writes the outbox in order, in batches (what is queued when a write starts),
+        until its None; a failed write (the caller or the server is gone: nobody is left
+        to tell) ends it, logged at debug level, so the task never ends with an exception
+        nobody retrieves (the stream's teardown may be cancelled before ``flush``)."""
         try:
-            while (reply := await self._outbox.get()) is not None:
-                await self.context.write(reply)
+            async for batch in queued_batches(self._outbox):
+                await self.context.write(worker_pb2.GenerateReplies(replies=batch))
         except Exception as exc:  # noqa: BLE001 - see the docstring
-            log.debug("GenerateStream: a reply could not be written: %r", exc)
+            log.debug("GenerateMux: a reply could not be written: %r", exc)
 
     async def flush(self) -> None:
         """Writes what is queued, then stops the writer (quietly when the stream is gone:
@@ -128,12 +135,12 @@ class _Stream:
         done, _ = await asyncio.wait({self._writer}, timeout=FLUSH_TIMEOUT_S)
         if not done:
             self._writer.cancel()
-            log.warning("GenerateStream: replies not written within %.0f s dropped "
+            log.warning("GenerateMux: replies not written within %.0f s dropped "
                         "(the caller is gone or stalled)", FLUSH_TIMEOUT_S)
 
 
 class GenerateStreams:
-    """Serves GenerateStream with ``generate`` (see the module docstring)."""
+    """Serves GenerateMux with ``generate`` (see the module docstring)."""
 
     def __init__(self, generate: Generate) -> None:
         self._generate = generate
@@ -151,34 +158,17 @@ class GenerateStreams:
             if stream.task is not None:
                 stream.task.cancel()
 
-    async def handle(self, frames: AsyncIterator[worker_pb2.GenerateFrame],
+    async def handle(self, messages: AsyncIterator[worker_pb2.GenerateFrames],
                      context: grpc.aio.ServicerContext) -> None:
         stream = _Stream(context)
         self._streams.add(stream)
         stream.send(worker_pb2.GenerateReply(call_id=0))  # open: frames may come
         problem: str | None = None  # how the caller broke the protocol
         try:
-            async for frame in frames:
-                kind = frame.WhichOneof("kind")
-                if kind == "cancel":
-                    task = stream.calls.get(frame.call_id)
-                    if task is not None:
-                        stream.cancelled.add(frame.call_id)
-                        task.cancel()
-                    continue
-                if kind != "request":
-                    problem = f"frame of call_id {frame.call_id}: neither request nor cancel"
+            async for message in messages:
+                problem = self._take(stream, message.frames)
+                if problem is not None:
                     break
-                if frame.call_id in stream.calls:
-                    problem = f"call_id {frame.call_id} is already running"
-                    break
-                if self._closing:
-                    stream.send(_end(frame.call_id, grpc.StatusCode.UNAVAILABLE,
-                                     "worker is stopping"))
-                    continue
-                task = asyncio.ensure_future(self._call(stream, frame))
-                stream.calls[frame.call_id] = task
-                task.add_done_callback(stream.forget(frame.call_id))
         finally:
             self._streams.discard(stream)
             calls = list(stream.calls.values())
@@ -189,6 +179,33 @@ class GenerateStreams:
             await stream.flush()  # their end replies too, while the stream is open
         if problem is not None:  # after the writer stopped: no write races the status
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+    def _take(self, stream: _Stream, frames: Sequence[worker_pb2.GenerateFrame]
+              ) -> str | None:
+        """Starts or cancels the calls ``frames`` name, in order; how the caller broke the
+        protocol, if it did (the frames after the bad one are not taken)."""
+        if not frames:
+            return "a GenerateFrames message with no frame"
+        for frame in frames:
+            kind = frame.WhichOneof("kind")
+            if kind == "cancel":
+                task = stream.calls.get(frame.call_id)
+                if task is not None:
+                    stream.cancelled.add(frame.call_id)
+                    task.cancel()
+                continue
+            if kind != "request":
+                return f"frame of call_id {frame.call_id}: neither request nor cancel"
+            if frame.call_id in stream.calls:
+                return f"call_id {frame.call_id} is already running"
+            if self._closing:
+                stream.send(_end(frame.call_id, grpc.StatusCode.UNAVAILABLE,
+                                 "worker is stopping"))
+                continue
+            task = asyncio.ensure_future(self._call(stream, frame))
+            stream.calls[frame.call_id] = task
+            task.add_done_callback(stream.forget(frame.call_id))
+        return None
 
     async def _call(self, stream: _Stream, frame: worker_pb2.GenerateFrame) -> None:
         """Runs one call and writes its replies; never raises but for the stream's end."""

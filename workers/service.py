@@ -483,8 +483,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                        attributes=span_attrs)
         span.end(end_time=max(start, *(r.end_ns for r in reports)))
 
-    async def GenerateStream(  # noqa: N802 - gRPC method name
-        self, request_iterator: AsyncIterator[worker_pb2.GenerateFrame],
+    async def GenerateMux(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[worker_pb2.GenerateFrames],
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Generate calls multiplexed on one stream (:mod:`workers.generate_stream`)."""

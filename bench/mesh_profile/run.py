@@ -14,7 +14,7 @@ Contracts:
   ``--router embedded`` runs no router process: the frontend routes in-process
   (``--router embedded --indexer embedded``, :mod:`services.router.embedded`) and no
   indexer process either. ``--worker-transport`` is the frontend's (default ``stream``:
-  its worker calls on one GenerateStream per worker, :mod:`services.frontend.
+  its worker calls on one GenerateMux per worker, :mod:`services.frontend.
   worker_stream`; ``call``: a gRPC call each).
 - Load: a closed loop of ``--concurrency`` clients in this process (httpx, one connection
   each) POSTing ``/v1/completions`` with a text prompt of ``--words`` words (a shared

@@ -21,7 +21,7 @@ Contract:
   method                            roles
   ================================  =============================================
   Worker.Generate / Abort /         frontend
-  GenerateStream
+  GenerateMux
   Worker.GetLoad                    router, planner, admin
   Worker.GetKvState                 router, indexer, admin
   Router.Route / Release /          frontend
@@ -63,7 +63,7 @@ _STORE_DATA = ("worker", "store_client")
 
 POLICY: dict[str, tuple[str, ...]] = {
     "/kvmesh.worker.Worker/Generate": ("frontend",),
-    "/kvmesh.worker.Worker/GenerateStream": ("frontend",),
+    "/kvmesh.worker.Worker/GenerateMux": ("frontend",),
     "/kvmesh.worker.Worker/Abort": ("frontend",),
     "/kvmesh.worker.Worker/GetLoad": ("router", "planner", "admin"),
     "/kvmesh.worker.Worker/GetKvState": ("router", "indexer", "admin"),

@@ -84,7 +84,7 @@ async def _internal(context: Any, details: Any, exc: Exception) -> None:
 
 # Long-lived streams whose messages carry their own trace context (and whose handler
 # writes with context.write, which OpenTelemetry's interceptor cannot wrap): no span.
-UNTRACED_METHODS = frozenset({"/kvmesh.worker.Worker/GenerateStream"})
+UNTRACED_METHODS = frozenset({"/kvmesh.worker.Worker/GenerateMux"})
 
 
 class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

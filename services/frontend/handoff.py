@@ -440,7 +440,7 @@ class _Run:
         self.events.put_nowait(hm.Timeout(generation))
 
     def _generate(self, address: str, request: worker_pb2.GenerateRequest) -> Any:
-        """The worker's Generate call: on its GenerateStream with ``streams``, else a gRPC
+        """The worker's Generate call: on its GenerateMux with ``streams``, else a gRPC
         call of its own (the same responses and errors; :mod:`.worker_stream`)."""
         if self.streams is not None:
             return self.streams.generate(address, request, WORKER_TIMEOUT_S)

@@ -129,7 +129,7 @@ class FrontendConfig(BaseConfig, ImageFlags):
     worker_transport: str = dataclasses.field(
         default="stream", metadata={
             "help": "stream: the calls to each worker multiplexed on one long-lived "
-                    "GenerateStream (less CPU per request; services.frontend."
+                    "GenerateMux (less CPU per request; services.frontend."
                     "worker_stream); call: one gRPC Generate call per worker call",
             "choices": ("call", "stream")}
     )

@@ -322,7 +322,7 @@ class Pipeline:
         # errors); None: the router at router_address(), over gRPC
         self._router_stub = router_stub
         self._pool = ChannelPool(tls, "worker")
-        # worker calls on one GenerateStream per worker (--worker-transport stream)
+        # worker calls on one GenerateMux per worker (--worker-transport stream)
         self._streams = WorkerStreams(self._pool) if worker_streams else None
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()

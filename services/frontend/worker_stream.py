@@ -1,4 +1,4 @@
-"""The frontend's half of ``Worker.GenerateStream`` (``--worker-transport stream``): the
+"""The frontend's half of ``Worker.GenerateMux`` (``--worker-transport stream``): the
 Generate calls to one worker multiplexed on one long-lived gRPC stream (the worker's
 half: :mod:`workers.generate_stream`).
 
@@ -11,7 +11,9 @@ Contract:
   (``invalidate`` after an UNAVAILABLE), is not used again: the next call opens a new one
   (a replaced stream closes its sending side once its last call ended). ``close()``
   ends every stream. The stream carries no trace context of its own (no tracing
-  interceptors): each call's frame does.
+  interceptors): each call's frame does. Each message sent carries every frame queued
+  when it is sent, and each message read may carry many replies
+  (:func:`services.common.batching.queued_batches`; frames and replies count in order).
 - :class:`StreamCall` behaves as the ``grpc.aio`` unary-stream call a ``Generate`` would
   be, for what the frontend uses: ``async for`` yields the responses in order and ends
   when the call ends OK; a call ending otherwise raises ``grpc.aio.AioRpcError`` with
@@ -22,7 +24,7 @@ Contract:
   the stream breaks or ends, every call still on it raises UNAVAILABLE naming the worker
   and how the stream ended: the worker or its connection went away, as a Generate call
   would see it (the pipeline migrates it). No frame is sent before the worker's opening
-  reply; a worker without GenerateStream (an older version) answers UNIMPLEMENTED
+  reply; a worker without GenerateMux (an older version) answers UNIMPLEMENTED
   instead, having run none of the calls: each goes on as a Generate call of its own, and
   so do that address's later calls (logged once) for ``retry_stream_s`` (60), after which a
   stream is tried again (a worker upgraded in place gets one; an old one costs nothing:
@@ -48,13 +50,14 @@ from opentelemetry.propagate import inject
 
 from protos import worker_pb2, worker_pb2_grpc
 from services.common import telemetry
+from services.common.batching import queued_batches
 from services.common.grpc_client import ChannelPool
 from services.router.embedded import rpc_error
 
 log = logging.getLogger(__name__)
 
-STREAM_METHOD = "/kvmesh.worker.Worker/GenerateStream"
-# A worker that had no GenerateStream is offered one again after this long (an upgrade);
+STREAM_METHOD = "/kvmesh.worker.Worker/GenerateMux"
+# A worker that had no GenerateMux is offered one again after this long (an upgrade);
 # meanwhile its calls are gRPC calls of their own.
 RETRY_STREAM_S = 60.0
 GENERATE_METHOD = "/kvmesh.worker.Worker/Generate"
@@ -142,7 +145,7 @@ class StreamCall:
 
     def fall_back(self, channel: Any) -> None:
         """Goes on as a Generate call of its own on ``channel`` (the worker has no
-        GenerateStream: it never saw this call)."""
+        GenerateMux: it never saw this call)."""
         if self._ended:
             return
         if self._timer is not None:
@@ -174,13 +177,13 @@ class StreamCall:
 
 
 class WorkerStream:
-    """One GenerateStream to a worker (see the module docstring)."""
+    """One GenerateMux to a worker (see the module docstring)."""
 
     def __init__(self, channel: Any, address: str) -> None:
         self.channel = channel
         self.address = address
         self.broken = False
-        self.unimplemented = False  # the worker has no GenerateStream (an older version)
+        self.unimplemented = False  # the worker has no GenerateMux (an older version)
         self._retired = False
         self._calls: dict[int, StreamCall] = {}
         self._ids = itertools.count(1)
@@ -189,8 +192,8 @@ class WorkerStream:
         # a plain grpc.aio channel (tests) has no interceptors to skip
         make = getattr(channel, "untraced_stream_stream", channel.stream_stream)
         self._call = make(STREAM_METHOD,
-                          request_serializer=worker_pb2.GenerateFrame.SerializeToString,
-                          response_deserializer=worker_pb2.GenerateReply.FromString)()
+                          request_serializer=worker_pb2.GenerateFrames.SerializeToString,
+                          response_deserializer=worker_pb2.GenerateReplies.FromString)()
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
 
@@ -232,25 +235,24 @@ class WorkerStream:
     async def _write(self) -> None:
         try:
             await self._opened.wait()  # nothing goes to a worker that cannot take it
-            while True:
-                frame = await self._outbox.get()
-                if frame is None:
-                    await self._call.done_writing()
-                    return
-                await self._call.write(frame)
+            async for batch in queued_batches(self._outbox):
+                await self._call.write(worker_pb2.GenerateFrames(frames=batch))
+            await self._call.done_writing()
         except Exception as exc:  # noqa: BLE001 - the reader sees the stream's end too
-            log.debug("GenerateStream to %s: writing failed: %r", self.address, exc)
+            log.debug("GenerateMux to %s: writing failed: %r", self.address, exc)
 
     async def _read(self) -> None:
         how = "ended"
         try:
-            async for reply in self._call:
-                if not reply.call_id:
-                    self._opened.set()
-                    continue
-                call = self._calls.get(reply.call_id)
-                if call is not None:
-                    call.feed(reply)
+            calls = self._calls
+            async for message in self._call:
+                for reply in message.replies:
+                    if not reply.call_id:
+                        self._opened.set()
+                        continue
+                    call = calls.get(reply.call_id)
+                    if call is not None:
+                        call.feed(reply)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             how = f"failed: {code.name}: {exc.details()}"
@@ -266,7 +268,7 @@ class WorkerStream:
                 call.fall_back(self.channel)
         if self._calls:
             err = rpc_error(grpc.StatusCode.UNAVAILABLE,
-                            f"the GenerateStream to worker {self.address} {how}")
+                            f"the GenerateMux to worker {self.address} {how}")
             for call in list(self._calls.values()):
                 call.fail(err)
 
@@ -286,7 +288,7 @@ class WorkerStreams:
         self._pool = pool
         self._streams: dict[str, WorkerStream] = {}
         self._old: set[WorkerStream] = set()
-        self._call_only: dict[str, float] = {}  # worker without GenerateStream -> since
+        self._call_only: dict[str, float] = {}  # worker without GenerateMux -> since
         self._clock = clock
         self._retry_s = retry_stream_s
 
@@ -298,7 +300,7 @@ class WorkerStreams:
         if stream is not None and stream.unimplemented:
             del self._streams[address]
             if address not in self._call_only:
-                log.warning("worker %s has no GenerateStream (an older version?): its calls "
+                log.warning("worker %s has no GenerateMux (an older version?): its calls "
                             "are gRPC calls of their own (a stream is tried again every "
                             "%.0f s)", address, self._retry_s)
             self._call_only[address] = now

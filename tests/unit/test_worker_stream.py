@@ -1,4 +1,4 @@
-"""Worker.GenerateStream: Generate calls multiplexed on one stream (the frontend's
+"""Worker.GenerateMux: Generate calls multiplexed on one stream (the frontend's
 ``--worker-transport stream``; :mod:`services.frontend.worker_stream` and
 :mod:`workers.generate_stream`).
 
@@ -13,6 +13,7 @@ stream with INVALID_ARGUMENT. The pipeline over streams is
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -179,29 +180,34 @@ async def test_a_stopping_worker_ends_its_streams_and_refuses_new_calls(
     assert err.value.details() == "worker is stopping"
     await wait_for(worker.idle, 10, "the engine request aborted")
     async with grpc.aio.insecure_channel(worker.address) as ch:
-        stream = worker_pb2_grpc.WorkerStub(ch).GenerateStream()
+        stream = worker_pb2_grpc.WorkerStub(ch).GenerateMux()
         hello = await stream.read()  # the stream is open: frames may come
-        assert hello == worker_pb2.GenerateReply(call_id=0)
-        await stream.write(worker_pb2.GenerateFrame(call_id=1, request=request("late")))
-        reply = await stream.read()
+        assert list(hello.replies) == [worker_pb2.GenerateReply(call_id=0)]
+        await stream.write(worker_pb2.GenerateFrames(frames=[
+            worker_pb2.GenerateFrame(call_id=1, request=request("late"))]))
+        (reply,) = (await stream.read()).replies
         assert reply.call_id == 1 and reply.WhichOneof("kind") == "end"
         assert reply.end.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert reply.end.details == "worker is stopping"
         stream.cancel()
 
 
-@pytest.mark.parametrize(("frames", "message"), [
-    ([worker_pb2.GenerateFrame(call_id=3)], "frame of call_id 3: neither request nor cancel"),
-    ([worker_pb2.GenerateFrame(call_id=4, request=request("a", 2000)),
-      worker_pb2.GenerateFrame(call_id=4, request=request("b"))],
+@pytest.mark.parametrize(("messages", "message"), [
+    ([[worker_pb2.GenerateFrame(call_id=3)]], "frame of call_id 3: neither request nor cancel"),
+    ([[worker_pb2.GenerateFrame(call_id=4, request=request("a", 2000))],
+      [worker_pb2.GenerateFrame(call_id=4, request=request("b"))]],
      "call_id 4 is already running"),
-])
+    ([[worker_pb2.GenerateFrame(call_id=5, request=request("c", 2000)),
+       worker_pb2.GenerateFrame(call_id=5, request=request("d"))]],
+     "call_id 5 is already running"),
+    ([[]], "a GenerateFrames message with no frame"),
+], ids=["no-kind", "running-id", "running-id-same-message", "empty-message"])
 async def test_a_caller_breaking_the_protocol_ends_its_stream(
-        worker: Worker, frames: list[worker_pb2.GenerateFrame], message: str) -> None:
+        worker: Worker, messages: list[list[worker_pb2.GenerateFrame]], message: str) -> None:
     async with grpc.aio.insecure_channel(worker.address) as ch:
-        stream = worker_pb2_grpc.WorkerStub(ch).GenerateStream()
-        for f in frames:
-            await stream.write(f)
+        stream = worker_pb2_grpc.WorkerStub(ch).GenerateMux()
+        for frames in messages:
+            await stream.write(worker_pb2.GenerateFrames(frames=frames))
         with pytest.raises(grpc.aio.AioRpcError) as err:
             async for _ in stream:
                 pass
@@ -209,6 +215,36 @@ async def test_a_caller_breaking_the_protocol_ends_its_stream(
     assert err.value.details() == message
     await wait_for(worker.idle, 10, "the stream's calls cancelled")
 
+
+async def test_frames_and_replies_travel_in_batches(worker: Worker) -> None:
+    """Frames sent in one message start their calls in order; a whole answer's last
+    response and its end come in one message (the worker sends what it had queued
+    together), and every call gets exactly its replies: its responses, then one end."""
+    async with grpc.aio.insecure_channel(worker.address) as ch:
+        stream = worker_pb2_grpc.WorkerStub(ch).GenerateMux()
+        await stream.read()  # open
+        await stream.write(worker_pb2.GenerateFrames(frames=[
+            worker_pb2.GenerateFrame(call_id=i, request=request(f"b{i}", tokens=3 + i,
+                                                                whole=True, seed=i))
+            for i in (1, 2, 3)]))
+        replies: dict[int, list[worker_pb2.GenerateReply]] = {1: [], 2: [], 3: []}
+        together = 0  # messages holding a call's last response and its end
+        while any(not r or r[-1].WhichOneof("kind") != "end" for r in replies.values()):
+            message = await stream.read()
+            assert message.replies, "a message with no reply"
+            for a, b in itertools.pairwise(message.replies):
+                together += (a.call_id == b.call_id and a.WhichOneof("kind") == "response"
+                             and b.WhichOneof("kind") == "end")
+            for reply in message.replies:
+                replies[reply.call_id].append(reply)
+        stream.cancel()
+    for i, got in replies.items():
+        *responses, end = got
+        assert end.end.code == grpc.StatusCode.OK.value[0]
+        assert all(r.WhichOneof("kind") == "response" for r in responses)
+        assert sum(len(r.response.token_ids) for r in responses) == 3 + i
+        assert responses[-1].response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert together == 3
 
 
 async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
@@ -240,7 +276,7 @@ async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
 
 
 async def test_a_worker_without_generate_stream_is_called_the_old_way() -> None:
-    """An older worker (no GenerateStream: UNIMPLEMENTED) ran none of the calls sent on
+    """An older worker (no GenerateMux: UNIMPLEMENTED) ran none of the calls sent on
     the stream: each goes on as a Generate call of its own, as do the later ones, until
     retry_stream_s has passed; the same address upgraded in place then gets a stream."""
     now = [0.0]
