@@ -66,12 +66,24 @@ async def active(mesh: SecureMesh, address: str) -> int:
     return load.active_requests
 
 
+async def decoding(mesh: SecureMesh) -> None:
+    """Waits until D serves the victim's request (its only one)."""
+    n = 0
+
+    async def one_active() -> bool:
+        nonlocal n
+        n = await active(mesh, mesh.decode.address)
+        return n == 1
+    await wait_for(one_active, 30, lambda: f"D to decode the victim's request ({n} active)")
+
+
 async def test_the_id_on_a_victims_stream_is_the_one_its_worker_knows(
         secure: SecureMesh) -> None:
     """Control: with the frontend's certificate the Abort finds the victim's request, so
     the refusals below are refusals of a working attack."""
     await secure.settled()
     async with victim_stream(secure, list(range(7000, 7040)), LONG) as (mesh_id, rest):
+        await decoding(secure)  # the first chunk is P's token, sent before D takes over
         async with channel(secure.decode.address, secure.tls("frontend")) as ch:
             found = await worker_pb2_grpc.WorkerStub(ch).Abort(
                 worker_pb2.AbortRequest(request_id=mesh_id), timeout=TIMEOUT_S)
@@ -87,13 +99,7 @@ async def test_abort_of_another_users_stream_is_refused(secure: SecureMesh) -> N
     async with victim_stream(secure, list(range(7100, 7140)), LONG) as (mesh_id, rest):
         # the victim's, decoding: the first chunk is P's token (first token from prefill),
         # sent before D has taken the request over
-        n = 0
-
-        async def decoding() -> bool:
-            nonlocal n
-            n = await active(secure, secure.decode.address)
-            return n == 1
-        await wait_for(decoding, 30, lambda: f"D to decode the victim's request ({n} active)")
+        await decoding(secure)
         request = worker_pb2.AbortRequest(request_id=mesh_id)
         for who in WHO:
             for worker in (secure.prefill, secure.decode):
