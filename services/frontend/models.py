@@ -12,8 +12,9 @@ Contract:
   loaded already (None otherwise), without blocking; ``await eos_token_ids(info)``: its
   EOS ids (loading it in a thread if need be), None when it cannot be loaded (not tried
   again for that folder).
-- :class:`Tokenizer` encodes prompts, names the model's EOS ids as vLLM takes them
-  (``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s), spells
+- :class:`Tokenizer` encodes prompts (``await encode_batched(...)``: the same ids,
+  tokenized off the event loop by :mod:`.encode_thread`), names the model's EOS ids as
+  vLLM takes them (``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s), spells
   tokens as vLLM's log-probabilities do (``token_texts``) and renders chat messages with
   the model's own chat
   template (``add_generation_prompt=True``); a message whose content is parts (images)
@@ -41,6 +42,7 @@ from typing import Any
 
 from protos import discovery_pb2
 from services.frontend import tools as tool_calls
+from services.frontend.encode_thread import EncodeThread
 from services.frontend.images import ImageExpander
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,15 @@ class Tokenizer:
         self._tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         self._eos_ids = _eos_token_ids(model_path, self._tok.eos_token_id)
         self._backend = _plain_backend(self._tok)
+        self._thread = EncodeThread(self._backend) if self._backend is not None else None
+
+    async def encode_batched(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode``'s ids, computed on the tokenizer's :class:`EncodeThread` (batched
+        with the prompts submitted meanwhile) when ``encode`` goes straight to the Rust
+        backend, else here."""
+        if self._thread is not None:
+            return await self._thread.encode(text, add_special_tokens)
+        return self.encode(text, add_special_tokens)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -149,7 +160,19 @@ class Tokenizer:
         assistant prompt (content parts, extras and tools: see the module docstring);
         the keywords are the chat template's (``continue_final_message``: the last
         message left open; ``add_special_tokens``: the tokenizer's BOS on top of the
-        template's)."""
+        template's). ``encode(render_chat(...), add_special_tokens)``."""
+        return self.encode(self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, extras=extras, tools=tools),
+            add_special_tokens)
+
+    def render_chat(self, messages: Sequence[tuple[str, Any]], *,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False,
+                    extras: Mapping[int, Mapping[str, Any]] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text of the conversation (``apply_chat`` before encoding;
+        the same keywords)."""
         def content(c: Any) -> Any:
             if isinstance(c, str):
                 return c
@@ -160,13 +183,12 @@ class Tokenizer:
 
         more = extras or {}
         kwargs: dict[str, Any] = {} if tools is None else {"tools": tools}
-        rendered = self._tok.apply_chat_template(
+        return str(self._tok.apply_chat_template(
             [{"role": r, "content": content(c), **more.get(i, {})}
              for i, (r, c) in enumerate(messages)],
             tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **kwargs,
-        )
-        return list(self._tok.encode(rendered, add_special_tokens=add_special_tokens))
+        ))
 
     def tool_support(self) -> tool_calls.TemplateSupport:
         """What the chat template renders of tools (probed once; see the module doc)."""

@@ -6,7 +6,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   serves it), tokenizes the prompt or renders the chat template, and enforces the context
   length (ApiError 400). It never contacts a worker. A prompt of at most
   :data:`INLINE_PROMPT_CHARS` characters (text only, no tools) is tokenized on the event
-  loop, a longer one in a thread.
+  loop when no other request is being prepared or streamed, else on the tokenizer's
+  encode thread, batched with the prompts that come meanwhile (a chat's template is
+  rendered on the loop first); a longer one goes to a thread of its own.
 - ``stream(job)`` asks the router for a worker (over gRPC, or the in-process
   ``router_stub`` of :mod:`services.router.embedded`), calls its ``Generate`` (through
   :func:`~services.frontend.handoff.run_plan`) and yields :class:`Chunk` deltas; the last
@@ -115,7 +117,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
@@ -144,7 +146,7 @@ from services.frontend.failures import (
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.metrics import FrontendMetrics
-from services.frontend.models import ModelCatalog, ModelInfo
+from services.frontend.models import ModelCatalog, ModelInfo, Tokenizer
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context, truncated
 from services.frontend.remote_images import RemoteImageFetcher, RemoteImageLimits, fetch_parts
 from services.frontend.worker_stream import WorkerStreams
@@ -224,12 +226,12 @@ def _attached(ctx: Context | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
-T = TypeVar("T")
 
 # A prompt of at most this many characters is tokenized (or its chat template rendered)
-# on the event loop: a thread hop costs ~90 µs of CPU here, about what tokenizing ~1,000
-# characters costs. A longer one (or one with tools or images) goes to a thread, so no
-# request holds the loop for long.
+# on the event loop when it is the only request there (no latency added), else on the
+# tokenizer's encode thread, batched (the loop's other requests go on meanwhile; a hop
+# through asyncio.to_thread would cost ~90 µs of CPU a prompt). A longer one (or one with
+# tools or images) goes to a thread of its own, so no request holds the loop for long.
 INLINE_PROMPT_CHARS = 4096
 
 
@@ -251,11 +253,6 @@ def _prompt_chars(req: ParsedRequest) -> int:
                     return INLINE_PROMPT_CHARS + 1
                 n += len(text)
     return n
-
-
-async def _inline(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` here (the call shape of ``asyncio.to_thread``)."""
-    return fn(*args, **kwargs)
 
 
 def sampling_proto(job: Job) -> common_pb2.SamplingParams:
@@ -334,6 +331,7 @@ class Pipeline:
         # pull P/D: P's sampled token is the first token when it may be (handoff)
         self.first_token_from_prefill = first_token_from_prefill
         self._background: set[asyncio.Future[None]] = set()
+        self._busy = 0  # prepare and stream calls running: see _tokenize
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Runs ``coro`` as a task that outlives the request's cancellation; ``close``
@@ -412,6 +410,13 @@ class Pipeline:
     async def prepare(self, req: ParsedRequest) -> Job:
         """Resolves the model, tokenizes and checks the context length; the job carries
         ``req.cache_salt`` (the tenant's) to the router and the workers."""
+        self._busy += 1
+        try:
+            return await self._prepare(req)
+        finally:
+            self._busy -= 1
+
+    async def _prepare(self, req: ParsedRequest) -> Job:
         info = self._catalog.get(req.model)
         if info is None:
             raise ApiError(404, f"The model '{req.model}' does not exist or has no live worker",
@@ -423,19 +428,7 @@ class Pipeline:
                 tok = self._catalog.loaded_tokenizer(info)  # no thread hop once loaded
                 if tok is None:
                     tok = await asyncio.to_thread(self._catalog.tokenizer, info)
-                run = _inline if _prompt_chars(req) <= INLINE_PROMPT_CHARS else \
-                    asyncio.to_thread
-                if req.kind == "chat":  # tool calling: :mod:`.tool_chat`
-                    req = await tool_chat.prepare(req, tok)
-                    ids = await run(
-                        tok.apply_chat, req.messages, **tool_chat.chat_kwargs(req),
-                        add_generation_prompt=req.add_generation_prompt,
-                        continue_final_message=req.continue_final_message,
-                        add_special_tokens=bool(req.add_special_tokens))
-                else:
-                    ids = await run(
-                        tok.encode, req.prompt or "",
-                        req.add_special_tokens is None or req.add_special_tokens)
+                ids, req = await self._tokenize(tok, req)
             if req.truncate is not None:
                 ids, req = truncated(req, ids, info.max_model_len)
             mm = await self._images(req, info, ids) if req.images else None
@@ -451,6 +444,29 @@ class Pipeline:
         req = check_context(req, len(ids), info.max_model_len)
         rid = req.request_id or uuid.uuid4().hex
         return Job(rid, req, info, ids, int(time.time()), req.cache_salt, mm)
+
+    async def _tokenize(self, tok: Tokenizer, req: ParsedRequest
+                        ) -> tuple[list[int], ParsedRequest]:
+        """The prompt's ids, or the chat template's, and the request as tool calling left
+        it (see the module docstring)."""
+        if req.kind == "chat":  # tool calling: :mod:`.tool_chat`
+            req = await tool_chat.prepare(req, tok)
+            kwargs = dict(tool_chat.chat_kwargs(req),
+                          add_generation_prompt=req.add_generation_prompt,
+                          continue_final_message=req.continue_final_message)
+            add = bool(req.add_special_tokens)
+            if _prompt_chars(req) > INLINE_PROMPT_CHARS:
+                return await asyncio.to_thread(tok.apply_chat, req.messages,
+                                               add_special_tokens=add, **kwargs), req
+            text = tok.render_chat(req.messages, **kwargs)
+        else:
+            add = req.add_special_tokens is None or req.add_special_tokens
+            text = req.prompt or ""
+            if len(text) > INLINE_PROMPT_CHARS:
+                return await asyncio.to_thread(tok.encode, text, add), req
+        if self._busy > 1:  # others wait on this loop: encode on the encode thread
+            return await tok.encode_batched(text, add), req
+        return tok.encode(text, add), req
 
     async def _images(self, req: ParsedRequest, info: ModelInfo, ids: list[int]) -> MmPrompt:
         """The request's images checked and expanded (see the module docstring)."""
@@ -572,6 +588,7 @@ class Pipeline:
         started = last_at = time.monotonic()
         first_token = True
         prompt_sent = False  # the prompt's log-probabilities went out (first token)
+        self._busy += 1
         try:
             # before any router state exists: a cancel while it loads leaks nothing
             stops = (await self._catalog.eos_token_ids(job.model)
@@ -691,6 +708,7 @@ class Pipeline:
                 outcome = "cancelled"
             raise
         finally:
+            self._busy -= 1
             if outcome != "rejected":
                 self.metrics.requests.labels(path, outcome).inc()
 

@@ -156,15 +156,18 @@ def test_keys_guard_tokenize_like_the_v1_api(pipeline: Pipeline) -> None:
     assert ok.status_code == 200, ok.text
 
 
+@pytest.mark.parametrize("others", [0, 1], ids=["alone", "others-in-flight"])
 @pytest.mark.parametrize(("kind", "chars", "threaded"), [
     ("completion", 100, False), ("completion", INLINE_PROMPT_CHARS, False),
     ("completion", INLINE_PROMPT_CHARS + 1, True),
     ("chat", 100, False), ("chat", INLINE_PROMPT_CHARS + 1, True)])
 async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
         tiny_dir: Path, hf: Any, monkeypatch: pytest.MonkeyPatch, kind: str, chars: int,
-        threaded: bool) -> None:
+        threaded: bool, others: int) -> None:
     """A thread hop costs more than tokenizing a short prompt: only a prompt over
-    INLINE_PROMPT_CHARS goes to a thread; the ids are the same either way."""
+    INLINE_PROMPT_CHARS goes to a thread of its own. A short one is tokenized on the
+    loop when it is the only request there, else on the tokenizer's encode thread (a
+    chat's template rendered on the loop first). The ids are the same every way."""
     catalog = ModelCatalog()
     catalog.update([discovery_pb2.InstanceRecord(
         instance_id="w0", component="worker", address="127.0.0.1:1", model=MODEL,
@@ -179,6 +182,17 @@ async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
         return await real(fn, *args, **kwargs)
 
     monkeypatch.setattr(asyncio, "to_thread", to_thread)
+    tok = catalog.loaded_tokenizer(catalog.get(MODEL))  # type: ignore[arg-type]
+    assert tok is not None and tok._thread is not None
+    batched: list[str] = []
+    real_encode = tok._thread.encode
+
+    def encode(text: str, add_special_tokens: bool) -> Any:
+        batched.append(text)
+        return real_encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tok._thread, "encode", encode)
+    pipe._busy += others  # as if that many other requests were being streamed
     text = ("lorem ipsum " * (chars // 12 + 1))[:chars]
     if kind == "completion":
         job = await pipe.prepare(parse_completion({"model": MODEL, "prompt": text}))
@@ -191,3 +205,4 @@ async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
     assert list(job.token_ids) == list(want)
     assert hopped == (["encode" if kind == "completion" else "apply_chat"]
                       if threaded else [])
+    assert len(batched) == (1 if others and not threaded else 0)

@@ -1,0 +1,106 @@
+"""services.frontend.encode_thread.EncodeThread over the tiny model's real Rust tokenizer:
+the ids are the backend's own, prompts submitted while it works go in one batch, a
+prompt the backend refuses fails only its own call, and a cancelled caller costs the
+others nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+
+from services.frontend.encode_thread import EncodeThread
+from services.frontend.models import Tokenizer
+from workers.model import tiny
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    path = tiny.ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+    return Tokenizer(str(path))._backend
+
+
+class Gated:
+    """The backend, whose first call waits for ``go`` (so later prompts queue up), and
+    which records each call's batch."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.go = threading.Event()
+        self.started = threading.Event()
+        self.batches: list[tuple[list[Any], bool]] = []
+
+    def encode_batch_fast(self, texts: list[Any], add_special_tokens: bool) -> Any:
+        self.batches.append((list(texts), add_special_tokens))
+        self.started.set()
+        assert self.go.wait(30), "the test never let the first batch go"
+        return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+def ids(backend: Any, text: str, special: bool = True) -> list[int]:
+    return list(backend.encode_batch_fast([text], add_special_tokens=special)[0].ids)
+
+
+async def test_prompts_submitted_meanwhile_go_in_one_batch_with_the_backends_ids(
+        backend: Any) -> None:
+    gated = Gated(backend)
+    thread = EncodeThread(gated)
+    first = thread.encode("the first prompt", True)
+    assert await asyncio.to_thread(gated.started.wait, 30)  # the thread holds it
+    texts = [f"prompt number {i} " * (i + 1) for i in range(6)]
+    rest = [thread.encode(t, i % 2 == 0) for i, t in enumerate(texts)]
+    gated.go.set()
+    assert await first == ids(backend, "the first prompt")
+    got = await asyncio.gather(*rest)
+    assert got == [ids(backend, t, i % 2 == 0) for i, t in enumerate(texts)]
+    # one call for the first prompt, then one per add_special_tokens value
+    assert gated.batches == [(["the first prompt"], True),
+                             (texts[0::2], True), (texts[1::2], False)]
+    thread.close()
+
+
+async def test_a_refused_prompt_fails_its_own_call_only(backend: Any) -> None:
+    gated = Gated(backend)
+    thread = EncodeThread(gated)
+    first = thread.encode("hold", True)
+    assert await asyncio.to_thread(gated.started.wait, 30)
+    good = thread.encode("a good prompt", True)
+    bad = thread.encode(12345, True)  # type: ignore[arg-type]  # not text: refused
+    also_good = thread.encode("another good one", True)
+    gated.go.set()
+    await first
+    assert await good == ids(backend, "a good prompt")
+    assert await also_good == ids(backend, "another good one")
+    with pytest.raises(TypeError):
+        await bad
+    thread.close()
+
+
+async def test_a_cancelled_caller_costs_the_others_nothing(backend: Any) -> None:
+    gated = Gated(backend)
+    thread = EncodeThread(gated)
+    first = thread.encode("hold", True)
+    assert await asyncio.to_thread(gated.started.wait, 30)
+    gone = thread.encode("nobody waits for this", True)
+    kept = thread.encode("somebody waits for this", True)
+    gone.cancel()
+    gated.go.set()
+    await first
+    assert await kept == ids(backend, "somebody waits for this")
+    assert gone.cancelled()
+    thread.close()
+
+
+async def test_close_answers_what_was_submitted_and_refuses_more(backend: Any) -> None:
+    thread = EncodeThread(backend)
+    pending = thread.encode("submitted before the close", False)
+    thread.close()
+    thread.close()  # idempotent
+    assert await pending == ids(backend, "submitted before the close", False)
+    with pytest.raises(RuntimeError, match="closed"):
+        thread.encode("after", True)
+    assert thread._thread is not None
+    await asyncio.to_thread(thread._thread.join, 30)
+    assert not thread._thread.is_alive()
