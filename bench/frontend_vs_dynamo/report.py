@@ -12,8 +12,9 @@ Contracts:
 - :func:`side_summary(rounds)`: medians over the rounds that ran with at least one ok
   request of ``req_per_s``, ``p50_ms``, ``p99_ms``; ``rounds_ok``, ``errors`` (requests
   that failed over all rounds) and ``side_errors`` (the distinct errors of rounds that
-  could not run at all); also the medians of ``cpu_us_per_req`` (the side's processes)
-  and ``client_cpu_us_per_req`` where the rounds recorded them.
+  could not run at all); also the medians of ``cpu_us_per_req`` (the side's processes),
+  ``client_cpu_us_per_req`` and ``cpu_us_per_req_by_process`` (each process of the side,
+  with its children) where the rounds recorded them.
 - :func:`build_rows(results)`: per mode the rows in increasing point order, each
   ``{"point", "kvmesh", "dynamo", "ratio"}`` with ``ratio`` = kvmesh ÷ Dynamo of
   ``req_per_s``, ``p50_ms``, ``p99_ms`` and ``cpu_us_per_req`` (for req/s above 1 is
@@ -55,10 +56,19 @@ def ratio(a: Any, b: Any) -> float | None:
     return float(a) / float(b)
 
 
+def median_by_process(rounds: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The median over ``rounds`` of each process's ``cpu_us_per_req_by_process``."""
+    names = sorted({n for r in rounds for n in r.get("cpu_us_per_req_by_process", {})})
+    out = {n: median(r.get("cpu_us_per_req_by_process", {}).get(n) for r in rounds)
+           for n in names}
+    return {n: v for n, v in out.items() if v is not None}
+
+
 def side_summary(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """See the module docstring."""
     ran = [r for r in rounds if "error" not in r and r.get("ok", 0) > 0]
     out: dict[str, Any] = {k: median(r.get(k) for r in ran) for k in (*KEYS, *CPU_KEYS)}
+    out["cpu_us_per_req_by_process"] = median_by_process(ran)
     out["rounds"] = len(rounds)
     out["rounds_ok"] = len(ran)
     out["errors"] = sum(int(r.get("errors", 0)) for r in rounds if "error" not in r)

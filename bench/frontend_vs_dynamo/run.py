@@ -113,6 +113,11 @@ def cpu_seconds(pids: dict[str, int]) -> float:
     return total
 
 
+def cpu_by_name(pids: dict[str, int]) -> dict[str, float]:
+    """:func:`cpu_seconds` of each named process (with its descendants) alone."""
+    return {name: cpu_seconds({name: pid}) for name, pid in pids.items()}
+
+
 def idle_cpu(pids: dict[str, int], window_s: float = 1.0) -> float:
     """Cores these processes use while nothing is sent (CPU s per second)."""
     c0 = cpu_seconds(pids)
@@ -208,10 +213,14 @@ def measure(side: Side, load: Load) -> dict[str, Any]:
     if side.error is not None:
         return {"error": f"{side.name} did not start"}
     try:
+        by0 = cpu_by_name(side.pids)
         c0, p0 = cpu_seconds(side.pids), time.process_time()
         out = asyncio.run(load())
         n = max(1, out["requests"])
         out["cpu_us_per_req"] = (cpu_seconds(side.pids) - c0) / n * 1e6
+        out["cpu_us_per_req_by_process"] = {
+            name: round((t - by0.get(name, 0.0)) / n * 1e6)
+            for name, t in cpu_by_name(side.pids).items()}
         out["client_cpu_us_per_req"] = (time.process_time() - p0) / n * 1e6
         return out
     except Exception as exc:  # noqa: BLE001 - reported, the bench goes on
@@ -338,6 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"  {r['point']:g}: CPU µs/req of each side's processes "
                       + " ".join(f"{n}={v:.0f}" if v is not None else f"{n}=—"
                                  for n, v in cpu.items()))
+                for n in rep.SIDES:
+                    by = r[n].get("cpu_us_per_req_by_process") or {}
+                    if by:
+                        print(f"     {n}: " + " ".join(f"{k}={v:.0f}" for k, v in by.items()))
     print(f"\ngoal: {report['goal']}\n-> {out}/{args.name}.json", flush=True)
     for s in sides:
         if s.error:
