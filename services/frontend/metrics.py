@@ -44,6 +44,8 @@ came from (``indexer`` or ``history``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
@@ -71,6 +73,7 @@ class FrontendMetrics:
     """Counters and histograms of one frontend."""
 
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvmesh_requests", "Requests by path and outcome",
                                 ["path", "outcome"], registry=r)
@@ -139,15 +142,24 @@ class FrontendMetrics:
             "|predicted - actual| cached prompt tokens, per request", labels,
             buckets=_TOKEN_BUCKETS, registry=r)
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered: the same child, without the label
+        checks and the lock on later calls (no child of these metrics is ever removed)."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def observe_cache_prediction(self, path: str, source: str, predicted: int,
                                  actual: int) -> None:
         """Records one finished request's predicted and actual cached tokens (totals and
         per-request histograms)."""
         self.predicted.inc(predicted)
         self.actual.inc(actual)
-        self.predicted_tokens.labels(path, source).observe(predicted)
-        self.actual_tokens.labels(path, source).observe(actual)
-        self.cached_error.labels(path, source).observe(abs(predicted - actual))
+        self.child(self.predicted_tokens, path, source).observe(predicted)
+        self.child(self.actual_tokens, path, source).observe(actual)
+        self.child(self.cached_error, path, source).observe(abs(predicted - actual))
 
     def observe_chunk_gap(self, gap_s: float, tokens: int) -> None:
         """One streamed chunk of ``tokens`` tokens arrived ``gap_s`` after the previous

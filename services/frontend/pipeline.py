@@ -342,7 +342,12 @@ class Pipeline:
         return task
 
     def _prefill_done(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
-        """Tells the router the prefill is over, without waiting (see the module doc)."""
+        """Tells the router the prefill is over, without waiting (see the module doc; an
+        embedded router is told in this call)."""
+        nowait = getattr(router, "prefill_done_nowait", None)
+        if nowait is not None:
+            nowait(request_id)
+            return
 
         async def call() -> None:
             with contextlib.suppress(Exception):
@@ -393,6 +398,10 @@ class Pipeline:
         await self._release(router, request_id)
 
     async def _release(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
+        nowait = getattr(router, "release_nowait", None)
+        if nowait is not None:  # an embedded router: in this call
+            nowait(request_id)
+            return
         try:
             await router.Release(router_pb2.ReleaseRequest(request_id=request_id), timeout=5)
         except grpc.aio.AioRpcError as exc:
@@ -670,7 +679,8 @@ class Pipeline:
                                     self._prefill_done(router, mesh_id)
                             if first_token:
                                 first_token = False
-                                self.metrics.ttft.labels(path).observe(now - started)
+                                self.metrics.child(self.metrics.ttft, path).observe(
+                                    now - started)
                             else:
                                 self.metrics.observe_chunk_gap(now - last_at,
                                                                len(resp.token_ids))
@@ -710,7 +720,7 @@ class Pipeline:
         finally:
             self._busy -= 1
             if outcome != "rejected":
-                self.metrics.requests.labels(path, outcome).inc()
+                self.metrics.child(self.metrics.requests, path, outcome).inc()
 
     def _finish(self, chunk: Chunk, resp: worker_pb2.GenerateResponse,
                 route: router_pb2.RouteResponse, job: Job, path: str, carried: int) -> None:

@@ -23,6 +23,11 @@ Contract of :class:`InProcessRouterStub` (the call shape of ``RouterStub``):
   Exceeded") is raised; an exception escaping the servicer is logged and raised as
   INTERNAL naming it (as :mod:`services.common.server` answers it). Cancelling the
   caller cancels the servicer's call, as a cancelled RPC cancels its handler.
+- ``release_nowait(request_id)`` and ``prefill_done_nowait(request_id)``: what a
+  fire-and-forget ``Release`` / ``PrefillDone`` call would do, done in this call (the
+  router's state is this process's: no task, no await); a refusal (a bad id) is logged
+  as a warning, any other failure logged and counted in the router's errors metric,
+  never raised.
 - Requests and responses are the caller's and the servicer's objects, not copies: the
   caller must not change a request while its call runs (the pipeline builds one per
   call), and owns the response.
@@ -47,7 +52,7 @@ import grpc
 
 from protos import router_pb2
 from services.router.main import RouterApp, RouterConfig, start_router_with_index
-from services.router.service import RouterServicer
+from services.router.service import Refused, RouterServicer
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +122,25 @@ class InProcessRouterStub:
                             **kw: Any) -> router_pb2.ReportFailureResponse:
         return await self._call("ReportFailure", self._servicer.ReportFailure, request,
                                 timeout, kw)
+
+    def release_nowait(self, request_id: str) -> None:
+        """Release's effect now, in this call (no task, no await): the caller's
+        fire-and-forget Release. A refusal or failure is logged, never raised."""
+        self._nowait("Release", self._servicer.release_now, request_id)
+
+    def prefill_done_nowait(self, request_id: str) -> None:
+        """PrefillDone's effect now (as :meth:`release_nowait`)."""
+        self._nowait("PrefillDone", self._servicer.prefill_done_now, request_id)
+
+    def _nowait(self, name: str, method: Callable[[str], bool], request_id: str) -> None:
+        try:
+            method(request_id)
+        except Refused as exc:
+            log.warning("router %s(%s) refused: %s: %s", name, request_id[:64],
+                        exc.code.name, exc.message)
+        except Exception:
+            log.exception("router %s failed", name)
+            self._servicer.metrics.errors.labels(name).inc()
 
     async def ListWorkers(self, request: router_pb2.ListWorkersRequest,  # noqa: N802
                           timeout: float | None = None,

@@ -385,19 +385,28 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self, request: router_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.ReleaseResponse:
         async def release() -> router_pb2.ReleaseResponse:
-            check_id("request_id", request.request_id)
-            self.encoders.release(request.request_id)
-            return router_pb2.ReleaseResponse(found=self._core.release(request.request_id))
+            return router_pb2.ReleaseResponse(found=self.release_now(request.request_id))
         return await self._answer("Release", context, release)
+
+    def release_now(self, request_id: str) -> bool:
+        """Release's effect, in this call: False for an id the router does not hold;
+        raises :class:`Refused` (INVALID_ARGUMENT) for an empty or too long id."""
+        check_id("request_id", request_id)
+        self.encoders.release(request_id)
+        return self._core.release(request_id)
+
+    def prefill_done_now(self, request_id: str) -> bool:
+        """PrefillDone's effect, in this call (as :meth:`release_now`)."""
+        check_id("request_id", request_id)
+        self.encoders.release(request_id)  # its images were encoded by now
+        return self._core.release_prefill(request_id)
 
     async def PrefillDone(  # noqa: N802
         self, request: router_pb2.PrefillDoneRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.PrefillDoneResponse:
         async def done() -> router_pb2.PrefillDoneResponse:
-            check_id("request_id", request.request_id)
-            self.encoders.release(request.request_id)  # its images were encoded by now
             return router_pb2.PrefillDoneResponse(
-                found=self._core.release_prefill(request.request_id))
+                found=self.prefill_done_now(request.request_id))
         return await self._answer("PrefillDone", context, done)
 
     async def ReportFailure(  # noqa: N802

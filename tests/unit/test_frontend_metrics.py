@@ -44,3 +44,18 @@ def test_a_chunk_gap_is_one_itl_sample_per_token() -> None:
     total = next(x for x in lines if x.startswith("kvmesh_itl_seconds_sum"))
     assert float(count.split()[1]) == 3
     assert float(total.split()[1]) == pytest.approx(0.03)
+
+
+def test_a_remembered_child_is_the_labelled_one() -> None:
+    m = FrontendMetrics()
+    first = m.child(m.requests, "agg", "length")
+    assert first is m.requests.labels("agg", "length")
+    assert m.child(m.requests, "agg", "length") is first
+    assert m.child(m.requests, "agg", "stop") is not first
+    assert m.child(m.ttft, "agg") is not m.child(m.requests, "agg", "length")
+    first.inc()
+    m.child(m.requests, "agg", "length").inc()
+    assert m.registry.get_sample_value(
+        "kvmesh_requests_total", {"path": "agg", "outcome": "length"}) == 2
+    with pytest.raises(ValueError):  # a wrong label count is still refused
+        m.child(m.requests, "agg")
