@@ -27,6 +27,16 @@ ROLES = ("agg", "prefill", "decode")
 AFD_ROLES = ("attention", "ffn")
 
 
+def kv_event_problems(cfg: WorkerConfig) -> list[str]:
+    """What is wrong with ``cfg``'s KV event relay options."""
+    out = []
+    if cfg.kv_events_maxlen < 1000:
+        out.append("kv_events_maxlen must be >= 1000")
+    if not 0 <= cfg.kv_event_flush_ms <= 1000:
+        out.append(f"kv_event_flush_ms must be in [0, 1000], got {cfg.kv_event_flush_ms}")
+    return out
+
+
 @dataclasses.dataclass
 class WorkerConfig(BaseConfig):
     """kvmesh worker: one engine behind the Worker gRPC API."""
@@ -87,6 +97,11 @@ class WorkerConfig(BaseConfig):
     )
     kv_events_maxlen: int = dataclasses.field(
         default=1_000_000, metadata={"help": "approximate MAXLEN of the KV event stream"}
+    )
+    kv_event_flush_ms: float = dataclasses.field(
+        default=2.0, metadata={"help": "the KV event relay publishes a batch this long after "
+                                      "its first event, with every event that came "
+                                      "meanwhile in the same round trip (0: at once)"}
     )
     ec_role: str = dataclasses.field(
         default="", metadata={"help": "EPD: 'ec_consumer' reads image embeddings an encoder "
@@ -200,8 +215,7 @@ class WorkerConfig(BaseConfig):
             out.append("store_l1_mib must be >= 0 and store_replicas >= 1")
         if self.store_master and self.engine != "vllm":
             out.append("the KV store connector needs the vllm engine")
-        if self.kv_events_maxlen < 1000:
-            out.append("kv_events_maxlen must be >= 1000")
+        out += kv_event_problems(self)
         if self.ec_role not in ("", "ec_consumer"):
             out.append(f"ec_role must be ec_consumer or empty, got {self.ec_role!r}")
         if self.ec_role and self.engine != "vllm":

@@ -60,7 +60,7 @@ from services.common.event_bus import stream_name
 from services.common.server import MeshServer, serve_main
 from services.common.tls import CertError, tls_for
 from services.common.worker_ids import SEPARATOR, SHARED_NAME, has_sub_ids, sub_id
-from workers.config import WorkerConfig
+from workers.config import WorkerConfig, kv_event_problems
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.engines.mock.timing import make_timing
 from workers.kv.event_relay import EventEndpoints, KvEventRelay
@@ -124,8 +124,7 @@ class FleetConfig(WorkerConfig):
         total = sum(counts)
         if self.port and self.port + total - 1 > 65535:
             out.append("port + number of workers exceeds 65535")
-        if self.kv_events_maxlen < 1000:
-            out.append("kv_events_maxlen must be >= 1000")
+        out += kv_event_problems(self)
         try:
             make_timing(self.timing)
         except (ValueError, OSError) as exc:
@@ -258,7 +257,8 @@ async def _start_one(wcfg: FleetConfig, model_path: str, model_name: str,
         relay = KvEventRelay(worker_id, wcfg.block_size, wcfg.redis_url,
                              stream_name(wcfg.namespace), _no_endpoints(),
                              reset_cache=engine.reset_prefix_cache,
-                             maxlen=wcfg.kv_events_maxlen, tls=tls_for(wcfg, "worker"))
+                             maxlen=wcfg.kv_events_maxlen, tls=tls_for(wcfg, "worker"),
+                             flush_delay_s=wcfg.kv_event_flush_ms / 1000)
     try:
         if relay is not None:
             await relay.start(zmq_input=False)

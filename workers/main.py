@@ -157,7 +157,8 @@ def build_relay(cfg: WorkerConfig, engine: Engine,
     return KvEventRelay(cfg.resolved_worker_id(), cfg.block_size, cfg.redis_url,
                         stream_name(cfg.namespace), events,
                         reset_cache=engine.reset_prefix_cache, maxlen=cfg.kv_events_maxlen,
-                        tls=tls_for(cfg, "worker"), convert=convert)
+                        tls=tls_for(cfg, "worker"), convert=convert,
+                        flush_delay_s=cfg.kv_event_flush_ms / 1000)
 
 
 def build_server(cfg: WorkerConfig, engine: Engine,

@@ -4,8 +4,10 @@ indexer sees as a gap and repairs from the relay's state."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
+import pytest
 import redis.asyncio as aioredis
 
 from services.common.block_hash import block_hashes
@@ -103,3 +105,55 @@ async def test_a_flush_larger_than_one_entry_goes_out_in_order(tmp_path: Path) -
     finally:
         await relay.close()
         red.stop()
+
+
+async def test_events_submitted_within_the_flush_delay_share_one_entry(
+        tmp_path: Path) -> None:
+    """With a flush delay, the relay waits that long after a batch's first event, and
+    what is submitted meanwhile goes in the same entry (one XADD); the next batch waits
+    again. Without one (0), nothing waits. The delay's sleep is held by the test."""
+    red = start_redis(tmp_path)
+    url = f"redis://{red.address}"
+    waits: list[float] = []
+    gate = asyncio.Event()
+
+    async def held(seconds: float) -> None:
+        waits.append(seconds)
+        await gate.wait()
+        gate.clear()
+
+    relay = KvEventRelay("w-delay", BS, url, STREAM, EventEndpoints(tmp_path, "", ""),
+                         flush_delay_s=0.002, sleep=held)
+    plain = KvEventRelay("w-plain", BS, url, STREAM, EventEndpoints(tmp_path, "", ""),
+                         sleep=held)
+    await relay.start(zmq_input=False)
+    await plain.start(zmq_input=False)
+    try:
+        relay.submit([stored(0)])
+        await wait_for(lambda: len(waits) == 1, 10, "the relay to wait its flush delay")
+        relay.submit([stored(1), stored(2)])  # meanwhile: the same entry
+        relay.submit([stored(3)])
+        assert relay.stats.entries == 0
+        gate.set()
+        await wait_for(lambda: relay.stats.entries == 1, 10, "the first entry")
+        relay.submit([stored(4)])  # a later batch waits again, and is its own entry
+        await wait_for(lambda: len(waits) == 2, 10, "the second flush delay")
+        gate.set()
+        await wait_for(lambda: relay.stats.entries == 2, 10, "the second entry")
+        assert waits == [0.002, 0.002]
+        events = [e for e in await read_all(url) if e.worker_id == "w-delay"]
+        assert [e.event_id for e in events] == list(range(5))
+
+        plain.submit([stored(9)])
+        await wait_for(lambda: plain.stats.entries == 1, 10, "the plain relay's entry")
+        assert len(waits) == 2  # no delay: it never waited
+    finally:
+        await relay.close()
+        await plain.close()
+        red.stop()
+
+
+def test_the_flush_delay_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="flush_delay_s must be >= 0"):
+        KvEventRelay("w", BS, "redis://127.0.0.1:1", STREAM,
+                     EventEndpoints(tmp_path, "", ""), flush_delay_s=-1)

@@ -17,6 +17,7 @@ from services.common.config import (
 from services.router.main import RouterConfig
 from services.store_master.main import StoreMasterConfig
 from workers.config import WorkerConfig
+from workers.fleet import FleetConfig
 
 
 def test_defaults_env_and_flags_precedence() -> None:
@@ -96,6 +97,16 @@ def test_kv_handoff_timeout_must_be_a_positive_bound(value: str) -> None:
     cfg = load_config(WorkerConfig, ["--model-path", "/m"], {"KVMESH_KV_HANDOFF_TIMEOUT_S": "2.5"})
     assert cfg.kv_handoff_timeout_s == 2.5
     assert load_config(WorkerConfig, ["--model-path", "/m"], {}).kv_handoff_timeout_s == 10.0
+
+
+@pytest.mark.parametrize("cls", [WorkerConfig, FleetConfig])
+@pytest.mark.parametrize("value", ["-1", "nan", "1001"])
+def test_the_kv_event_flush_delay_is_bounded(cls: type[WorkerConfig], value: str) -> None:
+    with pytest.raises(ConfigError, match="kv_event_flush_ms must be in"):
+        load_config(cls, ["--model-path", "/m", "--kv-event-flush-ms", value], {})
+    assert load_config(cls, ["--model-path", "/m"], {}).kv_event_flush_ms == 2.0
+    assert load_config(cls, ["--model-path", "/m", "--kv-event-flush-ms", "0"],
+                       {}).kv_event_flush_ms == 0
 
 
 @pytest.mark.parametrize("cls", [SeededConfig, RouterConfig, StoreMasterConfig])

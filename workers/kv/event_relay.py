@@ -20,7 +20,11 @@ Contract of :class:`KvEventRelay`:
   are appended to the stream in batches: everything that is ready when the socket runs
   dry, at most ``max_batch_events`` per entry, in one round trip (one XADD, or pipelined
   XADDs for several entries; approximate MAXLEN ``maxlen``), so the relay keeps up with
-  the engine.
+  the engine. With ``flush_delay_s`` (the worker's ``--kv-event-flush-ms``) the relay
+  waits that long after the first event of a batch before publishing it, so the events
+  of the engine steps meanwhile (other requests', the same request's next block) share
+  its round trip: an index learns of a block at most that much later, and the engine,
+  Redis and every index spend less per event.
 - ``convert`` (optional): applied to each decoded engine event before translation, for
   engines whose events differ from vLLM's (:class:`workers.kv.sglang_events.
   SglangEventConverter`); an event it maps to None is dropped.
@@ -164,8 +168,14 @@ class KvEventRelay:
                  max_batch_events: int = 1024, maxlen: int = 1_000_000,
                  replay_timeout_s: float = 2.0, max_pending: int = 200_000,
                  tls: MeshTls | None = None, started_at_ms: int = 0,
-                 convert: Callable[[Any], Any] | None = None) -> None:
+                 convert: Callable[[Any], Any] | None = None,
+                 flush_delay_s: float = 0.0,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        if flush_delay_s < 0:
+            raise ValueError(f"flush_delay_s must be >= 0, got {flush_delay_s}")
         self.worker_id = worker_id
+        self._flush_delay = flush_delay_s
+        self._sleep = sleep  # the flush delay's (tests hold it)
         self._convert = convert
         self.started_at_ms = started_at_ms or int(time.time() * 1000)
         self._tls = tls
@@ -236,6 +246,8 @@ class KvEventRelay:
         while True:
             self._raise_if_closing()
             await self._wake.wait()
+            if self._flush_delay:  # what comes meanwhile goes in the same XADD
+                await self._sleep(self._flush_delay)
             self._wake.clear()
             await self._publish()
 
@@ -275,6 +287,8 @@ class KvEventRelay:
             self._raise_if_closing()
             frames = await self._sub.recv_multipart()
             await self._on_frames(frames)
+            if self._flush_delay:  # what comes meanwhile goes in the same XADD
+                await self._sleep(self._flush_delay)
             while await self._sub.poll(0):
                 await self._on_frames(await self._sub.recv_multipart())
                 if len(self._pending) >= self._max_batch and not await self._flush():
