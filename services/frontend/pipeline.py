@@ -559,17 +559,25 @@ class Pipeline:
 
     async def _route(self, router: router_pb2_grpc.RouterStub, req: router_pb2.RouteRequest,
                      ctx: Context | None) -> router_pb2.RouteResponse:
-        """Routes ``req``. A consumer cancelled meanwhile does not cancel the call (the
-        router may have routed it already): its answer is awaited in the background and
-        released."""
-        with _attached(ctx):
-            call: asyncio.Future[router_pb2.RouteResponse] = asyncio.ensure_future(
-                router.Route(req, timeout=10))
+        """Routes ``req``: in this call when the router is embedded and answers without
+        waiting (``route_now``), else by a Route call. A consumer cancelled meanwhile does
+        not cancel that call (the router may have routed it already): its answer is
+        awaited in the background and released."""
         try:
-            return await asyncio.shield(call)
-        except asyncio.CancelledError:
-            self._spawn(self._release_when_routed(router, req.request_id, call))
-            raise
+            now = getattr(router, "route_now", None)
+            if now is not None:
+                with _attached(ctx):
+                    resp: router_pb2.RouteResponse | None = now(req)
+                if resp is not None:
+                    return resp
+            with _attached(ctx):
+                call: asyncio.Future[router_pb2.RouteResponse] = asyncio.ensure_future(
+                    router.Route(req, timeout=10))
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                self._spawn(self._release_when_routed(router, req.request_id, call))
+                raise
         except grpc.aio.AioRpcError as exc:
             if exc.code() in MAYBE_ROUTED:  # the router may hold the entry: free it
                 self._spawn(self._release(router, req.request_id))

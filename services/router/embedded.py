@@ -23,6 +23,9 @@ Contract of :class:`InProcessRouterStub` (the call shape of ``RouterStub``):
   Exceeded") is raised; an exception escaping the servicer is logged and raised as
   INTERNAL naming it (as :mod:`services.common.server` answers it). Cancelling the
   caller cancels the servicer's call, as a cancelled RPC cancels its handler.
+- ``route_now(request)``: Route's answer computed in this call, raising what Route
+  raises, when the router's overlap source answers without waiting (an embedded index,
+  or none: ``RouterServicer.route_now``); None otherwise (then call ``Route``).
 - ``release_nowait(request_id)`` and ``prefill_done_nowait(request_id)``: what a
   fire-and-forget ``Release`` / ``PrefillDone`` call would do, done in this call (the
   router's state is this process's: no task, no await); a refusal (a bad id) is logged
@@ -123,6 +126,16 @@ class InProcessRouterStub:
         return await self._call("ReportFailure", self._servicer.ReportFailure, request,
                                 timeout, kw)
 
+    def route_now(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse | None:
+        """Route's answer computed in this call (no task, no await) when the router's
+        overlap source answers without waiting, else None: then call :meth:`Route`.
+        Raises what Route raises (AioRpcError with the same code, details and trailing
+        metadata)."""
+        try:
+            return self._servicer.route_now(request)
+        except Refused as exc:
+            raise rpc_error(exc.code, exc.message, exc.trailing) from None
+
     def release_nowait(self, request_id: str) -> None:
         """Release's effect now, in this call (no task, no await): the caller's
         fire-and-forget Release. A refusal or failure is logged, never raised."""
@@ -138,9 +151,8 @@ class InProcessRouterStub:
         except Refused as exc:
             log.warning("router %s(%s) refused: %s: %s", name, request_id[:64],
                         exc.code.name, exc.message)
-        except Exception:
-            log.exception("router %s failed", name)
-            self._servicer.metrics.errors.labels(name).inc()
+        except Exception as exc:
+            self._servicer.failure(name, exc)
 
     async def ListWorkers(self, request: router_pb2.ListWorkersRequest,  # noqa: N802
                           timeout: float | None = None,

@@ -9,6 +9,9 @@ Contract of an overlap source (``find(hashes, workers)``, async):
   answer: the core then falls back to its own history.
 - ``tree_blocks()`` returns the number of blocks indexed per worker when the source knows
   it (tie-break by smaller tree), else None.
+- A source that answers without waiting also has ``find_now(hashes, workers)``, the
+  same answer in the caller's call (:class:`HistorySource`, :class:`EmbeddedSource`):
+  an embedded router then routes without a task (``RouterServicer.route_now``).
 - :class:`HistorySource` (``none``) always answers None.
 - :class:`EmbeddedSource` (``embedded``) asks an in-process index object with
   ``find_matches(hashes) -> {worker: obj with blocks, by_tier}`` (e.g. the indexer's
@@ -73,6 +76,11 @@ class HistorySource:
         """Always None."""
         return None
 
+    def find_now(self, hashes: Mapping[int, Sequence[int]],
+                 workers: Sequence[WorkerRecord]) -> dict[str, WorkerOverlap] | None:
+        """``find``'s answer, in this call."""
+        return None
+
     def tree_blocks(self) -> dict[str, int] | None:
         """Unknown."""
         return None
@@ -94,6 +102,11 @@ class EmbeddedSource:
     async def find(self, hashes: Mapping[int, Sequence[int]],
                    workers: Sequence[WorkerRecord]) -> dict[str, WorkerOverlap] | None:
         """The index's matches, each worker at its own block size."""
+        return self.find_now(hashes, workers)
+
+    def find_now(self, hashes: Mapping[int, Sequence[int]],
+                 workers: Sequence[WorkerRecord]) -> dict[str, WorkerOverlap] | None:
+        """``find``'s answer, in this call."""
         out: dict[str, WorkerOverlap] = {}
         for bs, ids in _by_size(workers).items():
             seq = hashes.get(bs) or ()

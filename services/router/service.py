@@ -69,6 +69,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import grpc
+from opentelemetry import trace
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
@@ -93,7 +94,7 @@ from services.router.plan import (
     UnknownModel,
     WorkerRecord,
 )
-from services.router.policies.base import RouteContext
+from services.router.policies.base import RouteContext, WorkerOverlap
 
 log = logging.getLogger(__name__)
 
@@ -267,11 +268,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 await context.abort(exc.code, exc.message, trailing_metadata=exc.trailing)
             await context.abort(exc.code, exc.message)
         except Exception as exc:
-            log.exception("router %s failed", method)
-            self.metrics.errors.labels(method).inc()
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"router {method} failed: {type(exc).__name__}: {exc}"[:512])
+            failed = self.failure(method, exc)
+            await context.abort(failed.code, failed.message)
         raise AssertionError("context.abort returned")  # pragma: no cover
+
+    def failure(self, method: str, exc: Exception) -> Refused:
+        """An exception escaping ``method`` (call from its ``except``): logged with its
+        traceback, counted in the errors metric, answered INTERNAL naming it."""
+        log.exception("router %s failed", method)
+        self.metrics.errors.labels(method).inc()
+        return Refused(grpc.StatusCode.INTERNAL,
+                       f"router {method} failed: {type(exc).__name__}: {exc}"[:512])
 
     @property
     def overlap_source(self) -> OverlapSource:
@@ -287,17 +294,23 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Applies a discovery snapshot of the encoders."""
         self.encoders.set_encoders(encoder_record(r) for r in records.values())
 
-    async def _context(self, request: router_pb2.RouteRequest,
-                       spans: Sequence[MmSpan] = ()) -> RouteContext:
-        """The core's input: the prompt hashed once per block size (with its images'
-        keys), plus the source's overlaps (None → the core's history)."""
+    def _hashes(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan]
+                ) -> tuple[tuple[int, ...], list[WorkerRecord], dict[int, list[int]]]:
+        """The prompt, the candidate workers with a block size, and the prompt hashed once
+        per block size (with its images' keys)."""
         tokens = tuple(request.token_ids)
         workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
-        hashes: Mapping[int, list[int]] = {
-            bs: block_hashes(tokens, bs, salt=request.cache_salt,
-                             mm_keys=mm_block_keys(spans, len(tokens), bs) if spans else None)
-            for bs in sorted({w.block_size for w in workers})}
-        overlaps = await self._overlaps.find(hashes, workers) if workers else None
+        hashes = {bs: block_hashes(tokens, bs, salt=request.cache_salt,
+                                   mm_keys=mm_block_keys(spans, len(tokens), bs)
+                                   if spans else None)
+                  for bs in sorted({w.block_size for w in workers})}
+        return tokens, workers, hashes
+
+    def _context(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan],
+                 tokens: tuple[int, ...], hashes: Mapping[int, list[int]],
+                 overlaps: dict[str, WorkerOverlap] | None) -> RouteContext:
+        """The core's input: the prompt's hashes plus the source's overlaps (None → the
+        core's history)."""
         return RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
                             block_hashes=hashes, cache_salt=request.cache_salt,
                             mm_spans=tuple(spans),
@@ -310,36 +323,69 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return await self._answer("Route", context, lambda: self._route(request))
 
     async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
+        spans = self._check_route(request)
+        with self._tracer.start_as_current_span("router.route") as span:
+            tokens, workers, hashes = self._hashes(request, spans)
+            overlaps = await self._overlaps.find(hashes, workers) if workers else None
+            ctx = self._context(request, spans, tokens, hashes, overlaps)
+            return self._decide(request, spans, ctx, span)
+
+    def route_now(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse | None:
+        """Route's answer, computed in this call, when the overlap source answers without
+        waiting (``find_now``: an embedded index, or none); else None (call Route).
+        Raises :class:`Refused` where Route would abort (an unexpected exception: as
+        :meth:`failure` makes it)."""
+        find_now = getattr(self._overlaps, "find_now", None)
+        if find_now is None:
+            return None
+        try:
+            spans = self._check_route(request)
+            with self._tracer.start_as_current_span("router.route") as span:
+                tokens, workers, hashes = self._hashes(request, spans)
+                overlaps = find_now(hashes, workers) if workers else None
+                ctx = self._context(request, spans, tokens, hashes, overlaps)
+                return self._decide(request, spans, ctx, span)
+        except Refused:
+            raise
+        except Exception as exc:
+            raise self.failure("Route", exc) from exc
+
+    def _check_route(self, request: router_pb2.RouteRequest) -> list[MmSpan]:
+        """The request's checks (Refused naming the field); its images' spans."""
         check_route_request(request)
         spans = check_mm_items(request)
         try:
             self._core.check_request(request.model, len(request.token_ids), request.max_tokens)
         except InvalidRequest as exc:
             raise _invalid(str(exc)) from exc
-        with self._tracer.start_as_current_span("router.route") as span:
-            span.set_attribute("kvmesh.request_id", request.request_id)
-            span.set_attribute("kvmesh.policy", self._core.policy.name)
-            if self._core.prefill_policy is not None:
-                span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
-            span.set_attribute("kvmesh.indexer", self._overlaps.name)
-            ctx = await self._context(request, spans)
-            if self._overlaps.name != "none":
-                span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
-            try:
-                plan = self._core.route(ctx, max_tokens=request.max_tokens,
-                                        exclude=request.exclude_instance_ids)
-            except Rejected as exc:
-                _set_plan_attributes(span, exc.plan)
-                _set_admission_attributes(span, exc.decision)
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"overloaded ({exc.decision.reason}): {exc}",
-                    ((RETRY_AFTER_KEY, f"{exc.decision.retry_after_s:.3f}"),
-                     (REASON_KEY, exc.decision.reason))) from exc
-            except RoutingError as exc:
-                raise Refused(_routing_code(exc), str(exc)) from exc
-            _set_plan_attributes(span, plan)
-            _set_admission_attributes(span, plan.admission)
+        return spans
+
+    def _decide(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan],
+                ctx: RouteContext, span: trace.Span) -> router_pb2.RouteResponse:
+        """The core's plan for ``ctx`` as a RouteResponse (the ``router.route`` span's
+        attributes set; Refused when admission or routing refuses)."""
+        span.set_attribute("kvmesh.request_id", request.request_id)
+        span.set_attribute("kvmesh.policy", self._core.policy.name)
+        if self._core.prefill_policy is not None:
+            span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
+        span.set_attribute("kvmesh.indexer", self._overlaps.name)
+        if self._overlaps.name != "none":
+            span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
+        try:
+            plan = self._core.route(ctx, max_tokens=request.max_tokens,
+                                    exclude=request.exclude_instance_ids)
+        except Rejected as exc:
+            _set_plan_attributes(span, exc.plan)
+            _set_admission_attributes(span, exc.decision)
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"overloaded ({exc.decision.reason}): {exc}",
+                ((RETRY_AFTER_KEY, f"{exc.decision.retry_after_s:.3f}"),
+                 (REASON_KEY, exc.decision.reason))) from exc
+        except RoutingError as exc:
+            raise Refused(_routing_code(exc), str(exc)) from exc
+        _set_plan_attributes(span, plan)
+        _set_admission_attributes(span, plan.admission)
         self.metrics.routes.labels(plan_kind(plan)).inc()
         resp = router_pb2.RouteResponse(
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,

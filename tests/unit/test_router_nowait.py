@@ -1,18 +1,22 @@
-"""The embedded router stub's fire-and-forget calls (``release_nowait``,
-``prefill_done_nowait``): the same effect on the router's state as the Release and
-PrefillDone calls, done in the caller's call; a bad id or a failing router is logged
-(and counted), never raised into the request that made the call."""
+"""The embedded router stub's calls done in the caller's call. ``route_now``: Route's
+answer and Route's errors (code, details), without a task, when the overlap source
+answers without waiting; None when it must wait. The fire-and-forget ``release_nowait``
+and ``prefill_done_nowait``: the same effect on the router's state as the Release and
+PrefillDone calls; a bad id or a failing router is logged (and counted), never raised
+into the request that made the call."""
 
 from __future__ import annotations
 
 import logging
 import random
 
+import grpc
 import pytest
 
 from protos import discovery_pb2, router_pb2
 from services.router.core import RouterCore
 from services.router.embedded import InProcessRouterStub
+from services.router.overlaps import RemoteSource
 from services.router.policy_setup import default_registry
 from services.router.service import RouterServicer
 
@@ -72,3 +76,50 @@ async def test_a_bad_id_or_a_failing_router_is_logged_not_raised(
     assert [r.getMessage() for r in caplog.records] == ["router Release failed"]
     assert s.metrics.registry.get_sample_value(
         "kvmesh_router_errors_total", {"method": "Release"}) == 1
+
+
+async def test_route_now_answers_and_refuses_as_route_does(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    a, b = servicer(), servicer()  # the same state: the same answers
+    now, call = InProcessRouterStub(a), InProcessRouterStub(b)
+    req = router_pb2.RouteRequest(request_id="r1", model="m", token_ids=list(range(40)),
+                                  max_tokens=8)
+    got = now.route_now(req)
+    assert got is not None
+    assert got == await call.Route(req, timeout=5)
+    assert a.core.in_flight() == b.core.in_flight() == {"w1": 1}
+    bad = [router_pb2.RouteRequest(model="m", token_ids=[1]),  # no request_id
+           router_pb2.RouteRequest(request_id="r2", model="nope", token_ids=[1]),
+           router_pb2.RouteRequest(request_id="r1", model="m", token_ids=[1])]  # in flight
+    for r in bad:
+        with pytest.raises(grpc.aio.AioRpcError) as inline:
+            now.route_now(r)
+        with pytest.raises(grpc.aio.AioRpcError) as called:
+            await call.Route(r, timeout=5)
+        assert inline.value.code() == called.value.code() != grpc.StatusCode.OK
+        assert inline.value.details() == called.value.details()
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("the core broke")
+
+    monkeypatch.setattr(a.core, "route", broken)
+    with caplog.at_level(logging.ERROR, "services.router.service"), \
+            pytest.raises(grpc.aio.AioRpcError) as err:
+        now.route_now(router_pb2.RouteRequest(request_id="r9", model="m",
+                                              token_ids=[1, 2], max_tokens=1))
+    assert err.value.code() == grpc.StatusCode.INTERNAL
+    assert err.value.details() == "router Route failed: RuntimeError: the core broke"
+    assert [r.getMessage() for r in caplog.records] == ["router Route failed"]
+    assert a.metrics.registry.get_sample_value(
+        "kvmesh_router_errors_total", {"method": "Route"}) == 1
+
+
+async def test_route_now_leaves_a_waiting_source_to_route() -> None:
+    """A source that must wait (the remote indexer) has no ``find_now``: None, nothing
+    routed; the caller calls Route."""
+    core = RouterCore(policy=default_registry().create("round_robin", random.Random(0)),
+                      clock=lambda: 0.0)
+    s = RouterServicer(core, {}, RemoteSource(lambda: {}))
+    assert InProcessRouterStub(s).route_now(router_pb2.RouteRequest(
+        request_id="r", model="m", token_ids=[1])) is None
+    assert core.in_flight() == {}
