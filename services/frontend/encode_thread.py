@@ -13,18 +13,25 @@ Contract of :class:`EncodeThread` (``backend``: a ``tokenizers.Tokenizer``):
   add_special_tokens=...)[0].ids`` gives, computed on the thread (started on first use,
   a daemon), batched with the prompts submitted meanwhile (one backend call per batch
   and ``add_special_tokens`` value). An exception the backend raises for a prompt is
-  raised by that prompt's call only (a refused batch is encoded prompt by prompt). A
-  caller cancelled meanwhile gets nothing; the others' results are unaffected. The
-  results of a batch reach each event loop in one callback.
+  raised by that prompt's call only (a refused batch is encoded prompt by prompt; one
+  that is not an ``Exception``, e.g. a Rust panic, is raised as RuntimeError naming
+  it). A caller cancelled meanwhile gets nothing; the others' results are unaffected.
+  The results of a batch reach each event loop in one callback. Should the thread itself
+  fail, every call it holds raises RuntimeError naming the failure (logged) and the next
+  ``encode`` starts a new thread: no call is left waiting.
 - ``close()``: the thread ends once the prompts submitted before are answered; later
-  ``encode`` calls raise RuntimeError. Idempotent.
+  ``encode`` calls raise RuntimeError. Idempotent. The frontend never closes its
+  tokenizers' threads: they live as long as the process (one per model folder).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _Item = tuple[str, bool, "asyncio.Future[list[int]]", asyncio.AbstractEventLoop]
 
@@ -78,29 +85,60 @@ class EncodeThread:
         try:
             encs = self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
             return [(e.ids, None) for e in encs]
-        except Exception as exc:  # noqa: BLE001 - handed to its caller(s)
+        except BaseException as exc:  # noqa: BLE001 - handed to its caller(s)
             if len(texts) == 1:
-                return [(None, exc)]
+                return [(None, _as_exception(exc, "the tokenizer"))]
         return [self._encode([text], add_special_tokens)[0] for text in texts]
 
     def _run(self) -> None:
-        while True:
+        todo: list[_Item] = []
+        try:
+            while True:
+                with self._cv:
+                    while not self._todo and not self._closed:
+                        self._cv.wait()
+                    if not self._todo:
+                        return
+                    todo, self._todo = self._todo, []
+                self._answer(todo)
+                todo = []
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller is told
+            log.exception("the tokenizer's encode thread failed; its calls fail and the "
+                          "next prompt starts a new thread")
             with self._cv:
-                while not self._todo and not self._closed:
-                    self._cv.wait()
-                if not self._todo:
-                    return
-                todo, self._todo = self._todo, []
-            by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
-            for flag in (True, False):
-                part = [t for t in todo if t[1] is flag]
-                if not part:
-                    continue
-                for t, (ids, exc) in zip(part, self._encode([t[0] for t in part], flag),
-                                         strict=True):
-                    by_loop.setdefault(t[3], []).append((t[2], ids, exc))
-            for loop, results in by_loop.items():
-                try:
-                    loop.call_soon_threadsafe(_settle, results)
-                except RuntimeError:  # that loop is closed: nobody waits
-                    pass
+                rest, self._todo = self._todo, []
+                self._thread = None
+            error = _as_exception(exc, "the tokenizer's encode thread")
+            _deliver([(t[2], None, error, t[3]) for t in (*todo, *rest)])
+
+    def _answer(self, todo: list[_Item]) -> None:
+        """Encodes ``todo`` (one backend call per ``add_special_tokens`` value) and hands
+        each result to its caller's loop."""
+        results = []
+        for flag in (True, False):
+            part = [t for t in todo if t[1] is flag]
+            if part:
+                results += [(t[2], ids, exc, t[3]) for t, (ids, exc) in zip(
+                    part, self._encode([t[0] for t in part], flag), strict=True)]
+        _deliver(results)
+
+
+def _as_exception(exc: BaseException, what: str) -> Exception:
+    """``exc``, or a RuntimeError naming it when it is not an ``Exception`` (a caller's
+    handlers for Exception still catch it)."""
+    if isinstance(exc, Exception):
+        return exc
+    return RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+def _deliver(results: list[tuple[asyncio.Future[list[int]], Any, BaseException | None,
+                                 asyncio.AbstractEventLoop]]) -> None:
+    """Hands the results to their loops, one callback per loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+    for fut, ids, exc, loop in results:
+        by_loop.setdefault(loop, []).append((fut, ids, exc))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, batch)
+        except RuntimeError:  # that loop is closed: nobody waits
+            pass

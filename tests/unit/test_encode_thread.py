@@ -6,6 +6,7 @@ others nothing."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from typing import Any
 
@@ -104,3 +105,56 @@ async def test_close_answers_what_was_submitted_and_refuses_more(backend: Any) -
     assert thread._thread is not None
     await asyncio.to_thread(thread._thread.join, 30)
     assert not thread._thread.is_alive()
+
+
+class Panic(BaseException):
+    """What a Rust panic in the tokenizer surfaces as (pyo3's PanicException is a
+    BaseException)."""
+
+
+class Panicky:
+    """The backend, panicking on one text."""
+
+    def __init__(self, backend: Any, bad: str) -> None:
+        self.backend, self.bad = backend, bad
+
+    def encode_batch_fast(self, texts: list[str], add_special_tokens: bool) -> Any:
+        if self.bad in texts:
+            raise Panic("boom")
+        return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+async def test_a_panicking_prompt_fails_as_an_exception_and_the_thread_goes_on(
+        backend: Any) -> None:
+    thread = EncodeThread(Panicky(backend, "poison"))
+    bad, good = thread.encode("poison", True), thread.encode("fine", True)
+    with pytest.raises(RuntimeError, match="the tokenizer failed: Panic: boom"):
+        await bad
+    assert await good == ids(backend, "fine")
+    assert await thread.encode("later", True) == ids(backend, "later")
+    thread.close()
+
+
+async def test_a_failed_thread_fails_its_calls_and_the_next_prompt_starts_a_new_one(
+        backend: Any, caplog: pytest.LogCaptureFixture) -> None:
+    gated = Gated(backend)
+    thread = EncodeThread(gated)
+    first = thread.encode("hold", True)
+    assert await asyncio.to_thread(gated.started.wait, 30)
+    real_answer = thread._answer
+
+    def broken(todo: list[Any]) -> None:
+        raise Panic("the thread broke")
+
+    thread._answer = broken  # type: ignore[method-assign]  # the next batch breaks it
+    queued = [thread.encode(f"queued {i}", True) for i in range(3)]
+    with caplog.at_level(logging.ERROR, "services.frontend.encode_thread"):
+        gated.go.set()
+        assert await first == ids(backend, "hold")  # answered before the failure
+        for fut in queued:
+            with pytest.raises(RuntimeError, match="encode thread failed: Panic"):
+                await fut
+    assert "encode thread failed" in caplog.text
+    thread._answer = real_answer  # type: ignore[method-assign]
+    assert await thread.encode("after", True) == ids(backend, "after")  # a new thread
+    thread.close()
