@@ -325,6 +325,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         spans = self._check_route(request)
         with self._tracer.start_as_current_span("router.route") as span:
+            self._name_span(span, request)
             tokens, workers, hashes = self._hashes(request, spans)
             overlaps = await self._overlaps.find(hashes, workers) if workers else None
             ctx = self._context(request, spans, tokens, hashes, overlaps)
@@ -341,6 +342,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             spans = self._check_route(request)
             with self._tracer.start_as_current_span("router.route") as span:
+                self._name_span(span, request)
                 tokens, workers, hashes = self._hashes(request, spans)
                 overlaps = find_now(hashes, workers) if workers else None
                 ctx = self._context(request, spans, tokens, hashes, overlaps)
@@ -349,6 +351,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         except Exception as exc:
             raise self.failure("Route", exc) from exc
+
+    def _name_span(self, span: trace.Span, request: router_pb2.RouteRequest) -> None:
+        """The ``router.route`` span's attributes known before routing."""
+        span.set_attribute("kvmesh.request_id", request.request_id)
+        span.set_attribute("kvmesh.policy", self._core.policy.name)
+        if self._core.prefill_policy is not None:
+            span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
+        span.set_attribute("kvmesh.indexer", self._overlaps.name)
 
     def _check_route(self, request: router_pb2.RouteRequest) -> list[MmSpan]:
         """The request's checks (Refused naming the field); its images' spans."""
@@ -364,11 +374,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 ctx: RouteContext, span: trace.Span) -> router_pb2.RouteResponse:
         """The core's plan for ``ctx`` as a RouteResponse (the ``router.route`` span's
         attributes set; Refused when admission or routing refuses)."""
-        span.set_attribute("kvmesh.request_id", request.request_id)
-        span.set_attribute("kvmesh.policy", self._core.policy.name)
-        if self._core.prefill_policy is not None:
-            span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
-        span.set_attribute("kvmesh.indexer", self._overlaps.name)
         if self._overlaps.name != "none":
             span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
         try:
