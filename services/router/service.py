@@ -294,29 +294,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Applies a discovery snapshot of the encoders."""
         self.encoders.set_encoders(encoder_record(r) for r in records.values())
 
-    def _hashes(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan]
-                ) -> tuple[tuple[int, ...], list[WorkerRecord], dict[int, list[int]]]:
-        """The prompt, the candidate workers with a block size, and the prompt hashed once
-        per block size (with its images' keys)."""
-        tokens = tuple(request.token_ids)
-        workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
-        hashes = {bs: block_hashes(tokens, bs, salt=request.cache_salt,
-                                   mm_keys=mm_block_keys(spans, len(tokens), bs)
-                                   if spans else None)
-                  for bs in sorted({w.block_size for w in workers})}
-        return tokens, workers, hashes
-
-    def _context(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan],
-                 tokens: tuple[int, ...], hashes: Mapping[int, list[int]],
-                 overlaps: dict[str, WorkerOverlap] | None) -> RouteContext:
-        """The core's input: the prompt's hashes plus the source's overlaps (None → the
-        core's history)."""
-        return RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
-                            block_hashes=hashes, cache_salt=request.cache_salt,
-                            mm_spans=tuple(spans),
-                            tree_blocks=self._overlaps.tree_blocks() if overlaps is not None
-                            else None)
-
     async def Route(  # noqa: N802
         self, request: router_pb2.RouteRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.RouteResponse:
@@ -325,11 +302,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
         spans = self._check_route(request)
         with self._tracer.start_as_current_span("router.route") as span:
-            self._name_span(span, request)
-            tokens, workers, hashes = self._hashes(request, spans)
+            tokens, workers, hashes = self._start(span, request, spans)
             overlaps = await self._overlaps.find(hashes, workers) if workers else None
-            ctx = self._context(request, spans, tokens, hashes, overlaps)
-            return self._decide(request, spans, ctx, span)
+            return self._decide(request, spans, span, tokens, hashes, overlaps)
 
     def route_now(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse | None:
         """Route's answer, computed in this call, when the overlap source answers without
@@ -342,23 +317,32 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             spans = self._check_route(request)
             with self._tracer.start_as_current_span("router.route") as span:
-                self._name_span(span, request)
-                tokens, workers, hashes = self._hashes(request, spans)
+                tokens, workers, hashes = self._start(span, request, spans)
                 overlaps = find_now(hashes, workers) if workers else None
-                ctx = self._context(request, spans, tokens, hashes, overlaps)
-                return self._decide(request, spans, ctx, span)
+                return self._decide(request, spans, span, tokens, hashes, overlaps)
         except Refused:
             raise
         except Exception as exc:
             raise self.failure("Route", exc) from exc
 
-    def _name_span(self, span: trace.Span, request: router_pb2.RouteRequest) -> None:
-        """The ``router.route`` span's attributes known before routing."""
+    def _start(self, span: trace.Span, request: router_pb2.RouteRequest,
+               spans: Sequence[MmSpan]
+               ) -> tuple[tuple[int, ...], list[WorkerRecord], dict[int, list[int]]]:
+        """Names the ``router.route`` span (what is known before routing); the prompt,
+        the candidate workers with a block size, and the prompt hashed once per block
+        size (with its images' keys)."""
         span.set_attribute("kvmesh.request_id", request.request_id)
         span.set_attribute("kvmesh.policy", self._core.policy.name)
         if self._core.prefill_policy is not None:
             span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
         span.set_attribute("kvmesh.indexer", self._overlaps.name)
+        tokens = tuple(request.token_ids)
+        workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
+        hashes = {bs: block_hashes(tokens, bs, salt=request.cache_salt,
+                                   mm_keys=mm_block_keys(spans, len(tokens), bs)
+                                   if spans else None)
+                  for bs in sorted({w.block_size for w in workers})}
+        return tokens, workers, hashes
 
     def _check_route(self, request: router_pb2.RouteRequest) -> list[MmSpan]:
         """The request's checks (Refused naming the field); its images' spans."""
@@ -371,11 +355,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return spans
 
     def _decide(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan],
-                ctx: RouteContext, span: trace.Span) -> router_pb2.RouteResponse:
-        """The core's plan for ``ctx`` as a RouteResponse (the ``router.route`` span's
-        attributes set; Refused when admission or routing refuses)."""
+                span: trace.Span, tokens: tuple[int, ...], hashes: Mapping[int, list[int]],
+                overlaps: dict[str, WorkerOverlap] | None) -> router_pb2.RouteResponse:
+        """The core's plan for the prompt's hashes and the source's overlaps (None → the
+        core's history) as a RouteResponse (the ``router.route`` span's attributes set;
+        Refused when admission or routing refuses)."""
         if self._overlaps.name != "none":
-            span.set_attribute("kvmesh.indexer_fallback", ctx.overlaps is None)
+            span.set_attribute("kvmesh.indexer_fallback", overlaps is None)
+        ctx = RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
+                           block_hashes=hashes, cache_salt=request.cache_salt,
+                           mm_spans=tuple(spans),
+                           tree_blocks=self._overlaps.tree_blocks() if overlaps is not None
+                           else None)
         try:
             plan = self._core.route(ctx, max_tokens=request.max_tokens,
                                     exclude=request.exclude_instance_ids)
