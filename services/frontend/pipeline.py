@@ -226,7 +226,6 @@ def _attached(ctx: Context | None) -> Iterator[None]:
         otel_context.detach(token)
 
 
-
 # A prompt of at most this many characters is tokenized (or its chat template rendered)
 # on the event loop when it is the only request there (no latency added), else on the
 # tokenizer's encode thread, batched (the loop's other requests go on meanwhile; a hop
@@ -458,20 +457,21 @@ class Pipeline:
                         ) -> tuple[list[int], ParsedRequest]:
         """The prompt's ids, or the chat template's, and the request as tool calling left
         it (see the module docstring)."""
+        too_long = _prompt_chars(req) > INLINE_PROMPT_CHARS  # for the loop: a thread
         if req.kind == "chat":  # tool calling: :mod:`.tool_chat`
             req = await tool_chat.prepare(req, tok)
             kwargs = dict(tool_chat.chat_kwargs(req),
                           add_generation_prompt=req.add_generation_prompt,
                           continue_final_message=req.continue_final_message)
             add = bool(req.add_special_tokens)
-            if _prompt_chars(req) > INLINE_PROMPT_CHARS:
+            if too_long:
                 return await asyncio.to_thread(tok.apply_chat, req.messages,
                                                add_special_tokens=add, **kwargs), req
             text = tok.render_chat(req.messages, **kwargs)
         else:
             add = req.add_special_tokens is None or req.add_special_tokens
             text = req.prompt or ""
-            if len(text) > INLINE_PROMPT_CHARS:
+            if too_long:
                 return await asyncio.to_thread(tok.encode, text, add), req
         if self._busy > 1:  # others wait on this loop: encode on the encode thread
             return await tok.encode_batched(text, add), req
