@@ -40,16 +40,24 @@ class Gated:
         return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
 
 
+async def holding(backend: Any, text: str = "hold"
+                  ) -> tuple[Gated, EncodeThread, asyncio.Future[list[int]]]:
+    """A thread over the gated backend, holding its first batch (``text``) until the
+    test sets ``go``: what is submitted meanwhile queues for the next batch."""
+    gated = Gated(backend)
+    thread = EncodeThread(gated)
+    first = thread.encode(text, True)
+    assert await asyncio.to_thread(gated.started.wait, 30), "the thread never took it"
+    return gated, thread, first
+
+
 def ids(backend: Any, text: str, special: bool = True) -> list[int]:
     return list(backend.encode_batch_fast([text], add_special_tokens=special)[0].ids)
 
 
 async def test_prompts_submitted_meanwhile_go_in_one_batch_with_the_backends_ids(
         backend: Any) -> None:
-    gated = Gated(backend)
-    thread = EncodeThread(gated)
-    first = thread.encode("the first prompt", True)
-    assert await asyncio.to_thread(gated.started.wait, 30)  # the thread holds it
+    gated, thread, first = await holding(backend, "the first prompt")
     texts = [f"prompt number {i} " * (i + 1) for i in range(6)]
     rest = [thread.encode(t, i % 2 == 0) for i, t in enumerate(texts)]
     gated.go.set()
@@ -63,10 +71,7 @@ async def test_prompts_submitted_meanwhile_go_in_one_batch_with_the_backends_ids
 
 
 async def test_a_refused_prompt_fails_its_own_call_only(backend: Any) -> None:
-    gated = Gated(backend)
-    thread = EncodeThread(gated)
-    first = thread.encode("hold", True)
-    assert await asyncio.to_thread(gated.started.wait, 30)
+    gated, thread, first = await holding(backend)
     good = thread.encode("a good prompt", True)
     bad = thread.encode(12345, True)  # type: ignore[arg-type]  # not text: refused
     also_good = thread.encode("another good one", True)
@@ -80,10 +85,7 @@ async def test_a_refused_prompt_fails_its_own_call_only(backend: Any) -> None:
 
 
 async def test_a_cancelled_caller_costs_the_others_nothing(backend: Any) -> None:
-    gated = Gated(backend)
-    thread = EncodeThread(gated)
-    first = thread.encode("hold", True)
-    assert await asyncio.to_thread(gated.started.wait, 30)
+    gated, thread, first = await holding(backend)
     gone = thread.encode("nobody waits for this", True)
     kept = thread.encode("somebody waits for this", True)
     gone.cancel()
@@ -137,10 +139,7 @@ async def test_a_panicking_prompt_fails_as_an_exception_and_the_thread_goes_on(
 
 async def test_a_failed_thread_fails_its_calls_and_the_next_prompt_starts_a_new_one(
         backend: Any, caplog: pytest.LogCaptureFixture) -> None:
-    gated = Gated(backend)
-    thread = EncodeThread(gated)
-    first = thread.encode("hold", True)
-    assert await asyncio.to_thread(gated.started.wait, 30)
+    gated, thread, first = await holding(backend)
     real_answer = thread._answer
 
     def broken(todo: list[Any]) -> None:
