@@ -23,7 +23,9 @@ Contract:
   unsampled trace id when there is none, as the interceptor's unrecorded client span
   would carry). What is recorded and what propagates (trace ids, the sampled flag) is
   unchanged; a sampled call still goes through the interceptors in full.
-  :func:`may_record` tells code whether a span started now could be recorded.
+  :func:`may_record` tells code whether a span started now could be recorded;
+  :func:`leaf_span` skips, for a block with nothing traced under it, even the
+  unrecorded span when it could not record.
 - :func:`tracer` returns the tracer for a kvmesh component (one object per component).
   In lean mode a span it starts under an unsampled parent (or none) skips the SDK: it is
   a ``NonRecordingSpan`` with the parent's trace id (a fresh one at a root), a fresh span
@@ -40,7 +42,7 @@ import os
 import random
 import threading
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -203,6 +205,34 @@ class _LeanTracer(trace.Tracer):
             yield span
         finally:
             otel_context.detach(token)
+
+
+class _NoSpan:
+    """:func:`leaf_span`'s block where its span could not record: the invalid (no-op)
+    span, not made current."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> trace.Span:
+        return trace.INVALID_SPAN
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_SPAN = _NoSpan()
+
+
+def leaf_span(tr: trace.Tracer, name: str) -> AbstractContextManager[trace.Span]:
+    """``tr.start_as_current_span(name)`` for a leaf block: one that starts no span and
+    makes no traced call inside (nothing under it reads the current span). Where a span
+    started now could not record (:func:`may_record` false), the block gets the no-op
+    ``trace.INVALID_SPAN`` (attributes set on it go nowhere, as on any unrecorded span)
+    and the current context is left as it is: no span ids drawn, no context switch.
+    Exceptions pass through either way."""
+    if not may_record():
+        return _NO_SPAN
+    return tr.start_as_current_span(name)
 
 
 _tracers: dict[str, _LeanTracer] = {}

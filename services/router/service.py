@@ -77,7 +77,7 @@ from services.common.discovery import DECODE_ALONE, routable
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
-from services.common.telemetry import tracer
+from services.common.telemetry import leaf_span, tracer
 from services.common.tls import MeshTls
 from services.router.admission.core import AdmissionDecision
 from services.router.core import RouterCore
@@ -184,20 +184,24 @@ def check_id(name: str, value: str) -> None:
         raise _invalid(f"{name} has {len(value)} characters, more than {MAX_ID_CHARS}")
 
 
-def check_route_request(request: router_pb2.RouteRequest) -> None:
-    """The checks of a RouteRequest that need no worker (see the module docstring)."""
+def check_route_request(request: router_pb2.RouteRequest) -> list[int]:
+    """The checks of a RouteRequest that need no worker (see the module docstring); its
+    token ids, as a list (read from the message once: each read of a repeated field
+    converts every element)."""
     check_id("request_id", request.request_id)
     check_id("model", request.model)
     if request.max_tokens < 0:
         raise _invalid(f"max_tokens must be >= 0, got {request.max_tokens}")
-    if not request.token_ids:
+    tokens: list[int] = request.token_ids[:]
+    if not tokens:
         raise _invalid("token_ids must not be empty")
-    if min(request.token_ids) < 0:
-        i = next(i for i, t in enumerate(request.token_ids) if t < 0)
-        raise _invalid(f"token_ids must be >= 0, got token_ids[{i}] = {request.token_ids[i]}")
+    if min(tokens) < 0:
+        i = next(i for i, t in enumerate(tokens) if t < 0)
+        raise _invalid(f"token_ids must be >= 0, got token_ids[{i}] = {tokens[i]}")
     if len(request.exclude_instance_ids) > MAX_EXCLUDE:
         raise _invalid(f"exclude_instance_ids has {len(request.exclude_instance_ids)} "
                        f"entries, more than {MAX_EXCLUDE}")
+    return tokens
 
 
 def check_mm_items(request: router_pb2.RouteRequest) -> list[MmSpan]:
@@ -300,9 +304,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return await self._answer("Route", context, lambda: self._route(request))
 
     async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
-        spans = self._check_route(request)
+        tokens, spans = self._check_route(request)
         with self._tracer.start_as_current_span("router.route") as span:
-            tokens, workers, hashes = self._start(span, request, spans)
+            workers, hashes = self._start(span, request, tokens, spans)
             overlaps = await self._overlaps.find(hashes, workers) if workers else None
             return self._decide(request, spans, span, tokens, hashes, overlaps)
 
@@ -315,9 +319,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if find_now is None:
             return None
         try:
-            spans = self._check_route(request)
-            with self._tracer.start_as_current_span("router.route") as span:
-                tokens, workers, hashes = self._start(span, request, spans)
+            tokens, spans = self._check_route(request)
+            with leaf_span(self._tracer, "router.route") as span:
+                workers, hashes = self._start(span, request, tokens, spans)
                 overlaps = find_now(hashes, workers) if workers else None
                 return self._decide(request, spans, span, tokens, hashes, overlaps)
         except Refused:
@@ -326,36 +330,37 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise self.failure("Route", exc) from exc
 
     def _start(self, span: trace.Span, request: router_pb2.RouteRequest,
-               spans: Sequence[MmSpan]
-               ) -> tuple[tuple[int, ...], list[WorkerRecord], dict[int, list[int]]]:
-        """Names the ``router.route`` span (what is known before routing); the prompt,
-        the candidate workers with a block size, and the prompt hashed once per block
-        size (with its images' keys)."""
+               tokens: Sequence[int], spans: Sequence[MmSpan]
+               ) -> tuple[list[WorkerRecord], dict[int, list[int]]]:
+        """Names the ``router.route`` span (what is known before routing); the candidate
+        workers with a block size, and the prompt (``tokens``: its token ids) hashed once
+        per block size (with its images' keys)."""
         span.set_attribute("kvmesh.request_id", request.request_id)
         span.set_attribute("kvmesh.policy", self._core.policy.name)
         if self._core.prefill_policy is not None:
             span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
         span.set_attribute("kvmesh.indexer", self._overlaps.name)
-        tokens = tuple(request.token_ids)
         workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
         hashes = {bs: block_hashes(tokens, bs, salt=request.cache_salt,
                                    mm_keys=mm_block_keys(spans, len(tokens), bs)
                                    if spans else None)
                   for bs in sorted({w.block_size for w in workers})}
-        return tokens, workers, hashes
+        return workers, hashes
 
-    def _check_route(self, request: router_pb2.RouteRequest) -> list[MmSpan]:
-        """The request's checks (Refused naming the field); its images' spans."""
-        check_route_request(request)
+    def _check_route(self, request: router_pb2.RouteRequest
+                     ) -> tuple[list[int], list[MmSpan]]:
+        """The request's checks (Refused naming the field); its token ids and its
+        images' spans."""
+        tokens = check_route_request(request)
         spans = check_mm_items(request)
         try:
-            self._core.check_request(request.model, len(request.token_ids), request.max_tokens)
+            self._core.check_request(request.model, len(tokens), request.max_tokens)
         except InvalidRequest as exc:
             raise _invalid(str(exc)) from exc
-        return spans
+        return tokens, spans
 
     def _decide(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan],
-                span: trace.Span, tokens: tuple[int, ...], hashes: Mapping[int, list[int]],
+                span: trace.Span, tokens: Sequence[int], hashes: Mapping[int, list[int]],
                 overlaps: dict[str, WorkerOverlap] | None) -> router_pb2.RouteResponse:
         """The core's plan for the prompt's hashes and the source's overlaps (None → the
         core's history) as a RouteResponse (the ``router.route`` span's attributes set;

@@ -2,7 +2,8 @@
 (:class:`services.common.grpc_client.LeanChannel`) and server interceptor
 (:class:`services.common.server.TracingInterceptor`) skip OpenTelemetry's interceptors
 for unsampled calls, yet the handler still runs in the caller's trace (id and sampled
-flag), and a sampled call is recorded in full on both sides. Each case runs in a fresh
+flag), and a sampled call is recorded in full on both sides; ``leaf_span`` is a no-op
+span, not made current, only where a span could not record. Each case runs in a fresh
 process (the tracer provider is process-global), on asyncio's loop and on uvloop."""
 
 from __future__ import annotations
@@ -70,6 +71,12 @@ async def main():
                               bool(sc.trace_flags.sampled), sc.trace_state.to_header(),
                               format(sc.span_id, "016x") != "12" * 8, sc.is_valid]
     span.end()
+    with trace.use_span(trace.NonRecordingSpan(sc)):  # a leaf under an unsampled parent
+        before = trace.get_current_span()
+        with telemetry.leaf_span(t, "leaf") as leaf:
+            leaf.set_attribute("k", 1)
+            out["leaf_unsampled"] = [leaf is trace.INVALID_SPAN,
+                                     trace.get_current_span() is before]
     out["same_tracer"] = telemetry.tracer("probe") is t
     sdk = provider.get_tracer("sdk")  # the SDK's own spans, to compare the flags with
     ctx = TraceContextTextMapPropagator().extract(unsampled)
@@ -80,6 +87,9 @@ async def main():
     parent = {"traceparent": "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"}
     with t.start_as_current_span("child", context=TraceContextTextMapPropagator().extract(parent)):
         await stub.Check(req)
+        with telemetry.leaf_span(t, "leaf") as leaf:
+            out["leaf_sampled"] = [leaf.is_recording(),
+                                   trace.get_current_span() is leaf]
     out["sampled"] = seen[-1]
     out["sampled_spans"] = sorted(f"{s.kind.name}:{s.name}:{format(s.context.trace_id, '032x')}"
                                   for s in exporter.get_finished_spans())
@@ -92,7 +102,8 @@ with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
 """
 TRACE = "ab" * 16
 SAMPLED = sorted([f"CLIENT:/grpc.health.v1.Health/Check:{TRACE}",
-                  f"SERVER:/grpc.health.v1.Health/Check:{TRACE}", f"INTERNAL:child:{TRACE}"])
+                  f"SERVER:/grpc.health.v1.Health/Check:{TRACE}", f"INTERNAL:child:{TRACE}",
+                  f"INTERNAL:leaf:{TRACE}"])
 
 
 def probe(**env: str) -> dict[str, Any]:
@@ -119,6 +130,9 @@ def test_unsampled_calls_propagate_without_spans_and_sampled_ones_record(uvloop:
     assert [ours == sdk for ours, sdk in got["flags"]] == [True, True], got["flags"]
     assert got["sampled"] == [TRACE, True]
     assert got["sampled_spans"] == SAMPLED  # client and server spans, as OpenTelemetry's
+    # leaf_span: nothing made current where it cannot record; a real span where it can
+    assert got["leaf_unsampled"] == [True, True]
+    assert got["leaf_sampled"] == [True, True]
 
 
 def test_without_lean_mode_every_call_goes_through_the_interceptors() -> None:
@@ -127,4 +141,5 @@ def test_without_lean_mode_every_call_goes_through_the_interceptors() -> None:
     # root, and the client and server spans of both Checks (Watch's may still be open)
     assert got["unsampled_spans"] >= 5
     assert got["under_unsampled"][:2] == ["ef" * 16, True]  # always_on: the SDK records it
+    assert got["leaf_unsampled"] == [False, False]  # not lean: the tracer's span, current
     assert got["sampled_spans"] == SAMPLED
