@@ -293,11 +293,12 @@ class _Run:
         self.tasks: dict[str, asyncio.Task[None]] = {}  # the latest of each name
         self.started: list[asyncio.Task[None]] = []  # all, re-armed timers included
 
-    async def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        if self.mode == "agg":
-            async for resp in self._agg_responses():
-                yield resp
-            return
+    def responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """The run's responses: an async generator (closing it ends the run's calls)."""
+        return self._agg_responses() if self.mode == "agg" else self._pd_responses()
+
+    async def _pd_responses(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        """P/D: the machine's effects, its events from the call tasks' queue."""
         effects = self.machine.start()
         try:
             while True:
@@ -556,14 +557,10 @@ class _Run:
         return decode
 
 
-async def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
-                   metrics: FrontendMetrics, streams: WorkerStreams | None = None
-                   ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
+             metrics: FrontendMetrics, streams: WorkerStreams | None = None
+             ) -> AsyncIterator[worker_pb2.GenerateResponse]:
     """Runs ``req`` as ``route`` says, recording into ``metrics``, its worker calls on
-    ``streams`` when given; see the module docstring."""
-    responses = _Run(pool, req, route, metrics, streams).responses()
-    try:
-        async for resp in responses:
-            yield resp
-    finally:
-        await responses.aclose()  # type: ignore[attr-defined]
+    ``streams`` when given; see the module docstring. An async generator: nothing starts
+    before its first step, and closing it ends the run's calls."""
+    return _Run(pool, req, route, metrics, streams).responses()

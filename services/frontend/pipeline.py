@@ -112,10 +112,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,7 +134,7 @@ from protos import (
     worker_pb2,
 )
 from services.common.grpc_client import ChannelPool
-from services.common.telemetry import tracer
+from services.common.telemetry import leaf_span, tracer
 from services.common.tls import MeshTls
 from services.encoder.images import ImageLimits, InputError
 from services.frontend import tool_chat, vllm_extras
@@ -213,17 +214,23 @@ MAYBE_ROUTED = frozenset({
 CLIENT_ID_CHARS = 200
 
 
-@contextlib.contextmanager
-def _attached(ctx: Context | None) -> Iterator[None]:
-    """Makes ``ctx`` current for a block that does not yield (None = leave as is)."""
-    if ctx is None:
-        yield
-        return
-    token = otel_context.attach(ctx)
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+class _Attached:
+    """Makes ``ctx`` current for a block that does not yield (None = leave as is). A class,
+    not a generator: the request path enters one a dozen times."""
+
+    __slots__ = ("_ctx", "_token")
+
+    def __init__(self, ctx: Context | None) -> None:
+        self._ctx = ctx
+        self._token: contextvars.Token[Context] | None = None
+
+    def __enter__(self) -> None:
+        if self._ctx is not None:
+            self._token = otel_context.attach(self._ctx)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            otel_context.detach(self._token)
 
 
 # A prompt of at most this many characters is tokenized (or its chat template rendered)
@@ -429,7 +436,7 @@ class Pipeline:
         if info is None:
             raise ApiError(404, f"The model '{req.model}' does not exist or has no live worker",
                            param="model", code="model_not_found")
-        with self._tracer.start_as_current_span("frontend.tokenize") as span:
+        with leaf_span(self._tracer, "frontend.tokenize") as span:
             if req.prompt_token_ids is not None:
                 ids = list(req.prompt_token_ids)
             else:
@@ -522,7 +529,7 @@ class Pipeline:
             images=[encoder_pb2.ImageInput(data=i.data, content_hash=i.digest)
                     for i in job.mm.images])
         started = time.monotonic()
-        with _attached(ctx), self._tracer.start_as_current_span("encode", attributes={
+        with _Attached(ctx), self._tracer.start_as_current_span("encode", attributes={
                 "kvmesh.encoder_id": enc.instance_id, "kvmesh.images": len(job.mm.images),
                 "kvmesh.affinity_items": enc.affinity_items}) as span:
             try:
@@ -566,11 +573,11 @@ class Pipeline:
         try:
             now = getattr(router, "route_now", None)
             if now is not None:
-                with _attached(ctx):
+                with _Attached(ctx):
                     resp: router_pb2.RouteResponse | None = now(req)
                 if resp is not None:
                     return resp
-            with _attached(ctx):
+            with _Attached(ctx):
                 call: asyncio.Future[router_pb2.RouteResponse] = asyncio.ensure_future(
                     router.Route(req, timeout=10))
             try:
@@ -654,7 +661,7 @@ class Pipeline:
                                attempt_sampling, job.cache_salt, images, embeddings, stops,
                                whole=not job.req.stream,
                                stream_interval=job.req.stream_interval or 0)
-                with _attached(ctx):
+                with _Attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics,
                                          self._streams)
                 failure: WorkerFailure | None = None
@@ -663,7 +670,7 @@ class Pipeline:
                 try:
                     while True:
                         try:  # each step in this task, its worker calls made in ctx
-                            with _attached(ctx):
+                            with _Attached(ctx):
                                 resp = await responses.__anext__()
                         except StopAsyncIteration:
                             w = route.worker
@@ -683,7 +690,7 @@ class Pipeline:
                             now = time.monotonic()
                             if attempt_first:
                                 attempt_first = False
-                                with _attached(ctx):
+                                with _Attached(ctx):
                                     self._prefill_done(router, mesh_id)
                             if first_token:
                                 first_token = False
@@ -757,7 +764,7 @@ class Pipeline:
         })
         ctx = trace.set_span_in_context(span)
         try:
-            with _attached(ctx):
+            with _Attached(ctx):
                 job = await self.prepare(req)
         except BaseException as exc:
             span.record_exception(exc)
