@@ -30,10 +30,17 @@ CPU per call here, 120 → 73 µs for an XREADGROUP). An error reply raises
 ``ResponseError`` and the connection stays; any other failure, or a cancel mid-call,
 drops the connection (disconnected: a reply may still be on its way) and raises, and
 the next call takes a new one. ``close()`` gives the connection back to the pool.
+The connection's ``socket_timeout`` (redis-py's default: 5 s) still bounds each reply
+(a server that stops answering raises ``TimeoutError`` and drops the connection), but
+not the send: redis-py bounds a send with ``asyncio.wait_for``, a task and a loop turn
+per call, and a command this small on a connection of its own, sent only after the last
+reply came, never waits for buffer room. The pool gets the connection back with its
+timeout.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections.abc import Mapping
@@ -42,6 +49,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.tls import CertError, MeshTls, redis_password_file, server_name
 
@@ -100,15 +108,23 @@ class PackedCommand:
         self._args = args
         self._conn: Any = None
         self._packed: Any = None
+        self._timeout: float | None = None  # the connection's socket_timeout
 
     async def __call__(self) -> Any:
         conn = self._conn
         if conn is None:
             conn = await self._client.connection_pool.get_connection()
+            # the send without redis-py's wait_for; the reply with the timeout (see above)
+            self._timeout, conn.socket_timeout = conn.socket_timeout, None
             self._conn, self._packed = conn, conn.pack_command(*self._args)
         try:
             await conn.send_packed_command(self._packed, check_health=False)
-            return await conn.read_response()
+            try:
+                async with asyncio.timeout(self._timeout):
+                    return await conn.read_response()
+            except TimeoutError:
+                raise RedisTimeoutError(f"Redis sent no reply within {self._timeout} s "
+                                        f"(socket_timeout)") from None
         except ResponseError:
             raise  # the server answered: the connection is in step
         except BaseException:
@@ -120,6 +136,7 @@ class PackedCommand:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        conn.socket_timeout = self._timeout
         if broken:
             await conn.disconnect(nowait=True)
         await self._client.connection_pool.release(conn)

@@ -1,5 +1,6 @@
 """services.common.redis_conn.PackedCommand against a real redis-server: raw replies,
-error replies, a connection killed under it, and a cancel mid-call."""
+error replies, a connection killed under it, a cancel mid-call, and the connection's
+socket timeout bounding each reply (not the send, which starts no task)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.procs import Child
 from services.common.redis_conn import PackedCommand
@@ -87,3 +89,32 @@ async def test_a_cancel_mid_call_drops_the_connection(client: aioredis.Redis) ->
                           "STREAMS", "pc-c", ">")
     assert streams(await again()) == [[b"pc-c", [[entry, [b"a", b"1"]]]]]
     await again.close()
+
+
+async def test_the_socket_timeout_bounds_the_reply_and_goes_back_with_the_connection(
+        redis_server: Child, monkeypatch: pytest.MonkeyPatch) -> None:
+    client = aioredis.Redis.from_url(f"redis://{redis_server.address}", socket_timeout=0.3)
+    await client.delete("pc-t")
+    await client.xgroup_create("pc-t", "g", id="0", mkstream=True)
+    read = PackedCommand(client, "XREADGROUP", "GROUP", "g", "c", "BLOCK", 0, "STREAMS",
+                         "pc-t", ">")
+    ping = PackedCommand(client, "PING")
+    assert await ping() == b"PONG"  # connects first (that may time out its own way)
+
+    def no_task(*_: object) -> None:
+        raise AssertionError("a send went through asyncio.wait_for")
+
+    monkeypatch.setattr(asyncio, "wait_for", no_task)  # redis-py's timed send
+    assert await ping() == b"PONG"
+    monkeypatch.undo()
+    await ping.close()
+    with pytest.raises(RedisTimeoutError):  # blocks forever on the server: 0.3 s, then out
+        await read()
+    assert read._conn is None  # dropped: the reply may still come
+    conn = await client.connection_pool.get_connection()
+    try:
+        assert conn.socket_timeout == 0.3  # every connection went back with its timeout
+    finally:
+        await client.connection_pool.release(conn)
+    await read.close()
+    await client.aclose()
