@@ -118,3 +118,15 @@ async def test_the_socket_timeout_bounds_the_reply_and_goes_back_with_the_connec
         await client.connection_pool.release(conn)
     await read.close()
     await client.aclose()
+
+
+async def test_more_arguments_go_with_that_call_only(client: aioredis.Redis) -> None:
+    await client.delete("pc-x")
+    xadd = PackedCommand(client, "XADD", "pc-x", "MAXLEN", "~", 1000, "*")
+    first = await xadd(b"k", b"1")
+    second = await xadd(b"k", b"2", b"j", b"3")
+    with pytest.raises(ResponseError):  # no fields: the bare command, which Redis refuses
+        await xadd()
+    entries = await client.xrange("pc-x")
+    assert entries == [(first, {b"k": b"1"}), (second, {b"k": b"2", b"j": b"3"})]
+    await xadd.close()

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import shutil
 import tempfile
@@ -95,7 +96,7 @@ from redis.exceptions import RedisError
 from protos import kv_events_pb2
 from services.common.event_bus import encode_batch, encode_state
 from services.common.periodic import Periodic
-from services.common.redis_conn import redis_client
+from services.common.redis_conn import PackedCommand, redis_client
 from services.common.tls import EVENT_KEY_SUFFIX, MeshTls
 from services.common.worker_ids import may_act_as
 from workers.kv.event_translate import EventTranslator, TranslatedEvent, UnknownEvent
@@ -202,6 +203,7 @@ class KvEventRelay:
         self._ctx = zmq.asyncio.Context()
         self._sub: zmq.asyncio.Socket | None = None
         self._redis: aioredis.Redis | None = None
+        self._xadd: PackedCommand | None = None
         self._pump: Periodic | None = None
         self._decoder = msgspec.msgpack.Decoder()
         self._wake = asyncio.Event()
@@ -217,6 +219,9 @@ class KvEventRelay:
         """Connects Redis (and the engine's sockets unless ``zmq_input`` is False) and
         starts the relay task."""
         self._redis = redis_client(self._redis_url, self._tls, "worker")
+        # the usual flush's XADD, packed once (its fields appended per call)
+        self._xadd = PackedCommand(self._redis, "XADD", self.stream, "MAXLEN", "~",
+                                   self._maxlen, "*")
         try:
             await self._redis.ping()
         except (RedisError, OSError) as exc:
@@ -413,8 +418,8 @@ class KvEventRelay:
             self._key, self._signer) for i in range(0, len(pending), self._max_batch)]
         try:
             if len(entries) == 1:  # the usual flush: one XADD, without a pipeline's cost
-                await self._redis.xadd(self.stream, entries[0],  # type: ignore[arg-type]
-                                       maxlen=self._maxlen, approximate=True)
+                assert self._xadd is not None
+                await self._xadd(*itertools.chain.from_iterable(entries[0].items()))
             else:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for entry in entries:
@@ -450,5 +455,7 @@ class KvEventRelay:
         self._ctx.destroy(linger=0)
         if self._redis is not None:
             with contextlib.suppress(Exception):
+                if self._xadd is not None:
+                    await self._xadd.close()
                 await self._redis.aclose()
             self._redis = None
