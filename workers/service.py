@@ -281,10 +281,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _engine_request(self, request: worker_pb2.GenerateRequest) -> EngineRequest:
         """The validated engine request; raises EngineError or KvParamsError naming the
         bad field."""
-        if not request.token_ids:
+        tokens: list[int] = request.token_ids[:]  # read once: each read converts them all
+        if not tokens:
             raise EngineError("token_ids must not be empty")
-        if min(request.token_ids) < 0:  # one C pass; the message names the first
-            first = next(t for t in request.token_ids if t < 0)
+        if min(tokens) < 0:  # one C pass; the message names the first
+            first = next(t for t in tokens if t < 0)
             raise EngineError(f"token_ids must be >= 0, got {first}")
         salt = request.cache_salt
         if len(salt) > MAX_CACHE_SALT_CHARS or CACHE_SALT_FORBIDDEN.intersection(salt):
@@ -300,7 +301,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             kv_params.validate_request(kv_transfer, mode)
         return EngineRequest(
             request_id=request.request_id or f"req-{time.monotonic_ns()}",
-            prompt_token_ids=list(request.token_ids),
+            prompt_token_ids=tokens,
             sampling=sampling,
             kv_transfer_params=kv_transfer,
             cache_salt=request.cache_salt,
