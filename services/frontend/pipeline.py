@@ -565,18 +565,20 @@ class Pipeline:
         return f"{job.request_id[:CLIENT_ID_CHARS]}-{uuid.uuid4().hex}"
 
     async def _route(self, router: router_pb2_grpc.RouterStub, req: router_pb2.RouteRequest,
-                     ctx: Context | None) -> router_pb2.RouteResponse:
-        """Routes ``req``: in this call when the router is embedded and answers without
-        waiting (``route_now``), else by a Route call. A consumer cancelled meanwhile does
-        not cancel that call (the router may have routed it already): its answer is
-        awaited in the background and released."""
+                     tokens: list[int], ctx: Context | None) -> router_pb2.RouteResponse:
+        """Routes ``req`` (its token ids not filled in: ``tokens``): in this call when the
+        router is embedded and answers without waiting (``route_now``, given the list
+        itself), else by a Route call. A consumer cancelled meanwhile does not cancel
+        that call (the router may have routed it already): its answer is awaited in the
+        background and released."""
         try:
             now = getattr(router, "route_now", None)
             if now is not None:
                 with _Attached(ctx):
-                    resp: router_pb2.RouteResponse | None = now(req)
+                    resp: router_pb2.RouteResponse | None = now(req, tokens)
                 if resp is not None:
                     return resp
+            req.token_ids.extend(tokens)
             with _Attached(ctx):
                 call: asyncio.Future[router_pb2.RouteResponse] = asyncio.ensure_future(
                     router.Route(req, timeout=10))
@@ -631,9 +633,9 @@ class Pipeline:
                 try:
                     route = await self._route(router, router_pb2.RouteRequest(
                         request_id=mesh_id, model=job.req.model,
-                        token_ids=job.token_ids + generated, max_tokens=max_tokens - carried,
+                        max_tokens=max_tokens - carried,
                         exclude_instance_ids=failed, cache_salt=job.cache_salt,
-                        mm_items=mm_items), ctx)
+                        mm_items=mm_items), job.token_ids + generated, ctx)
                 except ApiError as err:
                     if err.type == "overloaded_error":
                         outcome = "rejected"  # counted by observe_rejection

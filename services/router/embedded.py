@@ -23,9 +23,12 @@ Contract of :class:`InProcessRouterStub` (the call shape of ``RouterStub``):
   Exceeded") is raised; an exception escaping the servicer is logged and raised as
   INTERNAL naming it (as :mod:`services.common.server` answers it). Cancelling the
   caller cancels the servicer's call, as a cancelled RPC cancels its handler.
-- ``route_now(request)``: Route's answer computed in this call, raising what Route
-  raises, when the router's overlap source answers without waiting (an embedded index,
-  or none: ``RouterServicer.route_now``); None otherwise (then call ``Route``).
+- ``route_now(request, token_ids=None)``: Route's answer computed in this call, raising
+  what Route raises, when the router's overlap source answers without waiting (an
+  embedded index, or none: ``RouterServicer.route_now``); None otherwise (then call
+  ``Route``, with ``token_ids`` in the request). ``token_ids``: the prompt as a list
+  when the caller holds one; the request's own ``token_ids`` are then not read (the
+  caller may leave them empty: no copy into the message and back).
 - ``release_nowait(request_id)`` and ``prefill_done_nowait(request_id)``: what a
   fire-and-forget ``Release`` / ``PrefillDone`` call would do, done in this call (the
   router's state is this process's: no task, no await); a refusal (a bad id) is logged
@@ -126,13 +129,14 @@ class InProcessRouterStub:
         return await self._call("ReportFailure", self._servicer.ReportFailure, request,
                                 timeout, kw)
 
-    def route_now(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse | None:
+    def route_now(self, request: router_pb2.RouteRequest, token_ids: list[int] | None = None
+                  ) -> router_pb2.RouteResponse | None:
         """Route's answer computed in this call (no task, no await) when the router's
         overlap source answers without waiting, else None: then call :meth:`Route`.
         Raises what Route raises (AioRpcError with the same code, details and trailing
-        metadata)."""
+        metadata). ``token_ids``: see the module docstring."""
         try:
-            return self._servicer.route_now(request)
+            return self._servicer.route_now(request, token_ids)
         except Refused as exc:
             raise rpc_error(exc.code, exc.message, exc.trailing) from None
 

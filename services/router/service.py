@@ -184,15 +184,17 @@ def check_id(name: str, value: str) -> None:
         raise _invalid(f"{name} has {len(value)} characters, more than {MAX_ID_CHARS}")
 
 
-def check_route_request(request: router_pb2.RouteRequest) -> list[int]:
+def check_route_request(request: router_pb2.RouteRequest,
+                        token_ids: list[int] | None = None) -> list[int]:
     """The checks of a RouteRequest that need no worker (see the module docstring); its
     token ids, as a list (read from the message once: each read of a repeated field
-    converts every element)."""
+    converts every element). ``token_ids``: the prompt, when the caller holds it as a
+    list (``request.token_ids`` is then not read)."""
     check_id("request_id", request.request_id)
     check_id("model", request.model)
     if request.max_tokens < 0:
         raise _invalid(f"max_tokens must be >= 0, got {request.max_tokens}")
-    tokens: list[int] = request.token_ids[:]
+    tokens: list[int] = request.token_ids[:] if token_ids is None else token_ids
     if not tokens:
         raise _invalid("token_ids must not be empty")
     if min(tokens) < 0:
@@ -204,10 +206,10 @@ def check_route_request(request: router_pb2.RouteRequest) -> list[int]:
     return tokens
 
 
-def check_mm_items(request: router_pb2.RouteRequest) -> list[MmSpan]:
+def check_mm_items(request: router_pb2.RouteRequest, n_tokens: int) -> list[MmSpan]:
     """The request's images as spans: each names a non-empty mm_hash (at most
-    :data:`MAX_ID_CHARS`) and a non-empty range inside ``token_ids``, in order, without
-    overlap (INVALID_ARGUMENT naming ``mm_items[i]``)."""
+    :data:`MAX_ID_CHARS`) and a non-empty range inside the ``n_tokens`` token ids, in
+    order, without overlap (INVALID_ARGUMENT naming ``mm_items[i]``)."""
     spans: list[MmSpan] = []
     end = 0
     for i, item in enumerate(request.mm_items):
@@ -215,10 +217,10 @@ def check_mm_items(request: router_pb2.RouteRequest) -> list[MmSpan]:
         if not item.mm_hash or len(item.mm_hash) > MAX_ID_CHARS:
             raise _invalid(f"{field}.mm_hash must have 1 to {MAX_ID_CHARS} characters")
         if item.length < 1 or item.offset < end or \
-                item.offset + item.length > len(request.token_ids):
+                item.offset + item.length > n_tokens:
             raise _invalid(f"{field}: range [{item.offset}, {item.offset + item.length}) "
                            f"must be non-empty, after the previous item (from {end}) and "
-                           f"within the {len(request.token_ids)} token_ids")
+                           f"within the {n_tokens} token_ids")
         end = item.offset + item.length
         spans.append(MmSpan(item.mm_hash, item.offset, item.length))
     return spans
@@ -310,16 +312,19 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             overlaps = await self._overlaps.find(hashes, workers) if workers else None
             return self._decide(request, spans, span, tokens, hashes, overlaps)
 
-    def route_now(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse | None:
+    def route_now(self, request: router_pb2.RouteRequest, token_ids: list[int] | None = None
+                  ) -> router_pb2.RouteResponse | None:
         """Route's answer, computed in this call, when the overlap source answers without
         waiting (``find_now``: an embedded index, or none); else None (call Route).
         Raises :class:`Refused` where Route would abort (an unexpected exception: as
-        :meth:`failure` makes it)."""
+        :meth:`failure` makes it). ``token_ids``: the prompt as a list, when the caller
+        holds one (then ``request.token_ids`` is not read and may be left empty; nothing
+        changes the list)."""
         find_now = getattr(self._overlaps, "find_now", None)
         if find_now is None:
             return None
         try:
-            tokens, spans = self._check_route(request)
+            tokens, spans = self._check_route(request, token_ids)
             with leaf_span(self._tracer, "router.route") as span:
                 workers, hashes = self._start(span, request, tokens, spans)
                 overlaps = find_now(hashes, workers) if workers else None
@@ -347,12 +352,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                   for bs in sorted({w.block_size for w in workers})}
         return workers, hashes
 
-    def _check_route(self, request: router_pb2.RouteRequest
-                     ) -> tuple[list[int], list[MmSpan]]:
-        """The request's checks (Refused naming the field); its token ids and its
-        images' spans."""
-        tokens = check_route_request(request)
-        spans = check_mm_items(request)
+    def _check_route(self, request: router_pb2.RouteRequest,
+                     token_ids: list[int] | None = None) -> tuple[list[int], list[MmSpan]]:
+        """The request's checks (Refused naming the field); its token ids (``token_ids``
+        when given) and its images' spans."""
+        tokens = check_route_request(request, token_ids)
+        spans = check_mm_items(request, len(tokens))
         try:
             self._core.check_request(request.model, len(tokens), request.max_tokens)
         except InvalidRequest as exc:

@@ -1,6 +1,7 @@
 """The embedded router stub's calls done in the caller's call. ``route_now``: Route's
 answer and Route's errors (code, details), without a task, when the overlap source
-answers without waiting; None when it must wait. The fire-and-forget ``release_nowait``
+answers without waiting (the prompt in the request, or given as a list); None when it
+must wait. The fire-and-forget ``release_nowait``
 and ``prefill_done_nowait``: the same effect on the router's state as the Release and
 PrefillDone calls; a bad id or a failing router is logged (and counted), never raised
 into the request that made the call."""
@@ -112,6 +113,34 @@ async def test_route_now_answers_and_refuses_as_route_does(
     assert [r.getMessage() for r in caplog.records] == ["router Route failed"]
     assert a.metrics.registry.get_sample_value(
         "kvmesh_router_errors_total", {"method": "Route"}) == 1
+
+
+async def test_route_now_takes_the_prompt_as_a_list_with_the_same_answers() -> None:
+    """``token_ids`` given: the request's own ids are not read (left empty here), and
+    the answers and refusals (a negative id, an image range past the prompt) are those
+    of the same prompt in the message."""
+    a, b = servicer(), servicer()
+    now, call = InProcessRouterStub(a), InProcessRouterStub(b)
+    tokens = list(range(40))
+    got = now.route_now(router_pb2.RouteRequest(request_id="r1", model="m", max_tokens=8),
+                        tokens)
+    want = await call.Route(router_pb2.RouteRequest(
+        request_id="r1", model="m", token_ids=tokens, max_tokens=8), timeout=5)
+    assert got == want and got is not None and got.prompt_blocks == 10
+    assert tokens == list(range(40))  # not changed
+    for ids, item in (([3, -1, 4], None),
+                      ([1] * 8, router_pb2.MmItem(mm_hash="h", offset=4, length=8))):
+        bare = router_pb2.RouteRequest(request_id="r2", model="m",
+                                       mm_items=[item] if item else [])
+        full = router_pb2.RouteRequest(request_id="r2", model="m", token_ids=ids,
+                                       mm_items=[item] if item else [])
+        with pytest.raises(grpc.aio.AioRpcError) as inline:
+            now.route_now(bare, ids)
+        with pytest.raises(grpc.aio.AioRpcError) as called:
+            await call.Route(full, timeout=5)
+        assert inline.value.code() == called.value.code() == \
+            grpc.StatusCode.INVALID_ARGUMENT
+        assert inline.value.details() == called.value.details()
 
 
 async def test_route_now_leaves_a_waiting_source_to_route() -> None:
