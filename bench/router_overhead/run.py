@@ -29,7 +29,14 @@ Contracts:
   worker. Both use 64-token prompts (a shared 32-token head, so the kv policy has work)
   and ``max_tokens`` 1. Latency is send → complete response at the client. With both
   modes, each rate runs in both meshes, in alternating order (ABBA).
-- Reports per rate p50/p99 of both, the added latency (mesh − anchor, at p50 and p99),
+- Per rate also a third stream, once for all modes: the **HTTP floor**, the same POSTs
+  to a bare uvicorn + FastAPI endpoint that parses the body and answers a fixed
+  completion (``python -m bench.mesh_profile.floors --serve http``, a child process on
+  a free loopback port): what one HTTP hop of this stack costs this client with no work
+  behind it. The mesh path is that hop plus a worker hop (the anchor's) plus the
+  frontend's work, so ``added − floor`` is roughly what the frontend itself adds.
+- Reports per rate p50/p99 of the three, the added latency (mesh − anchor, at p50 and
+  p99), ``http_floor`` and ``added_beyond_http_floor_p50_ms`` (added p50 − floor p50),
   achieved rates and errors: ``rows`` (the plaintext mesh; with ``--tls on`` the mTLS
   one), with both modes also ``rows_tls`` and ``rate_ratio`` (TLS / plaintext p50 per rate).
 - ``rpc`` (``--rpc-rounds`` > 0): per-RPC latency, one call in flight, the modes
@@ -54,6 +61,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -78,7 +86,7 @@ from bench.tls_cost import (
 from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from services.common.discovery import read_instance_records
 from services.common.grpc_client import channel
-from services.common.procs import free_port
+from services.common.procs import free_port, port_open, spawn, wait_until
 from services.common.tls import MeshTls, write_mesh_certs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -127,11 +135,18 @@ def _stubs(workers: list[str], tls: MeshTls | None) -> tuple[list[Any], list[Any
     return channels, [worker_pb2_grpc.WorkerStub(c) for c in channels]
 
 
-async def measure(targets: dict[str, Target], rates: list[float],
-                  duration_s: float) -> dict[str, list[dict[str, Any]]]:
-    """The rate sweep of every mode in ``targets``; per rate the modes alternate (ABBA)."""
+async def measure(targets: dict[str, Target], rates: list[float], duration_s: float,
+                  floor_url: str) -> dict[str, list[dict[str, Any]]]:
+    """The rate sweep of every mode in ``targets``; per rate the HTTP floor (``floor_url``,
+    see the module docstring), then the modes, alternating (ABBA)."""
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in targets}
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as http:
+        async def floor(i: int) -> None:
+            resp = await http.post(f"{floor_url}/v1/completions", json={
+                "model": MODEL, "prompt": prompt(i), "max_tokens": 1, "temperature": 0})
+            resp.raise_for_status()
+
+        await _poisson(20, 1.0, floor, 0)
         calls: dict[str, tuple[Any, Any]] = {}
         closers = []
         for mode, tg in targets.items():
@@ -154,18 +169,22 @@ async def measure(targets: dict[str, Target], rates: list[float],
             await _poisson(20, 1.0, mesh, 0)  # warm-up: connections, JIT-free paths
             await _poisson(20, 1.0, direct, 0)
         for k, rate in enumerate(rates):
+            bare = await _poisson(rate, duration_s, floor, int(rate) + 2)
             for mode in round_order(list(targets), k):
                 direct, mesh = calls[mode]
                 anchor = await _poisson(rate, duration_s, direct, int(rate))
                 through = await _poisson(rate, duration_s, mesh, int(rate) + 1)
+                added = through["p50_ms"] - anchor["p50_ms"]
                 out[mode].append({"rate_rps": rate, "anchor_direct_worker": anchor,
-                                  "frontend_router": through,
-                                  "added_p50_ms": through["p50_ms"] - anchor["p50_ms"],
-                                  "added_p99_ms": through["p99_ms"] - anchor["p99_ms"]})
+                                  "frontend_router": through, "http_floor": bare,
+                                  "added_p50_ms": added,
+                                  "added_p99_ms": through["p99_ms"] - anchor["p99_ms"],
+                                  "added_beyond_http_floor_p50_ms": added - bare["p50_ms"]})
                 print(f"{mode:>8} {rate:6.0f} req/s  direct p50 {anchor['p50_ms']:.2f} p99 "
                       f"{anchor['p99_ms']:.2f}  mesh p50 {through['p50_ms']:.2f} p99 "
-                      f"{through['p99_ms']:.2f} ms  errors {anchor['errors']}/"
-                      f"{through['errors']}", flush=True)
+                      f"{through['p99_ms']:.2f}  bare HTTP hop p50 {bare['p50_ms']:.2f} ms  "
+                      f"errors {anchor['errors']}/{through['errors']}/{bare['errors']}",
+                      flush=True)
     for c in closers:
         await c.close()
     return out
@@ -294,12 +313,18 @@ def plot(rows: list[dict[str, Any]], path: Path, rows_tls: list[dict[str, Any]] 
                    label=f"direct worker {key[:3]}")
         ax[0].plot(rates, [r["frontend_router"][key] for r in rows], style,
                    label=f"frontend+router {key[:3]}")
+        if "http_floor" in rows[0]:
+            ax[0].plot(rates, [r["http_floor"][key] for r in rows], style,
+                       label=f"bare HTTP hop {key[:3]}")
         ax[1].plot(rates, [r[f"added_{key}"] for r in rows], style, label=f"added {key[:3]}")
         if rows_tls:
             ax[0].plot(rates, [r["frontend_router"][key] for r in rows_tls], style,
                        label=f"frontend+router mTLS {key[:3]}")
             ax[1].plot(rates, [r[f"added_{key}"] for r in rows_tls], style,
                        label=f"added mTLS {key[:3]}")
+    if "http_floor" in rows[0]:
+        ax[1].plot(rates, [r["added_beyond_http_floor_p50_ms"] for r in rows], "^:",
+                   label="added p50 beyond a bare HTTP hop")
     ax[0].set(xlabel="offered rate (req/s)", ylabel="latency (ms)", title="request latency")
     ax[1].set(xlabel="offered rate (req/s)", ylabel="ms", title="added by frontend + router")
     for a in ax[:2]:
@@ -366,13 +391,25 @@ def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace)
     return Target(url, router, asyncio.run(workers()), tls, [c.pid for c in mesh.children])
 
 
+def start_http_floor(stack: contextlib.ExitStack) -> str:
+    """The HTTP floor's server (module docstring), stopped by PID with ``stack``; its URL."""
+    port = free_port()
+    logs = Path(tempfile.mkdtemp(prefix="kvmesh-rovh-floor-"))
+    child = spawn("floor-http", [sys.executable, "-m", "bench.mesh_profile.floors", "--serve",
+                                 "http", str(port)], logs)
+    stack.callback(child.stop)
+    wait_until(lambda: port_open("127.0.0.1", port), child, 60, "the HTTP floor to listen")
+    return f"http://127.0.0.1:{port}"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = modes_of(args.tls)
     load_before = os.getloadavg()
     with contextlib.ExitStack() as stack:
         targets = {m: start_mesh(stack, m, args) for m in modes}
+        floor_url = start_http_floor(stack)
         by_mode = asyncio.run(measure(targets, [float(r) for r in args.rates.split(",")],
-                                      args.duration_s))
+                                      args.duration_s, floor_url))
         rpc = asyncio.run(measure_rpcs(targets, args.rpc_rounds, args.rpc_calls)) \
             if args.rpc_rounds > 0 else None
     report: dict[str, Any] = {
