@@ -2,7 +2,7 @@
 
 ``python -m bench.mesh_profile [--requests 400] [--concurrency 8] [--words 240]
 [--max-tokens 16] [--stream] [--router standalone|embedded]
-[--worker-transport stream|call] [--phases cpu,profile]
+[--worker-transport stream|call] [--phases cpu,profile,timers]
 [--compare | --baseline DIR [--rounds 3]] [--out bench/results]``
 
 Contracts:
@@ -31,6 +31,13 @@ Contracts:
   ``cpu`` phase's per-request CPU, when that phase ran), the RPC handler calls per
   request, and the top functions by self and by cumulative time. The profiler inflates
   Python-heavy code more than C code: read shares, not times.
+- Phase ``timers``: the frontend, router, indexer and fleet run under
+  :mod:`bench.mesh_profile.timers` (thread-CPU timers around the request path's
+  synchronous steps, :data:`~bench.mesh_profile.timers.TARGETS`, counted between two
+  SIGUSR1s around the measured requests; nothing else slowed): per process its CPU per
+  request with the timers on and each timed function's µs and calls per request
+  (inclusive), dearest first. What those steps cost in place, where the profiler's
+  shares are skewed towards call-heavy code.
 - ``--compare``: instead, the ``cpu`` phase with each router mode in the order
   standalone, embedded, embedded, standalone, and embedded ÷ standalone of the means of
   req/s, p50, p99 and the mesh's CPU per request.
@@ -180,14 +187,15 @@ def _cpu(pid: int) -> float:
     return float(t.user + t.system)
 
 
-def start(mesh: BenchMesh, args: argparse.Namespace, profile_dir: Path | None
-          ) -> tuple[str, dict[str, Child]]:
-    """The phase's mesh (see the module docstring): its URL and children by role."""
+def start(mesh: BenchMesh, args: argparse.Namespace, profile_dir: Path | None,
+          runner: str = "bench.mesh_profile.prof") -> tuple[str, dict[str, Child]]:
+    """The phase's mesh (see the module docstring): its URL and children by role; with
+    ``profile_dir``, the kvmesh processes run under ``runner`` (the profiler, or
+    :mod:`bench.mesh_profile.timers`)."""
     def py(name: str, module: str, *argv: str) -> Child:
         if profile_dir is None:
             return mesh.py(name, module, *argv)
-        return mesh.py(name, "bench.mesh_profile.prof", str(profile_dir / name), module,
-                       *argv)
+        return mesh.py(name, runner, str(profile_dir / name), module, *argv)
 
     children: dict[str, Child] = {"etcd": mesh.children[0], "redis": mesh.children[1]}
     embedded = args.router == "embedded"
@@ -345,10 +353,11 @@ def analyse(before: dict[Any, Any], after: dict[Any, Any], n: int,
 def run_phase(phase: str, args: argparse.Namespace, cpu: dict[str, Any] | None
               ) -> dict[str, Any]:
     with BenchMesh(f"mprof{phase}") as mesh:
-        profile_dir = mesh.tmp / "profiles" if phase == "profile" else None
+        profile_dir = mesh.tmp / "profiles" if phase in ("profile", "timers") else None
         if profile_dir is not None:
             profile_dir.mkdir()
-        url, children = start(mesh, args, profile_dir)
+        url, children = start(mesh, args, profile_dir, "bench.mesh_profile.timers"
+                              if phase == "timers" else "bench.mesh_profile.prof")
         go = lambda n, off: asyncio.run(closed_loop(  # noqa: E731
             url, n, args.concurrency, args.words, args.max_tokens, args.stream, off,
             args.stream_interval))
@@ -370,7 +379,13 @@ def run_phase(phase: str, args: argparse.Namespace, cpu: dict[str, Any] | None
               f"p99 {load['p99_ms']:.1f} ms errors {load['errors']}; CPU µs/req "
               + " ".join(f"{n}={v:.0f}" for n, v in out["cpu_us_per_req"].items())
               + f" client={client_us:.0f}", flush=True)
-        if profile_dir is not None:
+        if profile_dir is not None and phase == "timers":
+            _snapshot(children, profile_dir, 2)
+            out["processes"] = {name: timed(profile_dir / f"{name}.timers.json",
+                                            args.requests)
+                                for name in children if name not in ("etcd", "redis")}
+            print_timed(out["processes"])
+        elif profile_dir is not None:
             _snapshot(children, profile_dir, 2)
             out["processes"] = {}
             for name in children:
@@ -383,6 +398,24 @@ def run_phase(phase: str, args: argparse.Namespace, cpu: dict[str, Any] | None
             if args.keep_profiles:
                 shutil.copytree(profile_dir, args.keep_profiles, dirs_exist_ok=True)
         return out
+
+
+def timed(path: Path, n: int) -> dict[str, Any]:
+    """One process's timers (:mod:`bench.mesh_profile.timers`) per request, dearest
+    first."""
+    got = json.loads(path.read_text())
+    return {"cpu_us_per_req": got["cpu_ns"] / n / 1e3, "functions": sorted((
+        {"function": name, "us_per_req": f["ns"] / n / 1e3, "calls_per_req": f["calls"] / n}
+        for name, f in got["functions"].items()), key=lambda f: -f["us_per_req"])}
+
+
+def print_timed(processes: dict[str, dict[str, Any]]) -> None:
+    for name, p in processes.items():
+        print(f"  {name}: {p['cpu_us_per_req']:.0f} µs of CPU per request (timers on); "
+              "timed functions, inclusive:")
+        for f in p["functions"]:
+            print(f"    {f['us_per_req']:7.1f} µs/req {f['calls_per_req']:5.2f} calls/req  "
+                  f"{f['function']}")
 
 
 def compare_baseline(args: argparse.Namespace, baseline: Path) -> dict[str, Any]:
@@ -433,7 +466,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
     p.add_argument("--worker-transport", default="stream", choices=("call", "stream"),
                    help="the frontend's --worker-transport")
-    p.add_argument("--phases", default="cpu,profile")
+    p.add_argument("--phases", default="cpu,profile",
+                   help="comma-separated: cpu, profile, timers (module docstring)")
     p.add_argument("--keep-profiles", type=Path, default=None, metavar="DIR",
                    help="copy the profile phase's pstats snapshots (NAME.1 before the load, "
                         "NAME.2 after it) to DIR")
