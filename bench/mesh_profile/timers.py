@@ -19,6 +19,9 @@ Contract:
   rebound in every ``services.*`` / ``workers.*`` module that imported the function
   itself. Totals are inclusive: a timed function called by another timed one counts in
   both.
+- A timer sees its caller's thread only: work a function hands to another thread (the
+  frontend's encode thread, the tokenizers library's own pool) is in the process's CPU,
+  not in that function's total.
 - The first SIGUSR1 starts counting; the second stops and writes
   ``OUT_PREFIX.timers.json`` (``cpu_ns``: the process's CPU between the signals, all
   threads; ``functions``: per target its total ``ns`` and ``calls``); the k-th signal
@@ -35,6 +38,7 @@ import json
 import runpy
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +85,8 @@ TARGETS: tuple[tuple[str, str], ...] = (
 
 _ns: dict[str, int] = {}
 _calls: dict[str, int] = {}
+_lock = threading.RLock()  # timed functions may run on several threads; RLock: the
+# SIGUSR1 handler runs in the main thread, maybe inside a timer's own update
 _on = False
 
 
@@ -95,8 +101,10 @@ def _timed(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return func(*args, **kwargs)
         finally:
-            _ns[name] = _ns.get(name, 0) + clock() - t0
-            _calls[name] = _calls.get(name, 0) + 1
+            spent = clock() - t0
+            with _lock:
+                _ns[name] = _ns.get(name, 0) + spent
+                _calls[name] = _calls.get(name, 0) + 1
     return timed
 
 
@@ -158,9 +166,10 @@ def main() -> None:
             cpu0, _on = time.process_time_ns(), True
         elif snapshots == 2:
             _on = False
+            with _lock:
+                functions = {n: {"ns": _ns[n], "calls": _calls[n]} for n in _ns}
             Path(f"{prefix}.timers.json").write_text(json.dumps({
-                "cpu_ns": time.process_time_ns() - cpu0,
-                "functions": {n: {"ns": _ns[n], "calls": _calls[n]} for n in _ns}}))
+                "cpu_ns": time.process_time_ns() - cpu0, "functions": functions}))
         Path(f"{prefix}.{snapshots}.done").touch()
 
     signal.signal(signal.SIGUSR1, snapshot)

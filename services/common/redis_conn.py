@@ -31,13 +31,15 @@ skips the client's per-call pool round, retry wrapper and argument encoding (~50
 CPU per call here, 120 → 73 µs for an XREADGROUP). An error reply raises
 ``ResponseError`` and the connection stays; any other failure, or a cancel mid-call,
 drops the connection (disconnected: a reply may still be on its way) and raises, and
-the next call takes a new one. ``close()`` gives the connection back to the pool.
-The connection's ``socket_timeout`` (redis-py's default: 5 s) still bounds each reply
-(a server that stops answering raises ``TimeoutError`` and drops the connection), but
-not the send: redis-py bounds a send with ``asyncio.wait_for``, a task and a loop turn
-per call, and a command this small on a connection of its own, sent only after the last
-reply came, never waits for buffer room. The pool gets the connection back with its
-timeout.
+the next call takes a new one; a held connection that turns out gone (a connection
+error: Redis restarted, or closed it idle) is replaced and the call sent once more on
+the new one, as redis-py's own retry does (a command the old connection may have
+delivered can then run twice: the KV event indexes drop a repeated event id). ``close()``
+gives the connection back to the pool. The connection's ``socket_timeout`` (redis-py's
+default: 5 s) bounds each call, send and reply together (Redis that takes or answers
+nothing in time raises redis ``TimeoutError`` and the connection is dropped), with
+``asyncio.timeout`` in the caller's task instead of redis-py's ``asyncio.wait_for`` (a
+task and a loop turn per send); the pool gets the connection back with its timeout.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.connection import SSLConnection, parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -113,21 +116,37 @@ class PackedCommand:
         self._timeout: float | None = None  # the connection's socket_timeout
 
     async def __call__(self, *more: Any) -> Any:
+        held = self._conn is not None
+        try:
+            return await self._once(more)
+        except (RedisConnectionError, OSError):
+            if not held:
+                raise
+        # the held connection was gone (a Redis restart, an idle timeout, CLIENT KILL):
+        # once more on a new one, as redis-py's own retry would (see the module docstring)
+        return await self._once(more)
+
+    async def _once(self, more: tuple[Any, ...]) -> Any:
         conn = self._conn
         if conn is None:
             conn = await self._client.connection_pool.get_connection()
-            # the send without redis-py's wait_for; the reply with the timeout (see above)
+            try:
+                packed = conn.pack_command(*self._args)
+            except BaseException:
+                await self._client.connection_pool.release(conn)
+                raise
+            # the call bounded by asyncio.timeout, not redis-py's wait_for (see above)
             self._timeout, conn.socket_timeout = conn.socket_timeout, None
-            self._conn, self._packed = conn, conn.pack_command(*self._args)
+            self._conn, self._packed = conn, packed
         try:
             packed = conn.pack_command(*self._args, *more) if more else self._packed
-            await conn.send_packed_command(packed, check_health=False)
             try:
                 async with asyncio.timeout(self._timeout):
+                    await conn.send_packed_command(packed, check_health=False)
                     return await conn.read_response()
             except TimeoutError:
-                raise RedisTimeoutError(f"Redis sent no reply within {self._timeout} s "
-                                        f"(socket_timeout)") from None
+                raise RedisTimeoutError(f"Redis did not take the command or reply within "
+                                        f"{self._timeout} s (socket_timeout)") from None
         except ResponseError:
             raise  # the server answered: the connection is in step
         except BaseException:

@@ -1,6 +1,7 @@
 """services.common.redis_conn.PackedCommand against a real redis-server: raw replies,
-error replies, a connection killed under it, a cancel mid-call, and the connection's
-socket timeout bounding each reply (not the send, which starts no task)."""
+error replies, a connection killed under it (replaced, the call sent once more) or Redis
+gone (raised), a cancel mid-call, and the connection's socket timeout bounding each call
+without redis-py's timed-send task."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.procs import Child
+from services.common.procs import Child, free_port
 from services.common.redis_conn import PackedCommand
 from tests.waiting import wait_for
 
@@ -54,16 +55,28 @@ async def test_an_error_reply_raises_and_keeps_the_connection(
     await read.close()
 
 
-async def test_a_killed_connection_raises_then_the_next_call_reconnects(
+async def test_a_killed_connection_is_replaced_and_the_call_goes_through(
         client: aioredis.Redis) -> None:
+    """What a Redis restart or its idle timeout does to the held connection: the call
+    is sent again on a new one (once)."""
+    who = PackedCommand(client, "CLIENT", "ID")
+    first = await who()
+    await client.execute_command("CLIENT", "KILL", "ID", first)
+    second = await who()  # no error: sent again on a new connection
+    assert isinstance(second, int) and second != first
+    await who.close()
+
+
+async def test_with_redis_gone_the_call_raises(client: aioredis.Redis) -> None:
+    """A connection that cannot be made again is no retry's business: the error."""
     ping = PackedCommand(client, "PING")
     assert await ping() == b"PONG"
-    assert ping._conn is not None
+    conn = ping._conn
     await client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+    conn.port = free_port()  # its reconnect finds nobody there
     with pytest.raises((RedisConnectionError, OSError)):
         await ping()
     assert ping._conn is None
-    assert await ping() == b"PONG"
     await ping.close()
 
 

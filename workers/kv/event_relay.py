@@ -454,8 +454,9 @@ class KvEventRelay:
             self._sub = None
         self._ctx.destroy(linger=0)
         if self._redis is not None:
-            with contextlib.suppress(Exception):
-                if self._xadd is not None:
+            if self._xadd is not None:
+                with contextlib.suppress(Exception):
                     await self._xadd.close()
+            with contextlib.suppress(Exception):
                 await self._redis.aclose()
             self._redis = None
