@@ -53,13 +53,14 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.context import Context
 
+from services.frontend.jobs import Chunk, Job
 from services.frontend.openai_schema import (
     INT64_MIN,
     ApiError,
     ParsedRequest,
     split_batch,
 )
-from services.frontend.pipeline import Chunk, Job, Pipeline
+from services.frontend.pipeline import Pipeline
 
 QUEUE_PER_CHOICE = 8  # chunks buffered per choice before a slow consumer holds them back
 

@@ -58,6 +58,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.frontend import fanout, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import FanJob, Tally
+from services.frontend.jobs import Chunk
 from services.frontend.models import Tokenizer
 from services.frontend.openai_schema import (
     ApiError,
@@ -68,7 +69,7 @@ from services.frontend.openai_schema import (
     parse_completion,
     with_tenant,
 )
-from services.frontend.pipeline import Chunk, Pipeline
+from services.frontend.pipeline import Pipeline
 from services.frontend.responses_api import add_routes as add_responses_routes
 from services.frontend.responses_store import ResponseStore
 from services.frontend.shapes import Shapes

@@ -11,7 +11,8 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   rendered on the loop first); a longer one goes to a thread of its own.
 - ``stream(job)`` asks the router for a worker (over gRPC, or the in-process
   ``router_stub`` of :mod:`services.router.embedded`), calls its ``Generate`` (through
-  :func:`~services.frontend.handoff.run_plan`) and yields :class:`Chunk` deltas; the last
+  :func:`~services.frontend.handoff.run_plan`) and yields
+  :class:`~services.frontend.jobs.Chunk` deltas; the last
   has ``finish_reason`` and ``usage``. Errors raise ApiError (404/503 from routing, 400
   from a worker's validation, naming the worker, P included; 502 when the worker fails):
   before the first chunk, and also after chunks were sent when a failure is not migrated
@@ -117,7 +118,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -146,6 +146,14 @@ from services.frontend.failures import (
 )
 from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
+from services.frontend.jobs import (
+    FINISH_NAMES,
+    Chunk,
+    Job,
+    check_logprobs,
+    predicted_cached_tokens,
+    sampling_proto,
+)
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo, Tokenizer
 from services.frontend.openai_schema import ApiError, ParsedRequest, check_context, truncated
@@ -155,54 +163,6 @@ from services.frontend.worker_stream import WorkerStreams
 log = logging.getLogger(__name__)
 DEFAULT_MIGRATION_LIMIT = 3
 DEFAULT_ENCODE_TIMEOUT_S = 30.0
-
-FINISH_NAMES = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_ABORT: "abort",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
-
-
-@dataclass
-class Job:
-    """A validated, tokenized request ready to route."""
-
-    request_id: str
-    req: ParsedRequest
-    model: ModelInfo
-    token_ids: list[int]
-    created: int
-    cache_salt: str = ""  # the tenant's prefix-cache salt ("" = shared/unsalted)
-    mm: MmPrompt | None = None  # the images (token_ids then hold their placeholders)
-
-
-@dataclass
-class Chunk:
-    """One delta of output. With ``sampling.logprobs`` set, ``logprobs`` holds one entry
-    per token of ``token_ids`` (the worker's, checked); with ``prompt_logprobs``, the
-    first chunk holds one per prompt token (the first has none: logprob 0, rank 0)."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    predicted_cached_tokens: int = 0
-    logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
-
-
-def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size: int) -> int:
-    """The router's predicted cached prompt tokens for the tokens the client's
-    ``cached_tokens`` counts: P's overlap when disaggregated, else the worker's; in blocks
-    of ``route.block_size`` (``default_block_size`` for a router that does not send it)."""
-    bs = route.block_size or default_block_size
-    blocks = (route.predicted_prefill_overlap_blocks if route.disaggregated
-              else route.predicted_overlap_blocks)
-    return blocks * bs
-
 
 # Route errors after which the router may have committed the entry (the failure was on
 # our side of the call): a best-effort Release follows.
@@ -259,47 +219,6 @@ def _prompt_chars(req: ParsedRequest) -> int:
                     return INLINE_PROMPT_CHARS + 1
                 n += len(text)
     return n
-
-
-def sampling_proto(job: Job) -> common_pb2.SamplingParams:
-    """The job's sampling parameters as protobuf."""
-    s = job.req.sampling
-    p = common_pb2.SamplingParams(max_tokens=s.max_tokens or 16, stop=list(s.stop),
-                                  stop_token_ids=list(s.stop_token_ids),
-                                  ignore_eos=s.ignore_eos)
-    for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty",
-                 "frequency_penalty", "repetition_penalty", "logprobs", "prompt_logprobs",
-                 "min_p"):
-        value = getattr(s, name)
-        if value is not None:
-            setattr(p, name, value)
-    p.min_tokens = s.min_tokens
-    for token_id, bias in s.logit_bias:
-        p.logit_bias[token_id] = bias
-    vllm_extras.to_proto(s, p)
-    if s.structured is not None:
-        st = s.structured
-        if st.kind == "json_object":
-            p.structured.json_object = True
-        elif st.kind == "choice":
-            p.structured.choice.choices.extend(st.choices)
-        else:  # json_schema | regex | grammar: the text
-            setattr(p.structured, st.kind, st.value)
-    return p
-
-
-def check_logprobs(job: Job, resp: worker_pb2.GenerateResponse, first: bool) -> None:
-    """ApiError 502 when the worker's log-probabilities do not match what was asked (one
-    per token; the prompt's on the first chunk): never a silently short answer."""
-    s = job.req.sampling
-    if s.logprobs is not None and len(resp.logprobs) != len(resp.token_ids):
-        raise ApiError(502, f"the worker returned {len(resp.logprobs)} log-probabilities for "
-                       f"{len(resp.token_ids)} tokens", type="upstream_error")
-    if first and s.prompt_logprobs is not None and resp.token_ids and (
-            len(resp.prompt_logprobs) != len(job.token_ids)):
-        raise ApiError(502, f"the worker returned {len(resp.prompt_logprobs)} prompt "
-                       f"log-probabilities for a prompt of {len(job.token_ids)} tokens",
-                       type="upstream_error")
 
 
 class Pipeline:

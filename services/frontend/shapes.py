@@ -49,7 +49,7 @@ from typing import Any, Protocol
 from protos import common_pb2
 from services.frontend import tools
 from services.frontend.fanout import FanJob
-from services.frontend.pipeline import Chunk
+from services.frontend.jobs import Chunk
 
 MIN_LOGPROB = -9999.0
 

@@ -67,10 +67,10 @@ from protos import (
 from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
 from services.common.config import load_config
 from services.common.procs import Child, spawn
+from services.frontend.jobs import Job
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
 from services.frontend.models import Tokenizer
 from services.frontend.openai_schema import parse_chat
-from services.frontend.pipeline import Job
 from services.indexer.core import KvIndex
 from services.indexer.feed import IndexFeed
 from services.router.main import RouterApp, RouterConfig, start_router

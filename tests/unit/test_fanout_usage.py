@@ -4,9 +4,9 @@ the request first saw it), whichever choice reached a worker first."""
 from __future__ import annotations
 
 from services.frontend.fanout import FanJob, Tally, choice_job
+from services.frontend.jobs import Chunk, Job
 from services.frontend.models import ModelInfo
 from services.frontend.openai_schema import parse_completion, split_batch
-from services.frontend.pipeline import Chunk, Job
 
 
 def _tally(n: int) -> Tally:

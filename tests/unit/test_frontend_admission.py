@@ -18,9 +18,9 @@ from fastapi.testclient import TestClient
 from protos import frontend_pb2
 from services.frontend.failures import rejection_error
 from services.frontend.http_api import create_app
+from services.frontend.jobs import Job
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.openai_schema import ApiError, ParsedRequest
-from services.frontend.pipeline import Job
 from services.frontend.service import FrontendServicer
 from services.planner.observe import traffic_from_metrics
 

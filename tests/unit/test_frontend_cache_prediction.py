@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from protos import common_pb2, router_pb2, worker_pb2
 from services.frontend import pipeline as pipeline_mod
+from services.frontend.jobs import Job, predicted_cached_tokens
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
 from services.frontend.openai_schema import ParsedRequest, SamplingSpec
-from services.frontend.pipeline import Job, Pipeline, predicted_cached_tokens
+from services.frontend.pipeline import Pipeline
 
 
 def route(disagg: bool, d_blocks: int, p_blocks: int, bs: int = 32) -> router_pb2.RouteResponse:

@@ -27,9 +27,10 @@ import grpc
 import pytest
 
 from protos import discovery_pb2, router_pb2_grpc, worker_pb2_grpc
+from services.frontend.jobs import Chunk
 from services.frontend.models import ModelCatalog
 from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpec
-from services.frontend.pipeline import Chunk, Pipeline
+from services.frontend.pipeline import Pipeline
 from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
 from services.router.policy_setup import default_registry

@@ -14,8 +14,8 @@ import pytest
 from opentelemetry import trace
 
 from protos import common_pb2, frontend_pb2
+from services.frontend.jobs import Chunk, Job
 from services.frontend.openai_schema import ApiError, ParsedRequest, parse_chat
-from services.frontend.pipeline import Chunk, Job
 from services.frontend.service import FrontendServicer, parse_proto
 from workers.model.tiny import ensure_tiny_model
 

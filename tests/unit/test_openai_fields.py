@@ -147,8 +147,8 @@ def test_vllm_stop_token_ids_and_repetition_penalty_reach_the_worker_sampling() 
             model="m", prompt="hi", sampling=common_pb2.SamplingParams(
                 max_tokens=3, repetition_penalty=-1)))
     assert info.value.param == "repetition_penalty"
+    from services.frontend.jobs import Job, sampling_proto
     from services.frontend.models import ModelInfo
-    from services.frontend.pipeline import Job, sampling_proto
 
     job = Job("r", req, ModelInfo("m", "", 64, 32, 1, 0), [1, 2], 0, "")
     sent = sampling_proto(job)

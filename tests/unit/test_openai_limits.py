@@ -22,6 +22,7 @@ from protos import common_pb2, frontend_pb2
 from services.frontend import fanout, openai_schema
 from services.frontend.fanout import choice_job
 from services.frontend.http_api import create_app
+from services.frontend.jobs import Chunk, Job
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelInfo
 from services.frontend.openai_schema import (
@@ -35,7 +36,6 @@ from services.frontend.openai_schema import (
     parse_chat,
     parse_completion,
 )
-from services.frontend.pipeline import Chunk, Job
 from services.frontend.service import parse_proto
 from tests.waiting import wait_for
 

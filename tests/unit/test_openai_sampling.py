@@ -12,6 +12,7 @@ import pytest
 
 from protos import common_pb2
 from services.frontend.fanout import FanJob, Tally, choice_job
+from services.frontend.jobs import Chunk, Job, sampling_proto
 from services.frontend.models import ModelInfo, Tokenizer
 from services.frontend.openai_schema import (
     INT64_MAX,
@@ -22,7 +23,6 @@ from services.frontend.openai_schema import (
     parse_completion,
     split_batch,
 )
-from services.frontend.pipeline import Chunk, Job, sampling_proto
 from services.frontend.shapes import Shapes, ordered
 from workers.model import tiny
 

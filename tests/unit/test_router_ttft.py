@@ -270,9 +270,10 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
 
     from protos import common_pb2, router_pb2, worker_pb2
     from services.frontend import pipeline as pipeline_mod
+    from services.frontend.jobs import Job
     from services.frontend.models import ModelCatalog, ModelInfo
     from services.frontend.openai_schema import ParsedRequest, SamplingSpec
-    from services.frontend.pipeline import Job, Pipeline
+    from services.frontend.pipeline import Pipeline
 
     calls: list[str] = []
     gate = asyncio.Event()

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from protos import common_pb2, discovery_pb2, worker_pb2, worker_pb2_grpc
-from services.frontend.pipeline import Chunk
+from services.frontend.jobs import Chunk
 from tests.unit.test_frontend_release import MODEL, consume, mesh, node, request, serve
 from workers.config import WorkerConfig
 from workers.engines.base import EngineOutput, EngineRequest
