@@ -27,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,9 +70,26 @@ def merged() -> dict[Any, Any]:
     return out
 
 
-def main() -> None:
+def command_line() -> tuple[str, str]:
+    """``OUT_PREFIX MODULE [ARGS...]`` of a runner: the prefix and the module, with
+    ``sys.argv`` left as the module would see it."""
     prefix, module, *args = sys.argv[1:]
     sys.argv = [module, *args]
+    return prefix, module
+
+
+def run_module(module: str, on_sigusr1: Callable[..., None]) -> None:
+    """Runs ``python -m module`` here (``sys.argv`` already its own), ``on_sigusr1``
+    handling each SIGUSR1; returns when it exits."""
+    signal.signal(signal.SIGUSR1, on_sigusr1)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit:
+        pass
+
+
+def main() -> None:
+    prefix, module = command_line()
 
     main_thread: list[cProfile.Profile] = []
 
@@ -87,12 +105,8 @@ def main() -> None:
             main_thread[0].enable()
         Path(f"{prefix}.{_snapshots}.done").touch()
 
-    signal.signal(signal.SIGUSR1, snapshot)
     threading.setprofile(_thread_start)
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit:
-        pass
+    run_module(module, snapshot)
 
 
 if __name__ == "__main__":

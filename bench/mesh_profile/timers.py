@@ -35,14 +35,14 @@ import functools
 import importlib
 import inspect
 import json
-import runpy
-import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from bench.mesh_profile.prof import command_line, run_module
 
 # (module, function or Class.method): the request path's synchronous steps
 TARGETS: tuple[tuple[str, str], ...] = (
@@ -152,8 +152,7 @@ def install(process: str, targets: tuple[tuple[str, str], ...] = TARGETS) -> lis
 
 
 def main() -> None:
-    prefix, module, *args = sys.argv[1:]
-    sys.argv = [module, *args]
+    prefix, module = command_line()
     install(module)
     snapshots = 0
     cpu0 = 0
@@ -172,11 +171,7 @@ def main() -> None:
                 "cpu_ns": time.process_time_ns() - cpu0, "functions": functions}))
         Path(f"{prefix}.{snapshots}.done").touch()
 
-    signal.signal(signal.SIGUSR1, snapshot)
-    try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    except SystemExit:
-        pass
+    run_module(module, snapshot)
 
 
 if __name__ == "__main__":
