@@ -1,12 +1,15 @@
 """services.common.redis_conn.PackedCommand against a real redis-server: raw replies,
 error replies, a connection killed under it (replaced, the call sent once more) or Redis
-gone (raised), a cancel mid-call, and the connection's socket timeout bounding each call
-without redis-py's timed-send task."""
+gone (raised), a cancel mid-call, and the connection's socket timeout bounding each call, its send
+included (Redis stopped under a large command), without redis-py's timed-send task."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.common.procs import Child, free_port
+from services.common.procs import Child, free_port, start_redis
 from services.common.redis_conn import PackedCommand
 from tests.waiting import wait_for
 
@@ -143,3 +146,27 @@ async def test_more_arguments_go_with_that_call_only(client: aioredis.Redis) -> 
     entries = await client.xrange("pc-x")
     assert entries == [(first, {b"k": b"1"}), (second, {b"k": b"2", b"j": b"3"})]
     await xadd.close()
+
+
+async def test_a_send_redis_does_not_take_is_bounded_by_the_timeout_too(
+        tmp_path: Path) -> None:
+    """Redis stopped (SIGSTOP, a Redis of this test's own) while a command larger than
+    the socket buffers goes out: the send waits for room, and the socket timeout ends
+    it (TimeoutError, connection dropped), as it ends a reply that does not come."""
+    redis = start_redis(tmp_path)
+    client = aioredis.Redis.from_url(f"redis://{redis.address}", socket_timeout=0.3)
+    xadd = PackedCommand(client, "XADD", "pc-big", "*")
+    try:
+        assert await xadd(b"k", b"v")  # connected
+        os.kill(redis.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(RedisTimeoutError):
+                await xadd(b"k", b"x" * (64 << 20))
+        finally:
+            os.kill(redis.pid, signal.SIGCONT)
+        assert xadd._conn is None
+        assert await xadd(b"k", b"again")  # a new connection, Redis answering again
+    finally:
+        await xadd.close()
+        await client.aclose()
+        redis.stop()
