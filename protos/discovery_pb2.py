@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/discovery.proto\x12\x10kvmesh.discovery\"\xf3\x04\n\x0eInstanceRecord\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tcomponent\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12*\n\x04role\x18\x04 \x01(\x0e\x32\x1c.kvmesh.discovery.WorkerRole\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nmodel_path\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x14\n\x0c\x63\x61pabilities\x18\t \x03(\t\x12\x0e\n\x06\x65ngine\x18\n \x01(\t\x12<\n\x06labels\x18\x0b \x03(\x0b\x32,.kvmesh.discovery.InstanceRecord.LabelsEntry\x12\x15\n\rstarted_at_ms\x18\x0c \x01(\x03\x12,\n\x07handoff\x18\r \x01(\x0b\x32\x1b.kvmesh.discovery.KvHandoff\x12\x11\n\tkv_layout\x18\x0e \x01(\t\x12\x0b\n\x03pid\x18\x0f \x01(\x05\x12\x14\n\x0chttp_address\x18\x10 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x11 \x01(\t\x12O\n\x10\x64\x65sired_replicas\x18\x12 \x03(\x0b\x32\x35.kvmesh.discovery.InstanceRecord.DesiredReplicasEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x36\n\x14\x44\x65siredReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x93\x01\n\tKvHandoff\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x19\n\x11side_channel_host\x18\x03 \x01(\t\x12\x19\n\x11side_channel_port\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\x12\x1e\n\x16kv_load_failure_policy\x18\x06 \x01(\t*\x87\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fWORKER_ROLE_AGG\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x12\x16\n\x12WORKER_ROLE_ENCODE\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16protos/discovery.proto\x12\x10kvmesh.discovery\"\x92\x05\n\x0eInstanceRecord\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x11\n\tcomponent\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12*\n\x04role\x18\x04 \x01(\x0e\x32\x1c.kvmesh.discovery.WorkerRole\x12\r\n\x05model\x18\x05 \x01(\t\x12\x12\n\nmodel_path\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x15\n\rmax_model_len\x18\x08 \x01(\x05\x12\x14\n\x0c\x63\x61pabilities\x18\t \x03(\t\x12\x0e\n\x06\x65ngine\x18\n \x01(\t\x12<\n\x06labels\x18\x0b \x03(\x0b\x32,.kvmesh.discovery.InstanceRecord.LabelsEntry\x12\x15\n\rstarted_at_ms\x18\x0c \x01(\x03\x12,\n\x07handoff\x18\r \x01(\x0b\x32\x1b.kvmesh.discovery.KvHandoff\x12\x11\n\tkv_layout\x18\x0e \x01(\t\x12\x0b\n\x03pid\x18\x0f \x01(\x05\x12\x14\n\x0chttp_address\x18\x10 \x01(\t\x12\x17\n\x0fmetrics_address\x18\x11 \x01(\t\x12O\n\x10\x64\x65sired_replicas\x18\x12 \x03(\x0b\x32\x35.kvmesh.discovery.InstanceRecord.DesiredReplicasEntry\x12\x1d\n\x15request_plane_address\x18\x13 \x01(\t\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x36\n\x14\x44\x65siredReplicasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"\x93\x01\n\tKvHandoff\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x19\n\x11side_channel_host\x18\x03 \x01(\t\x12\x19\n\x11side_channel_port\x18\x04 \x01(\x05\x12\x0f\n\x07tp_size\x18\x05 \x01(\x05\x12\x1e\n\x16kv_load_failure_policy\x18\x06 \x01(\t*\x87\x01\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x13\n\x0fWORKER_ROLE_AGG\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x12\x16\n\x12WORKER_ROLE_ENCODE\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +35,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INSTANCERECORD_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_INSTANCERECORD_DESIREDREPLICASENTRY']._loaded_options = None
   _globals['_INSTANCERECORD_DESIREDREPLICASENTRY']._serialized_options = b'8\001'
-  _globals['_WORKERROLE']._serialized_start=825
-  _globals['_WORKERROLE']._serialized_end=960
+  _globals['_WORKERROLE']._serialized_start=856
+  _globals['_WORKERROLE']._serialized_end=991
   _globals['_INSTANCERECORD']._serialized_start=45
-  _globals['_INSTANCERECORD']._serialized_end=672
-  _globals['_INSTANCERECORD_LABELSENTRY']._serialized_start=571
-  _globals['_INSTANCERECORD_LABELSENTRY']._serialized_end=616
-  _globals['_INSTANCERECORD_DESIREDREPLICASENTRY']._serialized_start=618
-  _globals['_INSTANCERECORD_DESIREDREPLICASENTRY']._serialized_end=672
-  _globals['_KVHANDOFF']._serialized_start=675
-  _globals['_KVHANDOFF']._serialized_end=822
+  _globals['_INSTANCERECORD']._serialized_end=703
+  _globals['_INSTANCERECORD_LABELSENTRY']._serialized_start=602
+  _globals['_INSTANCERECORD_LABELSENTRY']._serialized_end=647
+  _globals['_INSTANCERECORD_DESIREDREPLICASENTRY']._serialized_start=649
+  _globals['_INSTANCERECORD_DESIREDREPLICASENTRY']._serialized_end=703
+  _globals['_KVHANDOFF']._serialized_start=706
+  _globals['_KVHANDOFF']._serialized_end=853
 # @@protoc_insertion_point(module_scope)

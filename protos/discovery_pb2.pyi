@@ -21,7 +21,7 @@ WORKER_ROLE_DECODE: WorkerRole
 WORKER_ROLE_ENCODE: WorkerRole
 
 class InstanceRecord(_message.Message):
-    __slots__ = ("instance_id", "component", "address", "role", "model", "model_path", "block_size", "max_model_len", "capabilities", "engine", "labels", "started_at_ms", "handoff", "kv_layout", "pid", "http_address", "metrics_address", "desired_replicas")
+    __slots__ = ("instance_id", "component", "address", "role", "model", "model_path", "block_size", "max_model_len", "capabilities", "engine", "labels", "started_at_ms", "handoff", "kv_layout", "pid", "http_address", "metrics_address", "desired_replicas", "request_plane_address")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +54,7 @@ class InstanceRecord(_message.Message):
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DESIRED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     component: str
     address: str
@@ -72,7 +73,8 @@ class InstanceRecord(_message.Message):
     http_address: str
     metrics_address: str
     desired_replicas: _containers.ScalarMap[str, int]
-    def __init__(self, instance_id: _Optional[str] = ..., component: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_path: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., started_at_ms: _Optional[int] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ..., kv_layout: _Optional[str] = ..., pid: _Optional[int] = ..., http_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    request_plane_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., component: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., model: _Optional[str] = ..., model_path: _Optional[str] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., capabilities: _Optional[_Iterable[str]] = ..., engine: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., started_at_ms: _Optional[int] = ..., handoff: _Optional[_Union[KvHandoff, _Mapping]] = ..., kv_layout: _Optional[str] = ..., pid: _Optional[int] = ..., http_address: _Optional[str] = ..., metrics_address: _Optional[str] = ..., desired_replicas: _Optional[_Mapping[str, int]] = ..., request_plane_address: _Optional[str] = ...) -> None: ...
 
 class KvHandoff(_message.Message):
     __slots__ = ("mode", "engine_id", "side_channel_host", "side_channel_port", "tp_size", "kv_load_failure_policy")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import discovery_pb2 as protos_dot_discovery__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\rkvmesh.router\x1a\x16protos/discovery.proto\"\xb3\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14\x65xclude_instance_ids\x18\x05 \x03(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\'\n\x08mm_items\x18\x07 \x03(\x0b\x32\x15.kvmesh.router.MmItem\"9\n\x06MmItem\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\"M\n\rEncoderChoice\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x66\x66inity_items\x18\x03 \x01(\x05\"\x8e\x01\n\x0cWorkerChoice\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x04role\x18\x03 \x01(\x0e\x32\x1c.kvmesh.discovery.WorkerRole\x12,\n\x07handoff\x18\x04 \x01(\x0b\x32\x1b.kvmesh.discovery.KvHandoff\"\xc6\x05\n\rRouteResponse\x12+\n\x06worker\x18\x01 \x01(\x0b\x32\x1b.kvmesh.router.WorkerChoice\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.kvmesh.router.WorkerChoice\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rdisaggregated\x18\x05 \x01(\x08\x12 \n\x18predicted_overlap_blocks\x18\x06 \x01(\x05\x12(\n predicted_prefill_overlap_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12[\n\x19predicted_overlap_by_tier\x18\t \x03(\x0b\x32\x38.kvmesh.router.RouteResponse.PredictedOverlapByTierEntry\x12j\n!predicted_prefill_overlap_by_tier\x18\n \x03(\x0b\x32?.kvmesh.router.RouteResponse.PredictedPrefillOverlapByTierEntry\x12\x16\n\x0eoverlap_source\x18\x0b \x01(\t\x12\x15\n\rprompt_blocks\x18\x0c \x01(\x05\x12-\n\x07\x65ncoder\x18\r \x01(\x0b\x32\x1c.kvmesh.router.EncoderChoice\x12\x17\n\x0f\x65ncoder_skipped\x18\x0e \x01(\t\x1a=\n\x1bPredictedOverlapByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x44\n\"PredictedPrefillOverlapByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"(\n\x12PrefillDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13PrefillDoneResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"H\n\x13ListWorkersResponse\x12\x31\n\x07workers\x18\x01 \x03(\x0b\x32 .kvmesh.discovery.InstanceRecord\"O\n\x14ReportFailureRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"&\n\x15ReportFailureResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"l\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12+\n\x07workers\x18\x03 \x03(\x0b\x32\x1a.kvmesh.router.WorkerShare\x12\x0f\n\x07leaving\x18\x04 \x01(\x08\"\x82\x01\n\x0bWorkerShare\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x15\n\ractive_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16pending_prefill_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x64\x65\x63oding_alone\x18\x05 \x01(\r2\x9e\x03\n\x06Router\x12\x42\n\x05Route\x12\x1b.kvmesh.router.RouteRequest\x1a\x1c.kvmesh.router.RouteResponse\x12H\n\x07Release\x12\x1d.kvmesh.router.ReleaseRequest\x1a\x1e.kvmesh.router.ReleaseResponse\x12T\n\x0bPrefillDone\x12!.kvmesh.router.PrefillDoneRequest\x1a\".kvmesh.router.PrefillDoneResponse\x12Z\n\rReportFailure\x12#.kvmesh.router.ReportFailureRequest\x1a$.kvmesh.router.ReportFailureResponse\x12T\n\x0bListWorkers\x12!.kvmesh.router.ListWorkersRequest\x1a\".kvmesh.router.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\rkvmesh.router\x1a\x16protos/discovery.proto\"\xb3\x01\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x12\n\nmax_tokens\x18\x04 \x01(\x05\x12\x1c\n\x14\x65xclude_instance_ids\x18\x05 \x03(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\'\n\x08mm_items\x18\x07 \x03(\x0b\x32\x15.kvmesh.router.MmItem\"9\n\x06MmItem\x12\x0f\n\x07mm_hash\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x05\x12\x0e\n\x06length\x18\x03 \x01(\x05\"M\n\rEncoderChoice\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x66\x66inity_items\x18\x03 \x01(\x05\"\xad\x01\n\x0cWorkerChoice\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x04role\x18\x03 \x01(\x0e\x32\x1c.kvmesh.discovery.WorkerRole\x12,\n\x07handoff\x18\x04 \x01(\x0b\x32\x1b.kvmesh.discovery.KvHandoff\x12\x1d\n\x15request_plane_address\x18\x05 \x01(\t\"\xc6\x05\n\rRouteResponse\x12+\n\x06worker\x18\x01 \x01(\x0b\x32\x1b.kvmesh.router.WorkerChoice\x12,\n\x07prefill\x18\x02 \x01(\x0b\x32\x1b.kvmesh.router.WorkerChoice\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rdisaggregated\x18\x05 \x01(\x08\x12 \n\x18predicted_overlap_blocks\x18\x06 \x01(\x05\x12(\n predicted_prefill_overlap_blocks\x18\x07 \x01(\x05\x12\x12\n\nblock_size\x18\x08 \x01(\x05\x12[\n\x19predicted_overlap_by_tier\x18\t \x03(\x0b\x32\x38.kvmesh.router.RouteResponse.PredictedOverlapByTierEntry\x12j\n!predicted_prefill_overlap_by_tier\x18\n \x03(\x0b\x32?.kvmesh.router.RouteResponse.PredictedPrefillOverlapByTierEntry\x12\x16\n\x0eoverlap_source\x18\x0b \x01(\t\x12\x15\n\rprompt_blocks\x18\x0c \x01(\x05\x12-\n\x07\x65ncoder\x18\r \x01(\x0b\x32\x1c.kvmesh.router.EncoderChoice\x12\x17\n\x0f\x65ncoder_skipped\x18\x0e \x01(\t\x1a=\n\x1bPredictedOverlapByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\x1a\x44\n\"PredictedPrefillOverlapByTierEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x05:\x02\x38\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"(\n\x12PrefillDoneRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13PrefillDoneResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"H\n\x13ListWorkersResponse\x12\x31\n\x07workers\x18\x01 \x03(\x0b\x32 .kvmesh.discovery.InstanceRecord\"O\n\x14ReportFailureRequest\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"&\n\x15ReportFailureResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"l\n\x0bReplicaLoad\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12+\n\x07workers\x18\x03 \x03(\x0b\x32\x1a.kvmesh.router.WorkerShare\x12\x0f\n\x07leaving\x18\x04 \x01(\x08\"\x82\x01\n\x0bWorkerShare\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tin_flight\x18\x02 \x01(\r\x12\x15\n\ractive_blocks\x18\x03 \x01(\x04\x12\x1e\n\x16pending_prefill_tokens\x18\x04 \x01(\x04\x12\x16\n\x0e\x64\x65\x63oding_alone\x18\x05 \x01(\r2\x9e\x03\n\x06Router\x12\x42\n\x05Route\x12\x1b.kvmesh.router.RouteRequest\x1a\x1c.kvmesh.router.RouteResponse\x12H\n\x07Release\x12\x1d.kvmesh.router.ReleaseRequest\x1a\x1e.kvmesh.router.ReleaseResponse\x12T\n\x0bPrefillDone\x12!.kvmesh.router.PrefillDoneRequest\x1a\".kvmesh.router.PrefillDoneResponse\x12Z\n\rReportFailure\x12#.kvmesh.router.ReportFailureRequest\x1a$.kvmesh.router.ReportFailureResponse\x12T\n\x0bListWorkers\x12!.kvmesh.router.ListWorkersRequest\x1a\".kvmesh.router.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,33 +43,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODERCHOICE']._serialized_start=303
   _globals['_ENCODERCHOICE']._serialized_end=380
   _globals['_WORKERCHOICE']._serialized_start=383
-  _globals['_WORKERCHOICE']._serialized_end=525
-  _globals['_ROUTERESPONSE']._serialized_start=528
-  _globals['_ROUTERESPONSE']._serialized_end=1238
-  _globals['_ROUTERESPONSE_PREDICTEDOVERLAPBYTIERENTRY']._serialized_start=1107
-  _globals['_ROUTERESPONSE_PREDICTEDOVERLAPBYTIERENTRY']._serialized_end=1168
-  _globals['_ROUTERESPONSE_PREDICTEDPREFILLOVERLAPBYTIERENTRY']._serialized_start=1170
-  _globals['_ROUTERESPONSE_PREDICTEDPREFILLOVERLAPBYTIERENTRY']._serialized_end=1238
-  _globals['_RELEASEREQUEST']._serialized_start=1240
-  _globals['_RELEASEREQUEST']._serialized_end=1276
-  _globals['_RELEASERESPONSE']._serialized_start=1278
-  _globals['_RELEASERESPONSE']._serialized_end=1310
-  _globals['_PREFILLDONEREQUEST']._serialized_start=1312
-  _globals['_PREFILLDONEREQUEST']._serialized_end=1352
-  _globals['_PREFILLDONERESPONSE']._serialized_start=1354
-  _globals['_PREFILLDONERESPONSE']._serialized_end=1390
-  _globals['_LISTWORKERSREQUEST']._serialized_start=1392
-  _globals['_LISTWORKERSREQUEST']._serialized_end=1427
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1429
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1501
-  _globals['_REPORTFAILUREREQUEST']._serialized_start=1503
-  _globals['_REPORTFAILUREREQUEST']._serialized_end=1582
-  _globals['_REPORTFAILURERESPONSE']._serialized_start=1584
-  _globals['_REPORTFAILURERESPONSE']._serialized_end=1622
-  _globals['_REPLICALOAD']._serialized_start=1624
-  _globals['_REPLICALOAD']._serialized_end=1732
-  _globals['_WORKERSHARE']._serialized_start=1735
-  _globals['_WORKERSHARE']._serialized_end=1865
-  _globals['_ROUTER']._serialized_start=1868
-  _globals['_ROUTER']._serialized_end=2282
+  _globals['_WORKERCHOICE']._serialized_end=556
+  _globals['_ROUTERESPONSE']._serialized_start=559
+  _globals['_ROUTERESPONSE']._serialized_end=1269
+  _globals['_ROUTERESPONSE_PREDICTEDOVERLAPBYTIERENTRY']._serialized_start=1138
+  _globals['_ROUTERESPONSE_PREDICTEDOVERLAPBYTIERENTRY']._serialized_end=1199
+  _globals['_ROUTERESPONSE_PREDICTEDPREFILLOVERLAPBYTIERENTRY']._serialized_start=1201
+  _globals['_ROUTERESPONSE_PREDICTEDPREFILLOVERLAPBYTIERENTRY']._serialized_end=1269
+  _globals['_RELEASEREQUEST']._serialized_start=1271
+  _globals['_RELEASEREQUEST']._serialized_end=1307
+  _globals['_RELEASERESPONSE']._serialized_start=1309
+  _globals['_RELEASERESPONSE']._serialized_end=1341
+  _globals['_PREFILLDONEREQUEST']._serialized_start=1343
+  _globals['_PREFILLDONEREQUEST']._serialized_end=1383
+  _globals['_PREFILLDONERESPONSE']._serialized_start=1385
+  _globals['_PREFILLDONERESPONSE']._serialized_end=1421
+  _globals['_LISTWORKERSREQUEST']._serialized_start=1423
+  _globals['_LISTWORKERSREQUEST']._serialized_end=1458
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1460
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1532
+  _globals['_REPORTFAILUREREQUEST']._serialized_start=1534
+  _globals['_REPORTFAILUREREQUEST']._serialized_end=1613
+  _globals['_REPORTFAILURERESPONSE']._serialized_start=1615
+  _globals['_REPORTFAILURERESPONSE']._serialized_end=1653
+  _globals['_REPLICALOAD']._serialized_start=1655
+  _globals['_REPLICALOAD']._serialized_end=1763
+  _globals['_WORKERSHARE']._serialized_start=1766
+  _globals['_WORKERSHARE']._serialized_end=1896
+  _globals['_ROUTER']._serialized_start=1899
+  _globals['_ROUTER']._serialized_end=2313
 # @@protoc_insertion_point(module_scope)

@@ -46,16 +46,18 @@ class EncoderChoice(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., affinity_items: _Optional[int] = ...) -> None: ...
 
 class WorkerChoice(_message.Message):
-    __slots__ = ("instance_id", "address", "role", "handoff")
+    __slots__ = ("instance_id", "address", "role", "handoff", "request_plane_address")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_PLANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     address: str
     role: _discovery_pb2.WorkerRole
     handoff: _discovery_pb2.KvHandoff
-    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., handoff: _Optional[_Union[_discovery_pb2.KvHandoff, _Mapping]] = ...) -> None: ...
+    request_plane_address: str
+    def __init__(self, instance_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_discovery_pb2.WorkerRole, str]] = ..., handoff: _Optional[_Union[_discovery_pb2.KvHandoff, _Mapping]] = ..., request_plane_address: _Optional[str] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ("worker", "prefill", "policy", "reason", "disaggregated", "predicted_overlap_blocks", "predicted_prefill_overlap_blocks", "block_size", "predicted_overlap_by_tier", "predicted_prefill_overlap_by_tier", "overlap_source", "prompt_blocks", "encoder", "encoder_skipped")

@@ -77,6 +77,11 @@ class WorkerConfig(BaseConfig):
     nixl_port: int = dataclasses.field(
         default=0, metadata={"help": "NIXL side-channel port (0 = any free)"}
     )
+    request_plane_port: int = dataclasses.field(
+        default=0, metadata={"help": "TCP request plane port: Generate calls multiplexed on "
+                                     "plain TCP, mTLS with --tls-dir (0 = any free, -1 = "
+                                     "off: callers use the gRPC port)"}
+    )
     store_master: str = dataclasses.field(
         default="", metadata={"help": "store master host:port: save prefix KV to the shared "
                                       "store and load it back (empty: off)"}
@@ -207,6 +212,8 @@ class WorkerConfig(BaseConfig):
                        f"got {self.kv_handoff_timeout_s}")
         if not -1 <= self.metrics_port <= 65535:
             out.append(f"metrics_port out of range: {self.metrics_port}")
+        if not -1 <= self.request_plane_port <= 65535:
+            out.append(f"request_plane_port out of range: {self.request_plane_port}")
         if not 0 <= self.nixl_port <= 65535:
             out.append(f"nixl_port out of range: {self.nixl_port}")
         if self.store_master and ":" not in self.store_master:

@@ -32,7 +32,8 @@ Contract:
   ids the certificate may not act as (a ``.`` in it) one naming ``worker_id``.
   :func:`fleet_prefix` is the prefix in force. ``port`` 0 gives every worker a free
   port; otherwise worker *i* listens on ``port + i``. ``metrics_port`` -1 (default here)
-  means no Prometheus endpoints; 0 one free port each; otherwise ``metrics_port + i``.
+  means no Prometheus endpoints; 0 one free port each; otherwise ``metrics_port + i``;
+  ``request_plane_port`` likewise (default 0: a free one each; -1: none).
   ``model_path`` is optional (published for the frontend's tokenizer; ``tiny`` and
   ``smollm2`` resolve as for a worker); ``model_name`` defaults to its folder name, else
   ``mock``.
@@ -124,6 +125,8 @@ class FleetConfig(WorkerConfig):
         total = sum(counts)
         if self.port and self.port + total - 1 > 65535:
             out.append("port + number of workers exceeds 65535")
+        if self.request_plane_port > 0 and self.request_plane_port + total - 1 > 65535:
+            out.append("request_plane_port + number of workers exceeds 65535")
         out += kv_event_problems(self)
         try:
             make_timing(self.timing)
@@ -245,7 +248,8 @@ def worker_config(cfg: FleetConfig, index: int, role: str, prefix: str) -> Fleet
 
     return dataclasses.replace(
         cfg, worker_id=f"{prefix}{ROLE_LETTER[role]}{index}", role=role, port=nth(cfg.port),
-        metrics_port=nth(cfg.metrics_port), handoff="")
+        metrics_port=nth(cfg.metrics_port),
+        request_plane_port=nth(cfg.request_plane_port), handoff="")
 
 
 async def _start_one(wcfg: FleetConfig, model_path: str, model_name: str,

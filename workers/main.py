@@ -6,6 +6,11 @@ and ``WorkerApp.fatal`` resolves to that reason, so :func:`serve_main` turns the
 NOT_SERVING, revokes its lease, stops it and exits with code 3 for its supervisor
 (``kvmesh up``) to restart it.
 
+Besides its gRPC port a worker serves its Generate calls on a TCP request plane
+(:mod:`workers.request_plane`, ``--request-plane-port``, 0 = a free port, -1 = none;
+mTLS with ``--tls-dir``) and publishes it as ``request_plane_address``; the frontend
+calls it there (``--worker-transport tcp``, its default), at a fraction of gRPC's CPU.
+
 AFD (``--engine afd``, :mod:`workers.engines.afd.worker`): ``--afd-role attention`` is
 an ``agg`` worker with the capability ``afd_attention`` that registers only once paired
 with its FFN worker (``--afd-ffn-id``) and leaves etcd (health NOT_SERVING) while
@@ -56,6 +61,7 @@ from workers.config import WorkerConfig
 from workers.engines import create_engine
 from workers.engines.base import Engine
 from workers.kv.event_relay import EventEndpoints, KvEventRelay, vllm_kv_events_config
+from workers.request_plane import RequestPlane
 from workers.service import WorkerServicer
 
 ROLE = {
@@ -183,6 +189,9 @@ def build_server(cfg: WorkerConfig, engine: Engine,
         port = serve_metrics(engine, worker_id, cfg.role, cfg.host, cfg.metrics_port)
         metrics_address = f"{cfg.public_host}:{port}"
 
+    plane = (RequestPlane(servicer.streams, cfg.host, cfg.request_plane_port, cfg.public_host,
+                          tls_for(cfg, "worker"))
+             if cfg.request_plane_port >= 0 else None)
     role: int = ROLE[cfg.role]
     labels: dict[str, str] = {}
     if cfg.engine == "afd":  # AFD: the attention worker serves, the FFN worker never does
@@ -209,6 +218,7 @@ def build_server(cfg: WorkerConfig, engine: Engine,
             metrics_address=metrics_address,
             # the incarnation its KV events carry (0 without a relay: the server's clock)
             started_at_ms=relay.started_at_ms if relay is not None else 0,
+            request_plane_address=plane.address if plane is not None else "",
         )
         if info.handoff.get("mode"):
             rec.handoff.CopyFrom(discovery_pb2.KvHandoff(
@@ -225,13 +235,19 @@ def build_server(cfg: WorkerConfig, engine: Engine,
         servicer,
         worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name,
     )
-    # the engine first (running requests end), then the open GenerateStreams
+    # the engine first (running requests end), then the open GenerateStreams (on gRPC and
+    # on the request plane), then the plane's connections
     on_stop: list[Callable[[], Awaitable[None]]] = [engine.shutdown, servicer.streams.close]
+    before: list[Callable[[], Awaitable[object]]] = []
+    if plane is not None:
+        before.append(plane.start)
+        on_stop.append(plane.close)
     if relay is not None:
         on_stop.append(relay.close)
         if "kv_events" not in rec_caps:
             rec_caps.append("kv_events")
-    return MeshServer(cfg, "worker", [spec], record_factory=record, on_stop=on_stop)
+    return MeshServer(cfg, "worker", [spec], record_factory=record, on_stop=on_stop,
+                      before_register=before)
 
 
 @dataclasses.dataclass

@@ -22,11 +22,14 @@ Contracts:
     frames are an 8-byte request number and a serialized ``GenerateRequest``; for each
     frame a task parses it and writes the same three ``GenerateResponse`` messages, each
     behind the request number (one writer at a time: a stream takes one write at once).
+  - ``tcp-mux``: the same frames and answers as ``grpc-mux`` on one plain TCP connection,
+    in :mod:`services.common.frames`' length-prefixed messages (the carrier of the TCP
+    request plane, ``--worker-transport tcp``).
 - Load: ``--concurrency`` clients in this process; HTTP: the same requests as
   :func:`bench.mesh_profile.run.closed_loop` (a ``--words`` prompt, 16 tokens); gRPC: a
   ``GenerateRequest`` of 300 token ids per call, each client on its own channel;
   gRPC-mux: every client's requests on one channel's one stream, a reader task handing
-  each answer to its request's queue. ``--requests``
+  each answer to its request's queue; TCP-mux: the same on one connection. ``--requests``
   per round after 200 of warm-up, ``--rounds`` rounds of each.
 - Reports per server: the server process's CPU per request (user + system, psutil), this
   process's (the client's), req/s, p50; the means over rounds. Writes
@@ -55,6 +58,7 @@ from fastapi.responses import JSONResponse
 
 from bench.mesh_profile.run import _cpu, closed_loop
 from protos import common_pb2, worker_pb2, worker_pb2_grpc
+from services.common.frames import PREAMBLE, FramedProtocol
 from services.common.procs import free_port, port_open, spawn, wait_until
 from services.common.server import event_loop_factory
 
@@ -124,7 +128,38 @@ async def _mux_generate(requests: AsyncIterator[bytes],
         task.add_done_callback(tasks.discard)
 
 
+async def _tcp_mux_serve(port: int) -> None:
+    """``tcp-mux``'s server (module docstring)."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def answer(proto: FramedProtocol, frame: bytes) -> None:
+        rid = frame[:_ID.size]
+        request = worker_pb2.GenerateRequest.FromString(frame[_ID.size:])
+        for resp in _Worker.answers(request):
+            proto.write(rid + resp.SerializeToString())
+            await proto.drain()
+
+    async def serve(proto: FramedProtocol) -> None:
+        await proto.ready
+        while (frame := await proto.read()) is not None:
+            task = asyncio.ensure_future(answer(proto, frame))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    def accept(proto: FramedProtocol) -> None:
+        task = asyncio.ensure_future(serve(proto))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    server = await asyncio.get_running_loop().create_server(
+        lambda: FramedProtocol(expect_preamble=True, on_connect=accept), "127.0.0.1", port)
+    await server.serve_forever()
+
+
 async def _serve(kind: str, port: int) -> None:
+    if kind == "tcp-mux":
+        await _tcp_mux_serve(port)
+        return
     if kind == "http":
         import uvicorn
 
@@ -213,6 +248,48 @@ async def _mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
             "p50_ms": float(np.percentile(lat, 50) * 1e3)}
 
 
+async def _tcp_mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
+    lat: list[float] = []
+    req = worker_pb2.GenerateRequest(request_id="r", token_ids=list(range(300)),
+                                     sampling=common_pb2.SamplingParams(max_tokens=16))
+    body = req.SerializeToString()
+    next_i = 0
+    queues: dict[int, asyncio.Queue[worker_pb2.GenerateResponse]] = {}
+    host, _, port = address.rpartition(":")
+    _, proto = await asyncio.get_running_loop().create_connection(FramedProtocol, host,
+                                                                  int(port))
+    proto.write_raw(PREAMBLE)
+
+    async def read() -> None:
+        while (frame := await proto.read()) is not None:
+            (rid,) = _ID.unpack_from(frame)
+            queues[rid].put_nowait(worker_pb2.GenerateResponse.FromString(frame[_ID.size:]))
+
+    async def client() -> None:
+        nonlocal next_i
+        while next_i < n:
+            rid = next_i = next_i + 1
+            q = queues[rid] = asyncio.Queue()
+            t0 = time.perf_counter()
+            proto.write(_ID.pack(rid) + body)
+            got = [await q.get() for _ in range(3)]
+            if got[-1].finish_reason != common_pb2.FINISH_REASON_LENGTH:
+                raise RuntimeError(f"request {rid}: no finish in {got}")
+            del queues[rid]
+            lat.append(time.perf_counter() - t0)
+
+    reader = asyncio.ensure_future(read())
+    t0 = time.perf_counter()
+    try:
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    finally:
+        wall = time.perf_counter() - t0
+        proto.close()
+        await reader
+    return {"requests": n, "ok": len(lat), "errors": n - len(lat), "req_per_s": len(lat) / wall,
+            "p50_ms": float(np.percentile(lat, 50) * 1e3)}
+
+
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
     """One round against a fresh ``kind`` server (module docstring)."""
     port = free_port()
@@ -229,7 +306,7 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:
                     return runner.run(closed_loop(f"http://127.0.0.1:{port}", n,
                                                   args.concurrency, args.words, 16, False,
                                                   offset))
-                load = _mux_load if kind == "grpc-mux" else _grpc_load
+                load = {"grpc-mux": _mux_load, "tcp-mux": _tcp_mux_load}.get(kind, _grpc_load)
                 return runner.run(load(f"127.0.0.1:{port}", n, args.concurrency))
 
         warm = go(WARMUP, 10_000_000)
@@ -262,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
             runner.run(_serve(args.serve[0], int(args.serve[1])))
         return 0
-    runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": [], "grpc-mux": []}
+    runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": [], "grpc-mux": [],
+                                             "tcp-mux": []}
     for _ in range(args.rounds):
         for kind in runs:
             runs[kind].append(measure(kind, args))

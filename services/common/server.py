@@ -205,6 +205,9 @@ class MeshServer:
     # Builds the record to publish, given the bound address; None = do not register.
     record_factory: Callable[[str], discovery_pb2.InstanceRecord] | None = None
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # Run once the gRPC server is started, before the record is built (e.g. more listeners
+    # whose addresses the record publishes).
+    before_register: list[Callable[[], Awaitable[object]]] = field(default_factory=list)
     after_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # False: TLS without a required client certificate (methods the policy marks public)
     client_auth: bool = True
@@ -265,6 +268,8 @@ class MeshServer:
         if self.cfg.health_port >= 0:
             await self._start_health_port()
         self.address = f"{self.cfg.public_host}:{self.port}"
+        for hook in self.before_register:
+            await hook()
         if self.record_factory is not None:
             record = self.record_factory(self.address)
             if not record.started_at_ms:

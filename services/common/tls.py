@@ -61,6 +61,8 @@ import ipaddress
 import logging
 import os
 import secrets
+import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -405,6 +407,28 @@ class MeshTls:
         """Client side: trust only the mesh CA, present this certificate."""
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
+
+    def ssl_context(self, server: bool) -> ssl.SSLContext:
+        """A Python ``ssl`` context with the same rules, for plain asyncio connections (the
+        TCP request plane): TLS 1.2+, trusting only the mesh CA, presenting this
+        certificate; a server requires a client certificate, a client checks the
+        server's name (connect with ``server_hostname=server_name(role)``)."""
+        ctx = ssl.create_default_context(
+            ssl.Purpose.CLIENT_AUTH if server else ssl.Purpose.SERVER_AUTH,
+            cadata=self.ca.decode())
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        if server:
+            ctx.verify_mode = ssl.CERT_REQUIRED
+        if self.folder is not None:
+            ctx.load_cert_chain(self.folder / f"{self.stem}.pem",
+                                self.folder / f"{self.stem}-key.pem")
+        else:  # built in memory: ssl reads a chain from files only
+            with tempfile.TemporaryDirectory(prefix="kvmesh-tls-") as tmp:
+                cert, key = Path(tmp) / "cert.pem", Path(tmp) / "key.pem"
+                _write(cert, self.cert, private=False)
+                _write(key, self.key, private=True)
+                ctx.load_cert_chain(cert, key)
+        return ctx
 
 
 _warned_insecure = False

@@ -324,7 +324,7 @@ class _Run:
         errors, one hop less per chunk)."""
         machine = self.machine
         machine.start()  # StartDecode(None): the call below
-        call = self._generate(self.route.worker.address, self.req.generate_request())
+        call = self._generate(self.route.worker, self.req.generate_request())
         try:
             it = call.__aiter__()
             while machine.terminal is None:
@@ -440,12 +440,15 @@ class _Run:
         await asyncio.sleep(PUSH_TIMEOUT_S)  # a timer, not synchronisation
         self.events.put_nowait(hm.Timeout(generation))
 
-    def _generate(self, address: str, request: worker_pb2.GenerateRequest) -> Any:
-        """The worker's Generate call: on its GenerateMux with ``streams``, else a gRPC
-        call of its own (the same responses and errors; :mod:`.worker_stream`)."""
+    def _generate(self, choice: router_pb2.WorkerChoice,
+                  request: worker_pb2.GenerateRequest) -> Any:
+        """The worker's Generate call: with ``streams``, on its request plane (when it
+        has one and the streams use them) or its GenerateMux, else a gRPC call of its own
+        (the same responses and errors; :mod:`.worker_stream`)."""
         if self.streams is not None:
-            return self.streams.generate(address, request, WORKER_TIMEOUT_S)
-        return worker_pb2_grpc.WorkerStub(self.pool.get(address)).Generate(
+            return self.streams.generate(choice.address, request, WORKER_TIMEOUT_S,
+                                         choice.request_plane_address)
+        return worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
             request, timeout=WORKER_TIMEOUT_S)
 
     async def _prefill(self) -> None:
@@ -458,7 +461,7 @@ class _Run:
                     "kvmesh.handoff_mode": mode,
                     "kvmesh.predicted_cached_tokens": _predicted_tokens(self.route, True),
             }) as span:
-                call = self._generate(choice.address, _prefill_request(self.req, mode))
+                call = self._generate(choice, _prefill_request(self.req, mode))
                 last: worker_pb2.GenerateResponse | None = None
                 tokens: list[int] = []
                 text: list[str] = []
@@ -522,7 +525,7 @@ class _Run:
         event: hm.Event = hm.DecodeEnded()
         try:
             with trace.use_span(xfer, end_on_exit=False):
-                call = self._generate(choice.address, d_req)
+                call = self._generate(choice, d_req)
             start = time.monotonic()
             hold = self.mode in PUSH_LIKE and self.want_prompt_logprobs
             try:

@@ -230,7 +230,7 @@ class Pipeline:
                  encode_timeout_s: float = DEFAULT_ENCODE_TIMEOUT_S,
                  remote_images: RemoteImageLimits | None = None,
                  router_stub: Any = None, first_token_from_prefill: bool = True,
-                 worker_streams: bool = False) -> None:
+                 worker_streams: bool = False, request_planes: bool = False) -> None:
         if migration_limit < 0:
             raise ValueError(f"migration_limit must be >= 0, got {migration_limit}")
         if not encode_timeout_s > 0:
@@ -244,8 +244,10 @@ class Pipeline:
         # errors); None: the router at router_address(), over gRPC
         self._router_stub = router_stub
         self._pool = ChannelPool(tls, "worker")
-        # worker calls on one GenerateMux per worker (--worker-transport stream)
-        self._streams = WorkerStreams(self._pool) if worker_streams else None
+        # worker calls multiplexed per worker (--worker-transport stream: on a GenerateMux;
+        # tcp: on the worker's TCP request plane where it has one, else its GenerateMux)
+        self._streams = (WorkerStreams(self._pool, planes=request_planes)
+                         if worker_streams or request_planes else None)
         self._tracer = tracer("frontend")
         self.metrics = FrontendMetrics()
         # remote image URLs (parse_chat lets them through only with image_limits.remote_urls)

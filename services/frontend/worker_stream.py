@@ -6,8 +6,12 @@ Contract:
 
 - :class:`WorkerStreams` (``pool``: the :class:`~services.common.grpc_client.ChannelPool`
   the calls would otherwise use) keeps one :class:`WorkerStream` per worker address, on
-  that address's pooled channel; ``generate(address, request, timeout)`` returns a
-  :class:`StreamCall`. A stream that ended or broke, or whose channel the pool replaced
+  that address's pooled channel; ``generate(address, request, timeout, plane)`` returns
+  a :class:`StreamCall`. With ``planes`` and a ``plane`` (the worker's
+  ``request_plane_address``) the stream is the same protocol on one TCP connection to
+  that plane instead (:mod:`.request_plane`, the pool's TLS), one per plane address, and
+  a broken one is replaced by the next call; the rest of this contract holds as it is
+  (a refused or lost connection is a stream that broke: UNAVAILABLE naming how). A stream that ended or broke, or whose channel the pool replaced
   (``invalidate`` after an UNAVAILABLE), is not used again: the next call opens a new one
   (a replaced stream closes its sending side once its last call ended). ``close()``
   ends every stream. The stream carries no trace context of its own (no tracing
@@ -52,6 +56,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from services.common import telemetry
 from services.common.batching import queued_batches
 from services.common.grpc_client import ChannelPool
+from services.frontend.request_plane import PlaneCall
 from services.router.embedded import rpc_error
 
 log = logging.getLogger(__name__)
@@ -179,7 +184,7 @@ class StreamCall:
 class WorkerStream:
     """One GenerateMux to a worker (see the module docstring)."""
 
-    def __init__(self, channel: Any, address: str) -> None:
+    def __init__(self, channel: Any, address: str, carrier: Any = None) -> None:
         self.channel = channel
         self.address = address
         self.broken = False
@@ -189,11 +194,13 @@ class WorkerStream:
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue[worker_pb2.GenerateFrame | None] = asyncio.Queue()
         self._opened = asyncio.Event()  # the worker's first reply (call_id 0) came
-        # a plain grpc.aio channel (tests) has no interceptors to skip
-        make = getattr(channel, "untraced_stream_stream", channel.stream_stream)
-        self._call = make(STREAM_METHOD,
-                          request_serializer=worker_pb2.GenerateFrames.SerializeToString,
-                          response_deserializer=worker_pb2.GenerateReplies.FromString)()
+        if carrier is not None:  # the worker's TCP request plane (.request_plane)
+            self._call = carrier
+        else:  # a plain grpc.aio channel (tests) has no interceptors to skip
+            make = getattr(channel, "untraced_stream_stream", channel.stream_stream)
+            self._call = make(STREAM_METHOD,
+                              request_serializer=worker_pb2.GenerateFrames.SerializeToString,
+                              response_deserializer=worker_pb2.GenerateReplies.FromString)()
         self._writer = asyncio.ensure_future(self._write())
         self._reader = asyncio.ensure_future(self._read())
 
@@ -284,8 +291,9 @@ class WorkerStreams:
     """One :class:`WorkerStream` per worker address (see the module docstring)."""
 
     def __init__(self, pool: ChannelPool, clock: Callable[[], float] = time.monotonic,
-                 retry_stream_s: float = RETRY_STREAM_S) -> None:
+                 retry_stream_s: float = RETRY_STREAM_S, planes: bool = False) -> None:
         self._pool = pool
+        self._planes = planes
         self._streams: dict[str, WorkerStream] = {}
         self._old: set[WorkerStream] = set()
         self._call_only: dict[str, float] = {}  # worker without GenerateMux -> since
@@ -293,7 +301,9 @@ class WorkerStreams:
         self._retry_s = retry_stream_s
 
     def generate(self, address: str, request: worker_pb2.GenerateRequest,
-                 timeout: float | None) -> Any:
+                 timeout: float | None, plane: str = "") -> Any:
+        if plane and self._planes:
+            return self._plane_stream(plane).generate(request, timeout)
         channel = self._pool.get(address)
         stream = self._streams.get(address)
         now = self._clock()
@@ -315,6 +325,17 @@ class WorkerStreams:
             self._old = {s for s in self._old if not s.broken}
             stream = self._streams[address] = WorkerStream(channel, address)
         return stream.generate(request, timeout)
+
+    def _plane_stream(self, plane: str) -> WorkerStream:
+        """The stream on the worker's request plane at ``plane`` (a new connection when
+        there is none or it broke)."""
+        stream = self._streams.get(plane)
+        if stream is None or stream.broken:
+            if stream is not None:
+                self._old = {s for s in self._old if not s.broken}
+            stream = self._streams[plane] = WorkerStream(
+                None, plane, PlaneCall(plane, self._pool.tls))
+        return stream
 
     async def close(self) -> None:
         streams = [*self._streams.values(), *self._old]

@@ -429,8 +429,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             role=ROLE_ENUM.get(worker.role, discovery_pb2.WORKER_ROLE_AGG),
         )
         rec = self._records.get(worker.instance_id)
-        if rec is not None and rec.HasField("handoff"):
-            choice.handoff.CopyFrom(rec.handoff)
+        if rec is not None:
+            choice.request_plane_address = rec.request_plane_address
+            if rec.HasField("handoff"):
+                choice.handoff.CopyFrom(rec.handoff)
         return choice
 
     async def Release(  # noqa: N802

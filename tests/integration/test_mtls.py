@@ -15,6 +15,7 @@ mounted it, and RemoveAll is admin only."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +39,12 @@ from protos import (
     worker_pb2_grpc,
 )
 from services.common.config import ConfigError, load_config
-from services.common.grpc_client import channel
+from services.common.grpc_client import ChannelPool, channel
 from services.common.procs import Child
 from services.common.tls import ROLES, MeshTls, write_mesh_certs
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
+from services.frontend.request_plane import PlaneCall
+from services.frontend.worker_stream import WorkerStreams
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from services.router.main import RouterApp, RouterConfig, start_router
 from services.store_master.main import StoreMasterConfig, start_store_master
@@ -127,6 +130,38 @@ async def test_a_frontend_routes_and_generates(secured: Secured) -> None:
     async with channel(secured.fleet.workers[0].address, tls) as ch:
         chunks = [c async for c in worker_pb2_grpc.WorkerStub(ch).Generate(gen_req("mt-ok"))]
     assert sum(len(c.token_ids) for c in chunks) == 4
+
+
+async def test_the_request_plane_is_mtls_and_serves_only_a_frontend(
+        secured: Secured) -> None:
+    """The worker publishes its TCP request plane, the router hands it out, and on it a
+    frontend's certificate is served, a router's is refused naming its role, and a
+    certificate of another CA gets no connection."""
+    async with channel(secured.router.server.address, secured.tls("frontend")) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        route = await stub.Route(route_req("mt-plane"))
+        await stub.Release(router_pb2.ReleaseRequest(request_id="mt-plane"))
+    worker = route.worker
+    assert worker.request_plane_address and worker.request_plane_address != worker.address
+    pool = ChannelPool(secured.tls("frontend"), "worker")
+    streams = WorkerStreams(pool, planes=True)
+    try:
+        chunks = [c async for c in streams.generate(worker.address, gen_req("mt-plane"), 30,
+                                                    worker.request_plane_address)]
+        assert sum(len(c.token_ids) for c in chunks) == 4
+    finally:
+        await streams.close()
+        await pool.close()
+    before = secured.fleet.workers[0].engine.counters()["finished_requests"]
+    router = PlaneCall(worker.request_plane_address, secured.tls("router"))
+    err = await refused(router.__anext__())
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "'router'" in (err.details() or "")
+    router.cancel()
+    rogue = PlaneCall(worker.request_plane_address, MeshTls.load(secured.rogue, "frontend"))
+    with pytest.raises(ssl.SSLError):  # the worker's certificate is not the rogue CA's
+        await rogue.__anext__()
+    rogue.cancel()
+    assert secured.fleet.workers[0].engine.counters()["finished_requests"] == before
 
 
 async def test_other_roles_get_permission_denied_naming_method_and_role(

@@ -38,6 +38,7 @@ from services.router.service import RouterServicer
 from tests.waiting import wait_for
 from workers.engines.base import EngineOutput, EngineRequest, KvHandoffError
 from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.request_plane import RequestPlane
 from workers.service import WorkerServicer
 
 MODEL = "m"
@@ -49,6 +50,13 @@ class Node:
     engine: MockEngine
     server: grpc.aio.Server
     record: discovery_pb2.InstanceRecord
+    plane: RequestPlane | None = None
+
+    async def stop(self) -> None:
+        """The worker goes away: its request plane's connections and its gRPC calls end."""
+        if self.plane is not None:
+            await self.plane.close()
+        await self.server.stop(0)
 
 
 async def serve(add: Callable[[Any, grpc.aio.Server], None], servicer: Any) -> tuple[
@@ -87,17 +95,18 @@ async def node(wid: str, role: int, model: str, num_blocks: int = 1024,
         timing="poly", handoff="" if role == discovery_pb2.WORKER_ROLE_AGG else "mock"))
     engine.fault = fault
     await engine.start()
-    server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server,
-                                  WorkerServicer(engine, wid))
+    servicer = WorkerServicer(engine, wid)
+    server, address = await serve(worker_pb2_grpc.add_WorkerServicer_to_server, servicer)
+    plane = RequestPlane(servicer.streams, "127.0.0.1", 0, "127.0.0.1")
     info = engine.info
     rec = discovery_pb2.InstanceRecord(
         instance_id=wid, component="worker", address=address, role=role, model=model,
         block_size=info.block_size, max_model_len=info.max_model_len, engine="mock",
-        kv_layout=info.kv_layout)
+        kv_layout=info.kv_layout, request_plane_address=await plane.start())
     if info.handoff:
         rec.handoff.CopyFrom(discovery_pb2.KvHandoff(mode="mock",
                                                      engine_id=info.handoff["engine_id"]))
-    return Node(engine, server, rec)
+    return Node(engine, server, rec, plane)
 
 
 @dataclass
@@ -138,9 +147,10 @@ class LostAnswerRouter(RouterServicer):
 @contextlib.asynccontextmanager
 async def mesh(nodes: Sequence[Node],
                servicer_cls: type[RouterServicer] = RouterServicer,
-               streams: bool = False) -> AsyncIterator[Setup]:
+               streams: bool = False, planes: bool = False) -> AsyncIterator[Setup]:
     """A router over ``nodes`` and a pipeline using it (its worker calls on
-    GenerateStreams with ``streams``); stopped with the nodes after."""
+    GenerateStreams with ``streams``, on the workers' request planes with ``planes``);
+    stopped with the nodes after."""
     registry = default_registry()
     core = RouterCore(policy=registry.create("kv", random.Random(0)),
                       prefill_policy=registry.create("kv", random.Random(1)),
@@ -153,20 +163,21 @@ async def mesh(nodes: Sequence[Node],
                                          servicer)
     catalog = ModelCatalog()
     catalog.on_workers(records)
-    pipeline = Pipeline(catalog, lambda: router_address, worker_streams=streams)
+    pipeline = Pipeline(catalog, lambda: router_address, worker_streams=streams,
+                        request_planes=planes)
     try:
         yield Setup(core, pipeline, list(nodes))
     finally:
         await pipeline.close()
         await router.stop(0)
         for n in nodes:
-            await n.server.stop(0)
+            await n.stop()
             await n.engine.shutdown()
 
 
-@pytest.fixture(scope="module", params=["call", "stream"])
+@pytest.fixture(scope="module", params=["call", "stream", "tcp"])
 def transport(request: pytest.FixtureRequest) -> str:
-    """The pipeline's worker transport (--worker-transport): every test runs with both."""
+    """The pipeline's worker transport (--worker-transport): every test runs with each."""
     return str(request.param)
 
 
@@ -178,7 +189,7 @@ async def setup(transport: str) -> AsyncIterator[Setup]:
             # P/D: P's KV cache is smaller than D's, so P refuses what D accepts
             await node("p1", discovery_pb2.WORKER_ROLE_PREFILL, "pd", num_blocks=16),
             await node("d1", discovery_pb2.WORKER_ROLE_DECODE, "pd")],
-            streams=transport == "stream") as s:
+            streams=transport == "stream", planes=transport == "tcp") as s:
         yield s
 
 
@@ -341,7 +352,7 @@ async def test_an_invalidated_channel_reaches_a_worker_restarted_on_its_port() -
 async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly(transport: str) -> None:
     async with mesh([await node("m1", discovery_pb2.WORKER_ROLE_AGG, "mig"),
                      await node("m2", discovery_pb2.WORKER_ROLE_AGG, "mig")],
-                    streams=transport == "stream") as s:
+                    streams=transport == "stream", planes=transport == "tcp") as s:
         _, chunks = await s.pipeline.run(request(40, "mig"))
         reference = [t for c in [c async for c in chunks] for t in c.token_ids]
         got: list[Chunk] = []
@@ -351,7 +362,7 @@ async def test_a_worker_stopped_mid_stream_is_migrated_seamlessly(transport: str
             if len(got) == 5:
                 busy = [n for n in s.nodes if n.engine.load().num_running]
                 assert len(busy) == 1
-                await busy[0].server.stop(0)  # its calls end; the client must not notice
+                await busy[0].stop()  # its calls end; the client must not notice
         assert [t for c in got for t in c.token_ids] == reference
         last = got[-1]
         assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == (
@@ -367,7 +378,7 @@ async def test_a_handoff_failure_d_reports_is_blamed_on_p(transport: str) -> Non
                      await node("hd1", discovery_pb2.WORKER_ROLE_DECODE, "hpd", fault="handoff"),
                      await node("hd2", discovery_pb2.WORKER_ROLE_DECODE, "hpd",
                                 fault="handoff")],
-                    streams=transport == "stream") as s:
+                    streams=transport == "stream", planes=transport == "tcp") as s:
         _, chunks = await s.pipeline.run(request(12, "hpd"))
         out = [c async for c in chunks]
         assert (out[-1].finish_reason, out[-1].completion_tokens) == ("length", 12)
@@ -383,7 +394,7 @@ async def test_a_poison_request_marks_no_worker_unroutable(transport: str) -> No
     async with mesh([await node("x1", discovery_pb2.WORKER_ROLE_AGG, "px", fault="poison"),
                      await node("x2", discovery_pb2.WORKER_ROLE_AGG, "px",
                                 fault="poison")],
-                    streams=transport == "stream") as s:
+                    streams=transport == "stream", planes=transport == "tcp") as s:
         _, chunks = await s.pipeline.run(request(8, "px", prompt=(POISON, *PROMPT)))
         with pytest.raises(ApiError):
             async for _ in chunks:
