@@ -161,7 +161,7 @@ def _git_rev() -> str | None:
 
 
 def start_kvmesh(stack: contextlib.ExitStack, router: str, frontends: int = 1,
-                 worker_transport: str = "stream") -> Side:
+                 worker_transport: str = "tcp") -> Side:
     side = Side("kvmesh", info={"router": router, "frontends": frontends,
                                 "worker_transport": worker_transport})
     try:
@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--open-loop-rps", default="")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
-    p.add_argument("--worker-transport", default="stream", choices=("call", "stream"),
+    p.add_argument("--worker-transport", default="tcp", choices=("call", "stream", "tcp"),
                    help="kvmesh's frontend --worker-transport")
     p.add_argument("--frontends", type=int, default=1)
     p.add_argument("--no-install", action="store_true",

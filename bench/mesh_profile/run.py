@@ -2,7 +2,7 @@
 
 ``python -m bench.mesh_profile [--requests 400] [--concurrency 8] [--words 240]
 [--max-tokens 16] [--stream] [--router standalone|embedded]
-[--worker-transport stream|call] [--phases cpu,profile,timers]
+[--worker-transport tcp|stream|call] [--phases cpu,profile,timers]
 [--compare | --baseline DIR [--rounds 3]] [--out bench/results]``
 
 Contracts:
@@ -13,8 +13,9 @@ Contracts:
   nothing, KV events still flow), the ``kv`` router (remote indexer) and the frontend.
   ``--router embedded`` runs no router process: the frontend routes in-process
   (``--router embedded --indexer embedded``, :mod:`services.router.embedded`) and no
-  indexer process either. ``--worker-transport`` is the frontend's (default ``stream``:
-  its worker calls on one GenerateMux per worker, :mod:`services.frontend.
+  indexer process either. ``--worker-transport`` is the frontend's (default ``tcp``:
+  its worker calls on each worker's TCP request plane, :mod:`services.frontend.
+  request_plane`; ``stream``: on one GenerateMux per worker, :mod:`services.frontend.
   worker_stream`; ``call``: a gRPC call each).
 - Load: a closed loop of ``--concurrency`` clients in this process (httpx, one connection
   each) POSTing ``/v1/completions`` with a text prompt of ``--words`` words (a shared
@@ -213,8 +214,8 @@ def start(mesh: BenchMesh, args: argparse.Namespace, profile_dir: Path | None,
         children["router"] = py("router", "services.router", "--policy", "kv",
                                 "--indexer", "remote", "--port", str(router_port))
         front_args = ["--router-address", f"127.0.0.1:{router_port}"]
-    transport = getattr(args, "worker_transport", "stream")
-    if transport != "stream":  # the default goes unsaid: a --baseline checkout may predate
+    transport = getattr(args, "worker_transport", "tcp")
+    if transport != "tcp":  # the default goes unsaid: a --baseline checkout may predate
         front_args += ["--worker-transport", transport]  # it (and then runs its own)
     port = free_port()
     if replicas > 1:  # they share the port (SO_REUSEPORT)
@@ -464,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--stream-interval", type=int, default=None,
                    help="vLLM's stream_interval on every request (default: not sent)")
     p.add_argument("--router", default="standalone", choices=("standalone", "embedded"))
-    p.add_argument("--worker-transport", default="stream", choices=("call", "stream"),
+    p.add_argument("--worker-transport", default="tcp", choices=("call", "stream", "tcp"),
                    help="the frontend's --worker-transport")
     p.add_argument("--phases", default="cpu,profile",
                    help="comma-separated: cpu, profile, timers (module docstring)")

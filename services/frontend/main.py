@@ -127,11 +127,13 @@ class FrontendConfig(BaseConfig, ImageFlags):
     )
 
     worker_transport: str = dataclasses.field(
-        default="stream", metadata={
-            "help": "stream: the calls to each worker multiplexed on one long-lived "
-                    "GenerateMux (less CPU per request; services.frontend."
-                    "worker_stream); call: one gRPC Generate call per worker call",
-            "choices": ("call", "stream")}
+        default="tcp", metadata={
+            "help": "tcp: the calls to each worker multiplexed on one TCP connection to "
+                    "its request plane (least CPU; services.frontend.request_plane), on "
+                    "its GenerateMux where it has none; stream: on one long-lived "
+                    "GenerateMux (services.frontend.worker_stream); call: one gRPC "
+                    "Generate call per worker call",
+            "choices": ("call", "stream", "tcp")}
     )
 
     first_token_from_prefill: bool = dataclasses.field(
@@ -318,6 +320,7 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     pipeline = Pipeline(catalog, router_address, migration_limit=cfg.migration_limit,
                         first_token_from_prefill=cfg.first_token_from_prefill,
                         worker_streams=cfg.worker_transport == "stream",
+                        request_planes=cfg.worker_transport == "tcp",
                         router_stub=embedded.stub if embedded is not None else None,
                         tls=tls, image_limits=dataclasses.replace(
                             cfg.limits(), remote_urls=cfg.allow_remote_images),
