@@ -7,13 +7,14 @@ Contract:
 - :class:`WorkerStreams` (``pool``: the :class:`~services.common.grpc_client.ChannelPool`
   the calls would otherwise use) keeps one :class:`WorkerStream` per worker address, on
   that address's pooled channel; ``generate(address, request, timeout, plane)`` returns
-  a :class:`StreamCall`. With ``planes`` and a ``plane`` (the worker's
-  ``request_plane_address``) the stream is the same protocol on one TCP connection to
-  that plane instead (:mod:`.request_plane`, the pool's TLS), one per plane address, and
-  a broken one is replaced by the next call; the rest of this contract holds as it is
-  (a refused or lost connection is a stream that broke: UNAVAILABLE naming how). A stream that ended or broke, or whose channel the pool replaced
+  a :class:`StreamCall`. A stream that ended or broke, or whose channel the pool replaced
   (``invalidate`` after an UNAVAILABLE), is not used again: the next call opens a new one
-  (a replaced stream closes its sending side once its last call ended). ``close()``
+  (a replaced stream closes its sending side once its last call ended). With ``planes``
+  and a ``plane`` (the worker's ``request_plane_address``) the stream is the same
+  protocol on one TCP connection to that plane instead (:mod:`.request_plane`, with the
+  pool's TLS), one per plane address; one that ended or broke is forgotten (the next
+  call to that plane opens a new one), and a refused or lost connection is a stream that
+  broke (its calls: UNAVAILABLE naming how). ``close()``
   ends every stream. The stream carries no trace context of its own (no tracing
   interceptors): each call's frame does. Each message sent carries every frame queued
   when it is sent, and each message read may carry many replies
@@ -184,9 +185,11 @@ class StreamCall:
 class WorkerStream:
     """One GenerateMux to a worker (see the module docstring)."""
 
-    def __init__(self, channel: Any, address: str, carrier: Any = None) -> None:
+    def __init__(self, channel: Any, address: str, carrier: Any = None,
+                 on_end: Callable[[WorkerStream], None] | None = None) -> None:
         self.channel = channel
         self.address = address
+        self._on_end = on_end
         self.broken = False
         self.unimplemented = False  # the worker has no GenerateMux (an older version)
         self._retired = False
@@ -270,6 +273,8 @@ class WorkerStream:
             how = f"failed: {type(exc).__name__}: {exc}"
         self.broken = True
         self._writer.cancel()
+        if self._on_end is not None:
+            self._on_end(self)
         if self.unimplemented:  # it ran none of them: each goes on as a call of its own
             for call in list(self._calls.values()):
                 call.fall_back(self.channel)
@@ -334,8 +339,13 @@ class WorkerStreams:
             if stream is not None:
                 self._old = {s for s in self._old if not s.broken}
             stream = self._streams[plane] = WorkerStream(
-                None, plane, PlaneCall(plane, self._pool.tls))
+                None, plane, PlaneCall(plane, self._pool.tls), on_end=self._ended)
         return stream
+
+    def _ended(self, stream: WorkerStream) -> None:
+        """Forgets a plane's stream that ended (a restarted worker has a new plane)."""
+        if self._streams.get(stream.address) is stream:
+            del self._streams[stream.address]
 
     async def close(self) -> None:
         streams = [*self._streams.values(), *self._old]

@@ -162,6 +162,7 @@ async def test_a_worker_gone_fails_its_calls_and_its_restart_is_reached(
     again = await start()
     try:
         assert await tokens(streams, again, request("new", 3)) == 3
+        assert list(streams._streams) == [again.plane_address]  # the dead plane forgotten
     finally:
         await stop(again)
 
@@ -364,3 +365,35 @@ async def test_under_mtls_only_a_frontend_is_served(certs: dict[str, MeshTls]) -
     finally:
         await pool.close()
         await stop(w)
+
+
+async def test_a_frontend_gone_mid_call_aborts_its_engine_requests(
+        worker: PlaneWorker) -> None:
+    carrier = PlaneCall(worker.plane_address)
+    opened = await carrier.__anext__()
+    assert opened.replies[0].call_id == 0
+    await carrier.write(worker_pb2.GenerateFrames(frames=[
+        worker_pb2.GenerateFrame(call_id=1, request=request("orphan", tokens=2000))]))
+    first = await carrier.__anext__()
+    assert first.replies[0].call_id == 1 and first.replies[0].response.token_ids
+    carrier.cancel()  # the frontend's connection drops
+    await wait_for(worker.idle, 10, "the orphaned engine request aborted")
+    await wait_for(lambda: not worker.plane._conns, 10, "the connection forgotten")
+
+
+async def test_a_connection_that_never_says_hello_is_closed() -> None:
+    w = await start_worker("zero")
+    plane = RequestPlane(w.servicer.streams, "127.0.0.1", 0, "127.0.0.1",
+                         handshake_timeout_s=0.2)
+    await plane.start()
+    try:
+        host, _, port = plane.address.rpartition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:  # closed (dropped), nothing sent
+            assert await asyncio.wait_for(reader.read(), 10) == b""
+        except ConnectionResetError:
+            pass
+        writer.close()
+    finally:
+        await plane.close()
+        await stop_worker(w)
