@@ -29,9 +29,9 @@ Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateMux):
   per stream writes them all, in order (a call only queues its replies).
 - A ``cancel`` frame cancels its call (an unknown or ended ``call_id`` is ignored), as
   cancelling a Generate call does: the engine request is aborted.
-- A frame with neither, a ``request`` whose ``call_id`` is still running, or a
-  GenerateFrames with no frame, is a broken caller: the stream ends with
-  INVALID_ARGUMENT naming it. A stream that ends, however it ends, cancels the calls
+- A frame with neither, a ``request`` with ``call_id`` 0 or one whose ``call_id`` is
+  still running, or a GenerateFrames with no frame, is a broken caller: the stream ends
+  with INVALID_ARGUMENT naming it. A stream that ends, however it ends, cancels the calls
   still running on it.
 - ``close()`` (the worker's stop, after its engine has stopped): every call still
   running ends with UNAVAILABLE ("worker is stopping": the caller migrates it), new
@@ -196,6 +196,8 @@ class GenerateStreams:
                 continue
             if kind != "request":
                 return f"frame of call_id {frame.call_id}: neither request nor cancel"
+            if not frame.call_id:
+                return "call_id 0 is the stream's own: a call needs another"
             if frame.call_id in stream.calls:
                 return f"call_id {frame.call_id} is already running"
             if self._closing:

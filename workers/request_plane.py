@@ -11,10 +11,10 @@ Contract of :class:`RequestPlane`:
 
 - ``start()`` listens on ``host:port`` (0: a free port) and returns the address to
   publish (``public_host:port``); the worker's record carries it as
-  ``request_plane_address``. ``close()`` stops listening and drops the connections still
-  open at once (their callers see a worker that went away); the worker's stop runs it
-  after :meth:`GenerateStreams.close`, which has ended their calls with UNAVAILABLE
-  "worker is stopping" and sent those replies.
+  ``request_plane_address``. ``close()`` stops listening and ends the connections still
+  open, their last replies sent first (each connection is dropped if that takes over
+  ``FLUSH_TIMEOUT_S``); the worker's stop runs it after :meth:`GenerateStreams.close`,
+  which has ended their calls with UNAVAILABLE "worker is stopping".
 - A connection is served once its :data:`~services.common.frames.PREAMBLE` came (within
   ``handshake_timeout_s``, else it is closed): its messages are ``GenerateFrames`` and the
   worker's are ``GenerateReplies``, with exactly ``GenerateMux``'s contract
@@ -26,11 +26,12 @@ Contract of :class:`RequestPlane`:
   0 and that status as ``end``, then closes the connection. A connection that breaks
   (a framing error, a reset) ends as a gRPC stream that breaks: its calls are cancelled.
 - **mTLS** (``tls``): the connection is TLS with the worker's certificate and needs a
-  client certificate signed by the mesh CA naming a role that may call
-  ``Worker/GenerateMux`` (:data:`services.common.authz.POLICY`: the frontend); another
-  role, or none, gets that one last status message (PERMISSION_DENIED /
-  UNAUTHENTICATED, as the gRPC server's authorization answers) and no call runs.
-  Refusals are logged once per role and reason.
+  client certificate signed by the mesh CA (no certificate, or one of another CA, fails
+  the handshake) naming a role that may call ``Worker/GenerateMux``
+  (:data:`services.common.authz.POLICY`: the frontend); another role, or a certificate
+  naming none, gets that one last status message at once (PERMISSION_DENIED /
+  UNAUTHENTICATED, as the gRPC server's authorization answers): nothing it sends is
+  read and no call runs. Refusals are logged once per role and reason.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ log = logging.getLogger(__name__)
 
 MUX_METHOD = "/kvmesh.worker.Worker/GenerateMux"
 HANDSHAKE_TIMEOUT_S = 10.0
+# what a closing connection may take to send its last replies before it is dropped
+FLUSH_TIMEOUT_S = 5.0
 
 
 class _Ended(Exception):
@@ -77,13 +80,14 @@ class _PlaneContext:
 
 
 def send_status(proto: FramedProtocol, code: grpc.StatusCode, details: str) -> None:
-    """The connection's last message: ``code`` and ``details`` on ``call_id`` 0."""
+    """The connection's last message: ``code`` and ``details`` on ``call_id`` 0; then
+    it closes (dropped after FLUSH_TIMEOUT_S if the caller does not read)."""
     with contextlib.suppress(ConnectionError):
         proto.write(worker_pb2.GenerateReplies(replies=[worker_pb2.GenerateReply(
             call_id=0, end=worker_pb2.CallStatus(code=code.value[0],
                                                  details=details[:1000]))])
                     .SerializeToString())
-    proto.close()
+    proto.close(FLUSH_TIMEOUT_S)
 
 
 async def _frames(proto: FramedProtocol) -> AsyncIterator[worker_pb2.GenerateFrames]:
@@ -121,6 +125,13 @@ class RequestPlane:
         return self.address
 
     def _accept(self, proto: FramedProtocol) -> None:
+        """A new connection (TLS: its handshake done): refused at once when its caller
+        may not call, else served."""
+        refusal = self._authorize(proto)
+        if refusal is not None:
+            proto.stop_reading()
+            send_status(proto, *refusal)
+            return
         task = asyncio.ensure_future(self._serve(proto))
         self._conns.add(task)
         self._protos.add(proto)
@@ -138,10 +149,6 @@ class RequestPlane:
             log.debug("request plane: a connection failed its handshake: %r", exc)
             proto.abort()
             return
-        refusal = self._authorize(proto)
-        if refusal is not None:
-            send_status(proto, *refusal)
-            return
         try:
             await self._streams.handle(_frames(proto), _PlaneContext(proto))
         except _Ended:
@@ -152,12 +159,14 @@ class RequestPlane:
             return
         except ConnectionError as exc:
             log.debug("request plane: a connection broke: %r", exc)
-        except asyncio.CancelledError:
             proto.abort()
+            return
+        except asyncio.CancelledError:  # close(): the replies handle flushed still go out
+            proto.close(FLUSH_TIMEOUT_S)
             raise
         except Exception:  # noqa: BLE001 - one connection's fault; the worker goes on
             log.exception("request plane: serving a connection failed")
-        proto.close()
+        proto.close(FLUSH_TIMEOUT_S)
 
     def _authorize(self, proto: FramedProtocol) -> tuple[grpc.StatusCode, str] | None:
         """None, or the status refusing the connection's caller (mTLS only)."""
@@ -180,16 +189,20 @@ class RequestPlane:
         return refusal
 
     async def close(self) -> None:
-        """Stops listening and drops the open connections at once (what a caller still
-        runs on them fails as on a worker that went away). Idempotent."""
+        """Stops listening and ends the open connections: their calls end as when their
+        stream ends, their last replies are sent (within FLUSH_TIMEOUT_S, then they are
+        dropped). Idempotent."""
         if self._server is not None:
             self._server.close()
-        for proto in list(self._protos):
-            proto.abort()
+        protos = list(self._protos)
         conns = list(self._conns)
         for task in conns:
             task.cancel()
         await asyncio.gather(*conns, return_exceptions=True)
+        if protos:
+            await asyncio.wait([p.lost for p in protos], timeout=FLUSH_TIMEOUT_S)
+        for proto in protos:
+            proto.abort()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()

@@ -15,7 +15,8 @@ Contract of :class:`FramedProtocol`:
   more; the connection stays open for the other side's: TLS has no half-close). A length
   over ``max_bytes`` (64 MiB, the mesh's gRPC limit), data after the end of messages, or
   (``expect_preamble``) first bytes other than the preamble are a protocol error: the
-  connection is closed and :meth:`read` raises :class:`FrameError` naming it.
+  connection is dropped (nothing more is sent on it) and :meth:`read` raises
+  :class:`FrameError` naming it; so does a connection closed in the middle of a message.
 - :meth:`read` returns the next message's bytes in order; None after the peer's end of
   messages, or when the connection closed cleanly; ConnectionError when it was lost
   (reset, or closed by a protocol error). Messages are queued as they arrive; above
@@ -23,14 +24,18 @@ Contract of :class:`FramedProtocol`:
 - :meth:`write` sends one message (:meth:`end` the end of messages); ConnectionError once
   the connection is closing. :meth:`drain` waits while the transport's send buffer is
   above its high-water mark (raises ConnectionError when the connection is lost).
-- :attr:`ready` resolves when the preamble came (``expect_preamble``; at once otherwise),
+- :attr:`lost` resolves when the connection is gone. :attr:`ready` resolves when the
+  preamble came (``expect_preamble``; at once otherwise),
   or fails with the protocol error or the connection's loss.
-- ``on_connect(protocol)`` (optional) is called from ``connection_made``.
+- ``on_connect(protocol)`` (optional) is called from ``connection_made``. TCP
+  keep-alive is on, so a peer whose host vanished is found out by the kernel.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import struct
 from collections import deque
 from collections.abc import Callable
@@ -67,6 +72,7 @@ class FramedProtocol(asyncio.Protocol):
         self._drainers: list[asyncio.Future[None]] = []
         self.transport: asyncio.Transport | None = None
         self.ready: asyncio.Future[None] = self._loop.create_future()
+        self.lost: asyncio.Future[None] = self._loop.create_future()  # connection_lost ran
         if not expect_preamble:
             self.ready.set_result(None)
 
@@ -74,6 +80,10 @@ class FramedProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         if self._on_connect is not None:
             self._on_connect(self)
 
@@ -129,12 +139,17 @@ class FramedProtocol(asyncio.Protocol):
         self._closed = True
         if exc is not None and self._error is None:
             self._error = ConnectionError(f"connection lost: {exc}")
+        elif self._buf and self._error is None and not self._need_preamble:
+            self._error = FrameError(f"the connection closed in the middle of a message "
+                                     f"({len(self._buf)} bytes of it came)")
         if not self.ready.done():
             self.ready.set_exception(self._error or ConnectionError(
                 "the connection closed before it was ready"))
             self.ready.exception()  # retrieved: nobody may wait on it
         self._wake()
         self._wake_drainers()
+        if not self.lost.done():
+            self.lost.set_result(None)
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -189,10 +204,19 @@ class FramedProtocol(asyncio.Protocol):
         if self._closed:
             raise self._error or ConnectionError("the connection closed")
 
-    def close(self) -> None:
-        """Closes the connection (what is buffered is still sent)."""
+    def close(self, grace_s: float | None = None) -> None:
+        """Closes the connection: what is buffered is still sent; with ``grace_s``, the
+        connection is dropped if that has not happened within it (a peer that stopped
+        reading)."""
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
+            if grace_s is not None:
+                self._loop.call_later(grace_s, self.abort)
+
+    def stop_reading(self) -> None:
+        """Reads nothing more (a refused caller's messages are not even buffered)."""
+        if self.transport is not None and not self._closed:
+            self.transport.pause_reading()
 
     def abort(self) -> None:
         """Drops the connection at once."""
@@ -219,8 +243,9 @@ class FramedProtocol(asyncio.Protocol):
             self.ready.set_exception(self._error)
             self.ready.exception()
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()  # a peer that stopped reading cannot hold it open
         self._wake()
+        self._wake_drainers()
 
     def _wake(self) -> None:
         w = self._waiter

@@ -9,18 +9,21 @@ write(GenerateFrames)``, ``await done_writing()`` (the end of messages), ``async
 over the worker's ``GenerateReplies`` (ending when the worker closes the connection
 cleanly), ``cancel()`` (drops the connection; reading then raises CancelledError, as a
 cancelled gRPC call does). The connection is opened at construction, in the background:
-connecting (within ``connect_timeout_s``) and sending the preamble; a failure to connect
-is raised by the first read (the stream then fails its calls UNAVAILABLE naming it, as a
-worker that went away). A connection the worker ends with a status (its one last message
-holding a single ``call_id`` 0 reply with ``end``: a broken caller, an unauthorized one)
-raises it as ``grpc.aio.AioRpcError`` with that code and details; a lost connection
-raises ConnectionError naming how.
+connecting (within ``connect_timeout_s``; TLS: its handshake too) and sending the
+preamble; a failure to connect is raised by the first read as :class:`PlaneUnreachable`
+(nothing was sent: the stream goes on over gRPC, see :mod:`.worker_stream`). A
+connection the worker ends with a status (its one last message holding a single
+``call_id`` 0 reply with ``end``: a broken caller, an unauthorized one) raises it as
+``grpc.aio.AioRpcError`` with that code and details; a lost connection raises
+ConnectionError naming how. A TLS context is built once per certificate.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import ssl
 
 import grpc
 
@@ -33,6 +36,15 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class PlaneUnreachable(ConnectionError):
+    """The plane could not be connected to (refused, timed out, TLS handshake failed)."""
+
+
+@functools.lru_cache(maxsize=8)
+def _client_context(tls: MeshTls) -> ssl.SSLContext:
+    return tls.ssl_context(server=False)
 
 
 class PlaneCall:
@@ -50,11 +62,14 @@ class PlaneCall:
     async def _connect(self) -> FramedProtocol:
         host, _, port = self.address.rpartition(":")
         loop = asyncio.get_running_loop()
-        ssl_ctx = self._tls.ssl_context(server=False) if self._tls is not None else None
-        async with asyncio.timeout(self._timeout_s):
-            _, proto = await loop.create_connection(
-                FramedProtocol, host.strip("[]"), int(port), ssl=ssl_ctx,
-                server_hostname=server_name("worker") if ssl_ctx is not None else None)
+        ssl_ctx = _client_context(self._tls) if self._tls is not None else None
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                _, proto = await loop.create_connection(
+                    FramedProtocol, host.strip("[]"), int(port), ssl=ssl_ctx,
+                    server_hostname=server_name("worker") if ssl_ctx is not None else None)
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            raise PlaneUnreachable(f"{type(exc).__name__}: {exc}") from exc
         proto.write_raw(PREAMBLE)
         self._proto = proto
         return proto

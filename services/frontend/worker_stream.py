@@ -1,6 +1,7 @@
-"""The frontend's half of ``Worker.GenerateMux`` (``--worker-transport stream``): the
-Generate calls to one worker multiplexed on one long-lived gRPC stream (the worker's
-half: :mod:`workers.generate_stream`).
+"""The frontend's half of ``Worker.GenerateMux`` (``--worker-transport stream``, and
+``tcp`` through :mod:`.request_plane`): the Generate calls to one worker multiplexed on
+one long-lived gRPC stream, or TCP connection (the worker's half:
+:mod:`workers.generate_stream`).
 
 Contract:
 
@@ -13,8 +14,11 @@ Contract:
   and a ``plane`` (the worker's ``request_plane_address``) the stream is the same
   protocol on one TCP connection to that plane instead (:mod:`.request_plane`, with the
   pool's TLS), one per plane address; one that ended or broke is forgotten (the next
-  call to that plane opens a new one), and a refused or lost connection is a stream that
-  broke (its calls: UNAVAILABLE naming how). ``close()``
+  call to that plane opens a new one), and a lost connection is a stream that broke
+  (its calls: UNAVAILABLE naming how). A plane that cannot be connected to (refused,
+  timed out, TLS handshake failed) got none of its calls: they go on as Generate calls
+  of their own, and that worker's calls go over gRPC (as without a plane; logged once
+  per plane) for ``retry_stream_s``, after which the plane is tried again. ``close()``
   ends every stream. The stream carries no trace context of its own (no tracing
   interceptors): each call's frame does. Each message sent carries every frame queued
   when it is sent, and each message read may carry many replies
@@ -57,7 +61,7 @@ from protos import worker_pb2, worker_pb2_grpc
 from services.common import telemetry
 from services.common.batching import queued_batches
 from services.common.grpc_client import ChannelPool
-from services.frontend.request_plane import PlaneCall
+from services.frontend.request_plane import PlaneCall, PlaneUnreachable
 from services.router.embedded import rpc_error
 
 log = logging.getLogger(__name__)
@@ -192,6 +196,7 @@ class WorkerStream:
         self._on_end = on_end
         self.broken = False
         self.unimplemented = False  # the worker has no GenerateMux (an older version)
+        self.unreachable: PlaneUnreachable | None = None  # its request plane was
         self._retired = False
         self._calls: dict[int, StreamCall] = {}
         self._ids = itertools.count(1)
@@ -269,13 +274,18 @@ class WorkerStream:
             self.unimplemented = code == grpc.StatusCode.UNIMPLEMENTED
         except asyncio.CancelledError:  # what reading a cancelled call raises (close())
             how = "was closed"
+        except PlaneUnreachable as exc:  # nothing was sent: they can go over gRPC
+            how = f"failed: could not connect: {exc}"
+            self.unreachable = exc
         except Exception as exc:  # noqa: BLE001 - every call on it fails below
             how = f"failed: {type(exc).__name__}: {exc}"
         self.broken = True
         self._writer.cancel()
+        self._call.cancel()  # a connection whose reading failed is dropped (harmless if done)
         if self._on_end is not None:
             self._on_end(self)
-        if self.unimplemented:  # it ran none of them: each goes on as a call of its own
+        if self.unimplemented or self.unreachable is not None:
+            # it ran none of them: each goes on as a call of its own
             for call in list(self._calls.values()):
                 call.fall_back(self.channel)
         if self._calls:
@@ -298,7 +308,9 @@ class WorkerStreams:
     def __init__(self, pool: ChannelPool, clock: Callable[[], float] = time.monotonic,
                  retry_stream_s: float = RETRY_STREAM_S, planes: bool = False) -> None:
         self._pool = pool
-        self._planes = planes
+        self._use_planes = planes
+        self._planes: dict[str, WorkerStream] = {}  # by request-plane address
+        self._plane_off: dict[str, float] = {}  # unreachable plane -> since
         self._streams: dict[str, WorkerStream] = {}
         self._old: set[WorkerStream] = set()
         self._call_only: dict[str, float] = {}  # worker without GenerateMux -> since
@@ -307,8 +319,10 @@ class WorkerStreams:
 
     def generate(self, address: str, request: worker_pb2.GenerateRequest,
                  timeout: float | None, plane: str = "") -> Any:
-        if plane and self._planes:
-            return self._plane_stream(plane).generate(request, timeout)
+        if plane and self._use_planes:
+            since = self._plane_off.get(plane)
+            if since is None or self._clock() - since >= self._retry_s:
+                return self._plane_stream(address, plane).generate(request, timeout)
         channel = self._pool.get(address)
         stream = self._streams.get(address)
         now = self._clock()
@@ -331,24 +345,31 @@ class WorkerStreams:
             stream = self._streams[address] = WorkerStream(channel, address)
         return stream.generate(request, timeout)
 
-    def _plane_stream(self, plane: str) -> WorkerStream:
+    def _plane_stream(self, address: str, plane: str) -> WorkerStream:
         """The stream on the worker's request plane at ``plane`` (a new connection when
-        there is none or it broke)."""
-        stream = self._streams.get(plane)
+        there is none or it ended)."""
+        stream = self._planes.get(plane)
         if stream is None or stream.broken:
-            if stream is not None:
-                self._old = {s for s in self._old if not s.broken}
-            stream = self._streams[plane] = WorkerStream(
-                None, plane, PlaneCall(plane, self._pool.tls), on_end=self._ended)
+            stream = self._planes[plane] = WorkerStream(
+                self._pool.get(address), plane, PlaneCall(plane, self._pool.tls),
+                on_end=self._ended)
         return stream
 
     def _ended(self, stream: WorkerStream) -> None:
-        """Forgets a plane's stream that ended (a restarted worker has a new plane)."""
-        if self._streams.get(stream.address) is stream:
-            del self._streams[stream.address]
+        """Forgets a plane's stream that ended (a restarted worker has a new plane
+        address); an unreachable plane is not tried again for ``retry_stream_s``."""
+        if self._planes.get(stream.address) is stream:
+            del self._planes[stream.address]
+        if stream.unreachable is not None:
+            if stream.address not in self._plane_off:
+                log.warning("the request plane %s is unreachable (%s): its worker's calls "
+                            "go over gRPC (it is tried again every %.0f s)",
+                            stream.address, stream.unreachable, self._retry_s)
+            self._plane_off[stream.address] = self._clock()
 
     async def close(self) -> None:
-        streams = [*self._streams.values(), *self._old]
+        streams = [*self._streams.values(), *self._old, *self._planes.values()]
         self._streams.clear()
+        self._planes.clear()
         self._old.clear()
         await asyncio.gather(*(s.close() for s in streams), return_exceptions=True)

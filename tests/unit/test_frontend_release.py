@@ -53,8 +53,11 @@ class Node:
     plane: RequestPlane | None = None
 
     async def stop(self) -> None:
-        """The worker goes away: its request plane's connections and its gRPC calls end."""
+        """The worker goes away: its request plane's connections drop, its gRPC calls
+        end."""
         if self.plane is not None:
+            for proto in list(self.plane._protos):
+                proto.abort()  # as when its process dies
             await self.plane.close()
         await self.server.stop(0)
 

@@ -15,6 +15,7 @@ on; under mTLS only a frontend's certificate is served. The pipeline over the pl
 from __future__ import annotations
 
 import asyncio
+import ssl
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import pytest
 from protos import worker_pb2
 from services.common.frames import PREAMBLE, FramedProtocol, FrameError
 from services.common.grpc_client import ChannelPool
-from services.common.tls import MeshTls, identity_of, issue, make_ca
+from services.common.tls import MeshTls, identity_of, issue, make_ca, server_name
 from services.frontend.request_plane import PlaneCall
 from services.frontend.worker_stream import WorkerStreams
 from tests.unit.test_worker_stream import Worker, by_call, request, start_worker, stop_worker
@@ -60,6 +61,16 @@ async def start(timing: str = "poly", tls: MeshTls | None = None) -> PlaneWorker
 
 
 async def stop(p: PlaneWorker) -> None:
+    """The worker's own stop order: its streams end their calls, then its plane closes."""
+    await p.worker.servicer.streams.close()
+    await p.plane.close()
+    await stop_worker(p.worker)
+
+
+async def crash(p: PlaneWorker) -> None:
+    """The worker's process dies: its connections drop, nothing more is sent."""
+    for proto in list(p.plane._protos):
+        proto.abort()
     await p.plane.close()
     await stop_worker(p.worker)
 
@@ -108,7 +119,7 @@ async def test_interleaved_calls_answer_what_generate_calls_answer(
         assert [list(m.token_ids) for m in g_msgs] == [list(m.token_ids) for m in w_msgs]
         assert [m.text for m in g_msgs] == [m.text for m in w_msgs]
         assert g_msgs[-1].usage.completion_tokens == w_msgs[-1].usage.completion_tokens
-    assert list(streams._streams) == [worker.plane_address]  # one connection carried all
+    assert list(streams._planes) == [worker.plane_address]  # one connection carried all
     assert len(worker.plane._conns) == 1
 
 
@@ -147,36 +158,64 @@ async def test_a_worker_gone_fails_its_calls_and_its_restart_is_reached(
     w = await start()
     c = streams.generate(w.address, request("mid", tokens=2000), 30, w.plane_address)
     assert (await c.__anext__()).token_ids
-    await stop(w)  # the process goes: its connections drop
+    await crash(w)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in c:
             pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert w.plane_address in (err.value.details() or "")
-    refused = streams.generate(w.address, request("refused", 3), 30, w.plane_address)
-    with pytest.raises(grpc.aio.AioRpcError) as err:  # nothing listens there any more
-        async for _ in refused:
-            pass
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "ConnectionRefusedError" in (err.value.details() or "")
     again = await start()
     try:
         assert await tokens(streams, again, request("new", 3)) == 3
-        assert list(streams._streams) == [again.plane_address]  # the dead plane forgotten
+        assert list(streams._planes) == [again.plane_address]  # the dead plane forgotten
     finally:
         await stop(again)
+
+
+async def test_an_unreachable_plane_sends_the_calls_over_grpc(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A plane nothing listens on (a firewall, a wrong address): the calls sent to it go
+    on as Generate calls (nothing reached the worker), the worker's later calls use its
+    GenerateMux, logged once; after retry_stream_s the plane is tried again."""
+    now = [0.0]
+    pool = ChannelPool()
+    streams = WorkerStreams(pool, clock=lambda: now[0], retry_stream_s=60, planes=True)
+    w = await start("zero")
+    dead = w.plane.address
+    await w.plane.close()  # the published address leads nowhere now
+    try:
+        async def one(i: int) -> int:
+            c = streams.generate(w.address, request(f"u{i}", tokens=4, seed=i), 30, dead)
+            return sum([len(m.token_ids) async for m in c])
+
+        with caplog.at_level("WARNING", logger="services.frontend.worker_stream"):
+            assert await asyncio.gather(*(one(i) for i in range(4))) == [4] * 4
+            assert dead in streams._plane_off and not streams._planes
+            assert await one(5) == 4 and w.address in streams._streams  # its GenerateMux
+            now[0] = 61.0
+            assert await one(6) == 4  # tried again: still unreachable, over gRPC again
+        warned = [r for r in caplog.records if "unreachable" in r.getMessage()]
+        assert len(warned) == 1 and dead in warned[0].getMessage()
+        assert streams._plane_off[dead] == 61.0
+    finally:
+        await streams.close()
+        await pool.close()
+        await stop_worker(w.worker)
 
 
 async def test_a_stopping_worker_ends_the_calls_on_its_plane(
         worker: PlaneWorker, streams: WorkerStreams) -> None:
     c = call(streams, worker, request("run", tokens=2000))
     assert (await c.__anext__()).token_ids  # type: ignore[attr-defined]
-    await worker.worker.servicer.streams.close()
+    done = [m async for m in call(streams, worker, request("done", 3))]  # type: ignore[attr-defined]
+    await worker.worker.servicer.streams.close()  # the worker's stop order
+    await worker.plane.close()
     with pytest.raises(grpc.aio.AioRpcError) as err:
         async for _ in c:  # type: ignore[attr-defined]
             pass
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert err.value.details() == "worker is stopping"
+    assert err.value.details() == "worker is stopping"  # its last reply came through
+    assert sum(len(m.token_ids) for m in done) == 3
     await wait_for(worker.idle, 10, "the engine request aborted")
 
 
@@ -257,7 +296,9 @@ def _frames(*frames: worker_pb2.GenerateFrame) -> bytes:
       _frames(worker_pb2.GenerateFrame(call_id=4, request=request("b")))],
      "call_id 4 is already running"),
     ([b"\xff\xff\xff"], "a request-plane message is not a GenerateFrames"),
-], ids=["no-kind", "running-id", "not-protobuf"])
+    ([_frames(worker_pb2.GenerateFrame(call_id=0, request=request("z")))],
+     "call_id 0 is the stream's own"),
+], ids=["no-kind", "running-id", "not-protobuf", "call-id-0"])
 async def test_a_caller_breaking_the_protocol_gets_a_status_naming_it(
         worker: PlaneWorker, streams: WorkerStreams, payloads: list[bytes],
         message: str) -> None:
@@ -311,6 +352,9 @@ async def test_framing_survives_any_split_and_refuses_data_after_the_end() -> No
         def close(self) -> None:
             proto.connection_lost(None)
 
+        def abort(self) -> None:
+            proto.connection_lost(None)
+
         def is_closing(self) -> bool:
             return False
 
@@ -361,7 +405,20 @@ async def test_under_mtls_only_a_frontend_is_served(certs: dict[str, MeshTls]) -
                 pass
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         await plain.close()
-        assert w.idle()
+        # trusting the mesh CA, but with no client certificate, or one of another CA
+        ca2, ca2_key = make_ca("another CA")
+        cert, key = issue(ca2, ca2_key, "frontend", "rogue")
+        rogue = MeshTls(certs["worker"].ca, cert, key, identity_of(cert))
+        host, _, port = w.plane_address.rpartition(":")
+        for ctx in (ssl.create_default_context(cadata=certs["worker"].ca.decode()),
+                    rogue.ssl_context(server=False)):
+            with pytest.raises((ssl.SSLError, ConnectionError, asyncio.IncompleteReadError)):
+                r, wr = await asyncio.open_connection(host, int(port), ssl=ctx,
+                                                      server_hostname=server_name("worker"))
+                wr.write(PREAMBLE)
+                await r.readexactly(4)  # the worker refuses the handshake: no answer
+            await asyncio.sleep(0)  # let the refused connection's transport close
+        assert w.idle() and not w.plane._conns
     finally:
         await pool.close()
         await stop(w)
