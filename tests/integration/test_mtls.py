@@ -43,7 +43,7 @@ from services.common.grpc_client import ChannelPool, channel
 from services.common.procs import Child
 from services.common.tls import ROLES, MeshTls, write_mesh_certs
 from services.frontend.main import FrontendApp, FrontendConfig, start_frontend
-from services.frontend.request_plane import PlaneCall
+from services.frontend.request_plane import PlaneCall, PlaneUnreachable
 from services.frontend.worker_stream import WorkerStreams
 from services.indexer.main import IndexerApp, IndexerConfig, start_indexer
 from services.router.main import RouterApp, RouterConfig, start_router
@@ -158,8 +158,9 @@ async def test_the_request_plane_is_mtls_and_serves_only_a_frontend(
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "'router'" in (err.details() or "")
     router.cancel()
     rogue = PlaneCall(worker.request_plane_address, MeshTls.load(secured.rogue, "frontend"))
-    with pytest.raises(ssl.SSLError):  # the worker's certificate is not the rogue CA's
-        await rogue.__anext__()
+    with pytest.raises(PlaneUnreachable, match="CERTIFICATE_VERIFY_FAILED") as info:
+        await rogue.__anext__()  # the worker's certificate is not the rogue CA's
+    assert isinstance(info.value.__cause__, ssl.SSLError)
     rogue.cancel()
     assert secured.fleet.workers[0].engine.counters()["finished_requests"] == before
 
