@@ -192,6 +192,7 @@ def build_server(cfg: WorkerConfig, engine: Engine,
     plane = (RequestPlane(servicer.streams, cfg.host, cfg.request_plane_port, cfg.public_host,
                           tls_for(cfg, "worker"))
              if cfg.request_plane_port >= 0 else None)
+    servicer.request_plane = plane
     role: int = ROLE[cfg.role]
     labels: dict[str, str] = {}
     if cfg.engine == "afd":  # AFD: the attention worker serves, the FFN worker never does

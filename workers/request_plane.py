@@ -188,6 +188,13 @@ class RequestPlane:
                             refusal[1])
         return refusal
 
+    def abort_connections(self) -> None:
+        """Drops every open connection at once, as the process's death would: nothing more
+        is sent on them (their callers see the connection lost); their calls end as
+        when their stream ends."""
+        for proto in list(self._protos):
+            proto.abort()
+
     async def close(self) -> None:
         """Stops listening and ends the open connections: their calls end as when their
         stream ends, their last replies are sent (within FLUSH_TIMEOUT_S, then they are

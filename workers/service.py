@@ -269,6 +269,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._dead: str | None = None
         self._tracer = tracer("worker")
         self.streams = GenerateStreams(self.Generate)
+        # the TCP request plane serving ``streams`` (workers.request_plane), when it has one
+        self.request_plane: Any = None
 
     def mark_dead(self, reason: str) -> None:
         """From now on Generate answers UNAVAILABLE ``engine dead: <reason>``."""

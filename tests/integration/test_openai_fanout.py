@@ -368,10 +368,14 @@ async def test_a_choice_failing_mid_stream_cancels_the_others(mesh: FanMesh) -> 
             if len(seen) == 4 and not stopping:
                 busy = [w for w in mesh.fleet.workers if w.engine.load().num_running]
                 assert busy, "no worker runs the choices"
-                # its gRPC server goes at once (no grace, no engine abort): the streams
-                # of the choices there break, and with --migration-limit 0 they fail
+                # its gRPC server and its request plane's connections go at once (no
+                # grace, no engine abort): the streams of the choices there break, and
+                # with --migration-limit 0 they fail
                 grpc_server = busy[0].server._server  # noqa: SLF001
                 assert grpc_server is not None
+                plane = busy[0].server.services[0].servicer.request_plane
+                assert plane is not None
+                plane.abort_connections()
                 stopping.append(asyncio.ensure_future(grpc_server.stop(0)))
     assert stopping and "choice" in str(err.value), err.value
     await stopping[0]

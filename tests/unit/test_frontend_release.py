@@ -56,8 +56,7 @@ class Node:
         """The worker goes away: its request plane's connections drop, its gRPC calls
         end."""
         if self.plane is not None:
-            for proto in list(self.plane._protos):
-                proto.abort()  # as when its process dies
+            self.plane.abort_connections()  # as when its process dies
             await self.plane.close()
         await self.server.stop(0)
 

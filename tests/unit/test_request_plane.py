@@ -69,8 +69,7 @@ async def stop(p: PlaneWorker) -> None:
 
 async def crash(p: PlaneWorker) -> None:
     """The worker's process dies: its connections drop, nothing more is sent."""
-    for proto in list(p.plane._protos):
-        proto.abort()
+    p.plane.abort_connections()
     await p.plane.close()
     await stop_worker(p.worker)
 
