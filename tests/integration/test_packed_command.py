@@ -83,10 +83,14 @@ async def test_with_redis_gone_the_call_raises(client: aioredis.Redis) -> None:
     await ping.close()
 
 
-async def test_a_cancel_mid_call_drops_the_connection(client: aioredis.Redis) -> None:
+async def test_a_cancel_mid_call_drops_the_connection(client: aioredis.Redis,
+                                                      redis_server: Child) -> None:
     await client.delete("pc-c")
     await client.xgroup_create("pc-c", "g", id="0", mkstream=True)
-    read = PackedCommand(client, "XREADGROUP", "GROUP", "g", "c", "BLOCK", 0, "STREAMS",
+    # a socket timeout past the wait below: only the cancel ends the blocked read (with
+    # the default 5 s a loaded machine's slow wait made it a TimeoutError instead)
+    slow = aioredis.Redis.from_url(f"redis://{redis_server.address}", socket_timeout=60)
+    read = PackedCommand(slow, "XREADGROUP", "GROUP", "g", "c", "BLOCK", 0, "STREAMS",
                          "pc-c", ">")
     call = asyncio.ensure_future(read())
 
@@ -105,6 +109,7 @@ async def test_a_cancel_mid_call_drops_the_connection(client: aioredis.Redis) ->
                           "STREAMS", "pc-c", ">")
     assert streams(await again()) == [[b"pc-c", [[entry, [b"a", b"1"]]]]]
     await again.close()
+    await slow.aclose()
 
 
 async def test_the_socket_timeout_bounds_the_reply_and_goes_back_with_the_connection(
