@@ -22,21 +22,24 @@ Contracts:
   role's; this process calls as the frontend. etcd and Redis stay plaintext in both.
   Every gRPC call of this process goes through :func:`services.common.grpc_client.channel`
   (the frontend's helper) on long-lived channels.
-- Per rate, two open-loop Poisson request streams of ``--duration-s`` each, one after the
-  other, from this process: the **anchor** calls a worker's gRPC ``Generate`` directly
-  (round robin over the workers), the **mesh** path POSTs ``/v1/completions`` to the
-  frontend (tokenized prompt, so no tokenizer time) which calls the router and then the
-  worker. Both use 64-token prompts (a shared 32-token head, so the kv policy has work)
-  and ``max_tokens`` 1. Latency is send → complete response at the client. With both
-  modes, each rate runs in both meshes, in alternating order (ABBA).
+- Per rate, three open-loop Poisson request streams of ``--duration-s`` each, one after
+  the other, from this process: the **anchor** calls a worker's gRPC ``Generate``
+  directly (round robin over the workers), the **mesh** path POSTs ``/v1/completions``
+  to the frontend (tokenized prompt, so no tokenizer time) which calls the router and
+  then the worker, and the **mesh over gRPC** path calls the frontend's gRPC API
+  (``Frontend.Generate``, the same client stack as the anchor; a 64-word text prompt,
+  tokenized by the frontend). All use 64-token prompts (a shared 32-token head, so the
+  kv policy has work) and ``max_tokens`` 1. Latency is send → complete response at the
+  client. With both modes, each rate runs in both meshes, in alternating order (ABBA).
 - Per rate also a third stream, once for all modes: the **HTTP floor**, the same POSTs
   to a bare uvicorn + FastAPI endpoint that parses the body and answers a fixed
   completion (``python -m bench.mesh_profile.floors --serve http``, a child process on
   a free loopback port): what one HTTP hop of this stack costs this client with no work
   behind it. The mesh path is that hop plus a worker hop (the anchor's) plus the
   frontend's work, so ``added − floor`` is roughly what the frontend itself adds.
-- Reports per rate p50/p99 of the three, the added latency (mesh − anchor, at p50 and
-  p99), ``http_floor`` and ``added_beyond_http_floor_p50_ms`` (added p50 − floor p50),
+- Reports per rate p50/p99 of the four, the added latency (mesh − anchor, at p50 and
+  p99; ``added_grpc_p50_ms`` / ``added_grpc_p99_ms``: mesh over gRPC − anchor),
+  ``http_floor`` and ``added_beyond_http_floor_p50_ms`` (added p50 − floor p50),
   achieved rates and errors: ``rows`` (the plaintext mesh; with ``--tls on`` the mTLS
   one), with both modes also ``rows_tls`` and ``rate_ratio`` (TLS / plaintext p50 per rate).
 - ``rpc`` (``--rpc-rounds`` > 0): per-RPC latency, one call in flight, the modes
@@ -83,7 +86,15 @@ from bench.tls_cost import (
     summarize,
     verdict,
 )
-from protos import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from protos import (
+    common_pb2,
+    frontend_pb2,
+    frontend_pb2_grpc,
+    router_pb2,
+    router_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
 from services.common.discovery import read_instance_records
 from services.common.grpc_client import channel
 from services.common.procs import free_port, port_open, spawn, wait_until
@@ -129,6 +140,12 @@ async def _poisson(rate: float, duration_s: float, call: Any, seed: int) -> dict
             "p99_ms": float(np.percentile(a, 99) * 1e3), "mean_ms": float(np.mean(a) * 1e3)}
 
 
+def prompt_text(i: int) -> str:
+    rng = random.Random(i)
+    return " ".join([f"w{5 + j % 50}" for j in range(32)]
+                    + [f"w{rng.randrange(3, 700)}" for _ in range(32)])
+
+
 def _stubs(workers: list[str], tls: MeshTls | None) -> tuple[list[Any], list[Any]]:
     """Long-lived channels to the workers (the frontend's channel helper) and their stubs."""
     channels = [channel(a, tls, "worker") for a in workers]
@@ -147,11 +164,13 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
             resp.raise_for_status()
 
         await _poisson(20, 1.0, floor, 0)
-        calls: dict[str, tuple[Any, Any]] = {}
+        calls: dict[str, tuple[Any, Any, Any]] = {}
         closers = []
         for mode, tg in targets.items():
             channels, stubs = _stubs(tg.workers, tg.tls)
-            closers += channels
+            front_ch = channel(tg.grpc, tg.tls, "frontend")
+            closers += [*channels, front_ch]
+            front = frontend_pb2_grpc.FrontendStub(front_ch)
 
             async def direct(i: int, stubs: list[Any] = stubs) -> None:
                 req = worker_pb2.GenerateRequest(
@@ -165,26 +184,37 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
                 resp = await http.post(f"{url}/v1/completions", json={
                     "model": MODEL, "prompt": prompt(i), "max_tokens": 1, "temperature": 0})
                 resp.raise_for_status()
-            calls[mode] = (direct, mesh)
+            async def mesh_grpc(i: int, front: Any = front) -> None:
+                req = frontend_pb2.CompletionRequest(
+                    model=MODEL, prompt=prompt_text(i),
+                    sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
+                async for _ in front.Generate(req, timeout=30):
+                    pass
+            calls[mode] = (direct, mesh, mesh_grpc)
             await _poisson(20, 1.0, mesh, 0)  # warm-up: connections, JIT-free paths
+            await _poisson(20, 1.0, mesh_grpc, 0)
             await _poisson(20, 1.0, direct, 0)
         for k, rate in enumerate(rates):
             bare = await _poisson(rate, duration_s, floor, int(rate) + 2)
             for mode in round_order(list(targets), k):
-                direct, mesh = calls[mode]
+                direct, mesh, mesh_grpc = calls[mode]
                 anchor = await _poisson(rate, duration_s, direct, int(rate))
                 through = await _poisson(rate, duration_s, mesh, int(rate) + 1)
+                over_grpc = await _poisson(rate, duration_s, mesh_grpc, int(rate) + 3)
                 added = through["p50_ms"] - anchor["p50_ms"]
                 out[mode].append({"rate_rps": rate, "anchor_direct_worker": anchor,
-                                  "frontend_router": through, "http_floor": bare,
-                                  "added_p50_ms": added,
+                                  "frontend_router": through, "frontend_grpc": over_grpc,
+                                  "http_floor": bare, "added_p50_ms": added,
                                   "added_p99_ms": through["p99_ms"] - anchor["p99_ms"],
+                                  "added_grpc_p50_ms": over_grpc["p50_ms"] - anchor["p50_ms"],
+                                  "added_grpc_p99_ms": over_grpc["p99_ms"] - anchor["p99_ms"],
                                   "added_beyond_http_floor_p50_ms": added - bare["p50_ms"]})
                 print(f"{mode:>8} {rate:6.0f} req/s  direct p50 {anchor['p50_ms']:.2f} p99 "
                       f"{anchor['p99_ms']:.2f}  mesh p50 {through['p50_ms']:.2f} p99 "
-                      f"{through['p99_ms']:.2f}  bare HTTP hop p50 {bare['p50_ms']:.2f} ms  "
-                      f"errors {anchor['errors']}/{through['errors']}/{bare['errors']}",
-                      flush=True)
+                      f"{through['p99_ms']:.2f}  mesh over gRPC p50 {over_grpc['p50_ms']:.2f} "
+                      f"p99 {over_grpc['p99_ms']:.2f}  bare HTTP hop p50 {bare['p50_ms']:.2f} "
+                      f"ms  errors {anchor['errors']}/{through['errors']}/"
+                      f"{over_grpc['errors']}/{bare['errors']}", flush=True)
     for c in closers:
         await c.close()
     return out
@@ -317,6 +347,11 @@ def plot(rows: list[dict[str, Any]], path: Path, rows_tls: list[dict[str, Any]] 
             ax[0].plot(rates, [r["http_floor"][key] for r in rows], style,
                        label=f"bare HTTP hop {key[:3]}")
         ax[1].plot(rates, [r[f"added_{key}"] for r in rows], style, label=f"added {key[:3]}")
+        if "frontend_grpc" in rows[0]:
+            ax[0].plot(rates, [r["frontend_grpc"][key] for r in rows], style,
+                       label=f"frontend+router over gRPC {key[:3]}")
+            ax[1].plot(rates, [r[f"added_grpc_{key}"] for r in rows], style,
+                       label=f"added over gRPC {key[:3]}")
         if rows_tls:
             ax[0].plot(rates, [r["frontend_router"][key] for r in rows_tls], style,
                        label=f"frontend+router mTLS {key[:3]}")
@@ -343,6 +378,7 @@ class Target:
 
     url: str
     router: str
+    grpc: str  # the frontend's gRPC API
     workers: list[str]
     tls: MeshTls | None
     pids: list[int]  # the mesh's processes (their CPU time, descendants included)
@@ -388,7 +424,10 @@ def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace)
         finally:
             await ch.close()
         return [w.address for w in resp.workers]
-    return Target(url, router, asyncio.run(workers()), tls, [c.pid for c in mesh.children])
+    (front,) = asyncio.run(read_instance_records(
+        mesh.children[0].address, mesh.namespace, "frontend", tls))
+    return Target(url, router, front.address, asyncio.run(workers()), tls,
+                  [c.pid for c in mesh.children])
 
 
 def start_http_floor(stack: contextlib.ExitStack) -> str:
