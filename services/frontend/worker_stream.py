@@ -71,6 +71,8 @@ STREAM_METHOD = "/kvmesh.worker.Worker/GenerateMux"
 # meanwhile its calls are gRPC calls of their own.
 RETRY_STREAM_S = 60.0
 GENERATE_METHOD = "/kvmesh.worker.Worker/Generate"
+# an unreachable plane not tried for this many retry periods is forgotten (a dead worker's)
+FORGET_OFF_PLANES = 10
 _OK = grpc.StatusCode.OK
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -361,11 +363,14 @@ class WorkerStreams:
         if self._planes.get(stream.address) is stream:
             del self._planes[stream.address]
         if stream.unreachable is not None:
+            now = self._clock()  # planes not tried for long (dead workers') are dropped
+            self._plane_off = {a: t for a, t in self._plane_off.items()
+                               if now - t < FORGET_OFF_PLANES * self._retry_s}
             if stream.address not in self._plane_off:
                 log.warning("the request plane %s is unreachable (%s): its worker's calls "
                             "go over gRPC (it is tried again every %.0f s)",
                             stream.address, stream.unreachable, self._retry_s)
-            self._plane_off[stream.address] = self._clock()
+            self._plane_off[stream.address] = now
 
     async def close(self) -> None:
         streams = [*self._streams.values(), *self._old, *self._planes.values()]

@@ -196,6 +196,13 @@ async def test_an_unreachable_plane_sends_the_calls_over_grpc(
         warned = [r for r in caplog.records if "unreachable" in r.getMessage()]
         assert len(warned) == 1 and dead in warned[0].getMessage()
         assert streams._plane_off[dead] == 61.0
+        other = await start("zero")  # much later another plane fails: the old one is gone
+        await other.plane.close()
+        now[0] = 61.0 + 10 * 60
+        c = streams.generate(other.address, request("o", 2), 30, other.plane.address)
+        assert sum([len(m.token_ids) async for m in c]) == 2
+        assert list(streams._plane_off) == [other.plane.address]
+        await stop_worker(other.worker)
     finally:
         await streams.close()
         await pool.close()
