@@ -99,6 +99,7 @@ from workers.engines.base import (
 from workers.generate_stream import GenerateStreams
 from workers.kv.event_relay import KvEventRelay
 from workers.metrics import WorkerMetrics, worker_metrics
+from workers.request_plane import RequestPlane
 
 log = logging.getLogger(__name__)
 # vLLM's own bounds on a cache salt (validate_cache_salt).
@@ -270,7 +271,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._tracer = tracer("worker")
         self.streams = GenerateStreams(self.Generate)
         # the TCP request plane serving ``streams`` (workers.request_plane), when it has one
-        self.request_plane: Any = None
+        self.request_plane: RequestPlane | None = None
 
     def mark_dead(self, reason: str) -> None:
         """From now on Generate answers UNAVAILABLE ``engine dead: <reason>``."""

@@ -47,7 +47,7 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -204,64 +204,20 @@ async def _grpc_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
             "p50_ms": float(np.percentile(lat, 50) * 1e3)}
 
 
-async def _mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
+async def _mux_clients(send: Callable[[bytes], Awaitable[None]], frames: AsyncIterator[bytes],
+                       n: int, concurrency: int) -> dict[str, Any]:
+    """``concurrency`` clients sending ``n`` numbered frames (:func:`send`) on one
+    multiplexed carrier, a reader handing each answer in ``frames`` to its request;
+    returns when every request had its three answers (``frames`` is then left to end)."""
     lat: list[float] = []
     req = worker_pb2.GenerateRequest(request_id="r", token_ids=list(range(300)),
                                      sampling=common_pb2.SamplingParams(max_tokens=16))
     body = req.SerializeToString()
     next_i = 0
     queues: dict[int, asyncio.Queue[worker_pb2.GenerateResponse]] = {}
-    async with grpc.aio.insecure_channel(address) as ch:
-        call = ch.stream_stream(MUX_METHOD, request_serializer=_identity,
-                                response_deserializer=_identity)()
-        lock = asyncio.Lock()
-
-        async def read() -> None:
-            async for frame in call:
-                (rid,) = _ID.unpack_from(frame)
-                queues[rid].put_nowait(
-                    worker_pb2.GenerateResponse.FromString(frame[_ID.size:]))
-
-        async def client() -> None:
-            nonlocal next_i
-            while next_i < n:
-                rid = next_i = next_i + 1
-                q = queues[rid] = asyncio.Queue()
-                t0 = time.perf_counter()
-                async with lock:
-                    await call.write(_ID.pack(rid) + body)
-                got = [await q.get() for _ in range(3)]
-                if got[-1].finish_reason != common_pb2.FINISH_REASON_LENGTH:
-                    raise RuntimeError(f"request {rid}: no finish in {got}")
-                del queues[rid]
-                lat.append(time.perf_counter() - t0)
-
-        reader = asyncio.ensure_future(read())
-        t0 = time.perf_counter()
-        try:
-            await asyncio.gather(*(client() for _ in range(concurrency)))
-        finally:
-            wall = time.perf_counter() - t0
-            await call.done_writing()
-            await reader
-    return {"requests": n, "ok": len(lat), "errors": n - len(lat), "req_per_s": len(lat) / wall,
-            "p50_ms": float(np.percentile(lat, 50) * 1e3)}
-
-
-async def _tcp_mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
-    lat: list[float] = []
-    req = worker_pb2.GenerateRequest(request_id="r", token_ids=list(range(300)),
-                                     sampling=common_pb2.SamplingParams(max_tokens=16))
-    body = req.SerializeToString()
-    next_i = 0
-    queues: dict[int, asyncio.Queue[worker_pb2.GenerateResponse]] = {}
-    host, _, port = address.rpartition(":")
-    _, proto = await asyncio.get_running_loop().create_connection(FramedProtocol, host,
-                                                                  int(port))
-    proto.write_raw(PREAMBLE)
 
     async def read() -> None:
-        while (frame := await proto.read()) is not None:
+        async for frame in frames:
             (rid,) = _ID.unpack_from(frame)
             queues[rid].put_nowait(worker_pb2.GenerateResponse.FromString(frame[_ID.size:]))
 
@@ -271,7 +227,7 @@ async def _tcp_mux_load(address: str, n: int, concurrency: int) -> dict[str, Any
             rid = next_i = next_i + 1
             q = queues[rid] = asyncio.Queue()
             t0 = time.perf_counter()
-            proto.write(_ID.pack(rid) + body)
+            await send(_ID.pack(rid) + body)
             got = [await q.get() for _ in range(3)]
             if got[-1].finish_reason != common_pb2.FINISH_REASON_LENGTH:
                 raise RuntimeError(f"request {rid}: no finish in {got}")
@@ -284,10 +240,46 @@ async def _tcp_mux_load(address: str, n: int, concurrency: int) -> dict[str, Any
         await asyncio.gather(*(client() for _ in range(concurrency)))
     finally:
         wall = time.perf_counter() - t0
-        proto.close()
-        await reader
+        if not reader.done():
+            reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
     return {"requests": n, "ok": len(lat), "errors": n - len(lat), "req_per_s": len(lat) / wall,
             "p50_ms": float(np.percentile(lat, 50) * 1e3)}
+
+
+async def _mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address) as ch:
+        call = ch.stream_stream(MUX_METHOD, request_serializer=_identity,
+                                response_deserializer=_identity)()
+        lock = asyncio.Lock()
+
+        async def send(frame: bytes) -> None:
+            async with lock:  # a stream takes one write at once
+                await call.write(frame)
+
+        try:
+            return await _mux_clients(send, call.__aiter__(), n, concurrency)
+        finally:
+            await call.done_writing()
+
+
+async def _tcp_mux_load(address: str, n: int, concurrency: int) -> dict[str, Any]:
+    host, _, port = address.rpartition(":")
+    _, proto = await asyncio.get_running_loop().create_connection(FramedProtocol, host,
+                                                                  int(port))
+    proto.write_raw(PREAMBLE)
+
+    async def send(frame: bytes) -> None:
+        proto.write(frame)
+
+    async def frames() -> AsyncIterator[bytes]:
+        while (frame := await proto.read()) is not None:
+            yield frame
+
+    try:
+        return await _mux_clients(send, frames(), n, concurrency)
+    finally:
+        proto.close()
 
 
 def measure(kind: str, args: argparse.Namespace) -> dict[str, Any]:

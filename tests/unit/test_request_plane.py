@@ -29,7 +29,14 @@ from services.common.grpc_client import ChannelPool
 from services.common.tls import MeshTls, identity_of, issue, make_ca, server_name
 from services.frontend.request_plane import PlaneCall
 from services.frontend.worker_stream import WorkerStreams
-from tests.unit.test_worker_stream import Worker, by_call, request, start_worker, stop_worker
+from tests.unit.test_worker_stream import (
+    Worker,
+    by_call,
+    cancel_half_mid_answer,
+    request,
+    start_worker,
+    stop_worker,
+)
 from tests.waiting import wait_for
 from workers.request_plane import RequestPlane
 
@@ -229,22 +236,9 @@ async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
         streams: WorkerStreams) -> None:
     w = await start("zero")
     try:
-        async def one(i: int) -> int:
-            c = streams.generate(w.address, request(f"x{i}", tokens=60, seed=i), 30,
-                                 w.plane_address)
-            n = 0
-            async for m in c:
-                n += len(m.token_ids)
-                if i % 2 and n >= 1 + i % 7:
-                    c.cancel()
-                    return -1
-            return n
-
-        for r in range(4):
-            got = await asyncio.wait_for(
-                asyncio.gather(*(one(100 * r + i) for i in range(100))), 30)
-            assert got == [60 if i % 2 == 0 else -1 for i in range(100)]
-        await wait_for(w.idle, 10, "every call ended on the worker")
+        await cancel_half_mid_answer(
+            lambda i: streams.generate(w.address, request(f"x{i}", tokens=60, seed=i), 30,
+                                       w.plane_address), w.idle)
     finally:
         await stop(w)
 
@@ -423,8 +417,7 @@ async def test_under_mtls_only_a_frontend_is_served(certs: dict[str, MeshTls]) -
                                                       server_hostname=server_name("worker"))
                 wr.write(PREAMBLE)
                 await r.readexactly(4)  # the worker refuses the handshake: no answer
-            await asyncio.sleep(0)  # let the refused connection's transport close
-        assert w.idle() and not w.plane._conns
+        assert w.idle() and not w.plane._conns  # a refused handshake never got served
     finally:
         await pool.close()
         await stop(w)

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import pytest
@@ -256,23 +257,31 @@ async def test_cancels_of_calls_mid_answer_lose_no_other_reply(
     its call, and wait_for fails)."""
     w = await start_worker("zero")
     try:
-        async def one(i: int) -> int:
-            call = streams.generate(w.address, request(f"x{i}", tokens=60, seed=i), 30)
-            n = 0
-            async for m in call:
-                n += len(m.token_ids)
-                if i % 2 and n >= 1 + i % 7:
-                    call.cancel()
-                    return -1
-            return n
-
-        for r in range(4):
-            got = await asyncio.wait_for(
-                asyncio.gather(*(one(100 * r + i) for i in range(100))), 30)
-            assert got == [60 if i % 2 == 0 else -1 for i in range(100)]
-        await wait_for(w.idle, 10, "every call ended on the worker")
+        await cancel_half_mid_answer(
+            lambda i: streams.generate(w.address, request(f"x{i}", tokens=60, seed=i), 30),
+            w.idle)
     finally:
         await stop_worker(w)
+
+
+async def cancel_half_mid_answer(start: Callable[[int], Any], idle: Callable[[], bool]) -> None:
+    """4 rounds of 100 calls ``start(i)`` of 60 tokens each, every odd one cancelled after
+    a few tokens: the others get all 60, and the worker ends up ``idle``."""
+    async def one(i: int) -> int:
+        call = start(i)
+        n = 0
+        async for m in call:
+            n += len(m.token_ids)
+            if i % 2 and n >= 1 + i % 7:
+                call.cancel()
+                return -1
+        return n
+
+    for r in range(4):
+        got = await asyncio.wait_for(
+            asyncio.gather(*(one(100 * r + i) for i in range(100))), 30)
+        assert got == [60 if i % 2 == 0 else -1 for i in range(100)]
+    await wait_for(idle, 10, "every call ended on the worker")
 
 
 async def test_a_worker_without_generate_stream_is_called_the_old_way() -> None:
