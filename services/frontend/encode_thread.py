@@ -1,24 +1,25 @@
-"""Prompts tokenized in batches on one thread of their own, off the event loop.
+"""Prompts tokenized on one thread of their own, off the event loop.
 
 A ``tokenizers.Tokenizer`` lets go of the GIL while ``encode_batch_fast`` runs, so a
 prompt tokenized on another thread costs the event loop only its hand-over; but a hop
 through ``asyncio.to_thread`` costs ~90 µs of CPU per prompt. :class:`EncodeThread`
-hands prompts over in batches instead: every prompt submitted while the thread works
-goes into its next ``encode_batch_fast`` call, and each batch's results come back to
-the loop in one callback.
+keeps one thread per tokenizer instead, fed by a queue: it encodes the prompts in the
+order they were submitted, one backend call each, and hands each result back as soon as
+it is ready, so the loop routes and sends one prompt while the thread encodes the next
+(results of a whole batch handed back together left the loop idle while the batch was
+encoded, and the other processes waiting on it). A loop is woken once for all the
+results that reach it before it takes them (a wake-up costs it a syscall).
 
 Contract of :class:`EncodeThread` (``backend``: a ``tokenizers.Tokenizer``):
 
 - ``await encode(text, add_special_tokens)``: the ids ``backend.encode_batch_fast([text],
   add_special_tokens=...)[0].ids`` gives, computed on the thread (started on first use,
-  a daemon), batched with the prompts submitted meanwhile (one backend call per batch
-  and ``add_special_tokens`` value). An exception the backend raises for a prompt is
-  raised by that prompt's call only (a refused batch is encoded prompt by prompt; one
-  that is not an ``Exception``, e.g. a Rust panic, is raised as RuntimeError naming
-  it). A caller cancelled meanwhile gets nothing; the others' results are unaffected.
-  The results of a batch reach each event loop in one callback. Should the thread itself
-  fail, every call it holds raises RuntimeError naming the failure (logged) and the next
-  ``encode`` starts a new thread: no call is left waiting.
+  a daemon), after the prompts submitted before it. An exception the backend raises for
+  a prompt is raised by that prompt's call only (one that is not an ``Exception``, e.g.
+  a Rust panic, as RuntimeError naming it). A caller cancelled meanwhile gets nothing;
+  the others' results are unaffected. Should the thread itself fail, every call it holds
+  raises RuntimeError naming the failure (logged) and the next ``encode`` starts a new
+  thread: no call is left waiting.
 - ``close()``: the thread ends once the prompts submitted before are answered; later
   ``encode`` calls raise RuntimeError. Idempotent. The frontend never closes its
   tokenizers' threads: they live as long as the process (one per model folder).
@@ -56,6 +57,7 @@ class EncodeThread:
         self._todo: list[_Item] = []
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._outbox = _Outbox()
 
     def encode(self, text: str, add_special_tokens: bool) -> asyncio.Future[list[int]]:
         """A future of the prompt's ids (see the module docstring)."""
@@ -78,17 +80,14 @@ class EncodeThread:
             self._closed = True
             self._cv.notify()
 
-    def _encode(self, texts: list[str], add_special_tokens: bool
-                ) -> list[tuple[list[int] | None, BaseException | None]]:
-        """Each text's (ids, None), or (None, what the backend raised for it alone):
-        a batch the backend refuses is encoded text by text. Never raises."""
+    def _encode(self, text: str, add_special_tokens: bool
+                ) -> tuple[list[int] | None, BaseException | None]:
+        """The text's (ids, None), or (None, what the backend raised). Never raises."""
         try:
-            encs = self._backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-            return [(e.ids, None) for e in encs]
-        except BaseException as exc:  # noqa: BLE001 - handed to its caller(s)
-            if len(texts) == 1:
-                return [(None, _as_exception(exc, "the tokenizer"))]
-        return [self._encode([text], add_special_tokens)[0] for text in texts]
+            enc = self._backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)
+            return enc[0].ids, None
+        except BaseException as exc:  # noqa: BLE001 - handed to its caller
+            return None, _as_exception(exc, "the tokenizer")
 
     def _run(self) -> None:
         todo: list[_Item] = []
@@ -109,18 +108,15 @@ class EncodeThread:
                 rest, self._todo = self._todo, []
                 self._thread = None
             error = _as_exception(exc, "the tokenizer's encode thread")
-            _deliver([(t[2], None, error, t[3]) for t in (*todo, *rest)])
+            for _, _, fut, loop in (*todo, *rest):  # those answered already are skipped
+                self._outbox.put(loop, fut, None, error)
 
     def _answer(self, todo: list[_Item]) -> None:
-        """Encodes ``todo`` (one backend call per ``add_special_tokens`` value) and hands
-        each result to its caller's loop."""
-        results = []
-        for flag in (True, False):
-            part = [t for t in todo if t[1] is flag]
-            if part:
-                results += [(t[2], ids, exc, t[3]) for t, (ids, exc) in zip(
-                    part, self._encode([t[0] for t in part], flag), strict=True)]
-        _deliver(results)
+        """Encodes ``todo`` prompt by prompt, each result handed to its caller's loop as
+        soon as it is ready."""
+        for text, flag, fut, loop in todo:
+            ids, exc = self._encode(text, flag)
+            self._outbox.put(loop, fut, ids, exc)
 
 
 def _as_exception(exc: BaseException, what: str) -> Exception:
@@ -131,14 +127,31 @@ def _as_exception(exc: BaseException, what: str) -> Exception:
     return RuntimeError(f"{what} failed: {type(exc).__name__}: {exc}")
 
 
-def _deliver(results: list[tuple[asyncio.Future[list[int]], Any, BaseException | None,
-                                 asyncio.AbstractEventLoop]]) -> None:
-    """Hands the results to their loops, one callback per loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Any]] = {}
-    for fut, ids, exc, loop in results:
-        by_loop.setdefault(loop, []).append((fut, ids, exc))
-    for loop, batch in by_loop.items():
+class _Outbox:
+    """Results on their way to their loops: one ``call_soon_threadsafe`` per loop while
+    the results before are not yet taken (a wake-up costs the loop a syscall; results
+    that pile up meanwhile go with it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[asyncio.AbstractEventLoop, list[Any]] = {}
+
+    def put(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[list[int]],
+            ids: Any, exc: BaseException | None) -> None:
+        with self._lock:
+            batch = self._waiting.get(loop)
+            if batch is not None:
+                batch.append((fut, ids, exc))
+                return
+            self._waiting[loop] = [(fut, ids, exc)]
         try:
-            loop.call_soon_threadsafe(_settle, batch)
+            loop.call_soon_threadsafe(self._take, loop)
         except RuntimeError:  # that loop is closed: nobody waits
-            pass
+            with self._lock:
+                self._waiting.pop(loop, None)
+
+    def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            batch = self._waiting.pop(loop, [])
+        _settle(batch)
+

@@ -1,26 +1,32 @@
 """services.frontend.encode_thread.EncodeThread over the tiny model's real Rust tokenizer:
-the ids are the backend's own, prompts submitted while it works go in one batch, a
-prompt the backend refuses fails only its own call, and a cancelled caller costs the
-others nothing."""
+the ids are the backend's own, prompts are encoded in order and each result reaches its
+caller while the next one is encoded, a prompt the backend refuses fails only its own
+call, and a cancelled caller costs the others nothing. Also: the frontend's tokenizers
+run without rayon's pool unless the operator says otherwise."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from typing import Any
 
 import pytest
 
-from services.frontend.encode_thread import EncodeThread
+from services.frontend.encode_thread import EncodeThread, _Outbox
 from services.frontend.models import Tokenizer
 from workers.model import tiny
 
 
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    path = tiny.ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
-    return Tokenizer(str(path))._backend
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return str(tiny.ensure_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def backend(model: str) -> Any:
+    return Tokenizer(model)._backend
 
 
 class Gated:
@@ -55,7 +61,7 @@ def ids(backend: Any, text: str, special: bool = True) -> list[int]:
     return list(backend.encode_batch_fast([text], add_special_tokens=special)[0].ids)
 
 
-async def test_prompts_submitted_meanwhile_go_in_one_batch_with_the_backends_ids(
+async def test_prompts_are_encoded_in_order_one_call_each_with_the_backends_ids(
         backend: Any) -> None:
     gated, thread, first = await holding(backend, "the first prompt")
     texts = [f"prompt number {i} " * (i + 1) for i in range(6)]
@@ -64,10 +70,83 @@ async def test_prompts_submitted_meanwhile_go_in_one_batch_with_the_backends_ids
     assert await first == ids(backend, "the first prompt")
     got = await asyncio.gather(*rest)
     assert got == [ids(backend, t, i % 2 == 0) for i, t in enumerate(texts)]
-    # one call for the first prompt, then one per add_special_tokens value
-    assert gated.batches == [(["the first prompt"], True),
-                             (texts[0::2], True), (texts[1::2], False)]
+    assert gated.batches == [(["the first prompt"], True)] + [
+        ([t], i % 2 == 0) for i, t in enumerate(texts)]
     thread.close()
+
+
+class HoldOn:
+    """The backend, whose call for ``text`` waits for ``go``."""
+
+    def __init__(self, backend: Any, text: str) -> None:
+        self.backend, self.text = backend, text
+        self.go = threading.Event()
+
+    def encode_batch_fast(self, texts: list[Any], add_special_tokens: bool) -> Any:
+        if self.text in texts:
+            assert self.go.wait(30), "the test never let the held prompt go"
+        return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
+
+
+async def test_a_result_reaches_its_caller_while_the_next_prompt_is_encoded(
+        backend: Any) -> None:
+    held = HoldOn(backend, "held")
+    thread = EncodeThread(held)
+    free, later = thread.encode("free", True), thread.encode("held", True)
+    try:  # handed back whole, the batch's results would wait for the held prompt
+        assert await asyncio.wait_for(free, 30) == ids(backend, "free")
+        assert not later.done()
+    finally:
+        held.go.set()
+    assert await later == ids(backend, "held")
+    thread.close()
+
+
+class Wakeups:
+    """Stands for a loop in _Outbox: records each wake-up, run when the test says."""
+
+    def __init__(self) -> None:
+        self.callbacks: list[tuple[Any, tuple[Any, ...]]] = []
+
+    def call_soon_threadsafe(self, callback: Any, *args: Any) -> None:
+        self.callbacks.append((callback, args))
+
+    def run(self) -> None:
+        todo, self.callbacks = self.callbacks, []
+        for callback, args in todo:
+            callback(*args)
+
+
+async def test_results_that_pile_up_before_the_loop_takes_them_wake_it_once() -> None:
+    loop, outbox = Wakeups(), _Outbox()
+    futs = [asyncio.get_running_loop().create_future() for _ in range(3)]
+
+    def put_all() -> None:
+        for i, f in enumerate(futs):
+            outbox.put(loop, f, [i], None)  # type: ignore[arg-type]
+
+    put = threading.Thread(target=put_all)
+    put.start()
+    await asyncio.to_thread(put.join, 30)
+    assert len(loop.callbacks) == 1
+    loop.run()
+    assert [f.result() for f in futs] == [[0], [1], [2]]
+    later = asyncio.get_running_loop().create_future()
+    outbox.put(loop, later, None, ValueError("x"))  # type: ignore[arg-type]
+    assert len(loop.callbacks) == 1  # taken before: a new wake-up
+    loop.run()
+    with pytest.raises(ValueError):
+        later.result()
+
+
+async def test_tokenizers_run_without_rayons_pool_unless_the_operator_says(
+        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    Tokenizer(model)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    Tokenizer(model)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
 
 
 async def test_a_refused_prompt_fails_its_own_call_only(backend: Any) -> None:
