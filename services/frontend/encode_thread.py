@@ -5,10 +5,9 @@ prompt tokenized on another thread costs the event loop only its hand-over; but 
 through ``asyncio.to_thread`` costs ~90 µs of CPU per prompt. :class:`EncodeThread`
 keeps one thread per tokenizer instead, fed by a queue: it encodes the prompts in the
 order they were submitted, one backend call each, and hands each result back as soon as
-it is ready, so the loop routes and sends one prompt while the thread encodes the next
-(results of a whole batch handed back together left the loop idle while the batch was
-encoded, and the other processes waiting on it). A loop is woken once for all the
-results that reach it before it takes them (a wake-up costs it a syscall).
+it is ready, so the loop routes and sends one prompt while the thread encodes the next.
+A loop is woken once for all the results that reach it before it takes them (a wake-up
+costs it a syscall).
 
 Contract of :class:`EncodeThread` (``backend``: a ``tokenizers.Tokenizer``):
 
@@ -18,8 +17,10 @@ Contract of :class:`EncodeThread` (``backend``: a ``tokenizers.Tokenizer``):
   a prompt is raised by that prompt's call only (one that is not an ``Exception``, e.g.
   a Rust panic, as RuntimeError naming it). A caller cancelled meanwhile gets nothing;
   the others' results are unaffected. Should the thread itself fail, every call it holds
-  raises RuntimeError naming the failure (logged) and the next ``encode`` starts a new
-  thread: no call is left waiting.
+  and has not answered raises what it failed with (logged; a RuntimeError naming it when
+  that is not an ``Exception``) and the next ``encode`` starts a new thread: no call is
+  left waiting. Results reach a loop in the order they were computed; those for a loop
+  that has closed are dropped (nobody waits for them).
 - ``close()``: the thread ends once the prompts submitted before are answered; later
   ``encode`` calls raise RuntimeError. Idempotent. The frontend never closes its
   tokenizers' threads: they live as long as the process (one per model folder).
@@ -138,9 +139,12 @@ class _Outbox:
 
     def put(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future[list[int]],
             ids: Any, exc: BaseException | None) -> None:
+        """Hands ``fut`` its ids (or ``exc``) on ``loop``, after the results put before
+        for that loop; wakes the loop unless a wake-up is pending. Any thread; drops the
+        result (and any still waiting) when the loop has closed."""
         with self._lock:
             batch = self._waiting.get(loop)
-            if batch is not None:
+            if batch is not None and not loop.is_closed():
                 batch.append((fut, ids, exc))
                 return
             self._waiting[loop] = [(fut, ids, exc)]
@@ -151,7 +155,8 @@ class _Outbox:
                 self._waiting.pop(loop, None)
 
     def _take(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On ``loop``: settles every result waiting for it (a cancelled caller's is
+        skipped), in the order they were put."""
         with self._lock:
             batch = self._waiting.pop(loop, [])
         _settle(batch)
-

@@ -22,6 +22,9 @@ Responses API storage (:mod:`~services.frontend.responses_store`): up to
 ``--responses-store-ttl-s`` at most, per tenant, in this frontend's memory (not shared
 between frontends, lost on restart).
 
+Tokenizers run on the threads that call them (``TOKENIZERS_PARALLELISM=false``, unless
+set: :func:`~services.frontend.models.tokenize_on_calling_threads`).
+
 Routing: ``--router standalone`` (default) calls the router at ``--router-address`` or the
 first one in etcd; ``--router embedded`` (``KVMESH_ROUTER``) starts a router in this
 process (:mod:`services.router.embedded`, configured by ``--router-args``, e.g. ``'--policy
@@ -61,7 +64,7 @@ from services.frontend import tool_chat
 from services.frontend.auth import ApiKeys, KeyFileError, merge_api_key_flags
 from services.frontend.http_api import HttpLimits, create_app
 from services.frontend.http_server import http_config
-from services.frontend.models import ModelCatalog
+from services.frontend.models import ModelCatalog, tokenize_on_calling_threads
 from services.frontend.pipeline import (
     DEFAULT_ENCODE_TIMEOUT_S,
     DEFAULT_MIGRATION_LIMIT,
@@ -388,6 +391,7 @@ async def _serve(cfg: FrontendConfig) -> MeshServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    tokenize_on_calling_threads()
     try:
         args = merge_api_key_flags(sys.argv[1:] if argv is None else argv)
     except KeyFileError as exc:

@@ -12,7 +12,7 @@ Contract:
   loaded already (None otherwise), without blocking; ``await eos_token_ids(info)``: its
   EOS ids (loading it in a thread if need be), None when it cannot be loaded (not tried
   again for that folder).
-- :class:`Tokenizer` encodes prompts (``await encode_batched(...)``: the same ids,
+- :class:`Tokenizer` encodes prompts (``await encode_off_loop(...)``: the same ids,
   tokenized off the event loop by :mod:`.encode_thread`), names the model's EOS ids as
   vLLM takes them (``eos_token_ids``: the tokenizer's EOS plus ``generation_config.json``'s), spells
   tokens as vLLM's log-probabilities do (``token_texts``) and renders chat messages with
@@ -74,6 +74,15 @@ def _eos_token_ids(model_path: str, tokenizer_eos: int | None) -> frozenset[int]
     return frozenset(ids)
 
 
+def tokenize_on_calling_threads() -> None:
+    """Sets ``TOKENIZERS_PARALLELISM=false`` for this process unless it is set already:
+    the frontend hands its tokenizers one prompt at a time (:mod:`.encode_thread`), and
+    on rayon's pool each costs a hand-over and idle threads spinning (perf at concurrency
+    8: the tokenizer threads took 32% of the frontend's CPU samples with it, 27%
+    without). The frontend's ``main`` calls it; an operator's value is kept."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
 def _plain_backend(tok: Any) -> Any:
     """A private copy of the ``tokenizers.Tokenizer`` behind ``tok`` when calling it
     directly gives what ``tok.encode(text)`` gives, else None. That holds for
@@ -107,11 +116,6 @@ class Tokenizer:
     def __init__(self, model_path: str) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-        # Prompts reach the backend one at a time (EncodeThread): on rayon's pool each
-        # costs a hand-over and idle threads spinning (perf at c=8: the tokenizer threads
-        # took 32% of the frontend's CPU samples with it, 27% without). A value the
-        # operator set is kept.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from transformers import AutoTokenizer
 
         self._tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
@@ -119,10 +123,10 @@ class Tokenizer:
         self._backend = _plain_backend(self._tok)
         self._thread = EncodeThread(self._backend) if self._backend is not None else None
 
-    async def encode_batched(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """``encode``'s ids, computed on the tokenizer's :class:`EncodeThread` (batched
-        with the prompts submitted meanwhile) when ``encode`` goes straight to the Rust
-        backend, else here."""
+    async def encode_off_loop(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode``'s ids, computed on the tokenizer's :class:`EncodeThread` (after the
+        prompts submitted before) when ``encode`` goes straight to the Rust backend, else
+        here."""
         if self._thread is not None:
             return await self._thread.encode(text, add_special_tokens)
         return self.encode(text, add_special_tokens)

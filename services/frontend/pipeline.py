@@ -7,7 +7,7 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   length (ApiError 400). It never contacts a worker. A prompt of at most
   :data:`INLINE_PROMPT_CHARS` characters (text only, no tools) is tokenized on the event
   loop when no other request is being prepared or streamed, else on the tokenizer's
-  encode thread, batched with the prompts that come meanwhile (a chat's template is
+  encode thread, which hands each prompt back as soon as it is encoded (a chat's template is
   rendered on the loop first); a longer one goes to a thread of its own.
 - ``stream(job)`` asks the router for a worker (over gRPC, or the in-process
   ``router_stub`` of :mod:`services.router.embedded`), calls its ``Generate`` (through
@@ -195,7 +195,7 @@ class _Attached:
 
 # A prompt of at most this many characters is tokenized (or its chat template rendered)
 # on the event loop when it is the only request there (no latency added), else on the
-# tokenizer's encode thread, batched (the loop's other requests go on meanwhile; a hop
+# tokenizer's encode thread (the loop's other requests go on meanwhile; a hop
 # through asyncio.to_thread would cost ~90 µs of CPU a prompt). A longer one (or one with
 # tools or images) goes to a thread of its own, so no request holds the loop for long.
 INLINE_PROMPT_CHARS = 4096
@@ -402,7 +402,7 @@ class Pipeline:
             if too_long:
                 return await asyncio.to_thread(tok.encode, text, add), req
         if self._busy > 1:  # others wait on this loop: encode on the encode thread
-            return await tok.encode_batched(text, add), req
+            return await tok.encode_off_loop(text, add), req
         return tok.encode(text, add), req
 
     async def _images(self, req: ParsedRequest, info: ModelInfo, ids: list[int]) -> MmPrompt:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from services.frontend.encode_thread import EncodeThread, _Outbox
-from services.frontend.models import Tokenizer
+from services.frontend.models import Tokenizer, tokenize_on_calling_threads
 from workers.model import tiny
 
 
@@ -31,7 +31,7 @@ def backend(model: str) -> Any:
 
 class Gated:
     """The backend, whose first call waits for ``go`` (so later prompts queue up), and
-    which records each call's batch."""
+    which records each call's texts."""
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
@@ -48,8 +48,8 @@ class Gated:
 
 async def holding(backend: Any, text: str = "hold"
                   ) -> tuple[Gated, EncodeThread, asyncio.Future[list[int]]]:
-    """A thread over the gated backend, holding its first batch (``text``) until the
-    test sets ``go``: what is submitted meanwhile queues for the next batch."""
+    """A thread over the gated backend, holding its first prompt (``text``) until the
+    test sets ``go``: what is submitted meanwhile queues behind it."""
     gated = Gated(backend)
     thread = EncodeThread(gated)
     first = thread.encode(text, True)
@@ -76,13 +76,18 @@ async def test_prompts_are_encoded_in_order_one_call_each_with_the_backends_ids(
 
 
 class HoldOn:
-    """The backend, whose call for ``text`` waits for ``go``."""
+    """The backend, whose calls wait for ``go`` first when they hold ``first`` and then
+    when they hold ``text``; ``started`` is set once the call for ``first`` began."""
 
-    def __init__(self, backend: Any, text: str) -> None:
-        self.backend, self.text = backend, text
-        self.go = threading.Event()
+    def __init__(self, backend: Any, first: str, text: str) -> None:
+        self.backend, self.first, self.text = backend, first, text
+        self.started, self.go_first, self.go = threading.Event(), threading.Event(), \
+            threading.Event()
 
     def encode_batch_fast(self, texts: list[Any], add_special_tokens: bool) -> Any:
+        if self.first in texts:
+            self.started.set()
+            assert self.go_first.wait(30), "the test never let the first prompt go"
         if self.text in texts:
             assert self.go.wait(30), "the test never let the held prompt go"
         return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
@@ -90,10 +95,15 @@ class HoldOn:
 
 async def test_a_result_reaches_its_caller_while_the_next_prompt_is_encoded(
         backend: Any) -> None:
-    held = HoldOn(backend, "held")
+    held = HoldOn(backend, "first", "held")
     thread = EncodeThread(held)
+    first = thread.encode("first", True)
+    assert await asyncio.to_thread(held.started.wait, 30), "the thread never took it"
+    # both queue behind the first prompt: the thread takes them together
     free, later = thread.encode("free", True), thread.encode("held", True)
-    try:  # handed back whole, the batch's results would wait for the held prompt
+    held.go_first.set()
+    try:  # handed back together, their results would wait for the held prompt
+        assert await asyncio.wait_for(first, 30) == ids(backend, "first")
         assert await asyncio.wait_for(free, 30) == ids(backend, "free")
         assert not later.done()
     finally:
@@ -110,6 +120,9 @@ class Wakeups:
 
     def call_soon_threadsafe(self, callback: Any, *args: Any) -> None:
         self.callbacks.append((callback, args))
+
+    def is_closed(self) -> bool:
+        return False
 
     def run(self) -> None:
         todo, self.callbacks = self.callbacks, []
@@ -128,6 +141,7 @@ async def test_results_that_pile_up_before_the_loop_takes_them_wake_it_once() ->
     put = threading.Thread(target=put_all)
     put.start()
     await asyncio.to_thread(put.join, 30)
+    assert not put.is_alive()
     assert len(loop.callbacks) == 1
     loop.run()
     assert [f.result() for f in futs] == [[0], [1], [2]]
@@ -139,14 +153,24 @@ async def test_results_that_pile_up_before_the_loop_takes_them_wake_it_once() ->
         later.result()
 
 
-async def test_tokenizers_run_without_rayons_pool_unless_the_operator_says(
-        model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tokenizers_run_on_the_calling_threads_unless_the_operator_says(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
-    Tokenizer(model)
+    tokenize_on_calling_threads()
     assert os.environ["TOKENIZERS_PARALLELISM"] == "false"
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
-    Tokenizer(model)
+    tokenize_on_calling_threads()
     assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+async def test_a_closed_loops_results_are_dropped() -> None:
+    loop, outbox = asyncio.new_event_loop(), _Outbox()
+    fut = loop.create_future()
+    outbox.put(loop, fut, [1], None)  # a wake-up scheduled, never run: the loop closes
+    loop.close()
+    outbox.put(loop, loop.create_future(), [2], None)
+    assert not outbox._waiting
+    assert not fut.done()
 
 
 async def test_a_refused_prompt_fails_its_own_call_only(backend: Any) -> None:
@@ -235,4 +259,26 @@ async def test_a_failed_thread_fails_its_calls_and_the_next_prompt_starts_a_new_
     assert "encode thread failed" in caplog.text
     thread._answer = real_answer  # type: ignore[method-assign]
     assert await thread.encode("after", True) == ids(backend, "after")  # a new thread
+    thread.close()
+
+
+async def test_a_thread_failing_mid_batch_keeps_the_answers_it_gave(backend: Any) -> None:
+    gated, thread, first = await holding(backend)
+    real_encode = thread._encode
+    seen: list[str] = []
+
+    def second_breaks(text: str, add_special_tokens: bool) -> Any:
+        seen.append(text)
+        if len(seen) == 2:
+            raise Panic("the thread broke")
+        return real_encode(text, add_special_tokens)
+
+    thread._encode = second_breaks  # type: ignore[method-assign]
+    queued = [thread.encode(f"queued {i}", True) for i in range(3)]  # taken together
+    gated.go.set()
+    assert await first == ids(backend, "hold")
+    assert await queued[0] == ids(backend, "queued 0")  # answered before the failure
+    for fut in queued[1:]:
+        with pytest.raises(RuntimeError, match="encode thread failed: Panic"):
+            await fut
     thread.close()

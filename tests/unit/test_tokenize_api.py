@@ -184,11 +184,11 @@ async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
     monkeypatch.setattr(asyncio, "to_thread", to_thread)
     tok = catalog.loaded_tokenizer(catalog.get(MODEL))  # type: ignore[arg-type]
     assert tok is not None and tok._thread is not None
-    batched: list[str] = []
+    off_loop: list[str] = []
     real_encode = tok._thread.encode
 
     def encode(text: str, add_special_tokens: bool) -> Any:
-        batched.append(text)
+        off_loop.append(text)
         return real_encode(text, add_special_tokens)
 
     monkeypatch.setattr(tok._thread, "encode", encode)
@@ -205,4 +205,4 @@ async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
     assert list(job.token_ids) == list(want)
     assert hopped == (["encode" if kind == "completion" else "apply_chat"]
                       if threaded else [])
-    assert len(batched) == (1 if others and not threaded else 0)
+    assert len(off_loop) == (1 if others and not threaded else 0)
