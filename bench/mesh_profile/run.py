@@ -47,7 +47,11 @@ Contracts:
   its children run with DIR as their working directory, so ``python -m`` imports DIR's
   services; the client and this bench stay this checkout's), ``--rounds`` rounds of
   baseline then current, with the ``--router`` mode; per process the means and
-  current ÷ baseline of the CPU per request, and of req/s, p50 and p99.
+  current ÷ baseline of the CPU per request, and of req/s, p50 and p99. Also the same
+  normalised by the load client's CPU per request (the same code on both sides, so it
+  tracks the machine's speed, which drifts between rounds): ``req_per_s_at_client_speed``
+  (req/s × the client's CPU ms per request) and ``cpu_over_client.<process>`` (its CPU
+  per request ÷ the client's), means of the rounds' values.
 - Writes ``<out>/<name>.json`` (default name ``mesh_profile``). All processes share this
   machine's cores with the client and with anything else running: absolute numbers are
   noisy; compare ratios taken in one run.
@@ -449,6 +453,14 @@ def compare_baseline(args: argparse.Namespace, baseline: Path) -> dict[str, Any]
         for name in runs[side][0]["cpu_us_per_req"]:
             means[side][f"cpu_us_per_req.{name}"] = mean(side, "cpu_us_per_req", name)
         means[side]["cpu_us_per_req_mesh_total"] = mean(side, "cpu_us_per_req_mesh_total")
+        client = [float(r["client_cpu_us_per_req"]) for r in runs[side]]
+        if all(client):
+            pairs = list(zip(runs[side], client, strict=True))
+            means[side]["req_per_s_at_client_speed"] = float(np.mean(
+                [r["load"]["req_per_s"] * c / 1e3 for r, c in pairs]))
+            for name in runs[side][0]["cpu_us_per_req"]:
+                means[side][f"cpu_over_client.{name}"] = float(np.mean(
+                    [r["cpu_us_per_req"][name] / c for r, c in pairs]))
     ratio = {k: means["current"][k] / v for k, v in means["baseline"].items() if v}
     print({k: round(v, 3) for k, v in ratio.items()}, flush=True)
     return {"baseline": str(baseline), "order": ["baseline", "current"] * args.rounds,
