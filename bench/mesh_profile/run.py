@@ -51,7 +51,9 @@ Contracts:
   normalised by the load client's CPU per request (the same code on both sides, so it
   tracks the machine's speed, which drifts between rounds): ``req_per_s_at_client_speed``
   (req/s × the client's CPU ms per request) and ``cpu_over_client.<process>`` (its CPU
-  per request ÷ the client's), means of the rounds' values.
+  per request ÷ the client's), means of the rounds' values. A change that alters how
+  the processes are scheduled moves the client's CPU per request too (fewer, fuller
+  wake-ups): read these beside the raw ratios, not instead of them.
 - Writes ``<out>/<name>.json`` (default name ``mesh_profile``). All processes share this
   machine's cores with the client and with anything else running: absolute numbers are
   noisy; compare ratios taken in one run.
