@@ -141,9 +141,8 @@ async def _poisson(rate: float, duration_s: float, call: Any, seed: int) -> dict
 
 
 def prompt_text(i: int) -> str:
-    rng = random.Random(i)
-    return " ".join([f"w{5 + j % 50}" for j in range(32)]
-                    + [f"w{rng.randrange(3, 700)}" for _ in range(32)])
+    """:func:`prompt`'s ids as words (the gRPC stream's text prompt: tokenized there)."""
+    return " ".join(f"w{t}" for t in prompt(i))
 
 
 def _stubs(workers: list[str], tls: MeshTls | None) -> tuple[list[Any], list[Any]]:

@@ -37,10 +37,10 @@ class Gated:
         self.backend = backend
         self.go = threading.Event()
         self.started = threading.Event()
-        self.batches: list[tuple[list[Any], bool]] = []
+        self.calls: list[tuple[list[Any], bool]] = []
 
     def encode_batch_fast(self, texts: list[Any], add_special_tokens: bool) -> Any:
-        self.batches.append((list(texts), add_special_tokens))
+        self.calls.append((list(texts), add_special_tokens))
         self.started.set()
         assert self.go.wait(30), "the test never let the first batch go"
         return self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
@@ -70,7 +70,7 @@ async def test_prompts_are_encoded_in_order_one_call_each_with_the_backends_ids(
     assert await first == ids(backend, "the first prompt")
     got = await asyncio.gather(*rest)
     assert got == [ids(backend, t, i % 2 == 0) for i, t in enumerate(texts)]
-    assert gated.batches == [(["the first prompt"], True)] + [
+    assert gated.calls == [(["the first prompt"], True)] + [
         ([t], i % 2 == 0) for i, t in enumerate(texts)]
     thread.close()
 
@@ -81,8 +81,9 @@ class HoldOn:
 
     def __init__(self, backend: Any, first: str, text: str) -> None:
         self.backend, self.first, self.text = backend, first, text
-        self.started, self.go_first, self.go = threading.Event(), threading.Event(), \
-            threading.Event()
+        self.started = threading.Event()
+        self.go_first = threading.Event()
+        self.go = threading.Event()
 
     def encode_batch_fast(self, texts: list[Any], add_special_tokens: bool) -> Any:
         if self.first in texts:
