@@ -7,7 +7,8 @@ servicer observes (``kvmesh_encoder_queue_seconds``: a miss's wait in E's engine
 that reads the servicer's ``stats()`` at scrape time (``kvmesh_encoder_cache_hits_total``,
 ``_misses_total``, ``_evictions_total``, ``_stale_total``, ``kvmesh_encoder_encodes_total``
 (vision encoder runs, E's connector), ``kvmesh_encoder_refused_total``,
-``kvmesh_encoder_cache_entries`` / ``_bytes`` / ``_budget_bytes``).
+``kvmesh_encoder_cache_entries`` / ``_bytes`` / ``_budget_bytes``), and the process's
+garbage collector's (``kvmesh_gc_*``, :class:`~services.common.gc_heap.GcCollector`).
 :func:`serve_metrics` serves it (0 = any free port) and returns the router's
 :class:`~services.router.metrics.MetricsEndpoint` (``port``, ``close()``).
 """
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.gc_heap import GcCollector
 from services.router.metrics import MetricsEndpoint
 
 _COUNTERS = ("hits", "misses", "evictions", "stale", "encodes", "published", "refused")
@@ -49,6 +51,7 @@ class EncoderMetrics:
 
     def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(GcCollector())
         self.queue = Histogram("kvmesh_encoder_queue_seconds",
                                "Wait of an image in the encoder engine's queue",
                                buckets=_SECONDS, registry=r)

@@ -8,7 +8,8 @@ the warm-up of vLLM's tool parser. The output side is :mod:`.shapes`' (one
   requests are served meanwhile. :meth:`ToolsWarmup.wait` is what a tools request
   awaits: it returns once the import is done (starting it when nobody did), or raises
   ApiError 500 naming ``tools`` when vLLM's parser cannot be imported. A text request
-  never waits.
+  never waits. Once imported, the process's heap is frozen again
+  (:func:`services.common.gc_heap.freeze_heap`): the import is most of it.
 - :func:`prepare` (called by :meth:`Pipeline.prepare` for every chat request, before its
   template is rendered): nothing for a request without tools and without tool messages.
   Otherwise the model's template is probed (once per model,
@@ -34,6 +35,7 @@ import threading
 from dataclasses import replace
 from typing import Any
 
+from services.common.gc_heap import freeze_heap
 from services.frontend import tools
 from services.frontend.models import Tokenizer
 from services.frontend.openai_schema import ApiError, ParsedRequest, Structured
@@ -62,6 +64,8 @@ class ToolsWarmup:
                 except Exception as exc:  # noqa: BLE001 - every request is told why
                     self._error = f"{type(exc).__name__}: {exc}"
                     log.error("vLLM's tool parser cannot be imported: %s", self._error)
+                else:
+                    freeze_heap("vLLM's tool parser")
                 self._done.set()
         if self._error is not None:
             raise ApiError(500, "tool calling is unavailable: vLLM's tool parser cannot be "

@@ -20,6 +20,8 @@ one a caller that never released (a bug) |
 here (replica sync; gauge) |
 | ``kvmesh_router_replica_sync_failures_total{op}`` | replica sync Redis failures: \
 ``publish`` or ``read`` |
+| ``kvmesh_gc_*`` | the process's garbage collector \
+(:class:`~services.common.gc_heap.GcCollector`) |
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from services.common.gc_heap import GcCollector
 from services.router.core import RouterCore
 
 
@@ -38,6 +41,7 @@ class RouterMetrics:
 
     def __init__(self, core: RouterCore) -> None:
         r = self.registry = CollectorRegistry()
+        r.register(GcCollector())
         self.inflight = Gauge("kvmesh_router_inflight_requests",
                               "Requests routed and not yet released", registry=r)
         self.inflight.set_function(core.in_flight_count)
