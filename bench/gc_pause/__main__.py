@@ -1,0 +1,3 @@
+from bench.gc_pause.run import entry
+
+entry()
