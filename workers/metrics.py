@@ -12,10 +12,10 @@ engine at scrape time, and returns the bound port. Metrics (labels ``worker_id``
   holds released after their lease expired), ``kv_external_loaded_tokens`` (tokens
   received from a peer), ``prefix_cache_hits_tokens``.
 
-The process's garbage collector too (``kvmesh_gc_*``,
-:class:`~services.common.gc_heap.GcCollector`). An engine with a ``metrics_collector``
-(a Prometheus ``Collector``) has it served too: the AFD engines' ``kvmesh_afd_*``
-timings (:mod:`workers.engines.afd.observe`).
+The process's garbage collector too (``kvmesh_gc_*``, ``python_gc_*``,
+:func:`~services.common.gc_heap.register_gc_metrics`). An engine with a
+``metrics_collector`` (a Prometheus ``Collector``) has it served too: the AFD engines'
+``kvmesh_afd_*`` timings (:mod:`workers.engines.afd.observe`).
 
 Per-request metrics, observed by the servicer (:mod:`workers.service`) into the
 :class:`WorkerMetrics` of its worker id (:func:`worker_metrics`, shared by the servicer
@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.common.gc_heap import GcCollector
+from services.common.gc_heap import register_gc_metrics
 from workers.ec.core import TransferReport
 from workers.engines.base import Engine
 
@@ -148,7 +148,7 @@ class EngineCollector(Collector):
 def serve_metrics(engine: Engine, worker_id: str, role: str, host: str, port: int) -> int:
     """Starts the endpoint; returns its port."""
     registry = CollectorRegistry()
-    registry.register(GcCollector())
+    register_gc_metrics(registry)
     registry.register(EngineCollector(engine, worker_id, role))
     registry.register(worker_metrics(worker_id))
     extra = getattr(engine, "metrics_collector", None)  # an engine's own (AFD: timings)

@@ -27,9 +27,11 @@ Contract of :class:`MeshServer`:
   ``async stop()``: a MeshServer, an app, a fleet) until SIGTERM or SIGINT, stops it and
   returns 0. A ``start`` that raises propagates (non-zero exit). The event loop is
   uvloop's when uvloop is installed, unless ``KVMESH_UVLOOP=0`` (:func:`event_loop_factory`);
-  else asyncio's. The heap is frozen for the garbage collector
-  (:func:`services.common.gc_heap.freeze_heap`, unless ``KVMESH_GC_FREEZE=0``) before
-  ``start`` (the imports) and again once it returns (what it built).
+  else asyncio's. It arms :mod:`services.common.gc_heap` (a ``KVMESH_GC_FREEZE`` other
+  than 0 or 1 is refused like a bad config) and the heap is frozen for the garbage
+  collector (:func:`~services.common.gc_heap.freeze_heap`, unless
+  ``KVMESH_GC_FREEZE=0``) before ``start`` (the imports) and again once it returns (what
+  it built).
   The started app may also expose ``fatal``: an awaitable (future or task) that
   resolves to a reason when the app can no longer serve (a worker's engine died). When
   it resolves (or raises) before a signal, serve_main logs one error line with the
@@ -57,11 +59,10 @@ from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from protos import discovery_pb2
-from services.common import telemetry
+from services.common import gc_heap, telemetry
 from services.common.authz import AuthzInterceptor
 from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import Registration
-from services.common.gc_heap import freeze_heap
 from services.common.telemetry import setup_tracing
 from services.common.tls import tls_for
 
@@ -366,9 +367,9 @@ async def _serve_until_signal(start: Callable[[C], Awaitable[Stoppable]], cfg: C
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    freeze_heap("the imports")
+    gc_heap.freeze_heap("the imports")
     app = await start(cfg)
-    freeze_heap(f"{component}'s start")
+    gc_heap.freeze_heap(f"{component}'s start")
     signalled = asyncio.create_task(stop.wait())
     fatal = getattr(app, "fatal", None)
     died = asyncio.create_task(_fatal_reason(fatal)) if fatal is not None else None
@@ -404,6 +405,11 @@ def serve_main(config_cls: type[C], argv: Sequence[str] | None, component: str,
     try:
         cfg = load_config(config_cls, argv)
     except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    try:
+        gc_heap.arm()
+    except ValueError as exc:  # KVMESH_GC_FREEZE neither 0 nor 1
         print(exc, file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)

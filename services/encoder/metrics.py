@@ -8,7 +8,8 @@ that reads the servicer's ``stats()`` at scrape time (``kvmesh_encoder_cache_hit
 ``_misses_total``, ``_evictions_total``, ``_stale_total``, ``kvmesh_encoder_encodes_total``
 (vision encoder runs, E's connector), ``kvmesh_encoder_refused_total``,
 ``kvmesh_encoder_cache_entries`` / ``_bytes`` / ``_budget_bytes``), and the process's
-garbage collector's (``kvmesh_gc_*``, :class:`~services.common.gc_heap.GcCollector`).
+garbage collector's (``kvmesh_gc_*``, ``python_gc_*``,
+:func:`~services.common.gc_heap.register_gc_metrics`).
 :func:`serve_metrics` serves it (0 = any free port) and returns the router's
 :class:`~services.router.metrics.MetricsEndpoint` (``port``, ``close()``).
 """
@@ -21,7 +22,7 @@ from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from services.common.gc_heap import GcCollector
+from services.common.gc_heap import register_gc_metrics
 from services.router.metrics import MetricsEndpoint
 
 _COUNTERS = ("hits", "misses", "evictions", "stale", "encodes", "published", "refused")
@@ -51,7 +52,7 @@ class EncoderMetrics:
 
     def __init__(self, stats: Callable[[], Mapping[str, int]]) -> None:
         r = self.registry = CollectorRegistry()
-        r.register(GcCollector())
+        register_gc_metrics(r)
         self.queue = Histogram("kvmesh_encoder_queue_seconds",
                                "Wait of an image in the encoder engine's queue",
                                buckets=_SECONDS, registry=r)

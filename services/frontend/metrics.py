@@ -36,8 +36,8 @@ key (401 / UNAUTHENTICATED), by API (http, grpc) |
 | ``kvmesh_frontend_predicted_cached_tokens{path,source}`` | router's prediction, per request |
 | ``kvmesh_frontend_actual_cached_tokens{path,source}`` | engine's ``cached_tokens``, per request |
 | ``kvmesh_frontend_cached_tokens_abs_error{path,source}`` | ``|predicted − actual|`` |
-| ``kvmesh_gc_*`` | the process's garbage collector \
-(:class:`~services.common.gc_heap.GcCollector`) |
+| ``kvmesh_gc_*``, ``python_gc_*`` | the process's garbage collector \
+(:func:`~services.common.gc_heap.register_gc_metrics`) |
 
 The prediction is blocks · block_size on the worker whose hits the client's
 ``cached_tokens`` counts (P when disaggregated, else the worker); ``source`` is where it
@@ -50,7 +50,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from services.common.gc_heap import GcCollector
+from services.common.gc_heap import register_gc_metrics
 
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25,
                 0.5, 1, 2.5)
@@ -79,7 +79,7 @@ class FrontendMetrics:
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
-        r.register(GcCollector())
+        register_gc_metrics(r)
         self.requests = Counter("kvmesh_requests", "Requests by path and outcome",
                                 ["path", "outcome"], registry=r)
         self.rejections = Counter("kvmesh_admission_rejections",

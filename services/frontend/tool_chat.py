@@ -8,8 +8,9 @@ the warm-up of vLLM's tool parser. The output side is :mod:`.shapes`' (one
   requests are served meanwhile. :meth:`ToolsWarmup.wait` is what a tools request
   awaits: it returns once the import is done (starting it when nobody did), or raises
   ApiError 500 naming ``tools`` when vLLM's parser cannot be imported. A text request
-  never waits. Once imported, the process's heap is frozen again
-  (:func:`services.common.gc_heap.freeze_heap`): the import is most of it.
+  never waits. Once imported, the process's heap is frozen again, without a collection
+  while requests are served (:func:`services.common.gc_heap.freeze_heap`; a no-op
+  outside ``serve_main``): the import is most of it.
 - :func:`prepare` (called by :meth:`Pipeline.prepare` for every chat request, before its
   template is rendered): nothing for a request without tools and without tool messages.
   Otherwise the model's template is probed (once per model,
@@ -65,7 +66,7 @@ class ToolsWarmup:
                     self._error = f"{type(exc).__name__}: {exc}"
                     log.error("vLLM's tool parser cannot be imported: %s", self._error)
                 else:
-                    freeze_heap("vLLM's tool parser")
+                    freeze_heap("vLLM's tool parser", collect=False)
                 self._done.set()
         if self._error is not None:
             raise ApiError(500, "tool calling is unavailable: vLLM's tool parser cannot be "

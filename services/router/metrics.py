@@ -20,8 +20,8 @@ one a caller that never released (a bug) |
 here (replica sync; gauge) |
 | ``kvmesh_router_replica_sync_failures_total{op}`` | replica sync Redis failures: \
 ``publish`` or ``read`` |
-| ``kvmesh_gc_*`` | the process's garbage collector \
-(:class:`~services.common.gc_heap.GcCollector`) |
+| ``kvmesh_gc_*``, ``python_gc_*`` | the process's garbage collector \
+(:func:`~services.common.gc_heap.register_gc_metrics`) |
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from services.common.gc_heap import GcCollector
+from services.common.gc_heap import register_gc_metrics
 from services.router.core import RouterCore
 
 
@@ -41,7 +41,7 @@ class RouterMetrics:
 
     def __init__(self, core: RouterCore) -> None:
         r = self.registry = CollectorRegistry()
-        r.register(GcCollector())
+        register_gc_metrics(r)
         self.inflight = Gauge("kvmesh_router_inflight_requests",
                               "Requests routed and not yet released", registry=r)
         self.inflight.set_function(core.in_flight_count)
