@@ -330,7 +330,7 @@ async def start_router(cfg: RouterConfig, embedded_index: Any = None) -> RouterA
     encoder_watcher = InstanceWatcher(cfg.etcd_endpoint, cfg.namespace, "encoder", tls=tls)
     encoder_watcher.on_change(servicer.set_encoders)
     await encoder_watcher.start()
-    poller = LoadPoller(core, cfg.load_poll_s, tls)
+    poller = LoadPoller(core, cfg.load_poll_s, tls, metrics)
     poller.start()
     evictor = Evictor(core, cfg.evict_interval_s, clock)
     evictor.start()

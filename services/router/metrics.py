@@ -20,6 +20,8 @@ one a caller that never released (a bug) |
 here (replica sync; gauge) |
 | ``kvmesh_router_replica_sync_failures_total{op}`` | replica sync Redis failures: \
 ``publish`` or ``read`` |
+| ``kvmesh_router_load_poll_failures_total`` | worker ``GetLoad`` polls that failed (the \
+worker's last load report stays in use) |
 | ``kvmesh_gc_*``, ``python_gc_*`` | the process's garbage collector \
 (:func:`~services.common.gc_heap.register_gc_metrics`) |
 """
@@ -63,6 +65,8 @@ class RouterMetrics:
         self.peers.set_function(core.peers.count)
         self.sync_failures = Counter("kvmesh_router_replica_sync_failures",
                                      "Replica sync Redis failures", ["op"], registry=r)
+        self.load_poll_failures = Counter("kvmesh_router_load_poll_failures",
+                                          "Worker GetLoad polls that failed", registry=r)
 
 
 @dataclass

@@ -502,11 +502,18 @@ def _routing_code(exc: RoutingError) -> grpc.StatusCode:
 
 
 class LoadPoller:
-    """Polls GetLoad on every live worker and feeds the core."""
+    """Polls GetLoad on every live worker every ``period_s`` (each call's deadline) and
+    feeds the core. A poll that fails (any RPC error, the deadline included) leaves the
+    worker's last report in use; it is counted in ``metrics.load_poll_failures`` (when
+    given) and logged as one warning the first time in a row for that worker, and once
+    that worker answers again as one info line: never silent, never a line per poll."""
 
-    def __init__(self, core: RouterCore, period_s: float, tls: MeshTls | None = None) -> None:
+    def __init__(self, core: RouterCore, period_s: float, tls: MeshTls | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
         self._core = core
         self._period = period_s
+        self._metrics = metrics
+        self._failing: set[str] = set()  # worker ids whose last poll failed
         self._pool = ChannelPool(tls, "worker")
         self._loop = Periodic("load-poller", self._poll_all, period_s)
 
@@ -516,15 +523,27 @@ class LoadPoller:
 
     async def _poll_one(self, worker: WorkerRecord) -> None:
         stub = worker_pb2_grpc.WorkerStub(self._pool.get(worker.address))
+        wid = worker.instance_id
         try:
             rep = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=self._period)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
+            if self._metrics is not None:
+                self._metrics.load_poll_failures.inc()
+            if wid not in self._failing:
+                self._failing.add(wid)
+                log.warning("GetLoad on worker %s (%s) failed: %s: %s; routing keeps its "
+                            "last load report until it answers", wid, worker.address,
+                            exc.code().name, exc.details())
             return
-        self._core.update_load(worker.instance_id, rep.num_running, rep.num_waiting,
-                               rep.kv_usage, rep.kv_total_blocks)
+        if wid in self._failing:
+            self._failing.discard(wid)
+            log.info("worker %s answers GetLoad again", wid)
+        self._core.update_load(wid, rep.num_running, rep.num_waiting, rep.kv_usage,
+                               rep.kv_total_blocks)
 
     async def _poll_all(self) -> None:
         workers = self._core.workers()
+        self._failing &= {w.instance_id for w in workers}
         await asyncio.gather(*(self._poll_one(w) for w in workers))
         await self._pool.keep_only({w.address for w in workers})
 
