@@ -112,7 +112,6 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
@@ -277,9 +276,12 @@ class Pipeline:
             return
 
         async def call() -> None:
-            with contextlib.suppress(Exception):
+            try:
                 await router.PrefillDone(router_pb2.PrefillDoneRequest(request_id=request_id),
                                          timeout=5)
+            except grpc.aio.AioRpcError as exc:  # its prefill counts until its Release
+                log.warning("router PrefillDone(%s) failed: %s", request_id,
+                            exc.code().name)
 
         self._spawn(call())
 

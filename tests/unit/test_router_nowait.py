@@ -4,7 +4,8 @@ answers without waiting (the prompt in the request, or given as a list); None wh
 must wait. The fire-and-forget ``release_nowait``
 and ``prefill_done_nowait``: the same effect on the router's state as the Release and
 PrefillDone calls; a bad id or a failing router is logged (and counted), never raised
-into the request that made the call."""
+into the request that made the call; a failing PrefillDone over a channel is logged
+too."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ import random
 import grpc
 import pytest
 
-from protos import discovery_pb2, router_pb2
+from protos import discovery_pb2, router_pb2, router_pb2_grpc
+from services.common.procs import free_port
+from services.frontend.models import ModelCatalog
+from services.frontend.pipeline import Pipeline
 from services.router.core import RouterCore
 from services.router.embedded import InProcessRouterStub
 from services.router.overlaps import RemoteSource
@@ -152,3 +156,16 @@ async def test_route_now_leaves_a_waiting_source_to_route() -> None:
     assert InProcessRouterStub(s).route_now(router_pb2.RouteRequest(
         request_id="r", model="m", token_ids=[1])) is None
     assert core.in_flight() == {}
+
+
+async def test_a_remote_prefill_done_that_fails_is_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Over a channel (a router of its own) too: PrefillDone to a router that is not
+    there is one warning naming the request and the status, never silent."""
+    pipeline = Pipeline(ModelCatalog(), lambda: None)
+    with caplog.at_level(logging.WARNING, "services.frontend.pipeline"):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as ch:
+            pipeline._prefill_done(router_pb2_grpc.RouterStub(ch), "pd-1")
+            await pipeline.close()  # after the pending PrefillDone calls
+    assert [r.getMessage() for r in caplog.records] == [
+        "router PrefillDone(pd-1) failed: UNAVAILABLE"]
