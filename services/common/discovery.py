@@ -235,11 +235,17 @@ class Registration:
         await self._client.put(self._key, value, lease=self._lease)
 
     async def close(self) -> None:
-        """Stops the keepalive and revokes the lease (deleting the record). Idempotent."""
+        """Stops the keepalive and revokes the lease (deleting the record). Idempotent. A
+        revoke that fails (etcd gone) is one warning: the record then lasts until the
+        lease expires, up to ``ttl`` seconds."""
         await self._keepalive.stop()
         if self._lease is not None:
-            with contextlib.suppress(Exception):
+            try:
                 await self._lease.revoke()
+            except Exception as exc:  # noqa: BLE001 - said, and the lease still expires
+                log.warning("could not revoke the lease of %s (%s: %s): watchers drop it "
+                            "when the lease expires, within %d s", self.key,
+                            type(exc).__name__, exc, self._ttl)
             self._lease = None
         with contextlib.suppress(Exception):
             await self._client.close()

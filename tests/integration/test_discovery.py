@@ -1,6 +1,7 @@
 """etcd discovery against real etcd: the watcher's start-up failure is reported, the
 watcher resyncs after etcd restarts (the records written while it was away reach it), and
-a registration puts its key back when someone deletes it while its lease lives."""
+a registration puts its key back when someone deletes it while its lease lives, and one
+whose lease cannot be revoked at close (etcd gone) says so."""
 
 from __future__ import annotations
 
@@ -134,3 +135,19 @@ async def test_records_a_wiped_etcd_lost_stay_until_the_grace_ends(
     finally:
         await watcher.close()
         restarted.stop()
+
+
+async def test_a_lease_that_cannot_be_revoked_is_said(own_etcd: tuple[Child, Path],
+                                                      caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    child, _ = own_etcd
+    rec = discovery_pb2.InstanceRecord(instance_id="orphan", component="worker",
+                                       address="127.0.0.1:1")
+    reg = Registration(child.address, NS, rec, ttl=3)
+    await reg.start()
+    child.stop()  # etcd gone: the revoke cannot reach it
+    with caplog.at_level("WARNING", "services.common.discovery"):
+        await reg.close()
+    said = [r.getMessage() for r in caplog.records
+            if r.getMessage().startswith(f"could not revoke the lease of {reg.key}")]
+    assert len(said) == 1 and "within 3 s" in said[0], caplog.text
