@@ -73,7 +73,8 @@ class BenchMesh:
     def frontend(self, workers: int, timeout_s: float = 180.0, *args: str,
                  replicas: int = 1) -> str:
         """Starts the frontend (with ``args``) on a free port; its base URL once
-        ``workers`` workers serve. ``replicas`` > 1: that many frontends ``frontend``,
+        ``workers`` workers serve and it is in etcd (it serves HTTP a moment before it
+        registers). ``replicas`` > 1: that many frontends ``frontend``,
         ``frontend-1`` ... on that one port (``args`` must hold ``--reuse-port``); waits
         until all are in etcd and each serves on its own port (its record's
         ``http_address``)."""
@@ -87,19 +88,20 @@ class BenchMesh:
         return url
 
     def serving(self, url: str, workers: int, replicas: int = 1) -> Callable[[], bool]:
-        """Whether the frontend at ``url`` serves ``workers`` workers; with ``replicas`` >
-        1, whether that many frontends are in etcd and each does on its own port."""
+        """Whether ``replicas`` frontends are in etcd and the one at ``url`` serves
+        ``workers`` workers; with ``replicas`` > 1, each on its own port."""
         def serves(base: str) -> bool:
             code, body = health(base)
             return code == 200 and int(str(body.get("workers", 0))) >= workers
 
         def ready() -> bool:
-            if replicas == 1:
-                return serves(url)
             records = asyncio.run(read_instance_records(
                 self.env["KVMESH_ETCD_ENDPOINT"], self.namespace, "frontend"))
-            return len(records) == replicas and all(serves(f"http://{r.http_address}")
-                                                    for r in records)
+            if len(records) != replicas:
+                return False
+            if replicas == 1:
+                return serves(url)
+            return all(serves(f"http://{r.http_address}") for r in records)
         return ready
 
     def close(self) -> None:
