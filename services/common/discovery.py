@@ -236,16 +236,17 @@ class Registration:
 
     async def close(self) -> None:
         """Stops the keepalive and revokes the lease (deleting the record). Idempotent. A
-        revoke that fails (etcd gone) is one warning: the record then lasts until the
-        lease expires, up to ``ttl`` seconds."""
+        revoke that fails (etcd gone) is one warning: the record then lasts until etcd
+        expires the lease, ``ttl`` seconds after it last saw a keepalive while it served
+        (a restarted etcd counts the TTL again from its start)."""
         await self._keepalive.stop()
         if self._lease is not None:
             try:
                 await self._lease.revoke()
             except Exception as exc:  # noqa: BLE001 - said, and the lease still expires
                 log.warning("could not revoke the lease of %s (%s: %s): watchers drop it "
-                            "when the lease expires, within %d s", self.key,
-                            type(exc).__name__, exc, self._ttl)
+                            "when etcd expires the lease (TTL %d s, counted while etcd "
+                            "serves)", self.key, type(exc).__name__, exc, self._ttl)
             self._lease = None
         with contextlib.suppress(Exception):
             await self._client.close()

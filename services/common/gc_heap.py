@@ -48,7 +48,6 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -66,28 +65,30 @@ PAUSE_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, float(
 
 
 class _Pauses:
-    """Collection wall times by generation (a ``gc.callbacks`` hook)."""
+    """Collection wall times by generation (a ``gc.callbacks`` hook). CPython runs one
+    collection at a time, its start and stop callbacks on one thread, so there is one
+    writer; each generation's ``(bucket counts, sum)`` is replaced in one assignment, so
+    a scrape from another thread reads a consistent pair."""
 
     def __init__(self) -> None:
-        self.counts = [[0] * len(PAUSE_BUCKETS) for _ in range(3)]
-        self.sums = [0.0, 0.0, 0.0]
-        self._started: dict[int, float] = {}  # thread id -> start of its collection
+        empty = (tuple(0 for _ in PAUSE_BUCKETS), 0.0)
+        self.by_generation: list[tuple[tuple[int, ...], float]] = [empty] * 3
+        self._began: float | None = None
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         now = time.perf_counter()
-        me = threading.get_ident()
         if phase == "start":
-            self._started[me] = now
+            self._began = now
             return
-        began = self._started.pop(me, None)
-        if began is None:
+        began, self._began = self._began, None
+        gen = info.get("generation")
+        if began is None or not isinstance(gen, int) or not 0 <= gen < 3:
             return
-        gen, took = info["generation"], now - began
-        self.sums[gen] += took
-        for i, bound in enumerate(PAUSE_BUCKETS):
-            if took <= bound:
-                self.counts[gen][i] += 1
-                break
+        took = now - began
+        counts, total = self.by_generation[gen]
+        slot = next(i for i, bound in enumerate(PAUSE_BUCKETS) if took <= bound)
+        self.by_generation[gen] = (counts[:slot] + (counts[slot] + 1,) + counts[slot + 1:],
+                                   total + took)
 
 
 _armed = False
@@ -142,13 +143,12 @@ class GcCollector(Collector):
         pauses = HistogramMetricFamily("kvmesh_gc_pause_seconds",
                                        "Wall time of each garbage collection, by generation",
                                        labels=["generation"])
-        for gen in range(3):
-            counts = list(_pauses.counts[gen])
+        for gen, (counts, total) in enumerate(_pauses.by_generation):
             running, buckets = 0, []
             for bound, n in zip(PAUSE_BUCKETS, counts, strict=True):
                 running += n
                 buckets.append(("+Inf" if bound == float("inf") else str(bound), running))
-            pauses.add_metric([str(gen)], buckets, _pauses.sums[gen])
+            pauses.add_metric([str(gen)], buckets, total)
         yield pauses
 
 

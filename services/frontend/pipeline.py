@@ -279,9 +279,10 @@ class Pipeline:
             try:
                 await router.PrefillDone(router_pb2.PrefillDoneRequest(request_id=request_id),
                                          timeout=5)
-            except grpc.aio.AioRpcError as exc:  # its prefill counts until its Release
+            except Exception as exc:  # noqa: BLE001 - said; its prefill counts until Release
                 log.warning("router PrefillDone(%s) failed: %s", request_id,
-                            exc.code().name)
+                            exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
+                            else f"{type(exc).__name__}: {exc}")
 
         self._spawn(call())
 

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -501,19 +502,29 @@ def _routing_code(exc: RoutingError) -> grpc.StatusCode:
     return grpc.StatusCode.FAILED_PRECONDITION  # incl. Incompatible P/D layouts
 
 
+# A worker whose GetLoad keeps failing is logged at most this often (seconds).
+LOAD_WARN_EVERY_S = 60.0
+
+
 class LoadPoller:
     """Polls GetLoad on every live worker every ``period_s`` (each call's deadline) and
     feeds the core. A poll that fails (any RPC error, the deadline included) leaves the
-    worker's last report in use; it is counted in ``metrics.load_poll_failures`` (when
-    given) and logged as one warning the first time in a row for that worker, and once
-    that worker answers again as one info line: never silent, never a line per poll."""
+    worker's last report in use and is counted in ``metrics.load_poll_failures`` (when
+    given); per worker, at most one warning per :data:`LOAD_WARN_EVERY_S` names it, the
+    status and the failed polls not logged since the previous one, and after a warning
+    the worker's next answer is one info line: never silent, and a worker that fails
+    now and then (a deadline missed under load) writes at most two lines a minute."""
 
     def __init__(self, core: RouterCore, period_s: float, tls: MeshTls | None = None,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, clock: Clock = time.monotonic
+                 ) -> None:
         self._core = core
         self._period = period_s
         self._metrics = metrics
-        self._failing: set[str] = set()  # worker ids whose last poll failed
+        self._clock = clock
+        self._warned_at: dict[str, float] = {}  # worker id -> its last failure warning
+        self._unsaid: dict[str, int] = {}  # worker id -> failed polls since that warning
+        self._failing: set[str] = set()  # warned about, and no answer since
         self._pool = ChannelPool(tls, "worker")
         self._loop = Periodic("load-poller", self._poll_all, period_s)
 
@@ -529,11 +540,7 @@ class LoadPoller:
         except grpc.RpcError as exc:
             if self._metrics is not None:
                 self._metrics.load_poll_failures.inc()
-            if wid not in self._failing:
-                self._failing.add(wid)
-                log.warning("GetLoad on worker %s (%s) failed: %s: %s; routing keeps its "
-                            "last load report until it answers", wid, worker.address,
-                            exc.code().name, exc.details())
+            self._failed(worker, exc)
             return
         if wid in self._failing:
             self._failing.discard(wid)
@@ -541,9 +548,30 @@ class LoadPoller:
         self._core.update_load(wid, rep.num_running, rep.num_waiting, rep.kv_usage,
                                rep.kv_total_blocks)
 
+    def _failed(self, worker: WorkerRecord, exc: grpc.RpcError) -> None:
+        """Logs a failed poll, at most once per LOAD_WARN_EVERY_S per worker."""
+        wid, now = worker.instance_id, self._clock()
+        last = self._warned_at.get(wid)
+        if last is not None and now - last < LOAD_WARN_EVERY_S:
+            self._unsaid[wid] = self._unsaid.get(wid, 0) + 1
+            return
+        more = self._unsaid.pop(wid, 0)
+        self._warned_at[wid] = now
+        self._failing.add(wid)
+        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        log.warning("GetLoad on worker %s (%s) failed: %s: %s%s; routing keeps its last "
+                    "load report until it answers", wid, worker.address,
+                    code.name if code is not None else type(exc).__name__,
+                    exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc,
+                    f" ({more} more failed polls since the last warning)" if more else "")
+
     async def _poll_all(self) -> None:
         workers = self._core.workers()
-        self._failing &= {w.instance_id for w in workers}
+        live = {w.instance_id for w in workers}
+        self._failing &= live
+        for gone in set(self._warned_at) - live:
+            self._warned_at.pop(gone)
+            self._unsaid.pop(gone, None)
         await asyncio.gather(*(self._poll_one(w) for w in workers))
         await self._pool.keep_only({w.address for w in workers})
 

@@ -135,9 +135,13 @@ def test_the_metrics(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     after = _samples(registry)
     assert after["kvmesh_gc_frozen_objects"] == gc.get_freeze_count()
     assert (after["kvmesh_gc_frozen_objects"] > 0) == (switch == "1")
-    pauses = 'kvmesh_gc_pause_seconds_count{generation="0"}'
-    assert after[pauses] >= before[pauses] + 1  # timed, frozen or not
-    assert after['kvmesh_gc_pause_seconds_bucket{generation="0",le="+Inf"}'] == after[pauses]
+    runs, spent = ('kvmesh_gc_pause_seconds_count{generation="0"}',
+                   'kvmesh_gc_pause_seconds_sum{generation="0"}')
+    assert after[runs] >= before[runs] + 1  # timed, frozen or not
+    assert after[spent] > before[spent]
+    buckets = [after[f'kvmesh_gc_pause_seconds_bucket{{generation="0",le="{le}"}}']
+               for le in (*map(str, gc_heap.PAUSE_BUCKETS[:-1]), "+Inf")]
+    assert buckets == sorted(buckets) and buckets[-1] == after[runs]
     assert 'python_gc_collections_total{generation="2"}' in after
 
 
