@@ -558,11 +558,10 @@ class LoadPoller:
         more = self._unsaid.pop(wid, 0)
         self._warned_at[wid] = now
         self._failing.add(wid)
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-        log.warning("GetLoad on worker %s (%s) failed: %s: %s%s; routing keeps its last "
-                    "load report until it answers", wid, worker.address,
-                    code.name if code is not None else type(exc).__name__,
-                    exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc,
+        why = (f"{exc.code().name}: {exc.details()}" if isinstance(exc, grpc.aio.AioRpcError)
+               else f"{type(exc).__name__}: {exc}")
+        log.warning("GetLoad on worker %s (%s) failed: %s%s; routing keeps its last load "
+                    "report until it answers", wid, worker.address, why,
                     f" ({more} more failed polls since the last warning)" if more else "")
 
     async def _poll_all(self) -> None:
