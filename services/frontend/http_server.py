@@ -11,6 +11,12 @@ Contract:
   each later one from when the previous response completed. Otherwise the connection is
   closed (slowloris: a client that trickles header bytes forever would hold it for good;
   uvicorn's keep-alive timeout stops counting at the first byte of the next request).
+  With httptools (uvicorn's choice when it is installed, as here), a response whose
+  length is known (``content-length``: every non-streamed answer) also leaves in one
+  write: :class:`HeldHeaders` holds its status line and headers until its body is
+  written (uvicorn writes them apart: two syscalls, and two wake-ups of a waiting
+  client, for every small JSON answer). A streamed (chunked) response's headers leave at
+  once, as before. A connection closed or aborted with headers held sends them first.
 """
 
 from __future__ import annotations
@@ -20,6 +26,56 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+_HTTPTOOLS: tuple[type, ...]
+try:
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    _HTTPTOOLS = (HttpToolsProtocol,)
+except ImportError:  # no httptools: uvicorn runs h11, whose responses are not held
+    _HTTPTOOLS = ()
+
+
+class HeldHeaders:
+    """One response's transport (a request cycle's), holding the first write of a response
+    of known length (its status line and headers: uvicorn writes them as soon as the app
+    starts the response) until the next write (its body), so that both leave in one
+    ``write``. Everything else is the connection's transport's."""
+
+    __slots__ = ("_real", "_cycle", "_held")
+
+    def __init__(self, real: asyncio.Transport, cycle: Any) -> None:
+        self._real = real
+        self._cycle = cycle  # uvicorn's RequestResponseCycle: its chunked_encoding
+        self._held: bytes | None = None  # False once a content-length response started
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._real.write(held + data)
+        elif (self._cycle.chunked_encoding is False and not self._cycle.response_complete
+              and self._cycle.expected_content_length > 0
+              and self._cycle.scope["method"] != "HEAD"):
+            self._held = bytes(data)  # the headers; a body of > 0 bytes follows (HEAD: none)
+        else:
+            self._real.write(data)
+
+    def _flush(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._real.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._real.close()
+
+    def abort(self) -> None:
+        self._flush()
+        self._real.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
 
 
 def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
@@ -43,6 +99,11 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
         def _headers_late(self, waiting_after: Any) -> None:
             if self.cycle is waiting_after and not self.transport.is_closing():
                 self.transport.close()
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            if isinstance(self, _HTTPTOOLS) and self.cycle is not None:
+                self.cycle.transport = HeldHeaders(self.transport, self.cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

@@ -1,0 +1,165 @@
+"""The frontend's uvicorn protocol: a response of known length leaves in one write (its
+headers held until its body), streamed and HEAD responses as uvicorn writes them, and
+every answer intact through a real uvicorn server on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common.procs import free_port
+from services.frontend import http_server
+from services.frontend.http_server import HeldHeaders, http_config
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+class FakeCycle:
+    def __init__(self, chunked: bool | None, length: int = 0, method: str = "GET") -> None:
+        self.chunked_encoding = chunked
+        self.expected_content_length = length
+        self.response_complete = False
+        self.scope = {"method": method}
+
+
+def test_known_length_response_leaves_in_one_write() -> None:
+    real = FakeTransport()
+    held = HeldHeaders(real, FakeCycle(chunked=False, length=2))  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n")
+    assert real.writes == []
+    held.write(b"{}")
+    assert real.writes == [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}"]
+    assert not held.is_closing()  # anything else is the real transport's
+
+
+@pytest.mark.parametrize("cycle", [FakeCycle(chunked=True), FakeCycle(chunked=None),
+                                   FakeCycle(chunked=False, length=0),
+                                   FakeCycle(chunked=False, length=5, method="HEAD")],
+                         ids=["chunked", "not-started", "empty-body", "head"])
+def test_other_writes_pass_straight_through(cycle: FakeCycle) -> None:
+    real = FakeTransport()
+    held = HeldHeaders(real, cycle)  # type: ignore[arg-type]
+    held.write(b"a")
+    held.write(b"b")
+    assert real.writes == [b"a", b"b"]
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+def test_held_headers_are_sent_before_the_connection_ends(end: str) -> None:
+    real = FakeTransport()
+    held = HeldHeaders(real, FakeCycle(chunked=False, length=9))  # type: ignore[arg-type]
+    held.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    getattr(held, end)()
+    assert real.writes == [b"HTTP/1.1 200 OK\r\n\r\n"]
+    assert real.closed if end == "close" else real.aborted
+
+
+async def _json(_: Request) -> Response:
+    return JSONResponse({"a": 1})
+
+
+async def _stream(_: Request) -> Response:
+    async def parts() -> AsyncIterator[bytes]:
+        yield b"x"
+        await asyncio.sleep(0)
+        yield b"y"
+    return StreamingResponse(parts())
+
+
+async def _fails_after_start(_: Request) -> Response:
+    class Broken(Response):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"10")]})
+            raise RuntimeError("the body never comes")
+    return Broken()
+
+
+async def _exchange(port: int, request: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        return await asyncio.wait_for(reader.read(), 30)  # the server closes: Connection: close
+    finally:
+        writer.close()
+
+
+class _Tap:
+    """A connection's transport, its writes recorded."""
+
+    writes: list[bytes] = []
+
+    def __init__(self, real: asyncio.Transport) -> None:
+        self._real = real
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+        self._real.write(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _Tapped(HeldHeaders):
+    __slots__ = ()
+
+    def __init__(self, real: asyncio.Transport, cycle: Any) -> None:
+        super().__init__(_Tap(real), cycle)  # type: ignore[arg-type]
+
+
+async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(http_server, "HeldHeaders", _Tapped)
+    app = Starlette(routes=[Route("/j", _json, methods=["GET", "HEAD"]),
+                            Route("/s", _stream), Route("/broken", _fails_after_start)])
+    port = free_port()
+    config = http_config(app, max_connections=8, keep_alive_s=5, header_timeout_s=5)
+    config.host, config.port = "127.0.0.1", port
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:  # uvicorn offers no event to wait on
+                assert not task.done(), "uvicorn stopped before it started"
+                await asyncio.sleep(0.01)
+        close = b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        got = await _exchange(port, b"GET /j" + close)
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b'\r\n\r\n{"a":1}')
+        assert b"content-length: 7\r\n" in got
+        assert _Tap.writes == [got]  # headers and body in one write
+        got = await _exchange(port, b"HEAD /j" + close)
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\n")
+        assert b"content-length: 7\r\n" in got
+        got = await _exchange(port, b"GET /s" + close)
+        assert b"transfer-encoding: chunked\r\n" in got
+        assert got.endswith(b"\r\n\r\n1\r\nx\r\n1\r\ny\r\n0\r\n\r\n")
+        # the app dies after starting a response: the client still gets the headers uvicorn
+        # wrote, then the connection closes (as without holding them)
+        got = await _exchange(port, b"GET /broken" + close)
+        assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\n")
+    finally:
+        server.should_exit = True
+        await task
