@@ -374,7 +374,11 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise _bad("'stop' must be a string or a list of strings", "stop")
 
 
-def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> SamplingSpec:
+def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...],
+              default_max_tokens: int | None = None, **fixed: Any) -> SamplingSpec:
+    """The body's sampling fields; ``max_tokens`` is ``default_max_tokens`` when the body
+    gives none (``min_tokens`` is checked against the body's own), ``fixed``: fields the
+    caller sets (built once: no ``replace`` of a 30-field dataclass per request)."""
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
@@ -383,7 +387,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
                 raise _bad(f"'{name}' must be > 0, got {max_tokens}", name)
             break
     return SamplingSpec(
-        max_tokens=max_tokens,
+        max_tokens=max_tokens or default_max_tokens,
         temperature=_opt_number(body, "temperature", 0.0, 2.0),
         top_p=_opt_number(body, "top_p", 0.0, 1.0),
         top_k=_opt_int(body, "top_k", -1),
@@ -398,7 +402,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> Sampli
         logit_bias=_logit_bias(body),
         min_tokens=_min_tokens(body, max_tokens),
         min_p=_opt_number(body, "min_p", 0.0, 1.0),
-        **_vllm_extras(body),
+        **_vllm_extras(body), **fixed,
     )
 
 
@@ -582,11 +586,10 @@ def _one_prompt(prompt: Any, param: str) -> str | tuple[int, ...]:
         if not prompt:
             raise _bad(f"'{param}' must not be empty", param)
         return prompt
-    if isinstance(prompt, list) and prompt and all(
-        isinstance(t, int) and not isinstance(t, bool) for t in prompt
-    ):
-        bad = next((t for t in prompt if not 0 <= t <= INT32_MAX), None)
-        if bad is not None:
+    # every element an int, not a bool (type(True) is bool); one pass in C, not in Python
+    if isinstance(prompt, list) and prompt and set(map(type, prompt)) == {int}:
+        if min(prompt) < 0 or max(prompt) > INT32_MAX:
+            bad = next(t for t in prompt if not 0 <= t <= INT32_MAX)
             raise _bad(f"'{param}' token ids must be between 0 and {INT32_MAX}, got {bad}",
                        param)
         return tuple(prompt)
@@ -599,7 +602,7 @@ def _prompts(body: dict[str, Any]) -> list[str | tuple[int, ...]]:
     prompt = body.get("prompt")
     if prompt is None:
         raise _bad("'prompt' is required", "prompt")
-    if isinstance(prompt, list) and any(isinstance(p, str | list) for p in prompt):
+    if isinstance(prompt, list) and not {str, list}.isdisjoint(map(type, prompt)):
         if len(prompt) > MAX_BATCH:
             raise _bad(f"'prompt' takes at most {MAX_BATCH} prompts", "prompt")
         return [_one_prompt(p, "prompt" if len(prompt) == 1 else f"prompt[{i}]")
@@ -622,14 +625,13 @@ def parse_completion(body: Any) -> ParsedRequest:
     prompts = _prompts(body)
     first = prompts[0]
     stream, include_usage, continuous = _stream(body)
-    sampling = _sampling(body, ("max_tokens",))
     echo = _opt_bool(body, "echo")
-    check_choices(_n(body), len(prompts))
     k = None if body.get("logprobs") is False else _logprobs_count(body, "logprobs")
+    sampling = _sampling(body, ("max_tokens",), 16, logprobs=k,
+                         prompt_logprobs=k if echo else None)
+    check_choices(_n(body), len(prompts))
     return ParsedRequest(
-        kind="completion", model=model,
-        sampling=replace(sampling, max_tokens=sampling.max_tokens or 16, logprobs=k,
-                         prompt_logprobs=k if echo else None),
+        kind="completion", model=model, sampling=sampling,
         stream=stream, include_usage=include_usage, continuous_usage=continuous,
         stream_interval=_opt_int(body, "stream_interval", 1),
         prompt=first if isinstance(first, str) else None,
@@ -727,8 +729,8 @@ def parse_chat(body: Any, image_limits: ImageLimits | None = None) -> ParsedRequ
     check_choices(_n(body), 1)
     return ParsedRequest(
         kind="chat", model=model, tools=tool_req, message_extras=extras,
-        sampling=replace(_sampling(body, ("max_completion_tokens", "max_tokens")),
-                         logprobs=_chat_logprobs(body)),
+        sampling=_sampling(body, ("max_completion_tokens", "max_tokens"),
+                           logprobs=_chat_logprobs(body)),
         stream=stream, include_usage=include_usage, continuous_usage=continuous,
         stream_interval=_opt_int(body, "stream_interval", 1),
         messages=tuple(out), **_render(body),

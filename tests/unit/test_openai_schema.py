@@ -34,6 +34,13 @@ def test_completion_defaults_and_fields() -> None:
     ({"model": "m", "prompt": "x", "n": 129}, "n"),
     ({"model": "m", "prompt": ["x", ""]}, "prompt[1]"),
     ({"model": "m", "prompt": []}, "prompt"),
+    ({"model": "m", "prompt": [1, True, 3]}, "prompt"),  # a bool is not a token id
+    ({"model": "m", "prompt": [1, 2.0]}, "prompt"),
+    ({"model": "m", "prompt": [1, None]}, "prompt"),
+    ({"model": "m", "prompt": [1, -1]}, "prompt"),
+    ({"model": "m", "prompt": [2**31]}, "prompt"),
+    ({"model": "m", "prompt": [[1, 2], [3, False]]}, "prompt[1]"),
+    ({"model": "m", "prompt": [[1], "x", [2**31]]}, "prompt[2]"),
     ({"model": "m", "prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "logprobs": True}, "logprobs"),
