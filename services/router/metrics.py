@@ -59,6 +59,7 @@ class RouterMetrics:
                               ["method"], registry=r)
         self.routes = Counter("kvmesh_router_routes", "Requests routed, by plan", ["plan"],
                               registry=r)
+        self._routed: dict[str, Any] = {}  # plan kind -> its child of ``routes``
         self.peers = Gauge("kvmesh_router_replica_peers",
                            "Other router replicas whose in-flight load counts here",
                            registry=r)
@@ -67,6 +68,14 @@ class RouterMetrics:
                                      "Replica sync Redis failures", ["op"], registry=r)
         self.load_poll_failures = Counter("kvmesh_router_load_poll_failures",
                                           "Worker GetLoad polls that failed", registry=r)
+
+    def routed(self, kind: str) -> None:
+        """Counts one request routed with a plan of ``kind`` (``routes``' child, kept:
+        no label checks or lock per request)."""
+        child = self._routed.get(kind)
+        if child is None:
+            child = self._routed[kind] = self.routes.labels(kind)
+        child.inc()
 
 
 @dataclass

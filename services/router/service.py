@@ -127,7 +127,10 @@ def plan_kind(plan: RoutePlan) -> str:
 
 
 def _set_plan_attributes(span: Any, plan: RoutePlan) -> None:
-    """The plan's decision numbers as ``router.route`` span attributes."""
+    """The plan's decision numbers as ``router.route`` span attributes (none on a span
+    that does not record)."""
+    if not span.is_recording():
+        return
     span.set_attribute("kvmesh.worker_id", plan.worker.instance_id)
     span.set_attribute("kvmesh.route_reason", plan.reason)
     span.set_attribute("kvmesh.disaggregated", plan.disaggregated)
@@ -341,11 +344,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """Names the ``router.route`` span (what is known before routing); the candidate
         workers with a block size, and the prompt (``tokens``: its token ids) hashed once
         per block size (with its images' keys)."""
-        span.set_attribute("kvmesh.request_id", request.request_id)
-        span.set_attribute("kvmesh.policy", self._core.policy.name)
-        if self._core.prefill_policy is not None:
-            span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
-        span.set_attribute("kvmesh.indexer", self._overlaps.name)
+        if span.is_recording():
+            span.set_attribute("kvmesh.request_id", request.request_id)
+            span.set_attribute("kvmesh.policy", self._core.policy.name)
+            if self._core.prefill_policy is not None:
+                span.set_attribute("kvmesh.prefill_policy", self._core.prefill_policy.name)
+            span.set_attribute("kvmesh.indexer", self._overlaps.name)
         workers = [w for w in self._core.workers(request.model) if w.block_size > 0]
         hashes = {bs: block_hashes(tokens, bs, salt=request.cache_salt,
                                    mm_keys=mm_block_keys(spans, len(tokens), bs)
@@ -371,7 +375,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         """The core's plan for the prompt's hashes and the source's overlaps (None → the
         core's history) as a RouteResponse (the ``router.route`` span's attributes set;
         Refused when admission or routing refuses)."""
-        if self._overlaps.name != "none":
+        if self._overlaps.name != "none" and span.is_recording():
             span.set_attribute("kvmesh.indexer_fallback", overlaps is None)
         ctx = RouteContext(request.request_id, request.model, tokens, overlaps=overlaps,
                            block_hashes=hashes, cache_salt=request.cache_salt,
@@ -393,7 +397,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise Refused(_routing_code(exc), str(exc)) from exc
         _set_plan_attributes(span, plan)
         _set_admission_attributes(span, plan.admission)
-        self.metrics.routes.labels(plan_kind(plan)).inc()
+        self.metrics.routed(plan_kind(plan))
         resp = router_pb2.RouteResponse(
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,

@@ -124,11 +124,19 @@ def test_span_attributes_of_a_plan() -> None:
         "w1": WorkerOverlap("w1", 3, {"device": 1, "store": 3})}))
 
     class Span:
-        attrs: dict[str, Any] = {}
+        def __init__(self, recording: bool = True) -> None:
+            self.attrs: dict[str, Any] = {}
+            self.recording = recording
+
+        def is_recording(self) -> bool:
+            return self.recording
 
         def set_attribute(self, k: str, v: Any) -> None:
             self.attrs[k] = v
 
+    unrecorded = Span(recording=False)
+    _set_plan_attributes(unrecorded, plan)
+    assert unrecorded.attrs == {}  # nothing computed for a span that records nothing
     span = Span()
     _set_plan_attributes(span, plan)
     assert span.attrs["kvmesh.predicted_overlap_blocks"] == 3
