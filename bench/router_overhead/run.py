@@ -31,6 +31,12 @@ Contracts:
   tokenized by the frontend). All use 64-token prompts (a shared 32-token head, so the
   kv policy has work) and ``max_tokens`` 1. Latency is send → complete response at the
   client. With both modes, each rate runs in both meshes, in alternating order (ABBA).
+- Per rate and mode also the **lean pair** (:mod:`bench.router_overhead.lean`): the
+  anchor over the worker's TCP request plane (the frontend's own carrier to a worker)
+  and the mesh's POST, each from a minimal client of a few µs (httpx and grpc.aio cost
+  this client hundreds of µs per request, and not the same: the pair above holds their
+  difference). ``added_lean_p50_ms`` / ``added_lean_p99_ms``: lean mesh − lean anchor,
+  what the frontend and router themselves add (their work and one more hop).
 - Per rate also a third stream, once for all modes: the **HTTP floor**, the same POSTs
   to a bare uvicorn + FastAPI endpoint that parses the body and answers a fixed
   completion (``python -m bench.mesh_profile.floors --serve http``, a child process on
@@ -75,6 +81,7 @@ import httpx
 import numpy as np
 
 from bench.mesh import BenchMesh, embedded_router_args
+from bench.router_overhead.lean import LeanHttp, PlaneClient
 from bench.tls_cost import (
     TLS_FLAG,
     cpu_block,
@@ -156,6 +163,7 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
     """The rate sweep of every mode in ``targets``; per rate the HTTP floor (``floor_url``,
     see the module docstring), then the modes, alternating (ABBA)."""
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in targets}
+    lean_https: list[LeanHttp] = []
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as http:
         async def floor(i: int) -> None:
             resp = await http.post(f"{floor_url}/v1/completions", json={
@@ -163,8 +171,8 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
             resp.raise_for_status()
 
         await _poisson(20, 1.0, floor, 0)
-        calls: dict[str, tuple[Any, Any, Any]] = {}
-        closers = []
+        calls: dict[str, tuple[Any, ...]] = {}
+        closers: list[Any] = []
         for mode, tg in targets.items():
             channels, stubs = _stubs(tg.workers, tg.tls)
             front_ch = channel(tg.grpc, tg.tls, "frontend")
@@ -189,20 +197,41 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
                     sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0.0))
                 async for _ in front.Generate(req, timeout=30):
                     pass
-            calls[mode] = (direct, mesh, mesh_grpc)
-            await _poisson(20, 1.0, mesh, 0)  # warm-up: connections, JIT-free paths
-            await _poisson(20, 1.0, mesh_grpc, 0)
-            await _poisson(20, 1.0, direct, 0)
+            planes = [PlaneClient(a, tg.tls) for a in tg.planes]
+            for plane in planes:
+                await plane.connect()
+            host, _, port = tg.url.removeprefix("http://").rpartition(":")
+            lean_http = LeanHttp(host, int(port))
+            closers += planes
+            lean_https.append(lean_http)
+
+            async def direct_plane(i: int, planes: list[PlaneClient] = planes) -> None:
+                await planes[i % len(planes)].generate(worker_pb2.GenerateRequest(
+                    request_id=f"p{i}-{time.monotonic_ns()}", token_ids=prompt(i),
+                    model=MODEL, sampling=common_pb2.SamplingParams(max_tokens=1,
+                                                                    temperature=0.0)))
+
+            async def mesh_lean(i: int, http: LeanHttp = lean_http) -> None:
+                await http.post("/v1/completions", {
+                    "model": MODEL, "prompt": prompt(i), "max_tokens": 1, "temperature": 0})
+            calls[mode] = (direct, mesh, mesh_grpc, direct_plane, mesh_lean)
+            for warm in calls[mode]:  # warm-up: connections, JIT-free paths
+                await _poisson(20, 1.0, warm, 0)
         for k, rate in enumerate(rates):
             bare = await _poisson(rate, duration_s, floor, int(rate) + 2)
             for mode in round_order(list(targets), k):
-                direct, mesh, mesh_grpc = calls[mode]
+                direct, mesh, mesh_grpc, direct_plane, mesh_lean = calls[mode]
                 anchor = await _poisson(rate, duration_s, direct, int(rate))
                 through = await _poisson(rate, duration_s, mesh, int(rate) + 1)
                 over_grpc = await _poisson(rate, duration_s, mesh_grpc, int(rate) + 3)
+                plane_anchor = await _poisson(rate, duration_s, direct_plane, int(rate) + 4)
+                lean = await _poisson(rate, duration_s, mesh_lean, int(rate) + 5)
                 added = through["p50_ms"] - anchor["p50_ms"]
                 out[mode].append({"rate_rps": rate, "anchor_direct_worker": anchor,
                                   "frontend_router": through, "frontend_grpc": over_grpc,
+                                  "anchor_plane_lean": plane_anchor, "frontend_lean": lean,
+                                  "added_lean_p50_ms": lean["p50_ms"] - plane_anchor["p50_ms"],
+                                  "added_lean_p99_ms": lean["p99_ms"] - plane_anchor["p99_ms"],
                                   "http_floor": bare, "added_p50_ms": added,
                                   "added_p99_ms": through["p99_ms"] - anchor["p99_ms"],
                                   "added_grpc_p50_ms": over_grpc["p50_ms"] - anchor["p50_ms"],
@@ -212,10 +241,15 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
                       f"{anchor['p99_ms']:.2f}  mesh p50 {through['p50_ms']:.2f} p99 "
                       f"{through['p99_ms']:.2f}  mesh over gRPC p50 {over_grpc['p50_ms']:.2f} "
                       f"p99 {over_grpc['p99_ms']:.2f}  bare HTTP hop p50 {bare['p50_ms']:.2f} "
-                      f"ms  errors {anchor['errors']}/{through['errors']}/"
-                      f"{over_grpc['errors']}/{bare['errors']}", flush=True)
+                      f"ms  lean: direct p50 {plane_anchor['p50_ms']:.2f} p99 "
+                      f"{plane_anchor['p99_ms']:.2f} mesh p50 {lean['p50_ms']:.2f} p99 "
+                      f"{lean['p99_ms']:.2f}  errors {anchor['errors']}/{through['errors']}/"
+                      f"{over_grpc['errors']}/{plane_anchor['errors']}/{lean['errors']}/"
+                      f"{bare['errors']}", flush=True)
     for c in closers:
         await c.close()
+    for h in lean_https:
+        h.close()
     return out
 
 
@@ -346,6 +380,9 @@ def plot(rows: list[dict[str, Any]], path: Path, rows_tls: list[dict[str, Any]] 
             ax[0].plot(rates, [r["http_floor"][key] for r in rows], style,
                        label=f"bare HTTP hop {key[:3]}")
         ax[1].plot(rates, [r[f"added_{key}"] for r in rows], style, label=f"added {key[:3]}")
+        if "frontend_lean" in rows[0]:
+            ax[1].plot(rates, [r[f"added_lean_{key}"] for r in rows], style,
+                       label=f"added, lean clients {key[:3]}")
         if "frontend_grpc" in rows[0]:
             ax[0].plot(rates, [r["frontend_grpc"][key] for r in rows], style,
                        label=f"frontend+router over gRPC {key[:3]}")
@@ -381,6 +418,7 @@ class Target:
     workers: list[str]
     tls: MeshTls | None
     pids: list[int]  # the mesh's processes (their CPU time, descendants included)
+    planes: list[str]  # the workers' TCP request planes
 
 
 def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace) -> Target:
@@ -415,18 +453,21 @@ def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace)
         url = mesh.frontend(args.workers, 120)
         router = f"127.0.0.1:{router_port}"
 
-    async def workers() -> list[str]:
+    async def workers() -> list[Any]:  # InstanceRecord
         ch = channel(router, tls, "router")
         try:
             resp = await router_pb2_grpc.RouterStub(ch).ListWorkers(
                 router_pb2.ListWorkersRequest())
         finally:
             await ch.close()
-        return [w.address for w in resp.workers]
+        return list(resp.workers)
     (front,) = asyncio.run(read_instance_records(
         mesh.children[0].address, mesh.namespace, "frontend", tls))
-    return Target(url, router, front.address, asyncio.run(workers()), tls,
-                  [c.pid for c in mesh.children])
+    listed = asyncio.run(workers())
+    if not all(w.request_plane_address for w in listed):
+        raise RuntimeError("a worker has no TCP request plane: the lean streams need one")
+    return Target(url, router, front.address, [w.address for w in listed], tls,
+                  [c.pid for c in mesh.children], [w.request_plane_address for w in listed])
 
 
 def start_http_floor(stack: contextlib.ExitStack) -> str:

@@ -1,0 +1,92 @@
+"""bench.router_overhead's lean clients against loopback servers: answers, refusals and
+lost connections surface; nothing waits forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.router_overhead.lean import LeanHttp, LeanHttpError, PlaneClient
+from protos import worker_pb2
+from services.common.frames import FramedProtocol
+
+
+async def _http_server(answers: list[bytes]) -> asyncio.Server:
+    """Answers each request with the next of ``answers`` (b"" closes the connection)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                answer = answers.pop(0)
+                if not answer:
+                    break
+                writer.write(answer)
+        finally:
+            writer.close()
+    return await asyncio.start_server(serve, "127.0.0.1", 0)
+
+
+async def test_lean_http_answers_refusals_and_lost_connections() -> None:
+    answers = [b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok",
+               b"HTTP/1.1 404 Not Found\r\nContent-Length: 4\r\n\r\nnope", b""]
+    server = await _http_server(answers)
+    port = server.sockets[0].getsockname()[1]
+    http = LeanHttp("127.0.0.1", port)
+    try:
+        async with asyncio.timeout(30):
+            assert await http.post("/x", {"a": 1}) == b"ok"
+            with pytest.raises(LeanHttpError) as err:
+                await http.post("/x", {})
+            assert err.value.status == 404
+            with pytest.raises(ConnectionError):  # closed before answering
+                await http.post("/x", {})
+    finally:
+        http.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_plane_client_ends_ok_error_and_loss() -> None:
+    protos: list[FramedProtocol] = []
+
+    async def answer(proto: FramedProtocol) -> None:
+        await proto.ready
+        while (data := await proto.read()) is not None:
+            for frame in worker_pb2.GenerateFrames.FromString(data).frames:
+                if frame.request.request_id == "lose":
+                    proto.close()
+                    return
+                code = 0 if frame.request.request_id == "ok" else 3
+                proto.write(worker_pb2.GenerateReplies(replies=[
+                    worker_pb2.GenerateReply(call_id=frame.call_id,
+                                             response=worker_pb2.GenerateResponse()),
+                    worker_pb2.GenerateReply(call_id=frame.call_id, end=worker_pb2.CallStatus(
+                        code=code, details="bad"))]).SerializeToString())
+
+    tasks: list[asyncio.Task[None]] = []
+
+    def made(proto: FramedProtocol) -> None:
+        protos.append(proto)
+        tasks.append(asyncio.ensure_future(answer(proto)))
+
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(
+        lambda: FramedProtocol(expect_preamble=True, on_connect=made), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = PlaneClient(f"127.0.0.1:{port}")
+    try:
+        async with asyncio.timeout(30):
+            await client.connect()
+            await client.generate(worker_pb2.GenerateRequest(request_id="ok"))
+            with pytest.raises(RuntimeError, match="status 3: bad"):
+                await client.generate(worker_pb2.GenerateRequest(request_id="err"))
+            with pytest.raises(ConnectionError):
+                await client.generate(worker_pb2.GenerateRequest(request_id="lose"))
+    finally:
+        await client.close()
+        server.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
