@@ -43,7 +43,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -55,10 +54,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.frontend import fanout, tool_chat
+from services.frontend import fanout, json_codec, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import FanJob, Tally
 from services.frontend.jobs import Chunk
+from services.frontend.json_codec import JsonAnswer
 from services.frontend.models import Tokenizer
 from services.frontend.openai_schema import (
     ApiError,
@@ -103,8 +103,8 @@ def _accepts(keys: ApiKeys, header: str | None) -> bool:
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
-    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
+    data = obj.encode() if isinstance(obj, str) else json_codec.encode(obj)
+    return b"data: " + data + b"\n\n"
 
 
 async def _chunk_objects(shapes: Shapes, fan: FanJob,
@@ -228,7 +228,7 @@ async def _read_body(request: Request, limits: HttpLimits) -> bytes:
 async def _json_body(request: Request, limits: HttpLimits) -> Any:
     raw = await _read_body(request, limits)
     try:
-        body = json.loads(raw)
+        body = json_codec.decode(raw)
     except RecursionError:
         raise ApiError(400, "Invalid JSON body: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
@@ -376,7 +376,7 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
     async def _serve(req: ParsedRequest, who: Tenant) -> Response:
         result = await _objects(req, who)
         if isinstance(result, dict):
-            return JSONResponse(result)
+            return JsonAnswer(result)
         return StreamingResponse(_sse_stream(result), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
