@@ -1,0 +1,61 @@
+"""bench.mesh_profile's stage timeline: the stamps runner's wrappers (sync and async,
+only while recording) and the timeline built from two processes' stamps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.mesh_profile import stamps
+from bench.mesh_profile.stages import timeline
+
+
+def test_stamped_records_entry_and_exit_only_while_on() -> None:
+    def add(a: int, b: int) -> int:
+        return a + b
+
+    async def twice(x: int) -> int:
+        await asyncio.sleep(0)
+        return 2 * x
+
+    sync, coro = stamps.stamped("add", add), stamps.stamped("twice", twice)
+    before = len(stamps.recorded())
+    assert sync(1, 2) == 3 and asyncio.run(coro(4)) == 8
+    assert len(stamps.recorded()) == before  # off: nothing recorded
+    stamps.set_recording(True)
+    try:
+        assert sync(1, 2) == 3 and asyncio.run(coro(4)) == 8
+        with pytest.raises(TypeError):
+            sync(1, "x")  # the exit is stamped on the way out of an exception too
+    finally:
+        stamps.set_recording(False)
+    got = [(name, edge) for _, name, edge in stamps.recorded()[before:]]
+    assert got == [("add", "+"), ("add", "-"), ("twice", "+"), ("twice", "-"),
+                   ("add", "+"), ("add", "-")]
+    times = [ns for ns, _, _ in stamps.recorded()[before:]]
+    assert times == sorted(times)
+
+
+def test_install_skips_what_is_missing() -> None:
+    assert stamps.install((("bench.mesh_profile.stages", "NoSuchThing.step"),
+                           ("no_such_module_here", "f"))) == []
+
+
+def test_timeline_places_each_stamp_at_its_offset_in_its_request() -> None:
+    requests = [(1_000, 9_000), (20_000, 30_000), (50_000, 51_000)]
+    logs = {
+        "F": [(2_000, "parse", "+"), (3_000, "parse", "-"), (21_000, "parse", "+"),
+              (23_000, "parse", "-"), (4_000, "write", "+"), (4_500, "write", "+"),
+              (15_000, "idle_work", "+")],  # between requests: in none
+        "W": [(5_000, "engine", "+"), (26_000, "engine", "+")],
+    }
+    got = timeline(requests, logs)
+    rows = {r["stamp"]: (r["median_us"], r["requests"]) for r in got["timeline"]}
+    assert rows["F:parse+#1"] == (1.0, 2)  # offsets 1 and 1 µs
+    assert rows["F:parse-#1"] == (2.5, 2)  # 2 and 3 µs
+    assert rows["W:engine+#1"] == (5.0, 2)  # 4 and 6 µs
+    assert rows["F:write+#1"] == (3.0, 1) and rows["F:write+#2"] == (3.5, 1)
+    assert "F:idle_work+#1" not in rows
+    assert [r["median_us"] for r in got["timeline"]] == sorted(rows[k][0] for k in rows)
+    assert got["answer_us"] == 8.0  # median of 8, 10 and 1 µs
