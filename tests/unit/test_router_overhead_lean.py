@@ -90,3 +90,26 @@ async def test_plane_client_ends_ok_error_and_loss() -> None:
         await client.close()
         server.close()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_mixed_poisson_streams_share_one_run() -> None:
+    from bench.router_overhead.run import _poisson_mixed
+
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+
+    async def a(i: int) -> None:
+        seen["a"].append(i)
+
+    async def b(i: int) -> None:
+        seen["b"].append(i)
+        if i % 2:
+            raise RuntimeError("counted, not raised")
+
+    got_a, got_b = await _poisson_mixed(400, 0.25, [a, b], seed=7)
+    assert got_a["sent"] == len(seen["a"]) and got_b["sent"] == len(seen["b"])
+    assert got_a["ok"] == got_a["sent"] and got_a["errors"] == 0
+    assert got_b["errors"] == sum(i % 2 for i in seen["b"])
+    assert got_b["ok"] + got_b["errors"] == got_b["sent"]
+    # one numbering for both: the arrivals were interleaved, none given to both
+    assert sorted(seen["a"] + seen["b"]) == list(range(got_a["sent"] + got_b["sent"]))
+    assert seen["a"] and seen["b"]
