@@ -39,27 +39,31 @@ except ImportError:  # no httptools: uvicorn runs h11, whose responses are not h
 class HeldHeaders:
     """One response's transport (a request cycle's), holding the first write of a response
     of known length (its status line and headers: uvicorn writes them as soon as the app
-    starts the response) until the next write (its body), so that both leave in one
-    ``write``. Everything else is the connection's transport's."""
+    starts the response) until the next write (its body's first part), so that both
+    leave in one ``write``; every later write goes straight through. Everything else is
+    the connection's transport's."""
 
-    __slots__ = ("_real", "_cycle", "_held")
+    __slots__ = ("_real", "_cycle", "_held", "_first")
 
     def __init__(self, real: asyncio.Transport, cycle: Any) -> None:
         self._real = real
         self._cycle = cycle  # uvicorn's RequestResponseCycle: its chunked_encoding
-        self._held: bytes | None = None  # False once a content-length response started
+        self._held: bytes | None = None
+        self._first = True  # no write yet: only the first may be held
 
     def write(self, data: bytes) -> None:
         held = self._held
         if held is not None:
             self._held = None
             self._real.write(held + data)
-        elif (self._cycle.chunked_encoding is False and not self._cycle.response_complete
+        elif (self._first and self._cycle.chunked_encoding is False
+              and not self._cycle.response_complete
               and self._cycle.expected_content_length > 0
               and self._cycle.scope["method"] != "HEAD"):
             self._held = bytes(data)  # the headers; a body of > 0 bytes follows (HEAD: none)
         else:
             self._real.write(data)
+        self._first = False
 
     def _flush(self) -> None:
         if self._held is not None:
@@ -101,9 +105,11 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
                 self.transport.close()
 
         def on_headers_complete(self) -> None:
+            before = self.cycle
             super().on_headers_complete()
-            if isinstance(self, _HTTPTOOLS) and self.cycle is not None:
-                self.cycle.transport = HeldHeaders(self.transport, self.cycle)
+            cycle = self.cycle  # a new one, unless uvicorn returned early (an upgrade)
+            if isinstance(self, _HTTPTOOLS) and cycle is not None and cycle is not before:
+                cycle.transport = HeldHeaders(self.transport, cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()

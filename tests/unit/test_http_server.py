@@ -56,6 +56,16 @@ def test_known_length_response_leaves_in_one_write() -> None:
     assert not held.is_closing()  # anything else is the real transport's
 
 
+def test_only_the_first_write_is_held() -> None:
+    real = FakeTransport()
+    held = HeldHeaders(real, FakeCycle(chunked=False, length=6))  # type: ignore[arg-type]
+    held.write(b"HEAD\r\n\r\n")
+    held.write(b"ab")  # a body in three parts (uvicorn counts down before each write)
+    held.write(b"cd")
+    held.write(b"ef")
+    assert real.writes == [b"HEAD\r\n\r\nab", b"cd", b"ef"]
+
+
 @pytest.mark.parametrize("cycle", [FakeCycle(chunked=True), FakeCycle(chunked=None),
                                    FakeCycle(chunked=False, length=0),
                                    FakeCycle(chunked=False, length=5, method="HEAD")],
@@ -99,6 +109,16 @@ async def _fails_after_start(_: Request) -> Response:
     return Broken()
 
 
+async def _in_parts(_: Request) -> Response:
+    class Parts(Response):
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", b"6")]})
+            for part, more in ((b"ab", True), (b"cd", True), (b"ef", False)):
+                await send({"type": "http.response.body", "body": part, "more_body": more})
+    return Parts()
+
+
 async def _exchange(port: int, request: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -133,8 +153,10 @@ class _Tapped(HeldHeaders):
 
 async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(http_server, "HeldHeaders", _Tapped)
+    monkeypatch.setattr(_Tap, "writes", [])
     app = Starlette(routes=[Route("/j", _json, methods=["GET", "HEAD"]),
-                            Route("/s", _stream), Route("/broken", _fails_after_start)])
+                            Route("/s", _stream), Route("/broken", _fails_after_start),
+                            Route("/parts", _in_parts)])
     port = free_port()
     config = http_config(app, max_connections=8, keep_alive_s=5, header_timeout_s=5)
     config.host, config.port = "127.0.0.1", port
@@ -150,6 +172,20 @@ async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatc
         assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b'\r\n\r\n{"a":1}')
         assert b"content-length: 7\r\n" in got
         assert _Tap.writes == [got]  # headers and body in one write
+        _Tap.writes.clear()
+        got = await _exchange(port, b"GET /parts" + close)
+        assert got.endswith(b"\r\n\r\nabcdef")
+        assert _Tap.writes[1:] == [b"cd", b"ef"] and _Tap.writes[0].endswith(b"\r\n\r\nab")
+        # keep-alive: two answers on one connection, each whole
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            for _ in range(2):
+                writer.write(b"GET /j HTTP/1.1\r\nHost: x\r\n\r\n")
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+                assert await asyncio.wait_for(reader.readexactly(7), 30) == b'{"a":1}'
+        finally:
+            writer.close()
         got = await _exchange(port, b"HEAD /j" + close)
         assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\n")
         assert b"content-length: 7\r\n" in got
