@@ -17,7 +17,11 @@ Contract:
   path.
 - :func:`encode`: compact UTF-8 JSON, non-ASCII as is (``ensure_ascii=False``), keys in
   the dict's order. A NaN or infinite float is written ``null``, as pydantic (vLLM's
-  server) writes it; log-probabilities are clamped before (see :mod:`.shapes`).
+  server) writes it; log-probabilities are clamped before (see :mod:`.shapes`). What
+  msgspec cannot encode as UTF-8 (a string holding a lone surrogate) is written by
+  ``json.dumps`` instead, ASCII-only with ``\\u`` escapes, as the frontend wrote every
+  stream chunk before. Floats may be spelled differently from ``json.dumps``
+  (``0.00001`` for ``1e-05``): the same values.
 - :class:`JsonAnswer`: a starlette ``Response`` of ``encode(content)``,
   ``application/json``.
 """
@@ -38,13 +42,16 @@ def decode(raw: bytes) -> Any:
     """``json.loads(raw)`` (see the module docstring)."""
     try:
         return _decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError):
+    except (ValueError, RecursionError):  # msgspec.DecodeError is a ValueError
         return json.loads(raw)
 
 
 def encode(obj: Any) -> bytes:
     """``obj`` as compact UTF-8 JSON (see the module docstring)."""
-    return _encoder.encode(obj)
+    try:
+        return _encoder.encode(obj)
+    except (ValueError, msgspec.EncodeError):  # UnicodeEncodeError: a lone surrogate
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 class JsonAnswer(Response):
@@ -53,4 +60,4 @@ class JsonAnswer(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return _encoder.encode(content)
+        return encode(content)

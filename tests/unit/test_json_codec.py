@@ -20,6 +20,7 @@ SAME = [
     b'{"x": 1e400}',  # beyond a float: json.loads' inf
     b'{"text": "\\ud800"}',  # a lone surrogate: json.loads keeps it (checked later)
     b'[' * 500 + b']' * 500,
+    b'{"prompt": "\xed\xa0\x80"}',  # a UTF-8-encoded surrogate: json.loads keeps it
 ]
 
 
@@ -30,7 +31,8 @@ def test_decode_is_json_loads(raw: bytes) -> None:
     assert type(got) is type(want)
 
 
-@pytest.mark.parametrize("raw", [b"{", b"\xff", b'{"a": 1} x', b"", b"[1,]",
+@pytest.mark.parametrize("raw", [b"{", b"\xff", b'{"a": "\xff"}', b'{"a": 1} x', b"",
+                                 b"[1,]",
                                  b'{"a": ' + b"9" * 5000 + b"}"])
 def test_decode_refuses_what_json_loads_refuses(raw: bytes) -> None:
     with pytest.raises(ValueError) as want:
@@ -52,6 +54,12 @@ def test_encode_is_compact_utf8_with_non_finite_floats_as_null() -> None:
     assert out == ('{"text":"é \u2028 😀","n":[1,2.5,null,true],"lp":-9999.0,'
                    '"bad":[null,null]}').encode()
     assert json.loads(out) == {**obj, "bad": [None, None]}
+
+
+def test_encode_of_a_lone_surrogate_falls_back_to_escapes() -> None:
+    out = encode({"text": "a\ud800b", "n": 1})
+    assert out == b'{"text":"a\\ud800b","n":1}'
+    assert json.loads(out) == {"text": "a\ud800b", "n": 1}
 
 
 def test_json_answer() -> None:
