@@ -377,8 +377,8 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...],
               default_max_tokens: int | None = None, **fixed: Any) -> SamplingSpec:
     """The body's sampling fields; ``max_tokens`` is ``default_max_tokens`` when the body
-    gives none (``min_tokens`` is checked against the body's own), ``fixed``: fields the
-    caller sets (built once: no ``replace`` of a 30-field dataclass per request)."""
+    gives none (``min_tokens`` is checked against it, as vLLM does), ``fixed``: fields
+    the caller sets (built once: no ``replace`` of a 30-field dataclass per request)."""
     max_tokens = None
     for name in max_tokens_names:
         max_tokens = _opt_int(body, name)
@@ -400,7 +400,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...],
         repetition_penalty=_positive(body, "repetition_penalty"),
         structured=_structured(body),
         logit_bias=_logit_bias(body),
-        min_tokens=_min_tokens(body, max_tokens),
+        min_tokens=_min_tokens(body, max_tokens or default_max_tokens),
         min_p=_opt_number(body, "min_p", 0.0, 1.0),
         **_vllm_extras(body), **fixed,
     )

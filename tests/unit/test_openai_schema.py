@@ -52,6 +52,7 @@ def test_completion_defaults_and_fields() -> None:
                                                        "json_schema": {"schema": []}}},
      "response_format.json_schema.schema"),
     ({"model": "m", "prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"model": "m", "prompt": "x", "min_tokens": 17}, "min_tokens"),  # over the default 16
     ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
     ({"model": "m", "prompt": "x", "stream_interval": 0}, "stream_interval"),
     ({"model": "m", "prompt": "x", "stream_interval": -2}, "stream_interval"),
