@@ -10,15 +10,17 @@ their difference. The lean pair calls both sides with a few µs of client:
   Contract: ``await post(path, obj)`` returns the response body of a 200 answer with a
   ``content-length`` (what the frontend answers a non-streamed request); any other
   status raises :class:`LeanHttpError` with the status and body; a connection lost
-  before the whole answer raises ConnectionError (closed connections leave the pool).
-  ``close()`` closes every connection.
+  before the whole answer raises ConnectionError (closed connections leave the pool);
+  no answer within :data:`CALL_TIMEOUT_S` raises TimeoutError (that connection is
+  closed). ``close()`` closes every connection.
 - :class:`PlaneClient`: one connection to a worker's TCP request plane (the frontend's
   own carrier to a worker, :mod:`services.frontend.request_plane`), calls multiplexed on
   it by ``call_id``. Contract: ``await connect()`` (TLS with ``tls``: the client
   certificate of ``tls``'s role); ``await generate(request)`` starts one call and returns
   once the worker ends it OK (the replies are read, not kept); an end with another
-  status raises RuntimeError naming it; a lost connection fails every open call with
-  ConnectionError. ``close()``.
+  status raises RuntimeError naming it; a lost connection fails every open call, and
+  every later one, with ConnectionError; no end within :data:`CALL_TIMEOUT_S` raises
+  TimeoutError. ``close()``.
 
 Only for benchmarks.
 """
@@ -32,6 +34,8 @@ from typing import Any
 from protos import worker_pb2
 from services.common.frames import PREAMBLE, FramedProtocol
 from services.common.tls import MeshTls, server_name
+
+CALL_TIMEOUT_S = 30.0  # as the bench's httpx client's
 
 
 class LeanHttpError(RuntimeError):
@@ -122,9 +126,13 @@ class LeanHttp:
                              b"\r\nContent-Length: %d\r\n\r\n%s"
                              % (path.encode(), self._host.encode(), len(body), body))
         try:
-            answer = await conn.waiter
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                answer = await conn.waiter
         except LeanHttpError:
             self._idle.append(conn)
+            raise
+        except TimeoutError:
+            conn._fail(TimeoutError("no answer"))  # its state is unknown: not reused
             raise
         self._idle.append(conn)
         return answer
@@ -147,6 +155,7 @@ class PlaneClient:
         self._calls: dict[int, asyncio.Future[None]] = {}
         self._next = 0
         self._reader: asyncio.Task[None] | None = None
+        self._ended: BaseException | None = None  # why the connection is gone
 
     async def connect(self) -> None:
         host, _, port = self.address.rpartition(":")
@@ -175,6 +184,7 @@ class PlaneClient:
             error: BaseException = ConnectionError("the worker ended the connection")
         except Exception as exc:  # noqa: BLE001 - lost, or a reply that does not parse:
             error = exc  # every open call fails with it
+        self._ended = error
         for call in self._calls.values():
             if not call.done():
                 call.set_exception(error)
@@ -183,12 +193,19 @@ class PlaneClient:
     async def generate(self, request: worker_pb2.GenerateRequest) -> None:
         if self._proto is None:
             raise RuntimeError("PlaneClient.connect() first")
+        if self._ended is not None:
+            raise ConnectionError(f"the connection is gone: {self._ended}")
         self._next += 1
+        call_id = self._next
         call: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._calls[self._next] = call
+        self._calls[call_id] = call
         self._proto.write(worker_pb2.GenerateFrames(frames=[worker_pb2.GenerateFrame(
-            call_id=self._next, request=request)]).SerializeToString())
-        await call
+            call_id=call_id, request=request)]).SerializeToString())
+        try:
+            async with asyncio.timeout(CALL_TIMEOUT_S):
+                await call
+        finally:
+            self._calls.pop(call_id, None)
 
     async def close(self) -> None:
         if self._proto is not None:

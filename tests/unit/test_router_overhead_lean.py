@@ -86,6 +86,8 @@ async def test_plane_client_ends_ok_error_and_loss() -> None:
                 await client.generate(worker_pb2.GenerateRequest(request_id="err"))
             with pytest.raises(ConnectionError):
                 await client.generate(worker_pb2.GenerateRequest(request_id="lose"))
+            with pytest.raises(ConnectionError, match="gone"):  # later calls: at once
+                await client.generate(worker_pb2.GenerateRequest(request_id="ok"))
     finally:
         await client.close()
         server.close()
