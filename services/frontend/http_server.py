@@ -10,7 +10,9 @@ Contract:
   within ``header_timeout_s``: of the first request from when the connection opened, of
   each later one from when the previous response completed. Otherwise the connection is
   closed (slowloris: a client that trickles header bytes forever would hold it for good;
-  uvicorn's keep-alive timeout stops counting at the first byte of the next request).
+  uvicorn's keep-alive timeout stops counting at the first byte of the next request). A
+  pipelined request whose headers came while the one before was answered is not timed:
+  its response may take as long as it takes.
   With httptools (uvicorn's choice when it is installed, as here), a response whose
   length is known (``content-length``: every non-streamed answer) also leaves in one
   write: :class:`HeldHeaders` holds its status line and headers until its body is
@@ -112,9 +114,11 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
                 cycle.transport = HeldHeaders(self.transport, cycle)
 
         def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing():
-                self._arm_header_timer()
+            super().on_response_complete()  # starts a pipelined request's cycle, if any
+            if not self.transport.is_closing() and (self.cycle is None
+                                                    or self.cycle.response_complete):
+                self._arm_header_timer()  # else that cycle's headers are in: no timer
+                # until its own response completes (it may take longer than the timeout)
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:

@@ -199,3 +199,42 @@ async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatc
     finally:
         server.should_exit = True
         await task
+
+
+async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> None:
+    """Two requests sent at once (pipelined): the second's headers are in before the
+    first is answered, and its answer may take longer than the header timeout."""
+    release = asyncio.Event()
+
+    async def slow(_: Request) -> Response:
+        await release.wait()
+        return JSONResponse({"slow": True})
+
+    app = Starlette(routes=[Route("/j", _json), Route("/slow", slow)])
+    port = free_port()
+    config = http_config(app, max_connections=8, keep_alive_s=5, header_timeout_s=0.2)
+    config.host, config.port = "127.0.0.1", port
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:  # uvicorn offers no event to wait on
+                assert not task.done(), "uvicorn stopped before it started"
+                await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET /j HTTP/1.1\r\nHost: x\r\n\r\n"
+                         b"GET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            first = await asyncio.wait_for(reader.readuntil(b'{"a":1}'), 30)
+            assert first.startswith(b"HTTP/1.1 200 OK")
+            # the header timeout is the condition under test: let five of them pass with
+            # the second answer still being computed
+            await asyncio.sleep(1.0)
+            release.set()
+            rest = await asyncio.wait_for(reader.read(), 30)
+            assert rest.startswith(b"HTTP/1.1 200 OK") and rest.endswith(b'{"slow":true}')
+        finally:
+            writer.close()
+    finally:
+        server.should_exit = True
+        await task
