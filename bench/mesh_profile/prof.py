@@ -21,6 +21,7 @@ not the absolute times.
 from __future__ import annotations
 
 import cProfile
+import importlib
 import marshal
 import runpy
 import signal
@@ -76,6 +77,26 @@ def command_line() -> tuple[str, str]:
     prefix, module, *args = sys.argv[1:]
     sys.argv = [module, *args]
     return prefix, module
+
+
+def wrap_function(module: str, path: str,
+                  wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replaces ``path`` of ``module`` (``function`` or ``Class.method``) by ``wrap`` of it;
+    a module-level function also wherever a ``services.*`` / ``workers.*`` module
+    imported it by name. ImportError or AttributeError when it does not exist; what
+    ``wrap`` raises, with nothing replaced."""
+    *owners, attr = path.split(".")
+    owner: Any = importlib.import_module(module)
+    for part in owners:
+        owner = getattr(owner, part)
+    func = getattr(owner, attr)
+    wrapped = wrap(func)
+    setattr(owner, attr, wrapped)
+    if not owners:  # ``from module import func`` elsewhere: rebind those names too
+        for other in list(sys.modules.values()):
+            if getattr(other, "__name__", "").startswith(("services.", "workers.")) \
+                    and getattr(other, attr, None) is func:
+                setattr(other, attr, wrapped)
 
 
 def run_module(module: str, on_sigusr1: Callable[..., None]) -> None:

@@ -25,7 +25,6 @@ Contract:
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
 import sys
@@ -34,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.mesh_profile.prof import command_line, run_module
+from bench.mesh_profile.prof import command_line, run_module, wrap_function
 
 # (module, function or Class.method): a non-streamed completion's steps, in order
 FRONTEND_STEPS: tuple[tuple[str, str], ...] = (
@@ -118,22 +117,11 @@ def install(steps: tuple[tuple[str, str], ...]) -> list[str]:
     """Wraps ``steps``; returns the names of those found."""
     done = []
     for module, path in steps:
-        *owners, attr = path.split(".")
         try:
-            owner: Any = importlib.import_module(module)
-            for part in owners:
-                owner = getattr(owner, part)
-            func = getattr(owner, attr)
+            wrap_function(module, path, functools.partial(stamped, path))
         except (ImportError, AttributeError) as exc:
             print(f"stamps: {module}.{path} skipped: {exc}", file=sys.stderr)
             continue
-        wrapped = stamped(path, func)
-        setattr(owner, attr, wrapped)
-        if not owners:  # ``from module import func`` elsewhere: rebind those names too
-            for other in list(sys.modules.values()):
-                if getattr(other, "__name__", "").startswith(("services.", "workers.")) \
-                        and getattr(other, attr, None) is func:
-                    setattr(other, attr, wrapped)
         done.append(path)
     return done
 

@@ -32,17 +32,15 @@ Contract:
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.mesh_profile.prof import command_line, run_module
+from bench.mesh_profile.prof import command_line, run_module, wrap_function
 
 # (module, function or Class.method): the request path's synchronous steps
 TARGETS: tuple[tuple[str, str], ...] = (
@@ -131,22 +129,13 @@ def install(process: str, targets: tuple[tuple[str, str], ...] = TARGETS) -> lis
     for module, path in targets:
         if not module.startswith(_prefixes(process)):
             continue
-        mod = importlib.import_module(module)
-        *owners, attr = path.split(".")
-        owner: Any = mod
-        for part in owners:
-            owner = getattr(owner, part)
-        func = getattr(owner, attr)
-        if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
-            raise TypeError(f"{module}.{path} is asynchronous: a timer cannot measure it")
         name = f"{module}.{path}"
-        wrapped = _timed(name, func)
-        setattr(owner, attr, wrapped)
-        if not owners:  # ``from module import func`` elsewhere: rebind those names too
-            for other in list(sys.modules.values()):
-                if getattr(other, "__name__", "").startswith(("services.", "workers.")) \
-                        and getattr(other, attr, None) is func:
-                    setattr(other, attr, wrapped)
+
+        def timed(func: Callable[..., Any], name: str = name) -> Callable[..., Any]:
+            if inspect.iscoroutinefunction(func) or inspect.isasyncgenfunction(func):
+                raise TypeError(f"{name} is asynchronous: a timer cannot measure it")
+            return _timed(name, func)
+        wrap_function(module, path, timed)
         done.append(name)
     return done
 

@@ -59,3 +59,25 @@ def test_timeline_places_each_stamp_at_its_offset_in_its_request() -> None:
     assert "F:idle_work+#1" not in rows
     assert [r["median_us"] for r in got["timeline"]] == sorted(rows[k][0] for k in rows)
     assert got["answer_us"] == 8.0  # median of 8, 10 and 1 µs
+
+
+def test_wrap_function_rebinds_importers_and_timers_refuse_async() -> None:
+    from bench.mesh_profile import timers
+    from bench.mesh_profile.prof import wrap_function
+    from services.frontend import http_api, openai_schema
+
+    original = openai_schema.parse_completion
+    try:
+        wrap_function("services.frontend.openai_schema", "parse_completion",
+                      lambda f: stamps.stamped("parse", f))
+        assert openai_schema.parse_completion is not original
+        assert http_api.parse_completion is openai_schema.parse_completion  # its importer
+        assert openai_schema.parse_completion.__wrapped__ is original  # type: ignore[attr-defined]
+    finally:
+        openai_schema.parse_completion = original
+        http_api.parse_completion = original
+    async_step = (("services.frontend.pipeline", "Pipeline.prepare"),)
+    with pytest.raises(TypeError, match="asynchronous"):
+        timers.install("services.frontend", async_step)
+    from services.frontend.pipeline import Pipeline
+    assert not hasattr(Pipeline.prepare, "__wrapped__")  # nothing replaced
