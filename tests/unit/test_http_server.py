@@ -5,6 +5,7 @@ every answer intact through a real uvicorn server on a loopback port."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -119,6 +120,26 @@ async def _in_parts(_: Request) -> Response:
     return Parts()
 
 
+@contextlib.asynccontextmanager
+async def _serving(app: Starlette, header_timeout_s: float) -> AsyncIterator[int]:
+    """``app`` on a free loopback port through the frontend's uvicorn config; its port."""
+    port = free_port()
+    config = http_config(app, max_connections=8, keep_alive_s=5,
+                         header_timeout_s=header_timeout_s)
+    config.host, config.port = "127.0.0.1", port
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:  # uvicorn offers no event to wait on
+                assert not task.done(), "uvicorn stopped before it started"
+                await asyncio.sleep(0.01)
+        yield port
+    finally:
+        server.should_exit = True
+        await task
+
+
 async def _exchange(port: int, request: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -157,16 +178,7 @@ async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatc
     app = Starlette(routes=[Route("/j", _json, methods=["GET", "HEAD"]),
                             Route("/s", _stream), Route("/broken", _fails_after_start),
                             Route("/parts", _in_parts)])
-    port = free_port()
-    config = http_config(app, max_connections=8, keep_alive_s=5, header_timeout_s=5)
-    config.host, config.port = "127.0.0.1", port
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:  # uvicorn offers no event to wait on
-                assert not task.done(), "uvicorn stopped before it started"
-                await asyncio.sleep(0.01)
+    async with _serving(app, header_timeout_s=5) as port:
         close = b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         got = await _exchange(port, b"GET /j" + close)
         assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b'\r\n\r\n{"a":1}')
@@ -196,9 +208,6 @@ async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatc
         # wrote, then the connection closes (as without holding them)
         got = await _exchange(port, b"GET /broken" + close)
         assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\n")
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> None:
@@ -211,16 +220,7 @@ async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> Non
         return JSONResponse({"slow": True})
 
     app = Starlette(routes=[Route("/j", _json), Route("/slow", slow)])
-    port = free_port()
-    config = http_config(app, max_connections=8, keep_alive_s=5, header_timeout_s=0.2)
-    config.host, config.port = "127.0.0.1", port
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:  # uvicorn offers no event to wait on
-                assert not task.done(), "uvicorn stopped before it started"
-                await asyncio.sleep(0.01)
+    async with _serving(app, header_timeout_s=0.2) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(b"GET /j HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -235,6 +235,3 @@ async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> Non
             assert rest.startswith(b"HTTP/1.1 200 OK") and rest.endswith(b'{"slow":true}')
         finally:
             writer.close()
-    finally:
-        server.should_exit = True
-        await task
