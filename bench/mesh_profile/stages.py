@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from bench.mesh import BenchMesh
+from bench.mesh_profile import run as mesh_run  # the mesh and its snapshot signals
 from bench.router_overhead.lean import LeanHttp
 from bench.router_overhead.run import MODEL, prompt
 
@@ -89,8 +90,6 @@ async def _load(url: str, n: int, gap_s: float, offset: int) -> list[tuple[int, 
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from bench.mesh_profile import run as mesh_run  # the mesh and its snapshot signals
-
     mesh_args = argparse.Namespace(router="embedded", worker_transport="tcp")
     with BenchMesh("mstages") as mesh:
         stamps_dir = mesh.tmp / "stamps"
