@@ -57,6 +57,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from services.frontend import fanout, json_codec, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import FanJob, Tally
+from services.frontend.http_server import DISCONNECT_WATCH, DisconnectWatch
 from services.frontend.jobs import Chunk
 from services.frontend.json_codec import JsonAnswer
 from services.frontend.models import Tokenizer
@@ -166,10 +167,12 @@ async def _hang_up_on_disconnect(request: Request, hang_up: Callable[[], None]) 
 async def _unless_disconnected(request: Request,
                                work: Coroutine[Any, Any, Response]) -> Response:
     """``work``'s response, ``work`` being awaited in the handler's own task; when the
-    client disconnects first, a watcher task cancels that task, so ``work`` is cancelled
-    (which closes the request's chunks: its choices' worker calls are aborted and their
-    router entries released) and a 499 nobody reads is answered. A cancel from anywhere
-    else (the server's) still propagates."""
+    client disconnects first, that task is cancelled, so ``work`` is cancelled (which
+    closes the request's chunks: its choices' worker calls are aborted and their router
+    entries released) and a 499 nobody reads is answered. A cancel from anywhere else
+    (the server's) still propagates. The frontend's server says when the client is gone
+    (:class:`~.http_server.DisconnectWatch`); under another server a watcher task waits
+    for ``http.disconnect``."""
     me = asyncio.current_task()
     assert me is not None
     gone = False
@@ -179,7 +182,15 @@ async def _unless_disconnected(request: Request,
         gone = True
         me.cancel()
 
-    watcher = asyncio.ensure_future(_hang_up_on_disconnect(request, hang_up))
+    watch: DisconnectWatch | None = request.scope.get("extensions", {}).get(
+        DISCONNECT_WATCH)
+    watcher: asyncio.Future[None] | None = None
+    if watch is None:
+        watcher = asyncio.ensure_future(_hang_up_on_disconnect(request, hang_up))
+    elif watch.gone:
+        hang_up()
+    else:
+        watch.callback = hang_up
     try:
         resp = await work
     except BaseException:  # the cancel, or what work made of it: nobody reads it
@@ -187,7 +198,10 @@ async def _unless_disconnected(request: Request,
             return Response(status_code=499)
         raise
     finally:
-        watcher.cancel()
+        if watcher is not None:
+            watcher.cancel()
+        elif watch is not None:
+            watch.callback = None
     if gone:  # work answered despite the cancel: the answer stands, nobody reads it
         me.uncancel()
     return resp

@@ -24,6 +24,7 @@ Contract:
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -36,6 +37,28 @@ try:
     _HTTPTOOLS = (HttpToolsProtocol,)
 except ImportError:  # no httptools: uvicorn runs h11, whose responses are not held
     _HTTPTOOLS = ()
+
+
+DISCONNECT_WATCH = "kvmesh.disconnect"
+
+
+class DisconnectWatch:
+    """One request's client-gone signal (see the module docstring): ``gone`` and the
+    ``callback`` (no argument) called once when it turns True; the app sets and clears
+    ``callback`` (one at a time)."""
+
+    __slots__ = ("gone", "callback")
+
+    def __init__(self) -> None:
+        self.gone = False
+        self.callback: Callable[[], None] | None = None
+
+    def fire(self) -> None:
+        """The client is gone (idempotent: the callback is called once)."""
+        if not self.gone:
+            self.gone = True
+            if self.callback is not None:
+                self.callback()
 
 
 class HeldHeaders:
@@ -110,8 +133,11 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             before = self.cycle
             super().on_headers_complete()
             cycle = self.cycle  # a new one, unless uvicorn returned early (an upgrade)
-            if isinstance(self, _HTTPTOOLS) and cycle is not None and cycle is not before:
-                cycle.transport = HeldHeaders(self.transport, cycle)
+            if cycle is not None and cycle is not before:
+                cycle.scope.setdefault("extensions", {})[DISCONNECT_WATCH] = \
+                    DisconnectWatch()
+                if isinstance(self, _HTTPTOOLS):
+                    cycle.transport = HeldHeaders(self.transport, cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # starts a pipelined request's cycle, if any
@@ -123,7 +149,12 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
         def connection_lost(self, exc: Exception | None) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
+            cycle = self.cycle
             super().connection_lost(exc)
+            if cycle is not None and getattr(cycle, "disconnected", False):
+                watch = cycle.scope.get("extensions", {}).get(DISCONNECT_WATCH)
+                if watch is not None:  # as uvicorn's receive() now answers
+                    watch.fire()  # http.disconnect
 
     return HeaderTimeoutProtocol
 

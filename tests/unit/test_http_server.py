@@ -235,3 +235,58 @@ async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> Non
             assert rest.startswith(b"HTTP/1.1 200 OK") and rest.endswith(b'{"slow":true}')
         finally:
             writer.close()
+
+
+async def test_a_client_gone_mid_request_fires_its_watch_once() -> None:
+    """The connection closes while the app still answers: the request's watch turns
+    ``gone`` and calls its callback once, in ``connection_lost`` (no task in
+    ``receive``); the same app's next request on a new connection has a fresh watch."""
+    watches: list[http_server.DisconnectWatch] = []
+    fired: list[int] = []
+    hung_up, arrived = asyncio.Event(), asyncio.Event()
+
+    async def slow(request: Request) -> Response:
+        watch = request.scope["extensions"][http_server.DISCONNECT_WATCH]
+        watches.append(watch)
+        arrived.set()
+        assert not watch.gone
+        watch.callback = lambda: (fired.append(len(watches)), hung_up.set())
+        await asyncio.wait_for(hung_up.wait(), 30)
+        return Response(b"nobody reads this")
+
+    async with _serving(Starlette(routes=[Route("/slow", slow)]), 5.0) as port:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(arrived.wait(), 30)
+        writer.close()
+        await asyncio.wait_for(hung_up.wait(), 30)
+        assert watches[0].gone and fired == [1]
+        watches[0].fire()  # idempotent
+        assert fired == [1]
+
+
+async def test_a_connection_closed_after_its_answer_fires_nothing() -> None:
+    """A client that closes its keep-alive connection once answered is not a client gone
+    mid-request: the answered request's watch stays quiet."""
+    watches: list[http_server.DisconnectWatch] = []
+    fired: list[int] = []
+
+    async def quick(request: Request) -> Response:
+        watch = request.scope["extensions"][http_server.DISCONNECT_WATCH]
+        watch.callback = lambda: fired.append(1)
+        watches.append(watch)
+        return Response(b"ok")
+
+    app = Starlette(routes=[Route("/quick", quick)])
+    async with _serving(app, 5.0) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /quick HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await asyncio.wait_for(reader.readuntil(b"ok"), 30)).startswith(
+            b"HTTP/1.1 200")
+        writer.close()
+        await writer.wait_closed()
+        assert b"200 OK" in await _exchange(
+            port, b"GET /quick HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    # the server has stopped: both connections are gone
+    assert len(watches) == 2 and not any(w.gone for w in watches) and not fired
