@@ -250,7 +250,11 @@ async def test_a_client_gone_mid_request_fires_its_watch_once() -> None:
         watches.append(watch)
         arrived.set()
         assert not watch.gone
-        watch.callback = lambda: (fired.append(len(watches)), hung_up.set())
+
+        def gone() -> None:
+            fired.append(len(watches))
+            hung_up.set()
+        watch.callback = gone
         await asyncio.wait_for(hung_up.wait(), 30)
         return Response(b"nobody reads this")
 
