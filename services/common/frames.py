@@ -224,6 +224,11 @@ class FramedProtocol(asyncio.Protocol):
             self.transport.abort()
 
     @property
+    def write_paused(self) -> bool:
+        """Whether the send buffer is over its high-water mark (:meth:`drain` would wait)."""
+        return self._write_paused
+
+    @property
     def closing(self) -> bool:
         return self._closed or self.transport is None or self.transport.is_closing()
 

@@ -5,7 +5,8 @@ with ``tls``) connection, ``GenerateMux``'s protocol in length-prefixed messages
 
 Contract of :class:`PlaneCall`: the carrier a :class:`~.worker_stream.WorkerStream`
 uses in place of its gRPC stream-stream call, with the same surface: ``await
-write(GenerateFrames)``, ``await done_writing()`` (the end of messages), ``async for``
+write(GenerateFrames)`` (and ``write_nowait``: the same at once, or False when it would
+have to wait), ``await done_writing()`` (the end of messages), ``async for``
 over the worker's ``GenerateReplies`` (ending when the worker closes the connection
 cleanly), ``cancel()`` (drops the connection; reading then raises CancelledError, as a
 cancelled gRPC call does). The connection is opened at construction, in the background:
@@ -81,6 +82,15 @@ class PlaneCall:
         proto = await self._connected()
         proto.write(message.SerializeToString())
         await proto.drain()
+
+    def write_nowait(self, message: worker_pb2.GenerateFrames) -> bool:
+        """Sends ``message`` now and True when the connection is up, open and not under
+        back-pressure; else False, having sent nothing (then ``await write``)."""
+        proto = self._proto
+        if proto is None or proto.closing or proto.write_paused:
+            return False
+        proto.write(message.SerializeToString())
+        return True
 
     async def done_writing(self) -> None:
         (await self._connected()).end()

@@ -23,6 +23,11 @@ Contract:
   interceptors): each call's frame does. Each message sent carries every frame queued
   when it is sent, and each message read may carry many replies
   (:func:`services.common.batching.queued_batches`; frames and replies count in order).
+  On a request plane whose connection takes a write at once (connected, not paused),
+  the frames posted in one event-loop turn leave in one message from a loop callback
+  at the end of that turn, with no writer task woken (the writer task sends whatever
+  cannot: before the connection is up, under back-pressure, past the batch limit, the
+  stream's end); frames never overtake each other either way.
 - :class:`StreamCall` behaves as the ``grpc.aio`` unary-stream call a ``Generate`` would
   be, for what the frontend uses: ``async for`` yields the responses in order and ends
   when the call ends OK; a call ending otherwise raises ``grpc.aio.AioRpcError`` with
@@ -59,7 +64,7 @@ from opentelemetry.propagate import inject
 
 from protos import worker_pb2, worker_pb2_grpc
 from services.common import telemetry
-from services.common.batching import queued_batches
+from services.common.batching import BATCH_LIMIT_BYTES, queued_batches
 from services.common.grpc_client import ChannelPool
 from services.frontend.request_plane import PlaneCall, PlaneUnreachable
 from services.router.embedded import rpc_error
@@ -204,6 +209,12 @@ class WorkerStream:
         self._ids = itertools.count(1)
         self._outbox: asyncio.Queue[worker_pb2.GenerateFrame | None] = asyncio.Queue()
         self._opened = asyncio.Event()  # the worker's first reply (call_id 0) came
+        # frames for the loop callback (see the module docstring), and whether the writer
+        # task is sending a batch (then frames queue behind it)
+        self._soon: list[worker_pb2.GenerateFrame | None] = []
+        self._writing = False
+        self._write_nowait: Callable[[worker_pb2.GenerateFrames], bool] | None = getattr(
+            carrier, "write_nowait", None)
         if carrier is not None:  # the worker's TCP request plane (.request_plane)
             self._call = carrier
         else:  # a plain grpc.aio channel (tests) has no interceptors to skip
@@ -229,31 +240,63 @@ class WorkerStream:
             metadata = telemetry.propagation_metadata()
         call = StreamCall(self, call_id, timeout, span, request)
         self._calls[call_id] = call
-        self._outbox.put_nowait(worker_pb2.GenerateFrame(
+        self._post(worker_pb2.GenerateFrame(
             call_id=call_id, request=request, timeout_s=timeout or 0.0,
             metadata=[worker_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]))
         return call
 
     def send_cancel(self, call_id: int) -> None:
         if not self.broken:
-            self._outbox.put_nowait(worker_pb2.GenerateFrame(call_id=call_id, cancel=True))
+            self._post(worker_pb2.GenerateFrame(call_id=call_id, cancel=True))
 
     def forget(self, call_id: int) -> None:
         self._calls.pop(call_id, None)
         if self._retired and not self._calls:
-            self._outbox.put_nowait(None)  # the sending side ends: the stream ends
+            self._post(None)  # the sending side ends: the stream ends
 
     def retire(self) -> None:
         """No new calls; the stream ends once its last call ended."""
         self._retired = True
         if not self._calls:
-            self._outbox.put_nowait(None)
+            self._post(None)
+
+    def _post(self, frame: worker_pb2.GenerateFrame | None) -> None:
+        """Sends ``frame`` (None: the end of frames) after those posted before it: by the
+        loop callback when the writer task has nothing queued or in hand, else by it."""
+        if self._soon:
+            self._soon.append(frame)
+        elif (self._write_nowait is not None and not self._writing
+              and self._outbox.empty() and self._opened.is_set()):
+            self._soon.append(frame)
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        else:
+            self._outbox.put_nowait(frame)
+
+    def _flush_soon(self) -> None:
+        """Sends the frames posted for the callback in one message, if the connection
+        takes it now; else (or from the end of frames on) hands them to the writer task,
+        in order (its queue is empty: frames went to the callback's list meanwhile)."""
+        frames, self._soon = self._soon, []
+        if self.broken:
+            return  # as the writer task's queue, dropped with the stream
+        end = frames.index(None) if None in frames else len(frames)
+        batch = [f for f in frames[:end] if f is not None]
+        assert self._write_nowait is not None
+        if batch and sum(f.ByteSize() for f in batch) <= BATCH_LIMIT_BYTES and \
+                self._write_nowait(worker_pb2.GenerateFrames(frames=batch)):
+            frames = frames[end:]
+        for f in frames:
+            self._outbox.put_nowait(f)
 
     async def _write(self) -> None:
         try:
             await self._opened.wait()  # nothing goes to a worker that cannot take it
             async for batch in queued_batches(self._outbox):
-                await self._call.write(worker_pb2.GenerateFrames(frames=batch))
+                self._writing = True
+                try:
+                    await self._call.write(worker_pb2.GenerateFrames(frames=batch))
+                finally:
+                    self._writing = False
             await self._call.done_writing()
         except Exception as exc:  # noqa: BLE001 - the reader sees the stream's end too
             log.debug("GenerateMux to %s: writing failed: %r", self.address, exc)
