@@ -476,11 +476,9 @@ class RouterCore:
     def _pick(self, policy: Policy, prompt: _Prompt,
               candidates: list[WorkerRecord]) -> tuple[WorkerRecord, Decision]:
         states = self._states(prompt, candidates)
-        ctx = dataclasses.replace(
-            prompt.ctx, overlaps={s.instance_id: WorkerOverlap(s.instance_id, s.overlap_blocks,
-                                                               s.overlap_by_tier)
-                                  for s in states},
-            prompt_blocks=states[0].prompt_blocks, overlap_source=prompt.source)
+        ctx = prompt.ctx.for_policies(
+            {s.instance_id: WorkerOverlap(s.instance_id, s.overlap_blocks, s.overlap_by_tier)
+             for s in states}, states[0].prompt_blocks, prompt.source)
         decision = policy.select(ctx, states)
         if decision.worker_id not in {s.instance_id for s in states}:
             raise RoutingError(f"policy {policy.name!r} chose {decision.worker_id!r}, "

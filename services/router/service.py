@@ -118,12 +118,15 @@ def record_from_proto(rec: discovery_pb2.InstanceRecord) -> WorkerRecord:
     )
 
 
+_ALONE_KIND = {"decode": "decode_alone", "prefill": "prefill_whole"}
+
+
 def plan_kind(plan: RoutePlan) -> str:
     """``disagg`` (P then D), ``agg`` (an aggregated worker), ``decode_alone`` (D prefills
     itself: conditional disaggregation), or ``prefill_whole`` (P serves it whole)."""
     if plan.prefill is not None:
         return "disagg"
-    return {"decode": "decode_alone", "prefill": "prefill_whole"}.get(plan.worker.role, "agg")
+    return _ALONE_KIND.get(plan.worker.role, "agg")
 
 
 def _set_plan_attributes(span: Any, plan: RoutePlan) -> None:
@@ -236,6 +239,8 @@ def encoder_record(rec: discovery_pb2.InstanceRecord) -> EncoderRecord:
 
 
 def _set_admission_attributes(span: Any, decision: AdmissionDecision | None) -> None:
+    if not span.is_recording():
+        return
     if decision is None:
         span.set_attribute("kvmesh.admission", "off")
         return
@@ -261,6 +266,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._overlaps: OverlapSource = overlaps or HistorySource()
         self._tracer = tracer("router")
         self.metrics = metrics or RouterMetrics(core)
+        # instance id → (the WorkerRecord, its WorkerChoice): built once per record
+        self._choices: dict[str, tuple[WorkerRecord, router_pb2.WorkerChoice]] = {}
 
     @property
     def core(self) -> RouterCore:
@@ -297,6 +304,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def set_records(self, records: dict[str, discovery_pb2.InstanceRecord]) -> None:
         """Applies a discovery snapshot."""
         self._records = records
+        self._choices.clear()
         # an AFD FFN worker registers as a worker but serves no request: never routed
         self._core.set_workers(record_from_proto(r) for r in records.values() if routable(r))
 
@@ -402,8 +410,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,
             predicted_prefill_overlap_blocks=plan.prefill_overlap_blocks,
-            block_size=plan.block_size, predicted_overlap_by_tier=dict(plan.overlap_by_tier),
-            predicted_prefill_overlap_by_tier=dict(plan.prefill_overlap_by_tier),
+            block_size=plan.block_size, predicted_overlap_by_tier=plan.overlap_by_tier,
+            predicted_prefill_overlap_by_tier=plan.prefill_overlap_by_tier,
             overlap_source=plan.overlap_source, prompt_blocks=plan.prompt_blocks,
         )
         if plan.prefill is not None:
@@ -429,6 +437,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             affinity_items=pick.affinity_items))
 
     def _choice(self, worker: WorkerRecord) -> router_pb2.WorkerChoice:
+        """``worker`` as a response names it (with its discovery record's request plane
+        and handoff); built once per record (the caller copies it into its response)."""
+        hit = self._choices.get(worker.instance_id)
+        if hit is not None and hit[0] is worker:
+            return hit[1]
         choice = router_pb2.WorkerChoice(
             instance_id=worker.instance_id, address=worker.address,
             role=ROLE_ENUM.get(worker.role, discovery_pb2.WORKER_ROLE_AGG),
@@ -438,6 +451,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             choice.request_plane_address = rec.request_plane_address
             if rec.HasField("handoff"):
                 choice.handoff.CopyFrom(rec.handoff)
+        self._choices[worker.instance_id] = (worker, choice)
         return choice
 
     async def Release(  # noqa: N802

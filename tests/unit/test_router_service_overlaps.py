@@ -1,6 +1,7 @@
 """The router servicer's overlap sources (embedded index, remote with fallback) and what it
 returns and traces; no network (the remote stub is a fake)."""
 
+import dataclasses
 import random
 from typing import Any
 
@@ -12,6 +13,7 @@ from services.common.block_hash import block_hashes
 from services.indexer.core import KvEvent, KvIndex
 from services.router.core import RouterCore
 from services.router.overlaps import EmbeddedSource, HistorySource, RemoteSource
+from services.router.policies.base import RouteContext, WorkerOverlap
 from services.router.policy_setup import default_registry
 from services.router.service import RouterServicer, _set_plan_attributes
 
@@ -171,3 +173,40 @@ async def test_config_flags_and_embedded_hook(tmp_path: Any) -> None:
         await start_router(cfg)
     with pytest.raises(ValueError, match="embedded index is required"):
         await start_router(load_config(RouterConfig, [], {}), embedded_index=KvIndex())
+
+
+def test_a_response_names_each_worker_as_its_latest_record_does() -> None:
+    """The worker a response names carries its discovery record's request plane and
+    handoff, as re-registered (the servicer keeps one built choice per record), and a
+    caller changing its response changes no later one."""
+    s = servicer(HistorySource())
+
+    def plane_of(rid: str) -> router_pb2.RouteResponse:
+        resp = s.route_now(router_pb2.RouteRequest(request_id=rid, model="m", max_tokens=1),
+                           PROMPT)
+        assert resp is not None
+        return resp
+
+    first = plane_of("a")
+    assert first.worker.request_plane_address == ""
+    first.worker.request_plane_address = "changed by the caller"
+    assert plane_of("b").worker.request_plane_address == ""
+    moved = {k: discovery_pb2.InstanceRecord() for k in ("w1", "w2")}
+    for k, rec in moved.items():
+        rec.CopyFrom(worker(k, 16))
+        rec.request_plane_address = f"plane-{k}"
+        rec.handoff.mode = "pull"
+    s.set_records(moved)
+    resp = plane_of("c")
+    assert resp.worker.request_plane_address == f"plane-{resp.worker.instance_id}"
+    assert resp.worker.handoff.mode == "pull"
+
+
+def test_the_policies_context_is_the_request_s_with_the_core_s_fields() -> None:
+    """``RouteContext.for_policies`` is ``dataclasses.replace`` of the three fields the
+    core fills in, every other field kept (each set to a value of its own here)."""
+    values: dict[str, Any] = {f.name: f"v-{f.name}" for f in dataclasses.fields(RouteContext)}
+    ctx = RouteContext(**values)
+    got = ctx.for_policies({"w": WorkerOverlap("w", 2)}, 7, "indexer")
+    assert got == dataclasses.replace(ctx, overlaps={"w": WorkerOverlap("w", 2)},
+                                      prompt_blocks=7, overlap_source="indexer")

@@ -76,6 +76,14 @@ class RouteContext:
     prompt_blocks: int = 0
     overlap_source: str = ""
 
+    def for_policies(self, overlaps: Mapping[str, WorkerOverlap], prompt_blocks: int,
+                     overlap_source: str) -> RouteContext:
+        """This context with what the core fills in for policies (``dataclasses.replace``
+        of those three fields, without its per-call field lookup: once per route)."""
+        return RouteContext(self.request_id, self.model, self.token_ids, overlaps,
+                            self.block_hashes, self.tree_blocks, self.cache_salt,
+                            self.mm_spans, prompt_blocks, overlap_source)
+
 
 @dataclass(frozen=True)
 class WorkerState:
