@@ -4,9 +4,10 @@ long-lived gRPC stream (the frontend's half: :mod:`services.frontend.worker_stre
 A call through a stream costs its frames, not a gRPC call of its own (measured in
 ``bench/results/mesh_floors.json``: ``grpc`` against ``grpc-mux``), the way Dynamo's
 request plane keeps one connection per worker; and each gRPC message carries every
-frame (reply) queued when it is sent (:func:`services.common.batching.queued_batches`),
-so a call's last response and its end, and the replies of calls that an engine step
-served together, cost one message.
+frame (reply) queued when it is sent (:class:`services.common.batching.Outbox`: on the
+TCP request plane from a loop callback at the end of the event-loop turn, no writer task
+woken), so a call's last response and its end, and the replies of calls that an engine
+step served together, cost one message.
 
 Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateMux):
 
@@ -53,7 +54,7 @@ from opentelemetry import trace
 
 from protos import worker_pb2
 from services.common import telemetry
-from services.common.batching import queued_batches
+from services.common.batching import Outbox
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,10 @@ class _Stream:
         self.calls: dict[int, asyncio.Task[None]] = {}
         self.cancelled: set[int] = set()  # calls a cancel frame cancelled
         self.task = asyncio.current_task()
-        self._outbox: asyncio.Queue[worker_pb2.GenerateReply | None] = asyncio.Queue()
+        nowait = getattr(context, "write_nowait", None)  # the request plane's connection
+        self._outbox: Outbox[worker_pb2.GenerateReply] = Outbox(
+            self._send, (lambda replies: bool(nowait(worker_pb2.GenerateReplies(
+                replies=replies)))) if nowait is not None else None)
         self._writer = asyncio.ensure_future(self._write())
 
     def forget(self, call_id: int) -> Callable[[asyncio.Task[None]], None]:
@@ -114,24 +118,27 @@ class _Stream:
         return drop
 
     def send(self, reply: worker_pb2.GenerateReply) -> None:
-        """Queues ``reply`` for the writer (in order)."""
-        self._outbox.put_nowait(reply)
+        """Sends ``reply`` after those sent before it (:class:`Outbox`)."""
+        self._outbox.post(reply)
+
+    async def _send(self, replies: list[worker_pb2.GenerateReply]) -> None:
+        await self.context.write(worker_pb2.GenerateReplies(replies=replies))
 
     async def _write(self) -> None:
         """Writes the outbox in order, in batches (what is queued when a write starts),
-        until its None; a failed write (the caller or the server is gone: nobody is left
+        until its end; a failed write (the caller or the server is gone: nobody is left
         to tell) ends it, logged at debug level, so the task never ends with an exception
         nobody retrieves (the stream's teardown may be cancelled before ``flush``)."""
         try:
-            async for batch in queued_batches(self._outbox):
-                await self.context.write(worker_pb2.GenerateReplies(replies=batch))
+            await self._outbox.run()
         except Exception as exc:  # noqa: BLE001 - see the docstring
+            self._outbox.closed = True  # nothing more goes out
             log.debug("GenerateMux: a reply could not be written: %r", exc)
 
     async def flush(self) -> None:
         """Writes what is queued, then stops the writer (quietly when the stream is gone:
         nobody is left to tell; a write still pending after FLUSH_TIMEOUT_S is dropped)."""
-        self._outbox.put_nowait(None)
+        self._outbox.post(None)
         done, _ = await asyncio.wait({self._writer}, timeout=FLUSH_TIMEOUT_S)
         if not done:
             self._writer.cancel()

@@ -74,6 +74,15 @@ class _PlaneContext:
         self._proto.write(message.SerializeToString())
         await self._proto.drain()
 
+    def write_nowait(self, message: worker_pb2.GenerateReplies) -> bool:
+        """Sends ``message`` now and True unless the connection is closing or under
+        back-pressure (then False, nothing sent: ``await write``)."""
+        proto = self._proto
+        if proto.closing or proto.write_paused:
+            return False
+        proto.write(message.SerializeToString())
+        return True
+
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         send_status(self._proto, code, details)
         raise _Ended(details)

@@ -8,13 +8,27 @@ Contract of :func:`queued_batches`:
   it starts the next list, and an item over the limit on its own goes alone. It ends at
   the queue's ``None`` (after yielding the items before it). Nothing is dropped,
   reordered or waited for beyond the first item: a lone item is yielded at once.
+
+Contract of :class:`Outbox` (one connection's outgoing items, both stream halves):
+
+- ``post(item)`` sends ``item`` after every item posted before it; ``post(None)`` ends
+  the items (:meth:`Outbox.run` returns once the items before it are written).
+- With ``write_nowait`` (a connection that can take a write without waiting: it answers
+  False when it cannot), the items posted in one event-loop turn while the writer task
+  has nothing queued or in hand leave in one batch from a loop callback at the end of
+  that turn (no task woken), when ``direct`` is True, they fit ``limit_bytes`` and
+  ``write_nowait`` takes them. Everything else (before ``direct``, a refused or
+  over-limit batch, the end) goes to the writer task: :meth:`Outbox.run` writes the
+  queue's batches (:func:`queued_batches`) with ``await write(batch)`` in order.
+  Items never overtake each other either way. With ``closed`` set, items the callback
+  holds are dropped (as a stopped writer's queue).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Protocol, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Generic, Protocol, TypeVar
 
 BATCH_LIMIT_BYTES = 1 << 20  # a batch (one gRPC message) holds at most about this much
 
@@ -48,3 +62,56 @@ async def queued_batches(queue: asyncio.Queue[T | None],
                 break
             batch.append(nxt)
         yield batch
+
+
+class Outbox(Generic[T]):
+    """One connection's outgoing items (see the module docstring)."""
+
+    def __init__(self, write: Callable[[list[T]], Awaitable[None]],
+                 write_nowait: Callable[[list[T]], bool] | None = None,
+                 limit_bytes: int = BATCH_LIMIT_BYTES, direct: bool = True) -> None:
+        self._write = write
+        self._write_nowait = write_nowait
+        self._limit = limit_bytes
+        self._queue: asyncio.Queue[T | None] = asyncio.Queue()
+        self._soon: list[T | None] = []  # the loop callback's items, in order
+        self._writing = False  # the writer task holds a batch
+        self.direct = direct
+        self.closed = False
+
+    def post(self, item: T | None) -> None:
+        """Sends ``item`` (None: the end) after the items posted before it."""
+        if self._soon:
+            self._soon.append(item)
+        elif (self._write_nowait is not None and self.direct and not self._writing
+              and self._queue.empty()):
+            self._soon.append(item)
+            asyncio.get_running_loop().call_soon(self._flush_soon)
+        else:
+            self._queue.put_nowait(item)
+
+    def _flush_soon(self) -> None:
+        """The callback's items in one batch if the connection takes it now; else (and
+        from the end on) to the writer task, in order (its queue is empty: items went to
+        the callback's list meanwhile)."""
+        items, self._soon = self._soon, []
+        if self.closed:
+            return
+        end = items.index(None) if None in items else len(items)
+        batch = [i for i in items[:end] if i is not None]
+        assert self._write_nowait is not None
+        if batch and sum(i.ByteSize() for i in batch) <= self._limit and \
+                self._write_nowait(batch):
+            items = items[end:]
+        for i in items:
+            self._queue.put_nowait(i)
+
+    async def run(self) -> None:
+        """The writer task: writes the queue's batches in order until the end; what
+        ``write`` raises ends it."""
+        async for batch in queued_batches(self._queue, self._limit):
+            self._writing = True
+            try:
+                await self._write(batch)
+            finally:
+                self._writing = False

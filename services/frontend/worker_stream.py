@@ -23,11 +23,10 @@ Contract:
   interceptors): each call's frame does. Each message sent carries every frame queued
   when it is sent, and each message read may carry many replies
   (:func:`services.common.batching.queued_batches`; frames and replies count in order).
-  On a request plane whose connection takes a write at once (connected, not paused),
-  the frames posted in one event-loop turn leave in one message from a loop callback
-  at the end of that turn, with no writer task woken (the writer task sends whatever
-  cannot: before the connection is up, under back-pressure, past the batch limit, the
-  stream's end); frames never overtake each other either way.
+  On a request plane, whose connection can take a write without waiting, the frames
+  posted in one event-loop turn once the worker's opening reply came leave in one
+  message from a loop callback, no writer task woken
+  (:class:`services.common.batching.Outbox`).
 - :class:`StreamCall` behaves as the ``grpc.aio`` unary-stream call a ``Generate`` would
   be, for what the frontend uses: ``async for`` yields the responses in order and ends
   when the call ends OK; a call ending otherwise raises ``grpc.aio.AioRpcError`` with
@@ -64,7 +63,7 @@ from opentelemetry.propagate import inject
 
 from protos import worker_pb2, worker_pb2_grpc
 from services.common import telemetry
-from services.common.batching import BATCH_LIMIT_BYTES, queued_batches
+from services.common.batching import Outbox
 from services.common.grpc_client import ChannelPool
 from services.frontend.request_plane import PlaneCall, PlaneUnreachable
 from services.router.embedded import rpc_error
@@ -207,14 +206,11 @@ class WorkerStream:
         self._retired = False
         self._calls: dict[int, StreamCall] = {}
         self._ids = itertools.count(1)
-        self._outbox: asyncio.Queue[worker_pb2.GenerateFrame | None] = asyncio.Queue()
         self._opened = asyncio.Event()  # the worker's first reply (call_id 0) came
-        # frames for the loop callback (see the module docstring), and whether the writer
-        # task is sending a batch (then frames queue behind it)
-        self._soon: list[worker_pb2.GenerateFrame | None] = []
-        self._writing = False
-        self._write_nowait: Callable[[worker_pb2.GenerateFrames], bool] | None = getattr(
-            carrier, "write_nowait", None)
+        # nothing goes out before that reply (the writer task waits for it)
+        self._outbox: Outbox[worker_pb2.GenerateFrame] = Outbox(
+            self._send_frames, self._frames_nowait
+            if getattr(carrier, "write_nowait", None) is not None else None, direct=False)
         if carrier is not None:  # the worker's TCP request plane (.request_plane)
             self._call = carrier
         else:  # a plain grpc.aio channel (tests) has no interceptors to skip
@@ -261,42 +257,19 @@ class WorkerStream:
             self._post(None)
 
     def _post(self, frame: worker_pb2.GenerateFrame | None) -> None:
-        """Sends ``frame`` (None: the end of frames) after those posted before it: by the
-        loop callback when the writer task has nothing queued or in hand, else by it."""
-        if self._soon:
-            self._soon.append(frame)
-        elif (self._write_nowait is not None and not self._writing
-              and self._outbox.empty() and self._opened.is_set()):
-            self._soon.append(frame)
-            asyncio.get_running_loop().call_soon(self._flush_soon)
-        else:
-            self._outbox.put_nowait(frame)
+        self._outbox.post(frame)
 
-    def _flush_soon(self) -> None:
-        """Sends the frames posted for the callback in one message, if the connection
-        takes it now; else (or from the end of frames on) hands them to the writer task,
-        in order (its queue is empty: frames went to the callback's list meanwhile)."""
-        frames, self._soon = self._soon, []
-        if self.broken:
-            return  # as the writer task's queue, dropped with the stream
-        end = frames.index(None) if None in frames else len(frames)
-        batch = [f for f in frames[:end] if f is not None]
-        assert self._write_nowait is not None
-        if batch and sum(f.ByteSize() for f in batch) <= BATCH_LIMIT_BYTES and \
-                self._write_nowait(worker_pb2.GenerateFrames(frames=batch)):
-            frames = frames[end:]
-        for f in frames:
-            self._outbox.put_nowait(f)
+    async def _send_frames(self, frames: list[worker_pb2.GenerateFrame]) -> None:
+        await self._call.write(worker_pb2.GenerateFrames(frames=frames))
+
+    def _frames_nowait(self, frames: list[worker_pb2.GenerateFrame]) -> bool:
+        return bool(self._call.write_nowait(worker_pb2.GenerateFrames(frames=frames)))
 
     async def _write(self) -> None:
         try:
             await self._opened.wait()  # nothing goes to a worker that cannot take it
-            async for batch in queued_batches(self._outbox):
-                self._writing = True
-                try:
-                    await self._call.write(worker_pb2.GenerateFrames(frames=batch))
-                finally:
-                    self._writing = False
+            self._outbox.direct = True
+            await self._outbox.run()
             await self._call.done_writing()
         except Exception as exc:  # noqa: BLE001 - the reader sees the stream's end too
             log.debug("GenerateMux to %s: writing failed: %r", self.address, exc)
@@ -325,6 +298,7 @@ class WorkerStream:
         except Exception as exc:  # noqa: BLE001 - every call on it fails below
             how = f"failed: {type(exc).__name__}: {exc}"
         self.broken = True
+        self._outbox.closed = True
         self._writer.cancel()
         self._call.cancel()  # a connection whose reading failed is dropped (harmless if done)
         if self._on_end is not None:
@@ -342,6 +316,7 @@ class WorkerStream:
     async def close(self) -> None:
         """Ends the stream and fails its calls (UNAVAILABLE)."""
         self.broken = True
+        self._outbox.closed = True
         self._call.cancel()
         self._writer.cancel()
         await asyncio.gather(self._reader, self._writer, return_exceptions=True)

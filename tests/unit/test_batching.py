@@ -4,9 +4,10 @@ within a byte limit, ended by the queue's None."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
-from services.common.batching import queued_batches
+from services.common.batching import Outbox, queued_batches
 
 
 @dataclass
@@ -44,3 +45,84 @@ async def test_a_lone_item_is_not_held_back() -> None:
     assert [i.name for i in await anext(batches)] == ["b", "c"]
     queue.put_nowait(None)
     assert [b async for b in batches] == []
+
+
+class Conn:
+    """A connection for an Outbox: records each batch and how it went (``now``: the
+    loop callback's ``write_nowait``; ``task``: the writer's ``write``)."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, list[str]]] = []
+        self.takes_now = True
+        self.hold = asyncio.Event()
+        self.hold.set()
+
+    def write_nowait(self, batch: list[Item]) -> bool:
+        if self.takes_now:
+            self.sent.append(("now", [i.name for i in batch]))
+        return self.takes_now
+
+    async def write(self, batch: list[Item]) -> None:
+        self.sent.append(("task", [i.name for i in batch]))
+        await self.hold.wait()
+
+
+async def turn() -> None:
+    """Until the loop callbacks scheduled before this call have run (they run in order)."""
+    fut = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_soon(fut.set_result, None)
+    await fut
+
+
+async def test_an_outbox_sends_one_turn_s_items_in_one_batch_from_the_callback() -> None:
+    conn = Conn()
+    box: Outbox[Item] = Outbox(conn.write, conn.write_nowait, limit_bytes=10)
+    writer = asyncio.ensure_future(box.run())
+    for name in "abc":
+        box.post(Item(name, 1))
+    assert conn.sent == []  # at the end of the turn
+    await turn()
+    assert conn.sent == [("now", ["a", "b", "c"])]
+    box.post(Item("big", 11))  # over the limit: the writer task sends it
+    box.post(Item("d", 1))
+    box.post(None)
+    await asyncio.wait_for(writer, 10)  # the end comes after what was posted before it
+    assert conn.sent[1:] == [("task", ["big"]), ("task", ["d"])]
+
+
+async def test_an_outbox_keeps_the_order_when_the_writer_holds_a_batch() -> None:
+    conn = Conn()
+    box: Outbox[Item] = Outbox(conn.write, conn.write_nowait)
+    writer = asyncio.ensure_future(box.run())
+    conn.takes_now, conn.hold = False, asyncio.Event()  # back-pressure, a write that waits
+    box.post(Item("a", 1))
+    await turn()  # refused by the connection: the writer's now ...
+    await turn()  # ... and in its hand
+    conn.takes_now = True
+    box.post(Item("b", 1))  # behind the batch in hand: not the callback's
+    box.post(Item("c", 1))
+    await turn()
+    assert conn.sent == [("task", ["a"])]
+    conn.hold.set()
+    box.post(None)
+    await asyncio.wait_for(writer, 10)
+    assert conn.sent == [("task", ["a"]), ("task", ["b", "c"])]
+
+
+async def test_an_outbox_not_direct_or_closed_leaves_the_callback_out() -> None:
+    conn = Conn()
+    box: Outbox[Item] = Outbox(conn.write, conn.write_nowait, direct=False)
+    box.post(Item("a", 1))  # to the writer's queue (not run yet)
+    box.direct = True
+    box.post(Item("b", 1))  # behind the queued one
+    writer = asyncio.ensure_future(box.run())
+    await turn()
+    await turn()
+    assert conn.sent == [("task", ["a", "b"])]
+    box.post(Item("c", 1))  # the callback's ...
+    box.closed = True  # ... dropped: the connection is gone
+    await turn()
+    assert conn.sent == [("task", ["a", "b"])]
+    writer.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await writer

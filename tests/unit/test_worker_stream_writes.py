@@ -17,6 +17,7 @@ import pytest
 
 from protos import worker_pb2
 from services.frontend.worker_stream import WorkerStream
+from tests.unit.test_batching import turn
 
 Sent = tuple[str, list[str]]
 
@@ -72,13 +73,6 @@ class Carrier:
         return True
 
 
-async def _turn() -> None:
-    """Until the loop callbacks scheduled before this call have run (they run in order)."""
-    fut = asyncio.get_running_loop().create_future()
-    asyncio.get_running_loop().call_soon(fut.set_result, None)
-    await fut
-
-
 async def _until(what: asyncio.Event) -> None:
     await asyncio.wait_for(what.wait(), 10)
 
@@ -103,10 +97,10 @@ async def test_frames_of_one_turn_leave_in_one_message_without_the_writer(
     calls = [stream.generate(_request(f"r{i}"), 30) for i in range(3)]
     calls[1].cancel()
     assert carrier.sent == []  # not before the turn ends
-    await _turn()
+    await turn()
     assert carrier.sent == [("now", ["call 1", "call 2", "call 3", "cancel 2"])]
     stream.generate(_request("r3"), 30)
-    await _turn()
+    await turn()
     assert carrier.sent[1:] == [("now", ["call 4"])]
 
 
@@ -116,20 +110,20 @@ async def test_frames_queue_behind_a_write_in_hand_and_keep_their_order(
     carrier.takes_now = False  # back-pressure: the callback hands the frame to the writer
     carrier.hold.clear()  # ... whose write then waits
     first = stream.generate(_request("r0"), 30)
-    await _turn()  # the callback ran: the frame is the writer's now
-    await _turn()  # ... and the writer took it
+    await turn()  # the callback ran: the frame is the writer's now
+    await turn()  # ... and the writer took it
     assert carrier.sent == [("task", ["call 1"])]
     carrier.takes_now = True  # the writer still holds its write: these wait behind it
     stream.generate(_request("r1"), 30)
     first.cancel()
-    await _turn()
+    await turn()
     assert carrier.sent == [("task", ["call 1"])]
     carrier.hold.set()
     for _ in range(4):  # the writer finishes its write, then sends what queued meanwhile
-        await _turn()
+        await turn()
     assert carrier.sent == [("task", ["call 1"]), ("task", ["call 2", "cancel 1"])]
     stream.generate(_request("r2"), 30)  # the writer is idle again: the callback sends
-    await _turn()
+    await turn()
     assert carrier.sent[2:] == [("now", ["call 3"])]
 
 
@@ -148,12 +142,12 @@ async def test_frames_before_the_opening_reply_wait_for_it() -> None:
     stream = WorkerStream(None, "w", carrier)
     try:
         stream.generate(_request("r0"), 30)
-        await _turn()
+        await turn()
         assert carrier.sent == []
         carrier.open()
         await asyncio.wait_for(stream._opened.wait(), 10)  # noqa: SLF001
         for _ in range(3):
-            await _turn()
+            await turn()
         assert carrier.sent == [("task", ["call 1"])]
     finally:
         await stream.close()
