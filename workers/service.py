@@ -72,7 +72,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -129,37 +129,24 @@ def structured_from_proto(p: common_pb2.StructuredOutputs) -> StructuredOutputs:
     )
 
 
+# SamplingParams fields whose wire value is not the engine's (every other field is taken
+# as it is; the message's fields are Sampling's, by name: tests/unit/test_worker_validation)
+_FROM_WIRE: dict[str, Callable[[Any], Any]] = {
+    "stop": tuple, "stop_token_ids": tuple, "bad_words": tuple, "allowed_token_ids": tuple,
+    "logit_bias": lambda m: tuple(sorted(m.items())), "structured": structured_from_proto,
+}
+
+
 def sampling_from_proto(p: common_pb2.SamplingParams) -> Sampling:
-    """Converts protobuf sampling params to the engine's dataclass (unset optional fields
-    stay None; nothing is checked here: see :func:`validate_sampling`)."""
-    return Sampling(
-        max_tokens=p.max_tokens,
-        temperature=p.temperature if p.HasField("temperature") else None,
-        top_p=p.top_p if p.HasField("top_p") else None,
-        top_k=p.top_k if p.HasField("top_k") else None,
-        seed=p.seed if p.HasField("seed") else None,
-        stop=tuple(p.stop),
-        stop_token_ids=tuple(p.stop_token_ids),
-        ignore_eos=p.ignore_eos,
-        presence_penalty=p.presence_penalty if p.HasField("presence_penalty") else None,
-        frequency_penalty=p.frequency_penalty if p.HasField("frequency_penalty") else None,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else None,
-        logprobs=p.logprobs if p.HasField("logprobs") else None,
-        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
-        structured=(structured_from_proto(p.structured) if p.HasField("structured")
-                    else None),
-        logit_bias=tuple(sorted(p.logit_bias.items())),
-        min_tokens=p.min_tokens,
-        min_p=p.min_p if p.HasField("min_p") else None,
-        bad_words=tuple(p.bad_words),
-        allowed_token_ids=tuple(p.allowed_token_ids),
-        include_stop_str_in_output=p.include_stop_str_in_output,
-        skip_special_tokens=(p.skip_special_tokens if p.HasField("skip_special_tokens")
-                             else True),
-        spaces_between_special_tokens=(p.spaces_between_special_tokens
-                                       if p.HasField("spaces_between_special_tokens")
-                                       else True),
-    )
+    """Converts protobuf sampling params to the engine's dataclass: the fields the message
+    sets (an optional one set to its default included), the dataclass's defaults for the
+    rest (unset optional fields None; nothing is checked here: see
+    :func:`validate_sampling`)."""
+    kw: dict[str, Any] = {"max_tokens": 0}
+    for field, value in p.ListFields():
+        convert = _FROM_WIRE.get(field.name)
+        kw[field.name] = value if convert is None else convert(value)
+    return Sampling(**kw)
 
 
 def check_served(sampling: Sampling, engine: Engine) -> None:

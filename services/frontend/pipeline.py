@@ -683,7 +683,8 @@ class Pipeline:
     async def run(self, req: ParsedRequest) -> tuple[Job, AsyncIterator[Chunk]]:
         """``prepare`` + ``stream`` under one ``frontend.request`` root span.
 
-        The span ends when the returned iterator is exhausted or closed.
+        The span ends when the returned iterator is exhausted or closed (a span that
+        does not record, unsampled, has nothing to end: the iterator is ``stream``'s).
         """
         span = self._tracer.start_span("frontend.request", attributes={
             "kvmesh.model": req.model, "kvmesh.kind": req.kind, "kvmesh.stream": req.stream,
@@ -696,6 +697,8 @@ class Pipeline:
             span.record_exception(exc)
             span.end()
             raise
+        if not span.is_recording():  # its end and exceptions would go nowhere: no
+            return job, self.stream(job, ctx)  # wrapper, one generator less per chunk
         span.set_attribute("kvmesh.request_id", job.request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(job.token_ids))
 

@@ -4,6 +4,7 @@ naming the field."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -271,3 +272,30 @@ def test_logprobs_to_proto() -> None:
     pb = position_logprobs_to_proto(p)
     assert (pb.token.token_id, pb.token.logprob, pb.token.rank) == (5, -1.5, 3)
     assert [(t.token_id, t.rank) for t in pb.top] == [(1, 1), (2, 2)]
+
+
+def test_the_wire_s_sampling_fields_are_the_engine_s() -> None:
+    """Every SamplingParams field is a Sampling field of the same name (the worker takes
+    the fields a message sets by name), and a message setting each one gives each."""
+    wire = {f.name for f in common_pb2.SamplingParams.DESCRIPTOR.fields}
+    assert wire == {f.name for f in dataclasses.fields(Sampling)}
+    p = common_pb2.SamplingParams(
+        max_tokens=9, temperature=0.5, top_p=0.75, top_k=3, seed=11, stop=["x", "y"],
+        stop_token_ids=[5, 6], ignore_eos=True, presence_penalty=0.25,
+        frequency_penalty=-0.5, repetition_penalty=1.5, logprobs=2, prompt_logprobs=1,
+        structured=common_pb2.StructuredOutputs(regex="a+"), logit_bias={4: 1.0, 2: -1.0},
+        min_tokens=1, min_p=0.125, bad_words=["bad"], allowed_token_ids=[2, 4, 7],
+        include_stop_str_in_output=True, skip_special_tokens=False,
+        spaces_between_special_tokens=False)
+    assert {f.name for f, _ in p.ListFields()} == wire  # the message sets every field
+    assert sampling_from_proto(p) == Sampling(
+        max_tokens=9, temperature=0.5, top_p=0.75, top_k=3, seed=11, stop=("x", "y"),
+        stop_token_ids=(5, 6), ignore_eos=True, presence_penalty=0.25,
+        frequency_penalty=-0.5, repetition_penalty=1.5, logprobs=2, prompt_logprobs=1,
+        structured=SO(regex="a+"), logit_bias=((2, -1.0), (4, 1.0)), min_tokens=1,
+        min_p=0.125, bad_words=("bad",), allowed_token_ids=(2, 4, 7),
+        include_stop_str_in_output=True, skip_special_tokens=False,
+        spaces_between_special_tokens=False)
+    # optional fields set to their zero value are set; plain ones at zero are defaults
+    zeros = sampling_from_proto(common_pb2.SamplingParams(temperature=0.0, top_k=0))
+    assert zeros == Sampling(max_tokens=0, temperature=0.0, top_k=0)
