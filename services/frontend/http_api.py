@@ -187,8 +187,9 @@ async def _unless_disconnected(request: Request,
     watcher: asyncio.Future[None] | None = None
     if watch is None:
         watcher = asyncio.ensure_future(_hang_up_on_disconnect(request, hang_up))
-    elif watch.gone:
-        hang_up()
+    elif watch.gone:  # gone before any work started: none starts
+        work.close()
+        return Response(status_code=499)
     else:
         watch.callback = hang_up
     try:

@@ -19,6 +19,13 @@ Contract:
   written (uvicorn writes them apart: two syscalls, and two wake-ups of a waiting
   client, for every small JSON answer). A streamed (chunked) response's headers leave at
   once, as before. A connection closed or aborted with headers held sends them first.
+- With httptools, each request's ASGI scope carries a :class:`DisconnectWatch` under
+  ``scope["extensions"][DISCONNECT_WATCH]``: when the connection is lost before the
+  request's response completed (when uvicorn's ``receive`` starts answering
+  ``http.disconnect``), its ``gone`` turns True and its ``callback``, if set, is called,
+  in the connection's ``connection_lost``. The app learns of a client gone without a
+  task blocked in ``receive`` per request. Without one (h11, Starlette's TestClient,
+  another ASGI server) the app must watch ``receive`` itself.
 """
 
 from __future__ import annotations
@@ -133,11 +140,10 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
             before = self.cycle
             super().on_headers_complete()
             cycle = self.cycle  # a new one, unless uvicorn returned early (an upgrade)
-            if cycle is not None and cycle is not before:
+            if isinstance(self, _HTTPTOOLS) and cycle is not None and cycle is not before:
                 cycle.scope.setdefault("extensions", {})[DISCONNECT_WATCH] = \
                     DisconnectWatch()
-                if isinstance(self, _HTTPTOOLS):
-                    cycle.transport = HeldHeaders(self.transport, cycle)
+                cycle.transport = HeldHeaders(self.transport, cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()  # starts a pipelined request's cycle, if any

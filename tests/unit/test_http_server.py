@@ -18,6 +18,7 @@ from starlette.routing import Route
 
 from services.common.procs import free_port
 from services.frontend import http_server
+from services.frontend.http_api import _unless_disconnected
 from services.frontend.http_server import HeldHeaders, http_config
 
 
@@ -294,3 +295,57 @@ async def test_a_connection_closed_after_its_answer_fires_nothing() -> None:
             port, b"GET /quick HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     # the server has stopped: both connections are gone
     assert len(watches) == 2 and not any(w.gone for w in watches) and not fired
+
+
+class _Asgi:
+    """The part of a Starlette Request ``_unless_disconnected`` reads: its scope, with a
+    watch as the frontend's server puts there."""
+
+    def __init__(self) -> None:
+        self.watch = http_server.DisconnectWatch()
+        self.scope = {"extensions": {http_server.DISCONNECT_WATCH: self.watch}}
+
+
+async def test_a_watched_handler_is_cancelled_when_its_client_goes() -> None:
+    req, started, cancelled = _Asgi(), asyncio.Event(), []
+
+    async def work() -> Response:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.append(1)
+            raise
+        return Response(b"never")
+
+    handler = asyncio.ensure_future(_unless_disconnected(req, work()))  # type: ignore[arg-type]
+    await asyncio.wait_for(started.wait(), 10)
+    assert req.watch.callback is not None
+    req.watch.fire()
+    resp = await asyncio.wait_for(handler, 10)
+    assert resp.status_code == 499 and cancelled == [1] and req.watch.callback is None
+
+
+async def test_work_for_a_client_gone_before_it_starts_never_runs() -> None:
+    req, ran = _Asgi(), []
+
+    async def work() -> Response:
+        ran.append(1)
+        return Response(b"never")
+
+    req.watch.fire()
+    resp = await _unless_disconnected(req, work())  # type: ignore[arg-type]
+    assert resp.status_code == 499 and not ran
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_a_watched_handler_answers_and_leaves_no_callback() -> None:
+    req = _Asgi()
+
+    async def work() -> Response:
+        await asyncio.sleep(0)
+        return Response(b"ok")
+
+    resp = await _unless_disconnected(req, work())  # type: ignore[arg-type]
+    assert resp.status_code == 200 and req.watch.callback is None
+    req.watch.fire()  # the client goes after its answer: nothing to cancel
