@@ -26,8 +26,9 @@ Contract of :class:`GenerateStreams` (``handle`` is the servicer's GenerateMux):
   Generate aborted with (code, details, trailing metadata), DEADLINE_EXCEEDED ("Deadline
   Exceeded") past ``timeout_s``, CANCELLED after a cancel frame, UNAVAILABLE ("worker is
   stopping") when ``close()`` ended it, INTERNAL naming an
-  exception Generate let escape (logged). Replies of different calls interleave; one task
-  per stream writes them all, in order (a call only queues its replies).
+  exception Generate let escape (logged). Replies of different calls interleave; each
+  stream's :class:`~services.common.batching.Outbox` sends them all, in order (a call
+  only posts its replies).
 - A ``cancel`` frame cancels its call (an unknown or ended ``call_id`` is ignored), as
   cancelling a Generate call does: the engine request is aborted.
 - A frame with neither, a ``request`` with ``call_id`` 0 or one whose ``call_id`` is
@@ -95,9 +96,10 @@ def _end(call_id: int, code: grpc.StatusCode, details: str = "",
 
 
 class _Stream:
-    """One open stream: its running calls, and the one task that writes its replies (a
-    call never awaits a write: a call cancelled mid-write would leave gRPC's send in
-    flight, and the next write would fail with TOO_MANY_OPERATIONS)."""
+    """One open stream: its running calls, and the outbox that sends its replies (its
+    writer task, or on the request plane a loop callback; a call never awaits a write: a
+    call cancelled mid-write would leave gRPC's send in flight, and the next write would
+    fail with TOO_MANY_OPERATIONS)."""
 
     def __init__(self, context: grpc.aio.ServicerContext) -> None:
         self.context = context

@@ -27,8 +27,11 @@ Contract of :class:`Outbox` (one connection's outgoing items, both stream halves
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Generic, Protocol, TypeVar
+
+log = logging.getLogger(__name__)
 
 BATCH_LIMIT_BYTES = 1 << 20  # a batch (one gRPC message) holds at most about this much
 
@@ -100,9 +103,12 @@ class Outbox(Generic[T]):
         end = items.index(None) if None in items else len(items)
         batch = [i for i in items[:end] if i is not None]
         assert self._write_nowait is not None
-        if batch and sum(i.ByteSize() for i in batch) <= self._limit and \
-                self._write_nowait(batch):
-            items = items[end:]
+        try:
+            if batch and sum(i.ByteSize() for i in batch) <= self._limit and \
+                    self._write_nowait(batch):
+                items = items[end:]
+        except Exception:  # a bug: said, and the writer task sends them (or fails too)
+            log.exception("sending %d items from the loop callback failed", len(batch))
         for i in items:
             self._queue.put_nowait(i)
 
