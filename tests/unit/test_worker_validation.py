@@ -299,3 +299,12 @@ def test_the_wire_s_sampling_fields_are_the_engine_s() -> None:
     # optional fields set to their zero value are set; plain ones at zero are defaults
     zeros = sampling_from_proto(common_pb2.SamplingParams(temperature=0.0, top_k=0))
     assert zeros == Sampling(max_tokens=0, temperature=0.0, top_k=0)
+    # a field the wire cannot tell unset (no presence) reads its zero then, which must be
+    # the engine's default for it (or the worker would take "unset" for a value)
+    defaults = {f.name: f.default for f in dataclasses.fields(Sampling)}
+    defaults["max_tokens"] = 0  # required in the dataclass: the worker's default
+    empty = common_pb2.SamplingParams()
+    for f in common_pb2.SamplingParams.DESCRIPTOR.fields:
+        if not f.has_presence and f.message_type is None:
+            value = getattr(empty, f.name)
+            assert (tuple(value) if f.is_repeated else value) == defaults[f.name], f.name
