@@ -33,6 +33,7 @@ from services.frontend.openai_schema import ApiError, ParsedRequest, SamplingSpe
 from services.frontend.pipeline import Pipeline
 from services.router.core import RouterCore
 from services.router.disagg import DisaggConfig
+from services.router.embedded import InProcessRouterStub
 from services.router.policy_setup import default_registry
 from services.router.service import RouterServicer
 from tests.waiting import wait_for
@@ -116,6 +117,7 @@ class Setup:
     core: RouterCore
     pipeline: Pipeline
     nodes: list[Node]
+    embedded: bool = False  # the pipeline calls the router in-process
 
     def in_flight(self) -> int:
         return sum(self.core.in_flight().values())
@@ -149,10 +151,12 @@ class LostAnswerRouter(RouterServicer):
 @contextlib.asynccontextmanager
 async def mesh(nodes: Sequence[Node],
                servicer_cls: type[RouterServicer] = RouterServicer,
-               streams: bool = False, planes: bool = False) -> AsyncIterator[Setup]:
+               streams: bool = False, planes: bool = False,
+               embedded: bool = False) -> AsyncIterator[Setup]:
     """A router over ``nodes`` and a pipeline using it (its worker calls on
-    GenerateStreams with ``streams``, on the workers' request planes with ``planes``);
-    stopped with the nodes after."""
+    GenerateStreams with ``streams``, on the workers' request planes with ``planes``; the
+    router called in-process with ``embedded``, as ``--router embedded`` does, else over
+    gRPC); stopped with the nodes after."""
     registry = default_registry()
     core = RouterCore(policy=registry.create("kv", random.Random(0)),
                       prefill_policy=registry.create("kv", random.Random(1)),
@@ -166,9 +170,10 @@ async def mesh(nodes: Sequence[Node],
     catalog = ModelCatalog()
     catalog.on_workers(records)
     pipeline = Pipeline(catalog, lambda: router_address, worker_streams=streams,
-                        request_planes=planes)
+                        request_planes=planes,
+                        router_stub=InProcessRouterStub(servicer) if embedded else None)
     try:
-        yield Setup(core, pipeline, list(nodes))
+        yield Setup(core, pipeline, list(nodes), embedded)
     finally:
         await pipeline.close()
         await router.stop(0)
@@ -183,15 +188,22 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+@pytest.fixture(scope="module", params=["grpc", "embedded"])
+def router_kind(request: pytest.FixtureRequest) -> str:
+    """How the pipeline calls the router: every test on ``setup`` runs with each."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-async def setup(transport: str) -> AsyncIterator[Setup]:
+async def setup(transport: str, router_kind: str) -> AsyncIterator[Setup]:
     async with mesh([
             await node("a1", discovery_pb2.WORKER_ROLE_AGG, MODEL),
             await node("a2", discovery_pb2.WORKER_ROLE_AGG, MODEL),
             # P/D: P's KV cache is smaller than D's, so P refuses what D accepts
             await node("p1", discovery_pb2.WORKER_ROLE_PREFILL, "pd", num_blocks=16),
             await node("d1", discovery_pb2.WORKER_ROLE_DECODE, "pd")],
-            streams=transport == "stream", planes=transport == "tcp") as s:
+            streams=transport == "stream", planes=transport == "tcp",
+            embedded=router_kind == "embedded") as s:
         yield s
 
 
@@ -290,9 +302,22 @@ async def test_finished_and_failed_requests_are_released(setup: Setup) -> None:
     _, chunks = await setup.pipeline.run(request(5))
     out = [c async for c in chunks]
     assert out[-1].finish_reason == "length" and out[-1].completion_tokens == 5
-    # the stream ended without waiting for its Release (a task that close() waits for):
-    # nothing ran on the loop since, so the entry is still there, then it goes
-    assert setup.in_flight() == 1
+    if setup.embedded:  # released in the stream's own last step: no task left to run
+        assert setup.in_flight() == 0 and not setup.pipeline._background  # noqa: SLF001
+    else:  # the stream ended without waiting for its Release (a task that close() waits
+        # for): nothing ran on the loop since, so the entry is still there, then it goes
+        assert setup.in_flight() == 1
+    await setup.settled()
+    # a consumer closing the stream at its finishing chunk, before the stream's end
+    _, chunks = await setup.pipeline.run(request(1))
+    last = await chunks.__anext__()
+    assert last.finish_reason == "length"
+    await chunks.aclose()  # type: ignore[attr-defined]
+    await setup.settled()
+    # a finished P/D attempt's close waits for its call tasks: released by a task
+    _, chunks = await setup.pipeline.run(request(5, "pd"))
+    out = [c async for c in chunks]
+    assert out[-1].finish_reason == "length" and setup.in_flight() == 1
     await setup.settled()
     # P refuses a 300-token prompt (its KV cache holds 256 tokens; D's 16k; the router
     # knows neither).
