@@ -560,13 +560,6 @@ class _Run:
         return decode
 
 
-def closes_at_once(route: router_pb2.RouteResponse) -> bool:
-    """Whether closing :func:`run_plan`'s responses for ``route`` completes without
-    waiting: an aggregated run's close cancels its one call and returns (a P/D run's
-    waits for its call tasks to settle)."""
-    return not route.disaggregated
-
-
 def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
              metrics: FrontendMetrics, streams: WorkerStreams | None = None
              ) -> AsyncIterator[worker_pb2.GenerateResponse]:

@@ -56,10 +56,7 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   the workers) and ``Release`` is sent by a task that the consumer's cancellation cannot
   interrupt; :meth:`Pipeline.close` waits for those tasks. The stream waits for that task
   only when the attempt did not finish (before a migration's next Route, or before the
-  error): a finished request's last chunk never waits for its Release. A finished
-  aggregated attempt with the router in this process (``release_nowait``) needs no task:
-  its close does not wait (:func:`~services.frontend.handoff.closes_at_once`) and the
-  release follows it in the same call, whatever interrupts the close. A Route that failed on the
+  error): a finished request's last chunk never waits for its Release. A Route that failed on the
   client's side after the router may have committed it (:data:`MAYBE_ROUTED` codes, or
   the consumer's cancellation) gets a best-effort ``Release`` (idempotent). When an
   attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
@@ -146,7 +143,7 @@ from services.frontend.failures import (
     status_error,
     worker_failure,
 )
-from services.frontend.handoff import HandoffError, Request, closes_at_once, run_plan
+from services.frontend.handoff import HandoffError, Request, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.jobs import (
     FINISH_NAMES,
@@ -321,20 +318,6 @@ class Pipeline:
         except Exception:
             log.exception("closing the worker stream of %s failed", request_id)
         await self._release(router, request_id)
-
-    @staticmethod
-    async def _end_now(release_now: Callable[[str], None], request_id: str,
-                       responses: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
-        """:meth:`_end_attempt` in the consumer's task, for a finished attempt whose
-        responses close without waiting and whose router releases in this call (an
-        embedded one): no task to start. The release is this call's last step whatever
-        interrupts the close."""
-        try:
-            await responses.aclose()  # type: ignore[attr-defined]
-        except Exception:
-            log.exception("closing the worker stream of %s failed", request_id)
-        finally:
-            release_now(request_id)
 
     async def _release_when_routed(self, router: router_pb2_grpc.RouterStub, request_id: str,
                                    call: asyncio.Future[router_pb2.RouteResponse]) -> None:
@@ -542,7 +525,6 @@ class Pipeline:
         docstring. ``ctx`` is the trace context the router and worker calls are made in
         (default: the current one)."""
         router = self._router_stub
-        release_now: Callable[[str], None] | None = getattr(router, "release_nowait", None)
         if router is None:
             router_addr = self._router_address()
             if not router_addr:
@@ -655,12 +637,9 @@ class Pipeline:
                 except HandoffError as exc:
                     failure, cause = worker_failure(exc, route), exc
                 finally:
-                    if finished and closes_at_once(route) and release_now is not None:
-                        await self._end_now(release_now, mesh_id, responses)
-                    else:
-                        ending = self._spawn(self._end_attempt(router, mesh_id, responses))
-                        if not finished:  # a failed attempt is released before the next
-                            await asyncio.shield(ending)
+                    ending = self._spawn(self._end_attempt(router, mesh_id, responses))
+                    if not finished:  # a failed attempt is released before the next one
+                        await asyncio.shield(ending)
                 assert failure is not None
                 # A grammar's state would restart on the carried tokens: a structured
                 # request migrates only before its first token.

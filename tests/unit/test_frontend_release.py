@@ -302,11 +302,10 @@ async def test_finished_and_failed_requests_are_released(setup: Setup) -> None:
     _, chunks = await setup.pipeline.run(request(5))
     out = [c async for c in chunks]
     assert out[-1].finish_reason == "length" and out[-1].completion_tokens == 5
-    if setup.embedded:  # released in the stream's own last step: no task left to run
-        assert setup.in_flight() == 0 and not setup.pipeline._background  # noqa: SLF001
-    else:  # the stream ended without waiting for its Release (a task that close() waits
-        # for): nothing ran on the loop since, so the entry is still there, then it goes
-        assert setup.in_flight() == 1
+    # the stream ended without waiting for its Release (a task that close() waits for,
+    # which runs after the answer has gone): nothing ran on the loop since, so the entry
+    # is still there, then it goes
+    assert setup.in_flight() == 1
     await setup.settled()
     # a consumer closing the stream at its finishing chunk, before the stream's end
     _, chunks = await setup.pipeline.run(request(1))
@@ -314,8 +313,7 @@ async def test_finished_and_failed_requests_are_released(setup: Setup) -> None:
     assert last.finish_reason == "length"
     await chunks.aclose()  # type: ignore[attr-defined]
     await setup.settled()
-    # a finished P/D attempt's close waits for its call tasks: released by a task
-    _, chunks = await setup.pipeline.run(request(5, "pd"))
+    _, chunks = await setup.pipeline.run(request(5, "pd"))  # P/D: the same
     out = [c async for c in chunks]
     assert out[-1].finish_reason == "length" and setup.in_flight() == 1
     await setup.settled()
