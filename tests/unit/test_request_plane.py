@@ -38,7 +38,7 @@ from tests.unit.test_worker_stream import (
     stop_worker,
 )
 from tests.waiting import wait_for
-from workers.request_plane import RequestPlane
+from workers.request_plane import RequestPlane, _PlaneContext
 
 _LEN = struct.Struct("<I")
 
@@ -453,3 +453,45 @@ async def test_a_connection_that_never_says_hello_is_closed() -> None:
     finally:
         await plane.close()
         await stop_worker(w)
+
+
+async def test_write_nowait_sends_only_what_need_not_wait() -> None:
+    """``PlaneCall.write_nowait`` and the worker's ``_PlaneContext.write_nowait`` send at
+    once (True) on a connection that is up, open and not under back-pressure; else
+    False, nothing sent (the Outbox's writer task then awaits the write)."""
+    peers: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def hold(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        peers.append((r, w))  # reads nothing until told
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    call = PlaneCall(f"127.0.0.1:{port}")
+    frames = worker_pb2.GenerateFrames(frames=[worker_pb2.GenerateFrame(call_id=1,
+                                                                        cancel=True)])
+    replies = worker_pb2.GenerateReplies(replies=[worker_pb2.GenerateReply(call_id=1)])
+    try:
+        assert not call.write_nowait(frames)  # not connected yet
+        proto = await asyncio.wait_for(call._connected(), 10)  # noqa: SLF001
+        ctx = _PlaneContext(proto)
+        assert call.write_nowait(frames) and ctx.write_nowait(replies)
+        assert proto.transport is not None
+        proto.transport.set_write_buffer_limits(high=1 << 16)
+        async with asyncio.timeout(30):
+            while not proto.write_paused:  # the peer reads nothing: the buffers fill
+                proto.write(b"x" * (1 << 20))
+                await asyncio.sleep(0)
+        assert not call.write_nowait(frames) and not ctx.write_nowait(replies)
+        reader = peers[0][0]
+        async with asyncio.timeout(30):
+            while proto.write_paused:  # the peer reads: writing resumes
+                await reader.read(1 << 20)
+        assert call.write_nowait(frames) and ctx.write_nowait(replies)
+        call.cancel()  # the connection is dropped
+        assert not call.write_nowait(frames) and not ctx.write_nowait(replies)
+    finally:
+        call.cancel()
+        for _, w in peers:
+            w.close()
+        server.close()
+        await server.wait_closed()
