@@ -386,8 +386,9 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...],
             if max_tokens <= 0:
                 raise _bad(f"'{name}' must be > 0, got {max_tokens}", name)
             break
+    max_tokens = max_tokens or default_max_tokens
     return SamplingSpec(
-        max_tokens=max_tokens or default_max_tokens,
+        max_tokens=max_tokens,
         temperature=_opt_number(body, "temperature", 0.0, 2.0),
         top_p=_opt_number(body, "top_p", 0.0, 1.0),
         top_k=_opt_int(body, "top_k", -1),
@@ -400,7 +401,7 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...],
         repetition_penalty=_positive(body, "repetition_penalty"),
         structured=_structured(body),
         logit_bias=_logit_bias(body),
-        min_tokens=_min_tokens(body, max_tokens or default_max_tokens),
+        min_tokens=_min_tokens(body, max_tokens),
         min_p=_opt_number(body, "min_p", 0.0, 1.0),
         **_vllm_extras(body), **fixed,
     )

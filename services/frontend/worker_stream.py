@@ -236,28 +236,25 @@ class WorkerStream:
             metadata = telemetry.propagation_metadata()
         call = StreamCall(self, call_id, timeout, span, request)
         self._calls[call_id] = call
-        self._post(worker_pb2.GenerateFrame(
+        self._outbox.post(worker_pb2.GenerateFrame(
             call_id=call_id, request=request, timeout_s=timeout or 0.0,
             metadata=[worker_pb2.MetadataEntry(key=k, value=v) for k, v in metadata]))
         return call
 
     def send_cancel(self, call_id: int) -> None:
         if not self.broken:
-            self._post(worker_pb2.GenerateFrame(call_id=call_id, cancel=True))
+            self._outbox.post(worker_pb2.GenerateFrame(call_id=call_id, cancel=True))
 
     def forget(self, call_id: int) -> None:
         self._calls.pop(call_id, None)
         if self._retired and not self._calls:
-            self._post(None)  # the sending side ends: the stream ends
+            self._outbox.post(None)  # the sending side ends: the stream ends
 
     def retire(self) -> None:
         """No new calls; the stream ends once its last call ended."""
         self._retired = True
         if not self._calls:
-            self._post(None)
-
-    def _post(self, frame: worker_pb2.GenerateFrame | None) -> None:
-        self._outbox.post(frame)
+            self._outbox.post(None)
 
     async def _send_frames(self, frames: list[worker_pb2.GenerateFrame]) -> None:
         await self._call.write(worker_pb2.GenerateFrames(frames=frames))
