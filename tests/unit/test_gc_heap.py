@@ -52,7 +52,10 @@ def test_a_frozen_cycle_is_left_to_live() -> None:
     assert arm()
     node = _Node()
     alive = weakref.ref(node)
-    assert freeze_heap("a test") == gc.get_freeze_count() > 0
+    frozen = freeze_heap("a test")
+    # the permanent generation only shrinks after the freeze (frozen objects another
+    # thread frees leave it): the count read again is at most the one returned
+    assert frozen >= gc.get_freeze_count() > 0
     assert not _tracked(node)
     del node
     gc.collect()
