@@ -53,6 +53,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from services.frontend import fanout, json_codec, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
@@ -221,23 +222,41 @@ def _too_large(limits: HttpLimits) -> ApiError:
                     code="request_too_large")
 
 
+def _declared_length(request: Request) -> str | None:
+    for name, value in request.scope["headers"]:
+        if name == b"content-length":
+            return value.decode("latin-1")
+    return None
+
+
 async def _read_body(request: Request, limits: HttpLimits) -> bytes:
-    declared = request.headers.get("content-length")
+    """The request's body, read from ASGI ``receive`` as Starlette's ``stream()`` reads it
+    (an ``http.disconnect`` first raises ClientDisconnect), under the limits."""
+    declared = _declared_length(request)
     if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise _too_large(limits)
+    receive = request.receive
     parts: list[bytes] = []
     size = 0
     try:
         async with asyncio.timeout(limits.body_timeout_s):
-            async for part in request.stream():
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    if message["type"] == "http.disconnect":
+                        raise ClientDisconnect()
+                    continue  # as Starlette: other messages carry no body
+                part = message.get("body", b"")
                 size += len(part)
                 if size > limits.max_body_bytes:
                     raise _too_large(limits)
                 parts.append(part)
+                if not message.get("more_body", False):
+                    break
     except TimeoutError:
         raise ApiError(408, f"request body not received within {limits.body_timeout_s} s",
                        code="request_timeout") from None
-    return b"".join(parts)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 async def _json_body(request: Request, limits: HttpLimits) -> Any:
@@ -248,7 +267,7 @@ async def _json_body(request: Request, limits: HttpLimits) -> Any:
         raise ApiError(400, "Invalid JSON body: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, over-long integers
         raise ApiError(400, f"Invalid JSON body: {exc}") from None
-    check_json(body)
+    check_json(body, raw)
     return body
 
 

@@ -17,7 +17,11 @@ Pure: no I/O. Contract:
 - :func:`error_body` renders an ApiError as ``{"error": {message, type, param, code}}``.
 - :func:`check_json` refuses (400, naming the JSON path) what would otherwise fail further
   down: nesting deeper than ``MAX_JSON_DEPTH``, and strings that are not valid Unicode
-  (lone surrogates, which cannot be encoded as UTF-8 for protobuf).
+  (lone surrogates, which cannot be encoded as UTF-8 for protobuf). Given the JSON text
+  the body was decoded from, it skips walking the body when that text cannot hold such a
+  value: ASCII without NUL bytes (so read as UTF-8, and no surrogate but by a ``\\u``
+  escape), no escape starting ``\\ud`` or ``\\uD``, and fewer than ``MAX_JSON_DEPTH``
+  brackets (``[`` and ``{``, in strings too); the answer is the walk's (nothing to refuse).
 - **Images** (chat only): a content part ``{"type": "image_url", "image_url": {"url":
   ...}}`` (or ``"image_url": "<url>"``) must be a ``data:image/png|jpeg;base64,`` URL
   (:func:`services.encoder.images.data_url_bytes`: the media type, base64 and the byte
@@ -296,8 +300,20 @@ def _first_problem(value: Any, depth: int) -> tuple[tuple[str | int, ...], str] 
     return None
 
 
-def check_json(body: Any) -> None:
-    """Raises ApiError 400 for too deep nesting or invalid Unicode; see the module doc."""
+def _may_hold_a_problem(raw: bytes) -> bool:
+    """Whether the JSON text ``raw`` may decode to a lone surrogate or to nesting deeper
+    than ``MAX_JSON_DEPTH`` (conservative: True may be a false alarm). ``json.loads``
+    reads bytes in the encoding it detects (UTF-16 and -32 too) with surrogates let
+    through, so only NUL-free ASCII is judged by its escapes."""
+    return (not raw.isascii() or b"\0" in raw or b"\\ud" in raw or b"\\uD" in raw
+            or raw.count(b"[") + raw.count(b"{") >= MAX_JSON_DEPTH)
+
+
+def check_json(body: Any, raw: bytes | None = None) -> None:
+    """Raises ApiError 400 for too deep nesting or invalid Unicode; see the module doc
+    (``raw``: the UTF-8 JSON text ``body`` was decoded from, when there is one)."""
+    if raw is not None and not _may_hold_a_problem(raw):
+        return
     found = _first_problem(body, 0)
     if found is None:
         return

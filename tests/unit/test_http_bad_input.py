@@ -41,6 +41,11 @@ CASES = [
      b'{"model": "m", "messages": [{"role": "user", "content": "\\ud83d"}]}',
      "messages[0].content"),
     ("/v1/completions", b'{"model": "m", "prompt": "x", "stop": ["\\udc00"]}', "stop[0]"),
+    # a surrogate as raw bytes (json.loads lets them through), and in UTF-16 JSON text
+    ("/v1/completions", b'{"model": "m", "prompt": "a\xed\xa0\x80"}', "prompt"),
+    ("/v1/completions", '{"model": "m", "prompt": "\\ud800"}'.encode("utf-16"), "prompt"),
+    ("/v1/completions", '{"model": "m", "prompt": "\ud800"}'.encode("utf-16-le",
+                                                                  "surrogatepass"), "prompt"),
     ("/v1/completions", b'{"model": "m", "prompt": "x", "x": ' + b"[" * 100 + b"]" * 100
      + b"}", "x"),
     ("/v1/completions", b'{"model": "m", "prompt": "x", "x": ' + b"[" * 1000 + b"]" * 1000
@@ -71,6 +76,43 @@ def test_valid_extremes_pass_validation(client: TestClient) -> None:
         resp = client.post("/v1/completions", content=raw,
                            headers={"Content-Type": "application/json"})
         assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+
+
+def _decodes(raw: bytes) -> bool:
+    try:
+        json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("raw", [raw for _, raw, _ in CASES if _decodes(raw)] + [
+    _completion(), _completion(prompt=list(range(300))), b'{"a": "\\\\ud800"}',
+    json.dumps({"model": "m", "prompt": "caf\u00e9 \u2603"}, ensure_ascii=False).encode(),
+    b'{"a": ' + b"[" * 63 + b"]" * 63 + b"}", b'{"a": ' + b"[" * 64 + b"]" * 64 + b"}"])
+def test_the_json_text_shortcut_answers_as_the_walk(raw: bytes) -> None:
+    """check_json with the text the body came from refuses exactly what the walk alone
+    refuses, with the same error."""
+    body = json.loads(raw)
+
+    def outcome(*args: object) -> tuple[str, str | None] | None:
+        try:
+            check_json(*args)  # type: ignore[arg-type]
+        except ApiError as err:
+            return err.message, err.param
+        return None
+    assert outcome(body, raw) == outcome(body)
+
+
+def test_plain_ascii_json_is_not_walked(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.frontend.openai_schema as schema
+
+    def walk(*_: object) -> None:
+        raise AssertionError("walked")
+    monkeypatch.setattr(schema, "_first_problem", walk)
+    check_json({"model": "m", "prompt": [1, 2]}, b'{"model": "m", "prompt": [1, 2]}')
+    with pytest.raises(AssertionError):  # a surrogate escape: walked
+        check_json({"model": "m\ud800"}, b'{"model": "m\\ud800"}')
 
 
 def test_a_long_token_list_is_checked_and_a_bad_string_after_it_is_found() -> None:
