@@ -61,7 +61,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   the consumer's cancellation) gets a best-effort ``Release`` (idempotent). When an
   attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
   stream never waits for it, and its failures, e.g. an older router without the RPC, are
-  ignored).
+  ignored), unless that chunk also finishes the attempt (every non-streamed answer comes
+  whole): then the attempt's Release, which frees everything PrefillDone frees, is the
+  router's only call after Route.
 - **Images** (EPD): ``prepare`` refuses images for a model no worker lists ``images``
   for (400), fetches remote ones when allowed (``--allow-remote-images``:
   :func:`services.frontend.remote_images.fetch_parts`, on the event loop, a failed fetch
@@ -198,6 +200,7 @@ class _Attached:
 # through asyncio.to_thread would cost ~90 µs of CPU a prompt). A longer one (or one with
 # tools or images) goes to a thread of its own, so no request holds the loop for long.
 INLINE_PROMPT_CHARS = 4096
+UNFINISHED = common_pb2.FINISH_REASON_UNSPECIFIED  # a worker response that is not the last
 
 
 def _prompt_chars(req: ParsedRequest) -> int:
@@ -616,8 +619,9 @@ class Pipeline:
                             now = time.monotonic()
                             if attempt_first:
                                 attempt_first = False
-                                with _Attached(ctx):
-                                    self._prefill_done(router, mesh_id)
+                                if resp.finish_reason == UNFINISHED:  # else the Release
+                                    with _Attached(ctx):  # ending the attempt frees it
+                                        self._prefill_done(router, mesh_id)
                             if first_token:
                                 first_token = False
                                 self.metrics.child(self.metrics.ttft, path).observe(
@@ -627,7 +631,7 @@ class Pipeline:
                                                                len(resp.token_ids))
                             last_at = now
                             generated.extend(resp.token_ids)
-                        if resp.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        if resp.finish_reason != UNFINISHED:
                             finished = True
                             outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
                             self._finish(chunk, resp, route, job, path, carried)

@@ -320,3 +320,52 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
     assert calls == ["prefill_done:r9", "second chunk", "release"]  # not awaited
     gate.set()
     await p.close()  # waits for the background call; its failure is swallowed
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+async def test_a_first_chunk_that_finishes_needs_no_prefill_done(
+        monkeypatch: pytest.MonkeyPatch, chunks: int) -> None:
+    """A whole answer (every non-streamed request's) finishes with its first chunk: the
+    attempt's Release frees what PrefillDone would, so the router gets only that; an
+    answer in two chunks gets PrefillDone at the first."""
+    from collections.abc import AsyncIterator
+    from typing import Any
+
+    from protos import common_pb2, router_pb2, worker_pb2
+    from services.frontend import pipeline as pipeline_mod
+    from services.frontend.jobs import Job
+    from services.frontend.models import ModelCatalog, ModelInfo
+    from services.frontend.openai_schema import ParsedRequest, SamplingSpec
+    from services.frontend.pipeline import Pipeline
+
+    calls: list[str] = []
+
+    class Router:
+        async def Route(self, req: Any, **kw: Any) -> Any:  # noqa: N802
+            return router_pb2.RouteResponse(
+                worker=router_pb2.WorkerChoice(instance_id="w", address="x"))
+
+        async def PrefillDone(self, req: Any, **kw: Any) -> Any:  # noqa: N802
+            calls.append("prefill_done")
+            return router_pb2.PrefillDoneResponse(found=True)
+
+        async def Release(self, req: Any, **kw: Any) -> Any:  # noqa: N802
+            calls.append("release")
+            return router_pb2.ReleaseResponse(found=True)
+
+    async def plan(pool: Any, req: Any, route: Any, metrics: Any,
+                   streams: Any = None) -> AsyncIterator[Any]:
+        if chunks == 2:
+            yield worker_pb2.GenerateResponse(text="a", token_ids=[1])
+        yield worker_pb2.GenerateResponse(text="b", token_ids=[2],
+                                          finish_reason=common_pb2.FINISH_REASON_STOP)
+
+    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: Router())
+    monkeypatch.setattr(pipeline_mod, "run_plan", plan)
+    p = Pipeline(ModelCatalog(), lambda: "router:1")
+    job = Job("r1", ParsedRequest("completion", "m", SamplingSpec(max_tokens=2)),
+              ModelInfo("m", "/m", 4096, 16, 1, 0), list(range(10)), 0)
+    got = [c.text async for c in p.stream(job)]
+    await p.close()  # the background calls (Release, PrefillDone) are done
+    assert got == ["a", "b"][2 - chunks:]
+    assert calls == (["release"] if chunks == 1 else ["prefill_done", "release"])
