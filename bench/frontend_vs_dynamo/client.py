@@ -19,11 +19,22 @@ Contracts:
   ``first_errors`` (up to 3 distinct), ``completion_tokens`` (value → count over
   answers), ``wall_s``, ``req_per_s`` (ok / wall), ``p50_ms``, ``p99_ms``, ``mean_ms``
   (NaN when none was ok) and, for the open loop, ``offered_rps``.
+- :func:`paced_pairs(urls, model, n, gap_s)`: the issue's "at 100 req/s, one at a time"
+  latency, both systems in one sequence: ``n`` rounds, each sending one request to every
+  side in a random order (seeded), every request ``gap_s`` after the previous answer,
+  each side over one keep-alive connection of the lean client
+  (:class:`bench.router_overhead.lean.LeanHttp`, a few µs per request: httpx would add
+  hundreds). Request ``i`` is the same for every side: ``router_overhead``'s 64 token
+  ids (a 32-token head shared by all), ``max_tokens`` 1, ``ignore_eos``, temperature 0,
+  so no tokenizer runs. Returns per side :func:`summary` plus ``p90_ms``, and
+  ``paired_diff_p50_ms``: the median over rounds where both answered of (first side −
+  second side), in ``urls``' order: the machine's drift, large here, moves both alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import time
@@ -34,6 +45,8 @@ import httpx
 import numpy as np
 
 from bench.mesh_profile.run import prompt_text, run_clients
+from bench.router_overhead.lean import LeanHttp, LeanHttpError
+from bench.router_overhead.run import prompt as token_prompt
 
 
 def body(model: str, i: int, words: int, max_tokens: int) -> dict[str, Any]:
@@ -134,4 +147,59 @@ async def open_loop(url: str, model: str, n: int, rate: float, words: int,
         wall = time.perf_counter() - start
     out = summary(n, tally.lat, tally.errors, tally.tokens, wall)
     out["offered_rps"] = rate
+    return out
+
+
+async def paced_pairs(urls: dict[str, str], model: str, n: int, gap_s: float,
+                      seed: int = 0) -> dict[str, Any]:
+    """See the module docstring."""
+    rng = random.Random(seed)
+    clients = {}
+    for name, url in urls.items():
+        host, _, port = url.removeprefix("http://").rpartition(":")
+        clients[name] = LeanHttp(host, int(port))
+    lat: dict[str, list[float | None]] = {name: [] for name in urls}
+    errors: dict[str, Counter[str]] = {name: Counter() for name in urls}
+    tokens: dict[str, Counter[str]] = {name: Counter() for name in urls}
+    start = time.perf_counter()
+    try:
+        for i in range(n):
+            req = {"model": model, "prompt": token_prompt(i), "max_tokens": 1,
+                   "ignore_eos": True, "temperature": 0, "stream": False}
+            order = list(clients.items())
+            rng.shuffle(order)
+            for name, http in order:
+                await asyncio.sleep(gap_s)  # pacing: the gap between requests
+                t0 = time.perf_counter()
+                try:
+                    raw = await http.post("/v1/completions", req)
+                    dt = time.perf_counter() - t0
+                    payload: Any = json.loads(raw)
+                    why = check_response(200, payload, 1)
+                    usage = payload.get("usage") if isinstance(payload, dict) else None
+                    if isinstance(usage, dict):
+                        tokens[name][str(usage.get("completion_tokens"))] += 1
+                except LeanHttpError as exc:
+                    why = f"HTTP {exc.status}"
+                except Exception as exc:  # noqa: BLE001 - counted, reported
+                    why = f"{type(exc).__name__}: {exc}"[:200]
+                if why is None:
+                    lat[name].append(dt)
+                else:
+                    errors[name][why] += 1
+                    lat[name].append(None)
+    finally:
+        for http in clients.values():
+            http.close()
+    wall = time.perf_counter() - start
+    out: dict[str, Any] = {}
+    for name in urls:
+        ok = [x for x in lat[name] if x is not None]
+        out[name] = summary(n, ok, errors[name], tokens[name], wall)
+        out[name]["p90_ms"] = float(np.percentile(ok, 90) * 1e3) if ok else math.nan
+    first, second = list(urls)[:2]
+    diffs = [a - b for a, b in zip(lat[first], lat[second], strict=True)
+             if a is not None and b is not None]
+    out["paired_diff_p50_ms"] = float(np.median(diffs) * 1e3) if diffs else math.nan
+    out["gap_ms"] = gap_s * 1e3
     return out

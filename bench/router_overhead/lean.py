@@ -8,8 +8,9 @@ their difference. The lean pair calls both sides with a few µs of client:
 - :class:`LeanHttp`: HTTP/1.1 POSTs of JSON over keep-alive connections (one request in
   flight per connection; a pool grows to the concurrency), on an ``asyncio.Protocol``.
   Contract: ``await post(path, obj)`` returns the response body of a 200 answer with a
-  ``content-length`` (what the frontend answers a non-streamed request); any other
-  status raises :class:`LeanHttpError` with the status and body; a connection lost
+  ``content-length`` (what the frontend answers a non-streamed request) or sent
+  ``transfer-encoding: chunked`` (Dynamo's frontend answers so: the chunks joined); any
+  other status raises :class:`LeanHttpError` with the status and body; a connection lost
   before the whole answer raises ConnectionError (closed connections leave the pool);
   no answer within :data:`CALL_TIMEOUT_S` raises TimeoutError (that connection is
   closed). ``close()`` closes every connection.
@@ -57,28 +58,41 @@ class _HttpConn(asyncio.Protocol):
         self._head_end = -1
         self._end = -1
         self._status = 0
+        self._chunks: list[bytes] | None = None  # a chunked answer's chunks so far
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         self.buf += data
-        if self._end < 0:
+        if self._end < 0 and self._chunks is None:
             head_end = self.buf.find(b"\r\n\r\n")
             if head_end < 0:
                 return
             head = bytes(self.buf[:head_end]).decode("latin-1").split("\r\n")
             self._status = int(head[0].split(" ", 2)[1])
-            length = next((int(line.split(":", 1)[1]) for line in head[1:]
-                           if line.lower().startswith("content-length:")), None)
-            if length is None:
-                self._fail(ConnectionError(f"HTTP {self._status} without a content-length"))
+            fields = [line.lower().replace(" ", "") for line in head[1:]]
+            length = next((int(f.split(":", 1)[1]) for f in fields
+                           if f.startswith("content-length:")), None)
+            if length is not None:
+                self._head_end, self._end = head_end + 4, head_end + 4 + length
+            elif "transfer-encoding:chunked" in fields:
+                self._chunks = []
+                del self.buf[:head_end + 4]
+            else:
+                self._fail(ConnectionError(f"HTTP {self._status} without a content-length "
+                                           "or chunked encoding"))
                 return
-            self._head_end, self._end = head_end + 4, head_end + 4 + length
-        if len(self.buf) < self._end:
-            return
-        body = bytes(self.buf[self._head_end:self._end])
-        del self.buf[:self._end]
+        if self._chunks is not None:
+            body_or_none = self._chunked_body()
+            if body_or_none is None:
+                return
+            body = body_or_none
+        else:
+            if len(self.buf) < self._end:
+                return
+            body = bytes(self.buf[self._head_end:self._end])
+            del self.buf[:self._end]
         status, self._end = self._status, -1
         waiter, self.waiter = self.waiter, None
         if waiter is not None and not waiter.done():
@@ -86,6 +100,27 @@ class _HttpConn(asyncio.Protocol):
                 waiter.set_result(body)
             else:
                 waiter.set_exception(LeanHttpError(status, body))
+
+    def _chunked_body(self) -> bytes | None:
+        """Takes the complete chunks off the buffer; the body once the last (size 0, no
+        trailers) came, else None."""
+        assert self._chunks is not None
+        while True:
+            line_end = self.buf.find(b"\r\n")
+            if line_end < 0:
+                return None
+            size = int(bytes(self.buf[:line_end]).split(b";", 1)[0], 16)
+            if size == 0:
+                if len(self.buf) < line_end + 4:  # the empty line after the last chunk
+                    return None
+                del self.buf[:line_end + 4]
+                body, self._chunks = b"".join(self._chunks), None
+                return body
+            end = line_end + 2 + size
+            if len(self.buf) < end + 2:
+                return None
+            self._chunks.append(bytes(self.buf[line_end + 2:end]))
+            del self.buf[:end + 2]
 
     def _fail(self, exc: BaseException) -> None:
         self.closed = True

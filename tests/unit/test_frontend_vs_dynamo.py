@@ -255,3 +255,61 @@ def test_non_loopback() -> None:
     addrs = ["127.0.0.1:1", "::ffff:127.0.0.1:2", "::1:3", "0.0.0.0:4", "192.0.2.2:5",
              "::ffff:10.0.0.1:6", "::7"]
     assert non_loopback(addrs) == ["0.0.0.0:4", "192.0.2.2:5", "::ffff:10.0.0.1:6", "::7"]
+
+
+# --- paced pairs: one request at a time, both sides in one sequence ---------------------
+
+async def test_paced_pairs_times_both_sides_alike_and_counts_unfair_answers() -> None:
+    """Two loopback servers, one answering with a content-length, one chunked (as
+    Dynamo); the second gives one unfair answer (2 tokens) and one 500: each is an error
+    of its side, not a latency, and its round leaves the paired difference."""
+    import asyncio
+    import json
+
+    from bench.frontend_vs_dynamo.client import paced_pairs
+
+    seen: dict[str, list[dict]] = {"a": [], "b": []}
+
+    def serve_as(name: str, chunked: bool) -> object:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while True:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length:"))
+                    req = json.loads(await reader.readexactly(length))
+                    seen[name].append(req)
+                    k = len(seen[name])
+                    tokens = 2 if (name == "b" and k == 2) else 1
+                    status = b"500 Oops" if (name == "b" and k == 3) else b"200 OK"
+                    payload = json.dumps({"usage": {"completion_tokens": tokens}}).encode()
+                    if chunked:
+                        writer.write(b"HTTP/1.1 " + status + b"\r\ntransfer-encoding: chunked"
+                                     b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload))
+                    else:
+                        writer.write(b"HTTP/1.1 " + status + b"\r\ncontent-length: %d\r\n\r\n%s"
+                                     % (len(payload), payload))
+            except asyncio.IncompleteReadError:
+                pass
+            finally:
+                writer.close()
+        return serve
+
+    servers = [await asyncio.start_server(serve_as(n, n == "b"), "127.0.0.1", 0)  # type: ignore[arg-type]
+               for n in ("a", "b")]
+    urls = {n: f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}"
+            for n, s in zip(("a", "b"), servers, strict=True)}
+    try:
+        out = await asyncio.wait_for(paced_pairs(urls, "tiny", 5, 0.0), 30)
+    finally:
+        for s in servers:
+            s.close()
+            await s.wait_closed()
+    assert out["a"]["ok"] == 5 and out["a"]["errors"] == 0
+    assert out["b"]["ok"] == 3 and out["b"]["errors"] == 2
+    assert any("completion_tokens 2" in e for e in out["b"]["first_errors"])
+    assert any("HTTP 500" in e for e in out["b"]["first_errors"])
+    assert math.isfinite(out["paired_diff_p50_ms"]) and out["gap_ms"] == 0.0
+    # request i is the same for both sides: token ids, one token, no tokenizer
+    assert seen["a"] == seen["b"]
+    assert all(isinstance(r["prompt"], list) and r["max_tokens"] == 1 for r in seen["a"])

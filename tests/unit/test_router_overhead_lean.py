@@ -50,6 +50,44 @@ async def test_lean_http_answers_refusals_and_lost_connections() -> None:
         await server.wait_closed()
 
 
+async def test_lean_http_joins_a_chunked_answer_sent_in_pieces() -> None:
+    """Dynamo's frontend answers chunked: the body is the chunks joined, whatever the
+    packets they arrive in; the connection is reused after it."""
+    chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+               b"3\r\nabc\r\n10\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n")
+    answers = [chunked, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+               b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nboom\r\n0\r\n\r\n"]
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                answer = answers.pop(0)
+                for i in range(0, len(answer), 5):  # in pieces, each its own write
+                    writer.write(answer[i:i + 5])
+                    await writer.drain()
+                    await asyncio.sleep(0)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    http = LeanHttp("127.0.0.1", server.sockets[0].getsockname()[1])
+    try:
+        async with asyncio.timeout(30):
+            assert await http.post("/x", {}) == b"abc" + b"x" * 16
+            assert await http.post("/x", {}) == b"ok"
+            with pytest.raises(LeanHttpError) as err:
+                await http.post("/x", {})
+            assert err.value.status == 500 and "boom" in str(err.value)
+    finally:
+        http.close()
+        server.close()
+        await server.wait_closed()
+
+
 async def test_plane_client_ends_ok_error_and_loss() -> None:
     protos: list[FramedProtocol] = []
 
