@@ -26,9 +26,6 @@ Contract:
   in the connection's ``connection_lost``. The app learns of a client gone without a
   task blocked in ``receive`` per request. Without one (h11, Starlette's TestClient,
   another ASGI server) the app must watch ``receive`` itself.
-- No proxy-header rewriting (uvicorn's ``proxy_headers`` is off): the frontend reads no
-  client address, so ``X-Forwarded-For`` / ``X-Forwarded-Proto`` would change nothing it
-  uses, and the middleware that applies them would wrap every request for nothing.
 """
 
 from __future__ import annotations
@@ -171,7 +168,7 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 def http_config(app: Any, *, max_connections: int, keep_alive_s: int,
                 header_timeout_s: float) -> uvicorn.Config:
     """The uvicorn config of the frontend's HTTP API; see the module docstring."""
-    return uvicorn.Config(app, log_level="warning", lifespan="off", proxy_headers=False,
+    return uvicorn.Config(app, log_level="warning", lifespan="off",
                           timeout_graceful_shutdown=1, limit_concurrency=max_connections,
                           timeout_keep_alive=keep_alive_s,
                           http=header_timeout_protocol(header_timeout_s))

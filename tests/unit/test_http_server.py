@@ -211,20 +211,6 @@ async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatc
         assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b"\r\n\r\n")
 
 
-async def test_forwarded_headers_change_nothing_the_app_sees() -> None:
-    """No proxy-header middleware: X-Forwarded-* from the client leave the scope's client
-    and scheme as the connection gives them (the frontend reads neither)."""
-    async def who(request: Request) -> Response:
-        return JSONResponse({"client": request.scope["client"][0],
-                             "scheme": request.scope["scheme"]})
-
-    async with _serving(Starlette(routes=[Route("/who", who)]), header_timeout_s=5) as port:
-        got = await _exchange(port, b"GET /who HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
-                              b"X-Forwarded-For: 203.0.113.7\r\nX-Forwarded-Proto: https\r\n"
-                              b"\r\n")
-    assert got.endswith(b'{"client":"127.0.0.1","scheme":"http"}')
-
-
 async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> None:
     """Two requests sent at once (pipelined): the second's headers are in before the
     first is answered, and its answer may take longer than the header timeout."""
