@@ -19,14 +19,16 @@ Contracts:
   ``first_errors`` (up to 3 distinct), ``completion_tokens`` (value → count over
   answers), ``wall_s``, ``req_per_s`` (ok / wall), ``p50_ms``, ``p99_ms``, ``mean_ms``
   (NaN when none was ok) and, for the open loop, ``offered_rps``.
-- :func:`paced_pairs(urls, model, n, gap_s)`: the issue's "at 100 req/s, one at a time"
-  latency, both systems in one sequence: ``n`` rounds, each sending one request to every
-  side in a random order (seeded), every request ``gap_s`` after the previous answer,
+- :func:`paced_pairs(urls, model, n, gap_s)`: the issue's "at 100 req/s" latency, one
+  request at a time, both systems in one sequence: ``n`` rounds, each sending one
+  request to every side in a random order (seeded), every request ``gap_s`` after the
+  previous answer (10 ms: each process sleeps about as long as at 100 req/s),
   each side over one keep-alive connection of the lean client
   (:class:`bench.router_overhead.lean.LeanHttp`, a few µs per request: httpx would add
   hundreds). Request ``i`` is the same for every side: ``router_overhead``'s 64 token
-  ids (a 32-token head shared by all), ``max_tokens`` 1, ``ignore_eos``, temperature 0,
-  so no tokenizer runs. Returns per side :func:`summary` plus ``p90_ms``, and
+  ids for ``offset + i`` (a 32-token head shared by all), ``max_tokens`` 1,
+  ``ignore_eos``, temperature 0, so no tokenizer runs. Returns per side :func:`summary`
+  (its ``wall_s`` and ``req_per_s`` over both sides' time) plus ``p90_ms``, and
   ``paired_diff_p50_ms``: the median over rounds where both answered of (first side −
   second side), in ``urls``' order: the machine's drift, large here, moves both alike.
 """
@@ -151,7 +153,7 @@ async def open_loop(url: str, model: str, n: int, rate: float, words: int,
 
 
 async def paced_pairs(urls: dict[str, str], model: str, n: int, gap_s: float,
-                      seed: int = 0) -> dict[str, Any]:
+                      seed: int = 0, offset: int = 0) -> dict[str, Any]:
     """See the module docstring."""
     rng = random.Random(seed)
     clients = {}
@@ -164,7 +166,7 @@ async def paced_pairs(urls: dict[str, str], model: str, n: int, gap_s: float,
     start = time.perf_counter()
     try:
         for i in range(n):
-            req = {"model": model, "prompt": token_prompt(i), "max_tokens": 1,
+            req = {"model": model, "prompt": token_prompt(offset + i), "max_tokens": 1,
                    "ignore_eos": True, "temperature": 0, "stream": False}
             order = list(clients.items())
             rng.shuffle(order)

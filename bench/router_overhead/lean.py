@@ -71,14 +71,16 @@ class _HttpConn(asyncio.Protocol):
                 return
             head = bytes(self.buf[:head_end]).decode("latin-1").split("\r\n")
             self._status = int(head[0].split(" ", 2)[1])
-            fields = [line.lower().replace(" ", "") for line in head[1:]]
+            fields = ["".join(line.lower().split()) for line in head[1:]]
+            coding = next((f.split(":", 1)[1] for f in fields
+                           if f.startswith("transfer-encoding:")), "")
             length = next((int(f.split(":", 1)[1]) for f in fields
                            if f.startswith("content-length:")), None)
-            if length is not None:
-                self._head_end, self._end = head_end + 4, head_end + 4 + length
-            elif "transfer-encoding:chunked" in fields:
+            if coding.split(",")[-1] == "chunked":  # it wins over a content-length
                 self._chunks = []
                 del self.buf[:head_end + 4]
+            elif length is not None:
+                self._head_end, self._end = head_end + 4, head_end + 4 + length
             else:
                 self._fail(ConnectionError(f"HTTP {self._status} without a content-length "
                                            "or chunked encoding"))
@@ -102,18 +104,19 @@ class _HttpConn(asyncio.Protocol):
                 waiter.set_exception(LeanHttpError(status, body))
 
     def _chunked_body(self) -> bytes | None:
-        """Takes the complete chunks off the buffer; the body once the last (size 0, no
-        trailers) came, else None."""
+        """Takes the complete chunks off the buffer; the body once the last (size 0) and
+        its trailer section (trailers skipped) came, else None."""
         assert self._chunks is not None
         while True:
             line_end = self.buf.find(b"\r\n")
             if line_end < 0:
                 return None
             size = int(bytes(self.buf[:line_end]).split(b";", 1)[0], 16)
-            if size == 0:
-                if len(self.buf) < line_end + 4:  # the empty line after the last chunk
+            if size == 0:  # then trailer lines, if any, and an empty line
+                end = self.buf.find(b"\r\n\r\n", line_end)
+                if end < 0:
                     return None
-                del self.buf[:line_end + 4]
+                del self.buf[:end + 4]
                 body, self._chunks = b"".join(self._chunks), None
                 return body
             end = line_end + 2 + size

@@ -52,10 +52,13 @@ async def test_lean_http_answers_refusals_and_lost_connections() -> None:
 
 async def test_lean_http_joins_a_chunked_answer_sent_in_pieces() -> None:
     """Dynamo's frontend answers chunked: the body is the chunks joined, whatever the
-    packets they arrive in; the connection is reused after it."""
+    packets they arrive in (chunked over a content-length, trailers skipped); the
+    connection is reused after it."""
     chunked = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
                b"3\r\nabc\r\n10\r\n" + b"x" * 16 + b"\r\n0\r\n\r\n")
-    answers = [chunked, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+    trailers = (b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\nTransfer-Encoding: gzip,\tchunked"
+                b"\r\n\r\n2\r\nhi\r\n0\r\nX-T: 1\r\n\r\n")  # chunked wins; trailers
+    answers = [chunked, trailers, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
                b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nboom\r\n0\r\n\r\n"]
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -78,7 +81,8 @@ async def test_lean_http_joins_a_chunked_answer_sent_in_pieces() -> None:
     try:
         async with asyncio.timeout(30):
             assert await http.post("/x", {}) == b"abc" + b"x" * 16
-            assert await http.post("/x", {}) == b"ok"
+            assert await http.post("/x", {}) == b"hi"
+            assert await http.post("/x", {}) == b"ok"  # the same connection, nothing left
             with pytest.raises(LeanHttpError) as err:
                 await http.post("/x", {})
             assert err.value.status == 500 and "boom" in str(err.value)
