@@ -311,7 +311,7 @@ def _may_hold_a_problem(raw: bytes) -> bool:
 
 def check_json(body: Any, raw: bytes | None = None) -> None:
     """Raises ApiError 400 for too deep nesting or invalid Unicode; see the module doc
-    (``raw``: the UTF-8 JSON text ``body`` was decoded from, when there is one)."""
+    (``raw``: the JSON bytes ``body`` was decoded from, when there are some)."""
     if raw is not None and not _may_hold_a_problem(raw):
         return
     found = _first_problem(body, 0)

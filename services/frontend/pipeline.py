@@ -61,9 +61,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   the consumer's cancellation) gets a best-effort ``Release`` (idempotent). When an
   attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
   stream never waits for it, and its failures, e.g. an older router without the RPC, are
-  ignored), unless that chunk also finishes the attempt (every non-streamed answer comes
-  whole): then the attempt's Release, which frees everything PrefillDone frees, is the
-  router's only call after Route.
+  ignored), unless that chunk also finishes the attempt (a one-token answer, or one that
+  stops at its first token): then the attempt's Release, which frees everything
+  PrefillDone frees, is the router's only call after Route.
 - **Images** (EPD): ``prepare`` refuses images for a model no worker lists ``images``
   for (400), fetches remote ones when allowed (``--allow-remote-images``:
   :func:`services.frontend.remote_images.fetch_parts`, on the event loop, a failed fetch

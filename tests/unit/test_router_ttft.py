@@ -315,7 +315,7 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
     async def consume() -> list[Any]:
         return [c async for c in p.stream(job)]
 
-    chunks = await asyncio.wait_for(consume(), 5)  # an awaited PrefillDone would hang
+    chunks = await asyncio.wait_for(consume(), 60)  # an awaited PrefillDone would hang
     assert [c.text for c in chunks] == ["a", "b"]
     assert calls == ["prefill_done:r9", "second chunk", "release"]  # not awaited
     gate.set()
@@ -325,7 +325,7 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
 @pytest.mark.parametrize("chunks", [1, 2])
 async def test_a_first_chunk_that_finishes_needs_no_prefill_done(
         monkeypatch: pytest.MonkeyPatch, chunks: int) -> None:
-    """A whole answer (every non-streamed request's) finishes with its first chunk: the
+    """An answer whose first chunk finishes it (one token, or a stop at the first): the
     attempt's Release frees what PrefillDone would, so the router gets only that; an
     answer in two chunks gets PrefillDone at the first."""
     from collections.abc import AsyncIterator
