@@ -81,3 +81,17 @@ def test_wrap_function_rebinds_importers_and_timers_refuse_async() -> None:
         timers.install("services.frontend", async_step)
     from services.frontend.pipeline import Pipeline
     assert not hasattr(Pipeline.prepare, "__wrapped__")  # nothing replaced
+
+
+def test_paired_summary_takes_round_by_round_differences() -> None:
+    from bench.mesh_profile.paired import paired_summary
+
+    base = [100.0, 200.0, 300.0, 400.0]
+    cur = [90.0, 150.0, 310.0, 380.0]  # per round: -10, -50, +10, -20
+    out = paired_summary(base, cur)
+    assert out["diff_p50_us"] == -15.0  # the median of the differences
+    assert out["baseline_p50_us"] == 250.0 and out["current_p50_us"] == 230.0
+    with pytest.raises(ValueError):
+        paired_summary(base, cur[:3])  # rounds must pair up
+    with pytest.raises(ValueError):
+        paired_summary([], [])
