@@ -45,7 +45,7 @@ from bench.mesh_profile.prof import command_line, run_module, wrap_function
 # (module, function or Class.method): the request path's synchronous steps
 TARGETS: tuple[tuple[str, str], ...] = (
     ("services.frontend.openai_schema", "parse_completion"),
-    ("services.frontend.openai_schema", "check_json"),
+    ("services.frontend.json_checks", "check_json"),
     ("services.frontend.pipeline", "sampling_proto"),
     ("services.frontend.pipeline", "Pipeline._finish"),
     ("services.frontend.models", "Tokenizer.encode"),

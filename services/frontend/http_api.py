@@ -60,12 +60,12 @@ from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.fanout import FanJob, Tally
 from services.frontend.http_server import DISCONNECT_WATCH, DisconnectWatch
 from services.frontend.jobs import Chunk
+from services.frontend.json_checks import check_json
 from services.frontend.json_codec import JsonAnswer
 from services.frontend.models import Tokenizer
 from services.frontend.openai_schema import (
     ApiError,
     ParsedRequest,
-    check_json,
     error_body,
     parse_chat,
     parse_completion,

@@ -14,8 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from services.frontend.http_api import create_app
+from services.frontend.json_checks import check_json
 from services.frontend.models import ModelCatalog
-from services.frontend.openai_schema import ApiError, check_json
+from services.frontend.openai_schema import ApiError
 from services.frontend.pipeline import Pipeline
 
 
@@ -105,7 +106,7 @@ def test_the_json_text_shortcut_answers_as_the_walk(raw: bytes) -> None:
 
 
 def test_plain_ascii_json_is_not_walked(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.frontend.openai_schema as schema
+    import services.frontend.json_checks as schema
 
     def walk(*_: object) -> None:
         raise AssertionError("walked")
