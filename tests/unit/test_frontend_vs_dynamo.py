@@ -267,6 +267,7 @@ async def test_paced_pairs_times_both_sides_alike_and_counts_unfair_answers() ->
     import json
 
     from bench.frontend_vs_dynamo.client import paced_pairs
+    from tests.http_peer import read_post
 
     seen: dict[str, list[dict]] = {"a": [], "b": []}
 
@@ -274,10 +275,7 @@ async def test_paced_pairs_times_both_sides_alike_and_counts_unfair_answers() ->
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 while True:
-                    head = await reader.readuntil(b"\r\n\r\n")
-                    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                                  if line.lower().startswith(b"content-length:"))
-                    req = json.loads(await reader.readexactly(length))
+                    req = json.loads(await read_post(reader))
                     seen[name].append(req)
                     k = len(seen[name])
                     tokens = 2 if (name == "b" and k == 2) else 1

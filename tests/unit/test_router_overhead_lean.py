@@ -10,21 +10,24 @@ import pytest
 from bench.router_overhead.lean import LeanHttp, LeanHttpError, PlaneClient
 from protos import worker_pb2
 from services.common.frames import FramedProtocol
+from tests.http_peer import read_post
 
 
-async def _http_server(answers: list[bytes]) -> asyncio.Server:
-    """Answers each request with the next of ``answers`` (b"" closes the connection)."""
+async def _http_server(answers: list[bytes], piece: int | None = None) -> asyncio.Server:
+    """Answers each request with the next of ``answers`` (b"" closes the connection),
+    whole or (``piece``) in writes of that many bytes, each flushed on its own."""
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
+                await read_post(reader)
                 answer = answers.pop(0)
                 if not answer:
                     break
-                writer.write(answer)
+                step = piece or len(answer)
+                for i in range(0, len(answer), step):
+                    writer.write(answer[i:i + step])
+                    await writer.drain()
+                    await asyncio.sleep(0)  # the next piece in another loop turn
         finally:
             writer.close()
     return await asyncio.start_server(serve, "127.0.0.1", 0)
@@ -60,23 +63,7 @@ async def test_lean_http_joins_a_chunked_answer_sent_in_pieces() -> None:
                 b"\r\n\r\n2\r\nhi\r\n0\r\nX-T: 1\r\n\r\n")  # chunked wins; trailers
     answers = [chunked, trailers, b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
                b"HTTP/1.1 500 Oops\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nboom\r\n0\r\n\r\n"]
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
-                answer = answers.pop(0)
-                for i in range(0, len(answer), 5):  # in pieces, each its own write
-                    writer.write(answer[i:i + 5])
-                    await writer.drain()
-                    await asyncio.sleep(0)
-        finally:
-            writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    server = await _http_server(answers, piece=5)
     http = LeanHttp("127.0.0.1", server.sockets[0].getsockname()[1])
     try:
         async with asyncio.timeout(30):

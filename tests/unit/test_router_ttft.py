@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
+from protos import common_pb2, router_pb2, worker_pb2
 from services.common.perf_model import (
     ChunkedPerfModel,
     PolynomialPerfModel,
@@ -249,7 +252,6 @@ def test_states_carry_pending_prefill_to_policies() -> None:
 # --- PrefillDone: the servicer and the frontend's first-token call -------------------------
 
 async def test_servicer_prefill_done_releases_pending() -> None:
-    from protos import router_pb2
     from services.router.service import RouterServicer
 
     c = RouterCore(policy=default_registry().create("ttft", random.Random(0)), clock=clock)
@@ -262,39 +264,57 @@ async def test_servicer_prefill_done_releases_pending() -> None:
     assert not again.found
 
 
-@pytest.mark.parametrize("fails", [False, True])
-async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
-        monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
-    from collections.abc import AsyncIterator
-    from typing import Any
+class _Router:
+    """The router stub a pipeline calls: Route picks worker ``w``; PrefillDone and Release
+    are recorded in ``calls`` (``prefill_done:<id>``, ``release``)."""
 
-    from protos import common_pb2, router_pb2, worker_pb2
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def Route(self, req: Any, **kw: Any) -> Any:  # noqa: N802
+        return router_pb2.RouteResponse(
+            worker=router_pb2.WorkerChoice(instance_id="w", address="x"))
+
+    async def PrefillDone(self, req: Any, **kw: Any) -> Any:  # noqa: N802
+        self.calls.append("prefill_done:" + req.request_id)
+        return router_pb2.PrefillDoneResponse(found=True)
+
+    async def Release(self, req: Any, **kw: Any) -> Any:  # noqa: N802
+        self.calls.append("release")
+        return router_pb2.ReleaseResponse(found=True)
+
+
+def _pipeline(monkeypatch: pytest.MonkeyPatch, router: _Router, plan: Any,
+              request_id: str) -> tuple[Any, Any]:
+    """A pipeline whose router is ``router`` and whose worker calls are ``plan``, and a
+    job of 10 prompt tokens and max_tokens 2 named ``request_id``."""
     from services.frontend import pipeline as pipeline_mod
     from services.frontend.jobs import Job
     from services.frontend.models import ModelCatalog, ModelInfo
     from services.frontend.openai_schema import ParsedRequest, SamplingSpec
-    from services.frontend.pipeline import Pipeline
 
+    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: router)
+    monkeypatch.setattr(pipeline_mod, "run_plan", plan)
+    job = Job(request_id, ParsedRequest("completion", "m", SamplingSpec(max_tokens=2)),
+              ModelInfo("m", "/m", 4096, 16, 1, 0), list(range(10)), 0)
+    return pipeline_mod.Pipeline(ModelCatalog(), lambda: "router:1"), job
+
+
+@pytest.mark.parametrize("fails", [False, True])
+async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
+        monkeypatch: pytest.MonkeyPatch, fails: bool) -> None:
     calls: list[str] = []
     gate = asyncio.Event()
     told = asyncio.Event()  # PrefillDone was called
 
-    class Router:
-        async def Route(self, req: Any, **kw: Any) -> Any:  # noqa: N802
-            return router_pb2.RouteResponse(
-                worker=router_pb2.WorkerChoice(instance_id="w", address="x"))
-
+    class SlowRouter(_Router):
         async def PrefillDone(self, req: Any, **kw: Any) -> Any:  # noqa: N802
-            calls.append("prefill_done:" + req.request_id)
+            got = await super().PrefillDone(req, **kw)
             told.set()
             await gate.wait()  # a slow router must not hold the stream
             if fails:
                 raise RuntimeError("router gone")
-            return router_pb2.PrefillDoneResponse(found=True)
-
-        async def Release(self, req: Any, **kw: Any) -> Any:  # noqa: N802
-            calls.append("release")
-            return router_pb2.ReleaseResponse(found=True)
+            return got
 
     async def plan(pool: Any, req: Any, route: Any, metrics: Any,
                    streams: Any = None) -> AsyncIterator[Any]:
@@ -307,11 +327,8 @@ async def test_frontend_tells_prefill_done_at_the_first_token_without_waiting(
         yield worker_pb2.GenerateResponse(text="b", token_ids=[2],
                                           finish_reason=common_pb2.FINISH_REASON_STOP)
 
-    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: Router())
-    monkeypatch.setattr(pipeline_mod, "run_plan", plan)
-    p = Pipeline(ModelCatalog(), lambda: "router:1")
-    job = Job("r9", ParsedRequest("completion", "m", SamplingSpec(max_tokens=2)),
-              ModelInfo("m", "/m", 4096, 16, 1, 0), list(range(10)), 0)
+    p, job = _pipeline(monkeypatch, SlowRouter(calls), plan, "r9")
+
     async def consume() -> list[Any]:
         return [c async for c in p.stream(job)]
 
@@ -328,30 +345,7 @@ async def test_a_first_chunk_that_finishes_needs_no_prefill_done(
     """An answer whose first chunk finishes it (one token, or a stop at the first): the
     attempt's Release frees what PrefillDone would, so the router gets only that; an
     answer in two chunks gets PrefillDone at the first."""
-    from collections.abc import AsyncIterator
-    from typing import Any
-
-    from protos import common_pb2, router_pb2, worker_pb2
-    from services.frontend import pipeline as pipeline_mod
-    from services.frontend.jobs import Job
-    from services.frontend.models import ModelCatalog, ModelInfo
-    from services.frontend.openai_schema import ParsedRequest, SamplingSpec
-    from services.frontend.pipeline import Pipeline
-
     calls: list[str] = []
-
-    class Router:
-        async def Route(self, req: Any, **kw: Any) -> Any:  # noqa: N802
-            return router_pb2.RouteResponse(
-                worker=router_pb2.WorkerChoice(instance_id="w", address="x"))
-
-        async def PrefillDone(self, req: Any, **kw: Any) -> Any:  # noqa: N802
-            calls.append("prefill_done")
-            return router_pb2.PrefillDoneResponse(found=True)
-
-        async def Release(self, req: Any, **kw: Any) -> Any:  # noqa: N802
-            calls.append("release")
-            return router_pb2.ReleaseResponse(found=True)
 
     async def plan(pool: Any, req: Any, route: Any, metrics: Any,
                    streams: Any = None) -> AsyncIterator[Any]:
@@ -360,12 +354,8 @@ async def test_a_first_chunk_that_finishes_needs_no_prefill_done(
         yield worker_pb2.GenerateResponse(text="b", token_ids=[2],
                                           finish_reason=common_pb2.FINISH_REASON_STOP)
 
-    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: Router())
-    monkeypatch.setattr(pipeline_mod, "run_plan", plan)
-    p = Pipeline(ModelCatalog(), lambda: "router:1")
-    job = Job("r1", ParsedRequest("completion", "m", SamplingSpec(max_tokens=2)),
-              ModelInfo("m", "/m", 4096, 16, 1, 0), list(range(10)), 0)
+    p, job = _pipeline(monkeypatch, _Router(calls), plan, "r1")
     got = [c.text async for c in p.stream(job)]
     await p.close()  # the background calls (Release, PrefillDone) are done
     assert got == ["a", "b"][2 - chunks:]
-    assert calls == (["release"] if chunks == 1 else ["prefill_done", "release"])
+    assert calls == (["release"] if chunks == 1 else ["prefill_done:r1", "release"])
