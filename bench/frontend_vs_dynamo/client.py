@@ -41,6 +41,7 @@ import math
 import random
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -152,17 +153,27 @@ async def open_loop(url: str, model: str, n: int, rate: float, words: int,
     return out
 
 
-async def paced_pairs(urls: dict[str, str], model: str, n: int, gap_s: float,
-                      seed: int = 0, offset: int = 0) -> dict[str, Any]:
-    """See the module docstring."""
+@dataclass
+class Paced:
+    """:func:`paced_rounds`' outcome per side: each round's latency in seconds (None where
+    the answer failed the check), the failures by reason, the answers' token counts."""
+
+    lat: dict[str, list[float | None]]
+    errors: dict[str, Counter[str]]
+    tokens: dict[str, Counter[str]]
+    wall_s: float
+
+
+async def paced_rounds(urls: dict[str, str], model: str, n: int, gap_s: float,
+                       seed: int = 0, offset: int = 0) -> Paced:
+    """The rounds of :func:`paced_pairs` (see the module docstring), unsummarised."""
     rng = random.Random(seed)
     clients = {}
     for name, url in urls.items():
         host, _, port = url.removeprefix("http://").rpartition(":")
         clients[name] = LeanHttp(host, int(port))
-    lat: dict[str, list[float | None]] = {name: [] for name in urls}
-    errors: dict[str, Counter[str]] = {name: Counter() for name in urls}
-    tokens: dict[str, Counter[str]] = {name: Counter() for name in urls}
+    out = Paced({name: [] for name in urls}, {name: Counter() for name in urls},
+                {name: Counter() for name in urls}, 0.0)
     start = time.perf_counter()
     try:
         for i in range(n):
@@ -180,27 +191,34 @@ async def paced_pairs(urls: dict[str, str], model: str, n: int, gap_s: float,
                     why = check_response(200, payload, 1)
                     usage = payload.get("usage") if isinstance(payload, dict) else None
                     if isinstance(usage, dict):
-                        tokens[name][str(usage.get("completion_tokens"))] += 1
+                        out.tokens[name][str(usage.get("completion_tokens"))] += 1
                 except LeanHttpError as exc:
                     why = f"HTTP {exc.status}"
                 except Exception as exc:  # noqa: BLE001 - counted, reported
                     why = f"{type(exc).__name__}: {exc}"[:200]
                 if why is None:
-                    lat[name].append(dt)
+                    out.lat[name].append(dt)
                 else:
-                    errors[name][why] += 1
-                    lat[name].append(None)
+                    out.errors[name][why] += 1
+                    out.lat[name].append(None)
     finally:
         for http in clients.values():
             http.close()
-    wall = time.perf_counter() - start
+    out.wall_s = time.perf_counter() - start
+    return out
+
+
+async def paced_pairs(urls: dict[str, str], model: str, n: int, gap_s: float,
+                      seed: int = 0, offset: int = 0) -> dict[str, Any]:
+    """See the module docstring."""
+    got = await paced_rounds(urls, model, n, gap_s, seed, offset)
     out: dict[str, Any] = {}
     for name in urls:
-        ok = [x for x in lat[name] if x is not None]
-        out[name] = summary(n, ok, errors[name], tokens[name], wall)
+        ok = [x for x in got.lat[name] if x is not None]
+        out[name] = summary(n, ok, got.errors[name], got.tokens[name], got.wall_s)
         out[name]["p90_ms"] = float(np.percentile(ok, 90) * 1e3) if ok else math.nan
     first, second = list(urls)[:2]
-    diffs = [a - b for a, b in zip(lat[first], lat[second], strict=True)
+    diffs = [a - b for a, b in zip(got.lat[first], got.lat[second], strict=True)
              if a is not None and b is not None]
     out["paired_diff_p50_ms"] = float(np.median(diffs) * 1e3) if diffs else math.nan
     out["gap_ms"] = gap_s * 1e3

@@ -10,12 +10,12 @@ Contracts:
   ``workers.fleet`` of 2 zero-timing mock workers, the frontend) run at once: one from
   ``DIR``'s checkout (its children started with ``DIR`` as their working directory, so
   they import its code), one from this checkout. Every child is stopped by PID.
-- Load, from this process, over one keep-alive connection per mesh of the lean client
-  (:class:`bench.router_overhead.lean.LeanHttp`): 50 warm-up rounds, then ``--pairs``
-  rounds of one request to each mesh in a random order (seeded), every request
-  ``--gap-ms`` after the previous answer (10: a process wakes from that long a sleep,
-  as at 100 req/s one at a time). Request ``i`` is ``router_overhead``'s 64 token ids,
-  ``max_tokens`` 1, temperature 0, the same for both. A non-200 answer fails the bench.
+- Load, from this process: :func:`bench.frontend_vs_dynamo.client.paced_rounds` (the
+  lean client, one keep-alive connection per mesh, 64 token ids and one token), 50
+  warm-up rounds of their own prompts, then ``--pairs`` rounds of one request to each
+  mesh in a random order (seeded), every request ``--gap-ms`` after the previous answer
+  (10: a process wakes from that long a sleep, as at 100 req/s one at a time). A
+  request that fails (not a 200 of one token) fails the bench.
 - The mesh started second answered ~0.1 ms sooner in a run comparing a checkout with
   itself, so the whole is done twice, the baseline's mesh started first, then second:
   per order each side's p50 / p90 / p99 µs and the median over rounds of (current −
@@ -30,19 +30,17 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from bench.frontend_vs_dynamo.client import Paced, paced_rounds
 from bench.mesh import BenchMesh
 from bench.mesh_profile import run as mesh_run
-from bench.router_overhead.lean import LeanHttp
-from bench.router_overhead.run import MODEL, prompt
+from bench.router_overhead.run import MODEL
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 WARMUP = 50
@@ -60,28 +58,12 @@ def paired_summary(base: Sequence[float], cur: Sequence[float]) -> dict[str, flo
     return out
 
 
-async def _rounds(urls: dict[str, str], n: int, gap_s: float, seed: int
-                  ) -> dict[str, list[float]]:
-    clients = {}
-    for side, url in urls.items():
-        host, _, port = url.removeprefix("http://").rpartition(":")
-        clients[side] = LeanHttp(host, int(port))
-    rng = random.Random(seed)
-    lat: dict[str, list[float]] = {side: [] for side in urls}
-    try:
-        for i in range(n):
-            req = {"model": MODEL, "prompt": prompt(i), "max_tokens": 1, "temperature": 0}
-            order = list(clients.items())
-            rng.shuffle(order)
-            for side, http in order:
-                await asyncio.sleep(gap_s)  # pacing: the gap between requests
-                t0 = time.perf_counter_ns()
-                await http.post("/v1/completions", req)
-                lat[side].append((time.perf_counter_ns() - t0) / 1e3)
-    finally:
-        for http in clients.values():
-            http.close()
-    return lat
+def _latencies_us(got: Paced) -> dict[str, list[float]]:
+    """Each side's latencies in µs; a failed request fails the bench."""
+    failed = {side: dict(e) for side, e in got.errors.items() if e}
+    if failed:
+        raise RuntimeError(f"requests failed: {failed}")
+    return {side: [x * 1e6 for x in lat if x is not None] for side, lat in got.lat.items()}
 
 
 def _one_order(baseline: Path, here: Path, first: str, args: argparse.Namespace
@@ -97,8 +79,9 @@ def _one_order(baseline: Path, here: Path, first: str, args: argparse.Namespace
                 urls[side], _ = mesh_run.start(mesh, mesh_args, None)
         finally:
             os.chdir(here)
-        asyncio.run(_rounds(urls, WARMUP, args.gap_ms / 1e3, seed=1))
-        return asyncio.run(_rounds(urls, args.pairs, args.gap_ms / 1e3, seed=0))
+        gap = args.gap_ms / 1e3
+        asyncio.run(paced_rounds(urls, MODEL, WARMUP, gap, seed=1, offset=80_000_000))
+        return _latencies_us(asyncio.run(paced_rounds(urls, MODEL, args.pairs, gap)))
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

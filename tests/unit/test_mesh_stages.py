@@ -95,3 +95,18 @@ def test_paired_summary_takes_round_by_round_differences() -> None:
         paired_summary(base, cur[:3])  # rounds must pair up
     with pytest.raises(ValueError):
         paired_summary([], [])
+
+
+def test_paired_latencies_fail_the_bench_on_a_failed_request() -> None:
+    from collections import Counter
+
+    from bench.frontend_vs_dynamo.client import Paced
+    from bench.mesh_profile.paired import _latencies_us
+
+    ok = Paced({"baseline": [0.001], "current": [0.002]}, {"baseline": Counter(),
+               "current": Counter()}, {}, 0.0)
+    assert _latencies_us(ok) == {"baseline": [1000.0], "current": [2000.0]}
+    bad = Paced({"baseline": [0.001], "current": [None]}, {"baseline": Counter(),
+                "current": Counter({"HTTP 500": 1})}, {}, 0.0)
+    with pytest.raises(RuntimeError, match="HTTP 500"):
+        _latencies_us(bad)
