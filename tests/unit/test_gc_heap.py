@@ -135,8 +135,11 @@ def test_the_metrics(monkeypatch: pytest.MonkeyPatch, switch: str) -> None:
     before = _samples(registry)
     freeze_heap("a test")
     gc.collect(0)
+    # frozen objects another thread frees leave the permanent generation, so the count
+    # only shrinks after the freeze: the scraped gauge lies between the reads around it
+    high = gc.get_freeze_count()
     after = _samples(registry)
-    assert after["kvmesh_gc_frozen_objects"] == gc.get_freeze_count()
+    assert high >= after["kvmesh_gc_frozen_objects"] >= gc.get_freeze_count()
     assert (after["kvmesh_gc_frozen_objects"] > 0) == (switch == "1")
     runs, spent = ('kvmesh_gc_pause_seconds_count{generation="0"}',
                    'kvmesh_gc_pause_seconds_sum{generation="0"}')
