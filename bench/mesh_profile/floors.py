@@ -69,13 +69,14 @@ ANSWER = {"id": "cmpl-floor", "object": "text_completion", "created": 0, "model"
           "usage": {"prompt_tokens": 300, "completion_tokens": 16, "total_tokens": 316}}
 
 
-def _http_app() -> FastAPI:
+def http_app(answer: dict[str, Any]) -> FastAPI:
+    """The ``http`` floor's app, answering ``answer`` (its model: the request's)."""
     app = FastAPI(docs_url=None, redoc_url=None)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> JSONResponse:
         body = json.loads(await request.body())
-        return JSONResponse({**ANSWER, "model": body.get("model", "tiny")})
+        return JSONResponse({**answer, "model": body.get("model", "tiny")})
 
     return app
 
@@ -163,7 +164,7 @@ async def _serve(kind: str, port: int) -> None:
     if kind == "http":
         import uvicorn
 
-        config = uvicorn.Config(_http_app(), host="127.0.0.1", port=port, loop="none",
+        config = uvicorn.Config(http_app(ANSWER), host="127.0.0.1", port=port, loop="none",
                                 http="httptools", log_level="warning", access_log=False)
         await uvicorn.Server(config).serve()
         return

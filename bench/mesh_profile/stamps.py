@@ -64,6 +64,10 @@ FRONTEND_STEPS: tuple[tuple[str, str], ...] = (
 )
 FLEET_STEPS: tuple[tuple[str, str], ...] = (
     ("services.common.frames", "FramedProtocol.data_received"),
+    ("services.common.frames", "FramedProtocol.read"),
+    ("workers.generate_stream", "GenerateStreams._take"),
+    ("workers.generate_stream", "GenerateStreams._call"),
+    ("services.common.telemetry", "remote_context"),
     ("workers.service", "WorkerServicer._engine_request"),
     ("workers.engines.mock.scheduler", "Scheduler.schedule"),
     ("workers.engines.mock.scheduler", "Scheduler.complete"),
