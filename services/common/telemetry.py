@@ -45,14 +45,17 @@ from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
+from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
+from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
+from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
@@ -111,10 +114,57 @@ def may_record(ctx: Context | None = None) -> bool:
     return not _lean or _sampled(ctx)
 
 
+_HEX = frozenset("0123456789abcdef")
+# (global textmap seen last, whether it is OpenTelemetry's default: W3C trace context then
+# W3C baggage, exactly those classes)
+_textmap_seen: tuple[object, bool] = (None, False)
+
+
+def _w3c_default() -> bool:
+    """Whether the global propagator is OpenTelemetry's default one (``OTEL_PROPAGATORS``
+    unset or ``tracecontext,baggage``, and no ``set_global_textmap`` since): then a
+    carrier with no ``tracestate`` and no ``baggage`` is read and written as its
+    ``traceparent`` alone (:func:`remote_context`, :func:`propagation_metadata`)."""
+    global _textmap_seen
+    textmap = propagate.get_global_textmap()
+    if textmap is not _textmap_seen[0]:
+        parts = getattr(textmap, "_propagators", None)
+        _textmap_seen = (textmap, type(textmap) is CompositePropagator
+                         and isinstance(parts, list | tuple)
+                         and [type(p) for p in parts] == [TraceContextTextMapPropagator,
+                                                          W3CBaggagePropagator])
+    return _textmap_seen[1]
+
+
+def _canonical_traceparent(value: str) -> trace.SpanContext | None:
+    """The span context of a version-00 ``traceparent`` in its exact canonical form
+    (55 characters, lowercase hex, no padding, nonzero ids), else None (the propagator
+    decides: padded, other versions, zero ids, anything else)."""
+    if (len(value) != 55 or value[:3] != "00-" or value[35] != "-" or value[52] != "-"
+            or not _HEX.issuperset(value[3:35]) or not _HEX.issuperset(value[36:52])
+            or not _HEX.issuperset(value[53:])):
+        return None
+    trace_id, span_id = int(value[3:35], 16), int(value[36:52], 16)
+    if not trace_id or not span_id:
+        return None
+    return trace.SpanContext(trace_id, span_id, is_remote=True,
+                             trace_flags=trace.TraceFlags(int(value[53:], 16)))
+
+
 def remote_context(metadata: Iterable[tuple[str, Any]] | None) -> Context:
     """The trace context a caller propagated in gRPC ``metadata`` (text entries), as the
-    global propagator reads it (an empty context when there is none)."""
+    global propagator reads it (an empty context when there is none). With the default
+    propagator, a canonical ``traceparent`` and neither ``tracestate`` nor ``baggage``
+    (what kvmesh's callers send) it is read here, to the same context, without the
+    propagators' generic path."""
     carrier = {k: v for k, v in metadata or () if isinstance(v, str)}
+    if "tracestate" not in carrier and "baggage" not in carrier and _w3c_default():
+        value = carrier.get("traceparent")
+        if value is None:
+            return Context()
+        found = _canonical_traceparent(value)
+        if found is not None:
+            return trace.set_span_in_context(trace.NonRecordingSpan(found), Context())
     return propagate.extract(carrier)
 
 
@@ -127,9 +177,20 @@ def propagation_metadata() -> list[tuple[str, str]]:
     """The current trace context as gRPC metadata entries, as the client interceptor
     would send it; with no valid span, a fresh unsampled trace and span id (what its
     unrecorded root client span would have carried)."""
+    current = trace.get_current_span().get_span_context()
+    if _w3c_default() and not baggage.get_all():  # written here, as the propagator would
+        if not current.is_valid:
+            return [("traceparent", f"00-{random.getrandbits(128) or 1:032x}-"
+                                    f"{random.getrandbits(64) or 1:016x}-"
+                                    f"{_unsampled_flags(None):02x}")]
+        out = [("traceparent", f"00-{current.trace_id:032x}-{current.span_id:016x}-"
+                               f"{current.trace_flags:02x}")]
+        if current.trace_state:
+            out.append(("tracestate", current.trace_state.to_header()))
+        return out
     carrier: dict[str, str] = {}
     ctx: Context | None = None
-    if not trace.get_current_span().get_span_context().is_valid:
+    if not current.is_valid:
         ctx = trace.set_span_in_context(trace.NonRecordingSpan(trace.SpanContext(
             random.getrandbits(128) or 1, random.getrandbits(64) or 1, is_remote=False,
             trace_flags=_unsampled_flags(None))))
