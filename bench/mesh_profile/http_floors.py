@@ -1,5 +1,5 @@
 """The paced floor of one HTTP hop on this machine: what a lone request (``--gap-ms``
-apart, as at 100 req/s without overlap) costs through four Python HTTP servers that do no
+apart, as at 100 req/s without overlap) costs through five Python HTTP servers that do no
 work, from the lean client, so that the frontend's own cost and the added-latency goal
 of issue 17 (mesh − direct worker call: p50 < 1 ms at 100 req/s) can be read against
 the least an HTTP hop of Python costs here.
@@ -17,13 +17,15 @@ Contracts:
     one write: about the least Python an HTTP/1.1 hop can run;
   - ``uvicorn-asgi``: uvicorn (httptools) and a bare ASGI callable;
   - ``kvmesh-http``: the frontend's HTTP layer with nothing behind it: uvicorn under
-    :func:`services.frontend.http_server.http_config` (its header-timeout protocol, the
-    answer's headers and body in one write) and the app's direct POST route
-    (:mod:`services.frontend.http_api`: the body read under the limits and decoded as the
-    frontend decodes it, a ``JsonAnswer``);
+    :func:`services.frontend.http_server.http_config` with the completion route served
+    by the protocol itself (``direct``: :class:`services.frontend.http_api.DirectRoute`,
+    the body read under the limits and decoded as the frontend decodes it, a
+    ``JsonAnswer``), as the frontend serves its completions;
+  - ``kvmesh-asgi``: the same app and route served through uvicorn's ASGI cycle (the
+    app's ASGI entry for direct POSTs: what the frontend ran before);
   - ``uvicorn-fastapi``: uvicorn and a FastAPI route (:func:`bench.mesh_profile.floors`'
     HTTP floor).
-- Load: :func:`bench.frontend_vs_dynamo.client.paced_pairs` from this process, the four
+- Load: :func:`bench.frontend_vs_dynamo.client.paced_pairs` from this process, the five
   in a random order per round, each request ``--gap-ms`` after the one before (64 token
   ids, ``max_tokens`` 1, the answer checked), after 50 warm-up rounds; a failed answer
   fails the bench.
@@ -54,7 +56,7 @@ from bench.router_overhead.run import MODEL
 from services.common.procs import free_port, port_open, spawn, wait_until
 from services.common.server import event_loop_factory
 
-KINDS = ("kvmesh-http", "asyncio-httptools", "uvicorn-asgi", "uvicorn-fastapi")
+KINDS = ("kvmesh-http", "asyncio-httptools", "kvmesh-asgi", "uvicorn-asgi", "uvicorn-fastapi")
 WARMUP_ROUNDS = 50
 ANSWER: dict[str, Any] = {
     "id": "cmpl-floor", "object": "text_completion", "created": 0, "model": MODEL,
@@ -110,20 +112,29 @@ async def _asgi(scope: dict[str, Any], receive: Any, send: Any) -> None:
 
 
 def _kvmesh_app() -> Any:
-    """``kvmesh-http``'s app: the frontend's direct-POST app with a fixed answer."""
+    """The ``kvmesh-*`` floors' app: the frontend's app class and completion route
+    (:class:`services.frontend.http_api.DirectRoute`: no API keys, the body read and
+    decoded as the frontend does) with a fixed answer, registered both ways."""
     from starlette.requests import Request
 
     from services.frontend import http_api
+    from services.frontend.auth import ApiKeys, Tenant
     from services.frontend.json_codec import JsonAnswer
 
-    app = http_api._DirectPosts(docs_url=None, redoc_url=None)
+    app = http_api.DirectPostsApp(docs_url=None, redoc_url=None)
     limits = http_api.HttpLimits()
+    keys = ApiKeys(())
+
+    async def fixed(body: Any, who: Tenant) -> JsonAnswer:
+        return JsonAnswer(ANSWER)
 
     async def completions(request: Request) -> JsonAnswer:
         await http_api._json_body(request, limits)
         return JsonAnswer(ANSWER)
 
     app.direct_posts["/v1/completions"] = completions
+    app.direct_routes[b"/v1/completions"] = http_api.DirectRoute(
+        "/v1/completions", limits, lambda header: http_api.authenticate(keys, header), fixed)
     return app
 
 
@@ -136,9 +147,10 @@ async def _serve(kind: str, port: int) -> None:
 
     from services.frontend.http_server import http_config
 
-    if kind == "kvmesh-http":
-        config = http_config(_kvmesh_app(), max_connections=64, keep_alive_s=60,
-                             header_timeout_s=60)
+    if kind.startswith("kvmesh-"):
+        app = _kvmesh_app()
+        config = http_config(app, max_connections=64, keep_alive_s=60, header_timeout_s=60,
+                             direct=app.direct_routes if kind == "kvmesh-http" else None)
     else:
         app = _asgi if kind == "uvicorn-asgi" else http_app(ANSWER)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", http="httptools")
@@ -169,7 +181,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def measure(pairs: int, gap_s: float) -> dict[str, Any]:
-    """Starts the four servers, runs the paced rounds, stops them (module docstring)."""
+    """Starts the servers, runs the paced rounds, stops them (module docstring)."""
     logs = Path(tempfile.mkdtemp(prefix="kvmesh-http-floors-"))
     children, urls = [], {}
     try:

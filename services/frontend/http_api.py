@@ -174,6 +174,14 @@ async def _unless_disconnected(request: Request,
     (the server's) still propagates. The frontend's server says when the client is gone
     (:class:`~.http_server.DisconnectWatch`); under another server a watcher task waits
     for ``http.disconnect``."""
+    return await _unless_gone(request.scope.get("extensions", {}).get(DISCONNECT_WATCH),
+                              request, work)
+
+
+async def _unless_gone(watch: DisconnectWatch | None, request: Request | None,
+                       work: Coroutine[Any, Any, Response]) -> Response:
+    """:func:`_unless_disconnected` with the request's watch (None: ``request``'s
+    ``http.disconnect`` is watched)."""
     me = asyncio.current_task()
     assert me is not None
     gone = False
@@ -183,10 +191,9 @@ async def _unless_disconnected(request: Request,
         gone = True
         me.cancel()
 
-    watch: DisconnectWatch | None = request.scope.get("extensions", {}).get(
-        DISCONNECT_WATCH)
     watcher: asyncio.Future[None] | None = None
     if watch is None:
+        assert request is not None
         watcher = asyncio.ensure_future(_hang_up_on_disconnect(request, hang_up))
     elif watch.gone:  # gone before any work started: none starts
         work.close()
@@ -254,13 +261,21 @@ async def _read_body(request: Request, limits: HttpLimits) -> bytes:
                 if not message.get("more_body", False):
                     break
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {limits.body_timeout_s} s",
-                       code="request_timeout") from None
+        raise _late_body(limits) from None
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def _late_body(limits: HttpLimits) -> ApiError:
+    return ApiError(408, f"request body not received within {limits.body_timeout_s} s",
+                    code="request_timeout")
+
+
 async def _json_body(request: Request, limits: HttpLimits) -> Any:
-    raw = await _read_body(request, limits)
+    return _decode_json(await _read_body(request, limits))
+
+
+def _decode_json(raw: bytes) -> Any:
+    """The body's JSON value (ApiError 400 naming the problem)."""
     try:
         body = json_codec.decode(raw)
     except RecursionError:
@@ -271,15 +286,57 @@ async def _json_body(request: Request, limits: HttpLimits) -> Any:
     return body
 
 
-class _DirectPosts(FastAPI):
+class DirectRoute:
+    """A completion route as the frontend's HTTP protocol serves it itself
+    (:class:`~.http_server.DirectPost`), answering exactly as its ASGI handler does: the
+    API key checked at the end of the headers (401), the body under ``limits`` (413,
+    408), decoded and checked as :func:`_json_body` does (400), then ``run(body,
+    tenant)``'s response, its work cancelled when the client goes (a 499 nobody reads);
+    an ApiError is its error response, any other exception a logged 500
+    ``internal_error``."""
+
+    __slots__ = ("max_body_bytes", "body_timeout_s", "_limits", "_tenant", "_run", "_path")
+
+    def __init__(self, path: str, limits: HttpLimits, tenant: Callable[[str | None], Tenant],
+                 run: Callable[[Any, Tenant], Coroutine[Any, Any, Response]]) -> None:
+        self.max_body_bytes, self.body_timeout_s = limits.max_body_bytes, limits.body_timeout_s
+        self._limits, self._tenant, self._run, self._path = limits, tenant, run, path
+
+    def admit(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, Response | None]:
+        header = next((v.decode("latin-1") for k, v in headers if k == b"authorization"),
+                      None)
+        try:
+            return self._tenant(header), None
+        except ApiError as err:
+            return None, _error_response(err)
+
+    async def answer(self, admitted: Any, body: bytes, watch: DisconnectWatch) -> Response:
+        try:
+            return await _unless_gone(watch, None, self._run(_decode_json(body), admitted))
+        except ApiError as err:
+            return _error_response(err)
+        except Exception as exc:
+            log.exception("%s failed", self._path)
+            return _error_response(ApiError(500, f"internal error: {exc}",
+                                            type="internal_error"))
+
+    def refusal(self, status: int) -> Response:
+        return _error_response(_too_large(self._limits) if status == 413
+                               else _late_body(self._limits))
+
+
+class DirectPostsApp(FastAPI):
     """FastAPI, but a ``POST`` to a path of ``direct_posts`` calls its handler straight
     from the ASGI entry: no middleware stack, routing or dependency solving (~35 µs of
     Python per request). The answers are the stack's: an ApiError is its error response,
-    any other exception a logged 500 ``internal_error``."""
+    any other exception a logged 500 ``internal_error``. ``direct_routes``: the same
+    routes for the frontend's HTTP protocol to serve without ASGI
+    (:func:`~.http_server.http_config`'s ``direct``), by raw path."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.direct_posts: dict[str, Callable[[Request], Coroutine[Any, Any, Response]]] = {}
+        self.direct_routes: dict[bytes, DirectRoute] = {}
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         handler = (self.direct_posts.get(scope["path"])
@@ -302,7 +359,7 @@ class _DirectPosts(FastAPI):
 def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                keys: ApiKeys | None = None, metrics_auth: bool = False,
                metrics_keys: ApiKeys | None = None,
-               responses_store: ResponseStore | None = None) -> FastAPI:
+               responses_store: ResponseStore | None = None) -> DirectPostsApp:
     """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None),
     behind ``keys`` (None or none configured: open; ``metrics_auth``: ``/metrics`` too,
     where ``metrics_keys`` are accepted as well: keys that read metrics and nothing else,
@@ -312,13 +369,16 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
     auth = keys or ApiKeys(())
     scrapers = metrics_keys or ApiKeys(())
 
-    def tenant(request: Request) -> Tenant:
+    def tenant_of(header: str | None) -> Tenant:
         try:
-            return authenticate(auth, request.headers.get("authorization"))
+            return authenticate(auth, header)
         except ApiError:
             pipeline.metrics.auth_failures.labels("http").inc()
             raise
-    app = _DirectPosts(title="kvmesh", docs_url=None, redoc_url=None)
+
+    def tenant(request: Request) -> Tenant:
+        return tenant_of(request.headers.get("authorization"))
+    app = DirectPostsApp(title="kvmesh", docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, err: ApiError) -> JSONResponse:
@@ -420,22 +480,30 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
             return None
         return await asyncio.to_thread(pipeline.catalog.tokenizer, fan.prompts[0].model)
 
+    def run_completion(body: Any, who: Tenant) -> Coroutine[Any, Any, Response]:
+        return _serve(parse_completion(body), who)
+
+    def run_chat_body(body: Any, who: Tenant) -> Coroutine[Any, Any, Response]:
+        return _serve(parse_chat(body, pipeline.image_limits), who)
+
     async def completions(request: Request) -> Response:
         who = tenant(request)
-        return await _unless_disconnected(
-            request, _serve(parse_completion(await _json_body(request, lim)), who))
+        return await _unless_disconnected(request,
+                                          run_completion(await _json_body(request, lim), who))
 
     async def chat(request: Request) -> Response:
         who = tenant(request)
-        body = await _json_body(request, lim)
-        return await _unless_disconnected(
-            request, _serve(parse_chat(body, pipeline.image_limits), who))
+        return await _unless_disconnected(request,
+                                          run_chat_body(await _json_body(request, lim), who))
 
-    # registered as routes (other methods: 405, listed in the app's routes) and served
-    # ahead of the FastAPI stack by _DirectPosts
+    # registered as routes (other methods: 405, listed in the app's routes), served ahead
+    # of the FastAPI stack by DirectPostsApp, and by the frontend's protocol itself
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat)
     app.direct_posts.update({"/v1/completions": completions, "/v1/chat/completions": chat})
+    for path, run in (("/v1/completions", run_completion),
+                      ("/v1/chat/completions", run_chat_body)):
+        app.direct_routes[path.encode()] = DirectRoute(path, lim, tenant_of, run)
 
     async def run_chat(body: dict[str, Any], request: Request) -> dict[str, Any] | (
             AsyncIterator[dict[str, Any]]):

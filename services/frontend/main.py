@@ -341,7 +341,8 @@ async def start_frontend(cfg: FrontendConfig) -> FrontendApp:
     http = uvicorn.Server(http_config(app,
                                       max_connections=cfg.max_connections,
                                       keep_alive_s=cfg.keep_alive_s,
-                                      header_timeout_s=cfg.header_timeout_s))
+                                      header_timeout_s=cfg.header_timeout_s,
+                                      direct=app.direct_routes))
     http_task = asyncio.create_task(http.serve(sockets=sockets), name="http")
 
     async def stop_http() -> None:

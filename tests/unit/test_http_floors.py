@@ -1,4 +1,4 @@
-"""bench.mesh_profile.http_floors: the four floor servers, run as the bench runs them
+"""bench.mesh_profile.http_floors: the floor servers, run as the bench runs them
 (child processes on free loopback ports), all answer the same checked one-token
 completion; the bare asyncio hop keeps its connection across requests and closes it on
 a request it cannot parse."""
@@ -14,7 +14,7 @@ import pytest
 from bench.mesh_profile import http_floors
 
 
-def test_the_four_floors_answer_alike_and_are_reported(tmp_path: Path) -> None:
+def test_the_floors_answer_alike_and_are_reported(tmp_path: Path) -> None:
     assert http_floors.main(["--pairs", "4", "--gap-ms", "0", "--out", str(tmp_path),
                              "--name", "f"]) == 0
     report = json.loads((tmp_path / "f.json").read_text())

@@ -5,21 +5,19 @@ every answer intact through a real uvicorn server on a loopback port."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.common.procs import free_port
 from services.frontend import http_server
 from services.frontend.http_api import _unless_disconnected
-from services.frontend.http_server import HeldHeaders, http_config
+from services.frontend.http_server import HeldHeaders
+from tests.http_peer import serving
 
 
 class FakeTransport:
@@ -121,26 +119,6 @@ async def _in_parts(_: Request) -> Response:
     return Parts()
 
 
-@contextlib.asynccontextmanager
-async def _serving(app: Starlette, header_timeout_s: float) -> AsyncIterator[int]:
-    """``app`` on a free loopback port through the frontend's uvicorn config; its port."""
-    port = free_port()
-    config = http_config(app, max_connections=8, keep_alive_s=5,
-                         header_timeout_s=header_timeout_s)
-    config.host, config.port = "127.0.0.1", port
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    try:
-        async with asyncio.timeout(30):
-            while not server.started:  # uvicorn offers no event to wait on
-                assert not task.done(), "uvicorn stopped before it started"
-                await asyncio.sleep(0.01)
-        yield port
-    finally:
-        server.should_exit = True
-        await task
-
-
 async def _exchange(port: int, request: bytes) -> bytes:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -179,7 +157,7 @@ async def test_answers_through_uvicorn_are_intact(monkeypatch: pytest.MonkeyPatc
     app = Starlette(routes=[Route("/j", _json, methods=["GET", "HEAD"]),
                             Route("/s", _stream), Route("/broken", _fails_after_start),
                             Route("/parts", _in_parts)])
-    async with _serving(app, header_timeout_s=5) as port:
+    async with serving(app, header_timeout_s=5) as (port, _):
         close = b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         got = await _exchange(port, b"GET /j" + close)
         assert got.startswith(b"HTTP/1.1 200 OK\r\n") and got.endswith(b'\r\n\r\n{"a":1}')
@@ -221,7 +199,7 @@ async def test_a_pipelined_request_is_not_cut_off_by_the_header_timeout() -> Non
         return JSONResponse({"slow": True})
 
     app = Starlette(routes=[Route("/j", _json), Route("/slow", slow)])
-    async with _serving(app, header_timeout_s=0.2) as port:
+    async with serving(app, header_timeout_s=0.2) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(b"GET /j HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -259,7 +237,7 @@ async def test_a_client_gone_mid_request_fires_its_watch_once() -> None:
         await asyncio.wait_for(hung_up.wait(), 30)
         return Response(b"nobody reads this")
 
-    async with _serving(Starlette(routes=[Route("/slow", slow)]), 5.0) as port:
+    async with serving(Starlette(routes=[Route("/slow", slow)]), 5.0) as (port, _):
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         await writer.drain()
@@ -284,7 +262,7 @@ async def test_a_connection_closed_after_its_answer_fires_nothing() -> None:
         return Response(b"ok")
 
     app = Starlette(routes=[Route("/quick", quick)])
-    async with _serving(app, 5.0) as port:
+    async with serving(app, 5.0) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /quick HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await asyncio.wait_for(reader.readuntil(b"ok"), 30)).startswith(

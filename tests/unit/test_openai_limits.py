@@ -350,7 +350,7 @@ def test_a_failing_stream_ends_with_an_error_event_and_done(
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_an_unexpected_failure_of_a_non_streamed_request_is_a_logged_500(
         path: str, caplog: pytest.LogCaptureFixture) -> None:
-    """The completion routes are served ahead of the FastAPI stack (http_api._DirectPosts):
+    """The completion routes are served ahead of the FastAPI stack (http_api.DirectPostsApp):
     an exception the handler lets escape is still a 500 ``internal_error`` naming it,
     logged with its traceback, and the request's chunks are closed."""
     pipe = _FailingStreamPipeline(RuntimeError("boom"))
