@@ -57,8 +57,8 @@ from starlette.requests import ClientDisconnect
 
 from services.frontend import fanout, json_codec, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
+from services.frontend.direct_posts import DISCONNECT_WATCH, DisconnectWatch
 from services.frontend.fanout import FanJob, Tally
-from services.frontend.http_server import DISCONNECT_WATCH, DisconnectWatch
 from services.frontend.jobs import Chunk
 from services.frontend.json_checks import check_json
 from services.frontend.json_codec import JsonAnswer

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.frontend.http_server import DirectCycle, DisconnectWatch
+from services.frontend.direct_posts import DirectCycle, DisconnectWatch
 from tests.http_peer import serving
 
 PATH = b"/v1/x"
@@ -36,12 +36,22 @@ class Direct:
         self.cancelled = asyncio.Event()
         self.stream_closed = asyncio.Event()
         self.watches: list[DisconnectWatch] = []
+        self.admitted = asyncio.Event()  # a request's headers came
 
     def admit(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, Response | None]:
+        self.admitted.set()
         key = dict(headers).get(b"x-key")
         if key == b"bad":
             return None, JSONResponse({"refused": "key"}, 401)
         return key, None
+
+    async def _endless(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"e"
+                await asyncio.sleep(0)  # a turn of the loop between chunks
+        finally:
+            self.stream_closed.set()
 
     async def _parts(self, fail: bool) -> AsyncIterator[bytes | str]:
         try:
@@ -61,6 +71,8 @@ class Direct:
         self.arrived.set()
         if body == b"boom":
             raise RuntimeError("a bug")
+        if body == b"endless":
+            return StreamingResponse(self._endless(), media_type="text/event-stream")
         if body in (b"stream", b"stream-fails"):
             return StreamingResponse(self._parts(body == b"stream-fails"),
                                      media_type="text/event-stream")
@@ -334,19 +346,132 @@ async def test_the_access_log_line_is_uvicorns() -> None:
     assert direct.args[0] == asgi.args[0]  # the same client address, formatted alike
 
 
-async def test_a_header_uvicorn_would_refuse_is_a_500() -> None:
+async def test_a_header_uvicorn_would_refuse_closes_the_connection_unanswered() -> None:
+    """As uvicorn: the response counts as started, so nothing is sent and it closes."""
     class Injecting(Direct):
         async def answer(self, admitted: Any, body: bytes,
                          watch: DisconnectWatch) -> Response:
             return Response(b"x", headers={"x-bad": "a\r\nset-cookie: evil"})
 
-    async with serving(APP, 5.0, direct={PATH: Injecting()}) as (port, _):
+    for direct in (False, True):
+        app = Starlette(routes=[Route("/v1/x", _via(Injecting()), methods=["POST"])])
+        async with serving(app, 5.0, direct={PATH: Injecting()} if direct else None) as (
+                port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post(b"x"))
+            got = await asyncio.wait_for(reader.read(), 30)
+            writer.close()
+        assert got == b"", direct
+
+
+def _via(route: Direct) -> Any:
+    """An ASGI endpoint answering what ``route`` answers (the same responses, through
+    Starlette and uvicorn's cycle)."""
+    async def endpoint(request: Request) -> Response:
+        return await route.answer(None, await request.body(), DisconnectWatch())
+    return endpoint
+
+
+@pytest.mark.parametrize("body", [b"plain", b"stream"])
+async def test_answers_are_uvicorns_byte_for_byte(body: bytes) -> None:
+    """A JSON answer and a whole stream, through uvicorn's cycle and directly."""
+    got = []
+    for direct in (False, True):
+        route = Direct()
+        route.gate.set()
+        app = Starlette(routes=[Route("/v1/x", _via(route), methods=["POST"])])
+        async with serving(app, 5.0, direct={PATH: route} if direct else None) as (port, _):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(_post(body))
+                head, answer = await _answer(reader)
+            finally:
+                writer.close()
+        got.append((b"\r\n".join(x for x in head.split(b"\r\n")
+                                  if not x.startswith(b"date:")), answer))
+    assert got[0] == got[1]
+
+
+async def test_a_post_pipelined_behind_a_direct_one_is_uvicorns() -> None:
+    route = Direct()
+    app = Starlette(routes=[Route("/v1/x", _asgi, methods=["POST"])])
+    async with serving(app, 5.0, direct={PATH: route}) as (port, _):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(_post(b"x"))
+        try:
+            writer.write(_post(b"wait") + _post(b"second"))
+            await asyncio.wait_for(route.arrived.wait(), 30)
+            route.gate.set()
+            _, first = await _answer(reader)
+            _, second = await _answer(reader)
+        finally:
+            writer.close()
+    assert json.loads(first)["direct"] and json.loads(second) == {"asgi": True}
+    assert route.bodies == [b"wait"]
+
+
+async def test_a_client_gone_with_a_request_pipelined_behind_fires_the_watch() -> None:
+    """uvicorn stops reading while a request is pipelined behind another, so the loss
+    shows when a write fails: an endless stream's. Its watch fires (uvicorn itself only
+    marks the pipelined cycle) and the stream ends."""
+    route = Direct()
+    async with serving(APP, 5.0, direct={PATH: route}) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post(b"endless") + b"GET /v1/x HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"1\r\ne\r\n"), 30)
+        writer.close()
+        await asyncio.wait_for(route.stream_closed.wait(), 30)
+        assert route.watches[0].gone
+
+
+@pytest.mark.parametrize("phase", ["answer", "body"])
+async def test_a_server_stop_answers_uvicorns_500_after_its_grace(phase: str) -> None:
+    """The graceful shutdown's grace (1 s) runs out: the request's task is cancelled and
+    answered as uvicorn's cycle is, mid-answer and while its body still comes."""
+    route = Direct()
+    async with serving(APP, 5.0, direct={PATH: route}) as (port, server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        if phase == "answer":
+            writer.write(_post(b"wait"))
+            await asyncio.wait_for(route.arrived.wait(), 30)
+        else:
+            writer.write(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nab")
+            await writer.drain()  # the body's first part; the rest never comes
+            await asyncio.wait_for(route.admitted.wait(), 30)
+        server.should_exit = True
         got = await asyncio.wait_for(reader.read(), 30)
         writer.close()
     assert got.startswith(b"HTTP/1.1 500 Internal Server Error\r\n")
-    assert b"evil" not in got
+    assert got.endswith(b"content-type: text/plain; charset=utf-8\r\ncontent-length: 21"
+                        b"\r\nconnection: close\r\n\r\nInternal Server Error")
+    assert route.bodies == ([b"wait"] if phase == "answer" else [])
+
+
+async def test_a_broken_or_lost_body_is_never_answered_by_the_route() -> None:
+    route = Direct()
+    async with serving(APP, 5.0, direct={PATH: route}) as (port, server):
+        # a parse error mid-body: uvicorn's 400, closed
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"2\r\nab\r\n")
+        await writer.drain()
+        writer.write(b"zz\r\n")  # not a chunk size
+        got = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+        assert got.startswith(b"HTTP/1.1 400")
+        # a connection lost mid-body: its watch fires, nothing runs
+        route.admitted.clear()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 9\r\n\r\nab")
+        await asyncio.wait_for(route.admitted.wait(), 30)
+        (conn,) = [c for c in server.server_state.connections  # the first may linger
+                   if not c.transport.is_closing()]  # type: ignore[union-attr]
+        cycle = conn.cycle  # type: ignore[union-attr]
+        assert type(cycle) is DirectCycle and cycle.more_body
+        gone = asyncio.Event()
+        cycle.watch.callback = gone.set
+        writer.close()
+        await asyncio.wait_for(gone.wait(), 30)
+    assert route.bodies == []
 
 
 # --- the frontend's own routes: the same answers served directly as through ASGI --------
@@ -403,3 +528,24 @@ async def test_the_frontends_routes_answer_alike_both_ways(case: str) -> None:
     via_asgi = await _frontend_answer(False, CASES[case])
     assert await _frontend_answer(True, CASES[case]) == via_asgi
     assert via_asgi[0].split(b" ")[1] in (b"400", b"401", b"404", b"408", b"413")
+
+
+async def test_a_stream_its_client_leaves_is_logged_when_it_starts() -> None:
+    access, seen = logging.getLogger("uvicorn.access"), _Records()
+    level = access.level
+    route = Direct()
+    async with serving(APP, 5.0, direct={PATH: route}) as (port, _):
+        access.setLevel(logging.INFO)
+        access.addHandler(seen)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(_post(b"stream"))
+            await asyncio.wait_for(reader.readuntil(b"1\r\nb\r\n"), 30)
+            writer.close()
+            await asyncio.wait_for(route.stream_closed.wait(), 30)
+        finally:
+            access.removeHandler(seen)
+            access.setLevel(level)
+    (record,) = seen.records
+    assert isinstance(record.args, tuple) and record.args[1:] == ("POST", "/v1/x", "1.1", 200)
+
