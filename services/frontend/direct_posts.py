@@ -38,7 +38,9 @@ Contract:
   closed connection (mid-stream), logged. The access log line is uvicorn's, when the
   response starts.
 - The request's watch fires when the connection is lost before its response completed,
-  also while a pipelined request waits behind it (then nothing more is written).
+  also while a pipelined request waits behind it (then nothing more is written). A
+  refusal written while a read is parsed leaves no keep-alive timer running over the
+  request parsed after it; an upgrade pipelined behind a direct request is uvicorn's.
 """
 
 from __future__ import annotations
@@ -185,6 +187,9 @@ class DirectPostsMixin(_Base):
             self._direct_task(self._direct_wait(cycle))
 
     def on_headers_complete(self) -> None:
+        # a request's headers are in: no keep-alive timer runs over it (a refusal written
+        # while this read was parsed armed one: only the next read would clear it)
+        self._unset_keepalive_if_required()
         route = self._direct_route() if self.direct_routes else None
         if route is None:
             super().on_headers_complete()
@@ -210,8 +215,8 @@ class DirectPostsMixin(_Base):
         if type(cycle) is not DirectCycle:
             super().on_body(body)
             return
-        if cycle.response_complete:
-            return  # refused: the rest of the body is dropped
+        if cycle.response_complete or not cycle.more_body or self._upgrading():
+            return  # refused (the rest of the body is dropped), or not this request's
         cycle.size += len(body)
         if cycle.size > cycle.route.max_body_bytes:
             cycle.parts = []
@@ -224,8 +229,8 @@ class DirectPostsMixin(_Base):
         if type(cycle) is not DirectCycle:
             super().on_message_complete()
             return
-        if cycle.response_complete:
-            return
+        if cycle.response_complete or not cycle.more_body or self._upgrading():
+            return  # refused, or an upgrade request pipelined behind it (uvicorn's)
         cycle.more_body = False
         parts, cycle.parts = cycle.parts, []
         body = parts[0] if len(parts) == 1 else b"".join(parts)
@@ -243,6 +248,10 @@ class DirectPostsMixin(_Base):
             cycle.watch.fire()
 
     # -- serving ---------------------------------------------------------------------------
+
+    def _upgrading(self) -> bool:
+        """The message being parsed is an upgrade uvicorn takes (it gets no cycle)."""
+        return bool(self.parser.should_upgrade() and self._should_upgrade())
 
     def _direct_route(self) -> DirectPost | None:
         """The direct route serving the request whose headers just ended, if any."""
@@ -298,7 +307,11 @@ class DirectPostsMixin(_Base):
             self._direct_abandon(cycle)
             return
         if response.background is not None:
-            await response.background()
+            try:
+                await response.background()
+            except Exception:  # as uvicorn: logged, the connection closed
+                log.exception("a direct POST's background task for %r failed", cycle.path)
+                self.transport.close()
 
     def _direct_abandon(self, cycle: DirectCycle) -> None:
         """uvicorn's 500 when the response has not started, else the connection closed."""
@@ -344,16 +357,24 @@ class DirectPostsMixin(_Base):
             cycle.response_complete = True  # nobody to answer
             cycle.end_body(None)
             return
-        head = self._direct_head(cycle, response)
+        try:
+            head = self._direct_head(cycle, response)
+        except RuntimeError:  # as uvicorn: started, so closed with nothing sent
+            log.exception("a direct POST to %r answered a header uvicorn refuses",
+                          cycle.path)
+            cycle.response_complete = True
+            cycle.end_body(None)
+            self.transport.close()
+            return
         self.transport.write(head + response.body)
         self._direct_done(cycle)
 
     async def _direct_stream(self, cycle: DirectCycle, response: StreamingResponse) -> None:
         chunks = response.body_iterator
         try:
+            if self.flow.write_paused and not cycle.disconnected:
+                await self.flow.drain()
             if not (cycle.disconnected or self.transport.is_closing()):
-                if self.flow.write_paused:
-                    await self.flow.drain()
                 self.transport.write(self._direct_head(cycle, response, _CHUNKED))
                 if await self._direct_chunks(cycle, response):
                     self._direct_done(cycle)
@@ -370,7 +391,16 @@ class DirectPostsMixin(_Base):
         me = asyncio.current_task()
         assert me is not None
         watch = cycle.watch
-        watch.callback = me.cancel  # a client gone ends the stream
+        if watch.gone:
+            return False
+        gone = False
+
+        def hang_up() -> None:  # a client gone ends the stream
+            nonlocal gone
+            gone = True
+            me.cancel()
+
+        watch.callback = hang_up
         try:
             async for chunk in response.body_iterator:
                 data = chunk.encode(response.charset) if isinstance(chunk, str) \
@@ -385,7 +415,7 @@ class DirectPostsMixin(_Base):
             self.transport.write(b"0\r\n\r\n")
             return True
         except asyncio.CancelledError:
-            if watch.gone and me.uncancel() == 0:  # the client went: nobody reads
+            if gone and me.uncancel() == 0:  # our cancel: the client went, nobody reads
                 return False
             raise
         except Exception:

@@ -549,3 +549,56 @@ async def test_a_stream_its_client_leaves_is_logged_when_it_starts() -> None:
     (record,) = seen.records
     assert isinstance(record.args, tuple) and record.args[1:] == ("POST", "/v1/x", "1.1", 200)
 
+
+
+async def test_a_refusal_in_the_same_read_arms_no_timer_over_the_next_request() -> None:
+    """A 401 written while a read is parsed completes a response, which arms uvicorn's
+    keep-alive timer; the request parsed next in that read must not run under it."""
+    route = Direct()
+    async with serving(APP, 30.0, direct={PATH: route}) as (port, server):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(_post(b"", b"X-Key: bad\r\n") + _post(b"wait"))
+            head, _ = await _answer(reader)
+            assert head.startswith(b"HTTP/1.1 401")
+            await asyncio.wait_for(route.arrived.wait(), 30)
+            (conn,) = server.server_state.connections
+            assert conn.timeout_keep_alive_task is None  # type: ignore[union-attr]
+            route.gate.set()
+            _, body = await _answer(reader)
+            assert json.loads(body)["direct"]
+        finally:
+            writer.close()
+
+
+async def test_an_upgrade_pipelined_behind_a_direct_post_is_not_answered_by_it() -> None:
+    route = Direct()
+    async with serving(APP, 5.0, direct={PATH: route}) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(_post(b"wait") + b"GET /ws HTTP/1.1\r\nHost: x\r\n"
+                         b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+                         b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                         b"Sec-WebSocket-Version: 13\r\n\r\n")
+            await asyncio.wait_for(route.arrived.wait(), 30)
+            route.gate.set()
+            # uvicorn hands the connection to its WebSocket protocol (403: no such
+            # route), which closes it: what else the client gets is uvicorn's business
+            await asyncio.wait_for(reader.read(), 30)
+        finally:
+            writer.close()
+    assert route.bodies == [b"wait"]  # the upgrade's end of message started nothing
+
+
+async def test_a_refusal_with_a_header_uvicorn_refuses_closes_unanswered() -> None:
+    class BadRefusal(Direct):
+        def admit(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, Response | None]:
+            return None, Response(b"no", 401, headers={"x-bad": "a\r\nb"})
+
+    route = BadRefusal()
+    async with serving(APP, 5.0, direct={PATH: route}) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post(b"x"))
+        got = await asyncio.wait_for(reader.read(), 30)
+        writer.close()
+    assert got == b"" and route.bodies == []
