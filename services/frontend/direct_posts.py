@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http
 import logging
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -60,29 +59,16 @@ if TYPE_CHECKING:  # the mixin's base, for the type checker (uvicorn's httptools
 else:
     _Base = object
 
+try:  # uvicorn's own status lines and response header checks, so the bytes stay its own
+    from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+except ImportError:  # no httptools: no direct POST is served (http_server), none written
+    STATUS_LINE = {}
+    HEADER_RE = HEADER_VALUE_RE = re.compile(b"")
+
 log = logging.getLogger(__name__)
 
 DISCONNECT_WATCH = "kvmesh.disconnect"  # the watch's key in an ASGI scope's extensions
-# what uvicorn refuses in a response header's name and value (its send checks the same)
-_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')
-_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")
 _CHUNKED = b"transfer-encoding: chunked\r\n"
-
-
-def _line(code: int) -> bytes:
-    try:
-        phrase = http.HTTPStatus(code).phrase.encode()
-    except ValueError:
-        phrase = b""
-    return b"HTTP/1.1 %d %s\r\n" % (code, phrase)
-
-
-_STATUS_LINES = {code: _line(code) for code in range(100, 600)}
-
-
-def _status_line(code: int) -> bytes:
-    """The status line uvicorn writes for ``code``."""
-    return _STATUS_LINES.get(code) or _line(code)
 
 
 class DisconnectWatch:
@@ -334,12 +320,12 @@ class DirectPostsMixin(_Base):
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', client, "POST",
                                     cycle.path.decode("latin-1"), "1.1",
                                     response.status_code)
-        out = [_status_line(response.status_code)]
+        out = [STATUS_LINE[response.status_code]]  # as uvicorn's send (100-599)
         for name, value in self.server_state.default_headers:  # uvicorn's own
             out += (name, b": ", value, b"\r\n")
         close = False
         for name, value in response.raw_headers:
-            if _BAD_NAME.search(name) or _BAD_VALUE.search(value):
+            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
                 raise RuntimeError(f"invalid HTTP header {name!r}")
             if name == b"connection" and b"close" in [
                     t.strip() for t in value.lower().split(b",")]:

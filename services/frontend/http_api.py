@@ -46,7 +46,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,7 +172,7 @@ async def _unless_disconnected(request: Request,
     closes the request's chunks: its choices' worker calls are aborted and their router
     entries released) and a 499 nobody reads is answered. A cancel from anywhere else
     (the server's) still propagates. The frontend's server says when the client is gone
-    (:class:`~.http_server.DisconnectWatch`); under another server a watcher task waits
+    (:class:`~.direct_posts.DisconnectWatch`); under another server a watcher task waits
     for ``http.disconnect``."""
     return await _unless_gone(request.scope.get("extensions", {}).get(DISCONNECT_WATCH),
                               request, work)
@@ -286,9 +286,21 @@ def _decode_json(raw: bytes) -> Any:
     return body
 
 
+async def _answered(path: str, work: Callable[[], Awaitable[Response]]) -> Response:
+    """``work()``'s response, as the FastAPI stack would answer a failure of it: an
+    ApiError its error response, any other exception a logged 500 ``internal_error``."""
+    try:
+        return await work()
+    except ApiError as err:
+        return _error_response(err)
+    except Exception as exc:
+        log.exception("%s failed", path)
+        return _error_response(ApiError(500, f"internal error: {exc}", type="internal_error"))
+
+
 class DirectRoute:
     """A completion route as the frontend's HTTP protocol serves it itself
-    (:class:`~.http_server.DirectPost`), answering exactly as its ASGI handler does: the
+    (:class:`~.direct_posts.DirectPost`), answering exactly as its ASGI handler does: the
     API key checked at the end of the headers (401), the body under ``limits`` (413,
     408), decoded and checked as :func:`_json_body` does (400), then ``run(body,
     tenant)``'s response, its work cancelled when the client goes (a 499 nobody reads);
@@ -311,14 +323,9 @@ class DirectRoute:
             return None, _error_response(err)
 
     async def answer(self, admitted: Any, body: bytes, watch: DisconnectWatch) -> Response:
-        try:
+        async def run() -> Response:
             return await _unless_gone(watch, None, self._run(_decode_json(body), admitted))
-        except ApiError as err:
-            return _error_response(err)
-        except Exception as exc:
-            log.exception("%s failed", self._path)
-            return _error_response(ApiError(500, f"internal error: {exc}",
-                                            type="internal_error"))
+        return await _answered(self._path, run)
 
     def refusal(self, status: int) -> Response:
         return _error_response(_too_large(self._limits) if status == 413
@@ -345,14 +352,7 @@ class DirectPostsApp(FastAPI):
             await super().__call__(scope, receive, send)
             return
         scope["app"] = self
-        try:
-            response = await handler(Request(scope, receive, send))
-        except ApiError as err:
-            response = _error_response(err)
-        except Exception as exc:
-            log.exception("%s failed", scope["path"])
-            response = _error_response(ApiError(500, f"internal error: {exc}",
-                                                type="internal_error"))
+        response = await _answered(scope["path"], lambda: handler(Request(scope, receive, send)))
         await response(scope, receive, send)
 
 
