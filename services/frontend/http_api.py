@@ -454,14 +454,20 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
 
             return _chunk_objects(shapes, fan, replay())
         tally = Tally(fan)
+        lone = len(fan.choices) == 1  # its finishing chunk is its last
         try:
             async for index, chunk in chunks:
                 tally.see(index, chunk)
                 shapes.add(index, chunk)
+                if lone and tally.done:
+                    break
         except ApiError as err:
             raise tool_chat.explain(fan.req, err) from None
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+            if lone and tally.done:  # the answer goes out before the request's teardown
+                pipeline.close_later(chunks)
+            else:
+                await chunks.aclose()  # type: ignore[attr-defined]
         if not tally.done:  # see the streaming case: never a 200 without a finish
             raise ApiError(502, "the worker stream ended without finishing",
                            type="upstream_error")

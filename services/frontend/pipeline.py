@@ -106,7 +106,9 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   When it finishes, the span gets ``kvmesh.predicted_cached_tokens`` (the router's
   prediction, see :func:`predicted_cached_tokens`) and ``kvmesh.actual_cached_tokens`` (the
   engine's ``cached_tokens``: P's prefix hits when disaggregated), and the metrics record
-  both and their absolute error. Finished requests add their usage to the token counters;
+  both and their absolute error (recorded with the finished request's usage on the token
+  counters once the consumer has taken the last chunk: it resumed or closed the stream, so
+  an answer built from that chunk goes out first);
   every chunk after the first that carries tokens records ITL samples (its gap / its
   tokens); a rejection counts ``outcome="rejected"`` and the reason.
 """
@@ -269,6 +271,18 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    def close_later(self, chunks: AsyncIterator[Any]) -> None:
+        """Closes ``chunks`` (an iterator :meth:`stream` or :func:`.fanout.run` gave) in a
+        task of its own, as ``close`` would await it: for a consumer that has the last
+        chunk and answers before the request's teardown runs. A failing close is
+        logged."""
+        async def close() -> None:
+            try:
+                await chunks.aclose()  # type: ignore[attr-defined]
+            except Exception:
+                log.exception("closing a finished request's stream failed")
+        self._spawn(close())
 
     def _prefill_done(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
         """Tells the router the prefill is over, without waiting (see the module doc; an
@@ -539,6 +553,10 @@ class Pipeline:
         failed: list[str] = []  # instance ids that failed this request
         path, outcome, finished = "none", "error", False
         started = last_at = time.monotonic()
+        # the finishing chunk, its route and path: its metrics are recorded once the
+        # consumer took it (the stream resumed or closed), so an answer built from it
+        # need not wait for them
+        final: tuple[Chunk, router_pb2.RouteResponse] | None = None
         first_token = True
         prompt_sent = False  # the prompt's log-probabilities went out (first token)
         self._busy += 1
@@ -634,7 +652,8 @@ class Pipeline:
                         if resp.finish_reason != UNFINISHED:
                             finished = True
                             outcome = FINISH_NAMES.get(resp.finish_reason, "stop")
-                            self._finish(chunk, resp, route, job, path, carried)
+                            self._finish(chunk, resp, route, job, carried)
+                            final = (chunk, route)
                             yield chunk
                             return
                         yield chunk
@@ -664,25 +683,26 @@ class Pipeline:
             raise
         finally:
             self._busy -= 1
+            if final is not None:  # after the consumer took the last chunk (see stream)
+                last, last_route = final
+                self.metrics.observe_cache_prediction(
+                    path, last_route.overlap_source or "history",
+                    last.predicted_cached_tokens, last.cached_tokens)
+                self.metrics.observe_usage(last.prompt_tokens, last.completion_tokens)
             if outcome != "rejected":
                 self.metrics.child(self.metrics.requests, path, outcome).inc()
 
     def _finish(self, chunk: Chunk, resp: worker_pb2.GenerateResponse,
-                route: router_pb2.RouteResponse, job: Job, path: str, carried: int) -> None:
+                route: router_pb2.RouteResponse, job: Job, carried: int) -> None:
         """Fills the finishing ``chunk`` from the worker's last response; after a migration
         (``carried`` tokens came from earlier attempts) the usage is the client's: the
         original prompt and every generated token."""
-        predicted = predicted_cached_tokens(route, job.model.block_size)
         prompt = len(job.token_ids) if carried else resp.usage.prompt_tokens
-        cached = min(resp.usage.cached_tokens, prompt)
-        self.metrics.observe_cache_prediction(path, route.overlap_source or "history",
-                                              predicted, cached)
-        chunk.predicted_cached_tokens = predicted
+        chunk.predicted_cached_tokens = predicted_cached_tokens(route, job.model.block_size)
         chunk.finish_reason = FINISH_NAMES.get(resp.finish_reason, "stop")
         chunk.prompt_tokens = prompt
         chunk.completion_tokens = carried + resp.usage.completion_tokens
-        chunk.cached_tokens = cached
-        self.metrics.observe_usage(chunk.prompt_tokens, chunk.completion_tokens)
+        chunk.cached_tokens = min(resp.usage.cached_tokens, prompt)
 
     async def run(self, req: ParsedRequest) -> tuple[Job, AsyncIterator[Chunk]]:
         """``prepare`` + ``stream`` under one ``frontend.request`` root span.

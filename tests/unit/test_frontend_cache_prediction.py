@@ -1,15 +1,18 @@
 """The frontend records the router's predicted cached tokens next to the engine's actual
-ones (metrics and the final chunk that feeds the request span). No network: the router
-stub and the worker plan are fakes."""
+ones (metrics and the final chunk that feeds the request span), after a non-streamed
+answer is built. No network: the router stub and the worker plan are fakes."""
 
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from protos import common_pb2, router_pb2, worker_pb2
+from protos import common_pb2, discovery_pb2, router_pb2, worker_pb2
 from services.frontend import pipeline as pipeline_mod
+from services.frontend import shapes as shapes_mod
+from services.frontend.http_api import create_app
 from services.frontend.jobs import Job, predicted_cached_tokens
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo
@@ -67,6 +70,9 @@ class FakeRouter:
     async def Release(self, req: Any, **kw: Any) -> router_pb2.ReleaseResponse:  # noqa: N802
         return router_pb2.ReleaseResponse(found=True)
 
+    async def PrefillDone(self, req: Any, **kw: Any) -> router_pb2.PrefillDoneResponse:  # noqa: N802
+        return router_pb2.PrefillDoneResponse()
+
 
 @pytest.mark.parametrize("disagg,expected", [(False, 96), (True, 32)])
 async def test_pipeline_records_predicted_and_actual(monkeypatch: pytest.MonkeyPatch,
@@ -100,3 +106,47 @@ async def test_pipeline_records_predicted_and_actual(monkeypatch: pytest.MonkeyP
                   source="indexer") == 64
     assert sample(r, "kvmesh_frontend_cached_tokens_abs_error_sum", path=path,
                   source="indexer") == abs(expected - 64)
+
+
+async def test_a_non_streamed_answer_is_built_before_the_request_is_torn_down(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The finishing chunk's metrics (usage, cache prediction) and the request's outcome
+    are recorded once the answer is built: after it, still exactly once."""
+    events: list[str] = []
+    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub",
+                        lambda ch: FakeRouter(route(False, 1, 0, bs=16)))
+
+    async def fake_plan(pool: Any, req: Any, route: Any, metrics: Any,
+                        streams: Any = None) -> AsyncIterator[Any]:
+        yield worker_pb2.GenerateResponse(text="a", token_ids=[7])
+        last = worker_pb2.GenerateResponse(text="b", token_ids=[8],
+                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
+        last.usage.prompt_tokens, last.usage.completion_tokens = 40, 2
+        last.usage.cached_tokens = 16
+        yield last
+
+    monkeypatch.setattr(pipeline_mod, "run_plan", fake_plan)
+    catalog = ModelCatalog()
+    catalog.update([discovery_pb2.InstanceRecord(
+        instance_id="w0", component="worker", address="127.0.0.1:1", model="m",
+        model_path="/nowhere", block_size=16, max_model_len=256)])
+    p = Pipeline(catalog, lambda: "router:1")
+    observe = p.metrics.observe_usage
+    monkeypatch.setattr(p.metrics, "observe_usage",
+                        lambda *a: (events.append("usage"), observe(*a))[1])
+    full = shapes_mod.Shapes.full
+    monkeypatch.setattr(shapes_mod.Shapes, "full",
+                        lambda self, *a: (events.append("answer"), full(self, *a))[1])
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(p)),
+                                 base_url="http://frontend") as client:
+        resp = await client.post("/v1/completions", json={
+            "model": "m", "prompt": list(range(40)), "max_tokens": 2})
+    await p.close()  # its background tasks, the request's teardown among them
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "ab"
+    assert resp.json()["usage"]["completion_tokens"] == 2
+    assert events == ["answer", "usage"]
+    r = p.metrics.registry
+    assert sample(r, "kvmesh_frontend_actual_cached_tokens_sum", path="agg",
+                  source="indexer") == 16
+    assert sample(r, "kvmesh_requests_total", path="agg", outcome="length") == 1
