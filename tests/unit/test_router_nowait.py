@@ -103,6 +103,11 @@ async def test_route_now_answers_and_refuses_as_route_does(
             await call.Route(r, timeout=5)
         assert inline.value.code() == called.value.code() != grpc.StatusCode.OK
         assert inline.value.details() == called.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as big:  # only an in-process list holds one
+        now.route_now(router_pb2.RouteRequest(request_id="r3", model="m"), [1, 1 << 32])
+    assert big.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert big.value.details() == f"token_ids[1] = {1 << 32} is not a token id"
+    assert a.core.in_flight() == {"w1": 1}  # r1 alone: nothing refused was routed
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("the core broke")
