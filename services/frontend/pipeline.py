@@ -728,9 +728,11 @@ class Pipeline:
 
         async def traced() -> AsyncIterator[Chunk]:
             chunks = self.stream(job, ctx)
+            finished = False  # the finishing chunk went out: a close then is no failure
             try:
                 async for chunk in chunks:
                     if chunk.finish_reason is not None:
+                        finished = True
                         span.set_attribute("kvmesh.cached_tokens", chunk.cached_tokens)
                         span.set_attribute("kvmesh.actual_cached_tokens", chunk.cached_tokens)
                         span.set_attribute("kvmesh.predicted_cached_tokens",
@@ -739,7 +741,8 @@ class Pipeline:
                         span.set_attribute("kvmesh.finish_reason", chunk.finish_reason)
                     yield chunk
             except BaseException as exc:
-                span.record_exception(exc)
+                if not (finished and isinstance(exc, GeneratorExit)):
+                    span.record_exception(exc)
                 raise
             finally:
                 try:  # closed with it, as the stream itself would be without the span
@@ -750,9 +753,11 @@ class Pipeline:
         return job, traced()
 
     async def close(self) -> None:
-        """Closes the gRPC channels (after the pending ``PrefillDone`` calls)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        """Closes the gRPC channels, once every background task (a finished request's
+        teardown, its Release, the pending ``PrefillDone`` calls, and the tasks those
+        start) has ended."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._streams is not None:
             await self._streams.close()
         await self._pool.close()

@@ -4,7 +4,8 @@ Contract:
 
 - ``Route``: INVALID_ARGUMENT, naming the field, for a missing ``request_id`` or
   ``model``, either over :data:`MAX_ID_CHARS` characters, empty ``token_ids``, a
-  negative token id, ``max_tokens`` < 0, more than :data:`MAX_EXCLUDE`
+  negative token id (or, in an in-process list, one past u32: "is not a token id"; the
+  first of either is named), ``max_tokens`` < 0, more than :data:`MAX_EXCLUDE`
   ``exclude_instance_ids``, or a prompt (+ ``max_tokens``) beyond the model's context
   (``core.check_request``, before hashing); ALREADY_EXISTS "request_id <id> is already
   in flight"; NOT_FOUND for a model no worker ever served, UNAVAILABLE when it has no

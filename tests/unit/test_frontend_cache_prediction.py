@@ -2,11 +2,15 @@
 ones (metrics and the final chunk that feeds the request span), after a non-streamed
 answer is built. No network: the router stub and the worker plan are fakes."""
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from protos import common_pb2, discovery_pb2, router_pb2, worker_pb2
@@ -108,6 +112,66 @@ async def test_pipeline_records_predicted_and_actual(monkeypatch: pytest.MonkeyP
                   source="indexer") == abs(expected - 64)
 
 
+def _one_worker_pipeline() -> Pipeline:
+    catalog = ModelCatalog()
+    catalog.update([discovery_pb2.InstanceRecord(
+        instance_id="w0", component="worker", address="127.0.0.1:1", model="m",
+        model_path="/nowhere", block_size=16, max_model_len=256)])
+    return Pipeline(catalog, lambda: "router:1")
+
+
+async def _two_tokens(pool: Any, req: Any, route: Any, metrics: Any,
+                      streams: Any = None) -> AsyncIterator[Any]:
+    yield worker_pb2.GenerateResponse(text="a", token_ids=[7])
+    last = worker_pb2.GenerateResponse(text="b", token_ids=[8],
+                                       finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    last.usage.prompt_tokens, last.usage.completion_tokens = 40, 2
+    last.usage.cached_tokens = 16
+    yield last
+
+
+class SlowReleaseRouter(FakeRouter):
+    """Its Release answers a few loop turns later, and is recorded then."""
+
+    def __init__(self, resp: router_pb2.RouteResponse) -> None:
+        super().__init__(resp)
+        self.released: list[str] = []
+
+    async def Release(self, req: Any, **kw: Any) -> router_pb2.ReleaseResponse:  # noqa: N802
+        for _ in range(3):
+            await asyncio.sleep(0)
+        self.released.append(req.request_id)
+        return router_pb2.ReleaseResponse(found=True)
+
+
+async def test_close_waits_for_the_release_of_an_answered_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The teardown after the answer starts the Release in a task of its own; ``close``
+    waits for that one too (no router entry left behind at shutdown), and the recorded
+    ``frontend.request`` span holds no exception: closing after the finish is no
+    failure."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # this test's own: the process's global one is untouched
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    router = SlowReleaseRouter(route(False, 1, 0, bs=16))
+    monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub", lambda ch: router)
+    monkeypatch.setattr(pipeline_mod, "run_plan", _two_tokens)
+    p = _one_worker_pipeline()
+    monkeypatch.setattr(p, "_tracer", provider.get_tracer("frontend"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(p)),
+                                 base_url="http://frontend") as client:
+        resp = await client.post("/v1/completions", json={
+            "model": "m", "prompt": list(range(40)), "max_tokens": 2,
+            "request_id": "answered-then-closed"})
+    assert resp.status_code == 200, resp.text
+    await p.close()
+    assert len(router.released) == 1
+    (span,) = [s for s in exporter.get_finished_spans() if s.name == "frontend.request"
+               and (s.attributes or {}).get("kvmesh.request_id") == "answered-then-closed"]
+    assert [e.name for e in span.events] == []
+    assert (span.attributes or {}).get("kvmesh.finish_reason") == "length"
+
+
 async def test_a_non_streamed_answer_is_built_before_the_request_is_torn_down(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The finishing chunk's metrics (usage, cache prediction) and the request's outcome
@@ -115,28 +179,21 @@ async def test_a_non_streamed_answer_is_built_before_the_request_is_torn_down(
     events: list[str] = []
     monkeypatch.setattr(pipeline_mod.router_pb2_grpc, "RouterStub",
                         lambda ch: FakeRouter(route(False, 1, 0, bs=16)))
-
-    async def fake_plan(pool: Any, req: Any, route: Any, metrics: Any,
-                        streams: Any = None) -> AsyncIterator[Any]:
-        yield worker_pb2.GenerateResponse(text="a", token_ids=[7])
-        last = worker_pb2.GenerateResponse(text="b", token_ids=[8],
-                                           finish_reason=common_pb2.FINISH_REASON_LENGTH)
-        last.usage.prompt_tokens, last.usage.completion_tokens = 40, 2
-        last.usage.cached_tokens = 16
-        yield last
-
-    monkeypatch.setattr(pipeline_mod, "run_plan", fake_plan)
-    catalog = ModelCatalog()
-    catalog.update([discovery_pb2.InstanceRecord(
-        instance_id="w0", component="worker", address="127.0.0.1:1", model="m",
-        model_path="/nowhere", block_size=16, max_model_len=256)])
-    p = Pipeline(catalog, lambda: "router:1")
+    monkeypatch.setattr(pipeline_mod, "run_plan", _two_tokens)
+    p = _one_worker_pipeline()
     observe = p.metrics.observe_usage
-    monkeypatch.setattr(p.metrics, "observe_usage",
-                        lambda *a: (events.append("usage"), observe(*a))[1])
     full = shapes_mod.Shapes.full
-    monkeypatch.setattr(shapes_mod.Shapes, "full",
-                        lambda self, *a: (events.append("answer"), full(self, *a))[1])
+
+    def observe_usage(*args: Any) -> None:
+        events.append("usage")
+        observe(*args)
+
+    def answer(self: shapes_mod.Shapes, *args: Any) -> dict[str, Any]:
+        events.append("answer")
+        return full(self, *args)
+
+    monkeypatch.setattr(p.metrics, "observe_usage", observe_usage)
+    monkeypatch.setattr(shapes_mod.Shapes, "full", answer)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(create_app(p)),
                                  base_url="http://frontend") as client:
         resp = await client.post("/v1/completions", json={
