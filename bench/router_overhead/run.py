@@ -60,6 +60,11 @@ Contracts:
   p50/p99/mean µs, the ratio, the cost of TLS in µs (wall p50 and CPU) and, for the
   data path (:data:`DATA_PATH`: what the frontend calls per request, and the request
   itself), whether it is within 10 %: reported, never asserted.
+- ``--paced N`` (default 0: none): after the sweep, per mode, the lean pair one request
+  at a time, N rounds of both in a random order, each request 10 ms after the answer
+  before it (what a lone request costs, with no queueing): ``paced[mode]`` holds each
+  side's p50/p99, ``added_lean_p50_ms`` / ``added_lean_p99_ms`` and
+  ``paired_diff_p50_ms`` (the median over rounds of mesh − anchor).
 - Writes ``<out>/router_overhead.json`` and ``.png``. All processes share this machine's
   cores, so the numbers include contention with the client; both paths pay it equally.
 """
@@ -112,11 +117,45 @@ from services.common.tls import MeshTls, write_mesh_certs
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODEL = "tiny"
+PACED_GAP_S = 0.010
 
 
 def prompt(i: int) -> list[int]:
     rng = random.Random(i)
     return [5 + (j % 50) for j in range(32)] + [rng.randrange(3, 700) for _ in range(32)]
+
+
+async def _paced(calls: Sequence[Any], rounds: int, gap_s: float, seed: int
+                 ) -> list[dict[str, Any]]:
+    """One request at a time: ``rounds`` rounds of every one of ``calls`` once, in a
+    random order per round, each request ``gap_s`` after the answer before it (a process
+    that waits that long between requests, as at 100 req/s without overlap). Per call
+    :func:`_stats`, and ``paired_diff_p50_ms`` (the median, over the rounds where every
+    call answered, of the last call's latency − the first's: mesh − anchor)."""
+    rng = random.Random(seed)
+    lat: list[list[float]] = [[] for _ in calls]
+    errors = [0] * len(calls)
+    diffs: list[float] = []
+    start = time.perf_counter()
+    for i in range(rounds):
+        took: dict[int, float] = {}
+        for k in rng.sample(range(len(calls)), len(calls)):
+            await asyncio.sleep(gap_s)
+            t0 = time.perf_counter()
+            try:
+                await calls[k](i)
+            except Exception:  # noqa: BLE001 - counted, reported
+                errors[k] += 1
+                continue
+            took[k] = time.perf_counter() - t0
+            lat[k].append(took[k])
+        if 0 in took and len(took) == len(calls):
+            diffs.append(took[len(calls) - 1] - took[0])
+    wall = time.perf_counter() - start
+    out = [_stats(lat[k], errors[k], rounds, wall) for k in range(len(calls))]
+    for row in out:
+        row["paired_diff_p50_ms"] = float(np.median(diffs) * 1e3) if diffs else float("nan")
+    return out
 
 
 def _stats(lat: list[float], errors: int, sent: int, wall: float) -> dict[str, Any]:
@@ -180,10 +219,14 @@ def _stubs(workers: list[str], tls: MeshTls | None) -> tuple[list[Any], list[Any
 
 
 async def measure(targets: dict[str, Target], rates: list[float], duration_s: float,
-                  floor_url: str) -> dict[str, list[dict[str, Any]]]:
+                  floor_url: str, paced: int = 0
+                  ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, dict[str, Any]]]:
     """The rate sweep of every mode in ``targets``; per rate the HTTP floor (``floor_url``,
-    see the module docstring), then the modes, alternating (ABBA)."""
+    see the module docstring), then the modes, alternating (ABBA). With ``paced`` > 0,
+    after the sweep, per mode the lean pair one request at a time (:func:`_paced`,
+    ``paced`` rounds, :data:`PACED_GAP_S` apart): the second mapping (empty without)."""
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in targets}
+    out_paced: dict[str, dict[str, Any]] = {}
     lean_https: list[LeanHttp] = []
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=None)) as http:
         async def floor(i: int) -> None:
@@ -267,11 +310,26 @@ async def measure(targets: dict[str, Target], rates: list[float], duration_s: fl
                       f"{lean['p99_ms']:.2f}  errors {anchor['errors']}/{through['errors']}/"
                       f"{over_grpc['errors']}/{plane_anchor['errors']}/{lean['errors']}/"
                       f"{bare['errors']}", flush=True)
+        if paced > 0:
+            for mode in targets:
+                _, _, _, direct_plane, mesh_lean = calls[mode]
+                anchor_row, mesh_row = await _paced([direct_plane, mesh_lean], paced,
+                                                    PACED_GAP_S, seed=11)
+                out_paced[mode] = {
+                    "rounds": paced, "gap_ms": PACED_GAP_S * 1e3,
+                    "anchor_plane_lean": anchor_row, "frontend_lean": mesh_row,
+                    "added_lean_p50_ms": mesh_row["p50_ms"] - anchor_row["p50_ms"],
+                    "added_lean_p99_ms": mesh_row["p99_ms"] - anchor_row["p99_ms"],
+                    "paired_diff_p50_ms": mesh_row["paired_diff_p50_ms"]}
+                print(f"{mode:>8} paced, {paced} rounds {PACED_GAP_S * 1e3:.0f} ms apart: "
+                      f"direct p50 {anchor_row['p50_ms']:.2f} mesh p50 "
+                      f"{mesh_row['p50_ms']:.2f} (paired +{mesh_row['paired_diff_p50_ms']:.2f}"
+                      f" ms)  errors {anchor_row['errors']}/{mesh_row['errors']}", flush=True)
     for c in closers:
         await c.close()
     for h in lean_https:
         h.close()
-    return out
+    return out, out_paced
 
 
 DATA_PATH = ("Router.Route", "Router.Release", "Worker.Generate (max_tokens 1)",
@@ -508,8 +566,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         targets = {m: start_mesh(stack, m, args) for m in modes}
         floor_url = start_http_floor(stack)
-        by_mode = asyncio.run(measure(targets, [float(r) for r in args.rates.split(",")],
-                                      args.duration_s, floor_url))
+        by_mode, paced = asyncio.run(measure(
+            targets, [float(r) for r in args.rates.split(",")], args.duration_s, floor_url,
+            args.paced))
         rpc = asyncio.run(measure_rpcs(targets, args.rpc_rounds, args.rpc_calls)) \
             if args.rpc_rounds > 0 else None
     report: dict[str, Any] = {
@@ -523,6 +582,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if len(modes) == 2:
         report["rows_tls"] = by_mode["tls"]
         report["rate_ratio"] = rate_ratios(by_mode["insecure"], by_mode["tls"])
+    if paced:
+        report["paced"] = paced
     if rpc is not None:
         report["rpc"] = rpc
     return report
@@ -545,6 +606,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rpc-rounds", type=int, default=6,
                    help="rounds of the per-RPC measurement (0: skip it)")
     p.add_argument("--rpc-calls", type=int, default=200, help="calls per RPC and round")
+    p.add_argument("--paced", type=int, default=0,
+                   help="rounds of the lean pair one request at a time, 10 ms apart (a "
+                        "row of rate 0 per mode; 0: none)")
     args = p.parse_args(argv)
     report = run(args)
     out = Path(args.out)

@@ -144,3 +144,34 @@ async def test_mixed_poisson_streams_share_one_run() -> None:
     # one numbering for both: the arrivals were interleaved, none given to both
     assert sorted(seen["a"] + seen["b"]) == list(range(got_a["sent"] + got_b["sent"]))
     assert seen["a"] and seen["b"]
+
+
+async def test_paced_pairs_run_one_at_a_time_in_rounds() -> None:
+    from bench.router_overhead.run import _paced
+
+    running = 0
+    order: list[tuple[str, int]] = []
+
+    async def call(name: str, i: int, fail: bool = False) -> None:
+        nonlocal running
+        running += 1
+        assert running == 1  # never two at once
+        order.append((name, i))
+        await asyncio.sleep(0)
+        running -= 1
+        if fail:
+            raise RuntimeError("counted, not raised")
+
+    async def anchor(i: int) -> None:
+        await call("anchor", i)
+
+    async def mesh(i: int) -> None:
+        await call("mesh", i, fail=i == 2)
+
+    got_anchor, got_mesh = await _paced([anchor, mesh], 5, 0.0, seed=3)
+    assert (got_anchor["ok"], got_anchor["errors"]) == (5, 0)
+    assert (got_mesh["ok"], got_mesh["errors"]) == (4, 1)
+    for i in range(5):  # each round holds both, once
+        assert sorted(order[2 * i:2 * i + 2]) == [("anchor", i), ("mesh", i)]
+    assert got_mesh["paired_diff_p50_ms"] == got_anchor["paired_diff_p50_ms"]
+    assert got_mesh["paired_diff_p50_ms"] == got_mesh["paired_diff_p50_ms"]  # not NaN
