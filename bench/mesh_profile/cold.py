@@ -89,14 +89,12 @@ def _spend(way: str, gap_s: float, step: Callable[[], None]) -> None:
         return
     end = time.perf_counter() + gap_s
     rerun = time.perf_counter() + RERUN_MS / 1000
-    junk: list[Any] = []
     while (now := time.perf_counter()) < end:
         if way == "spin+other":
-            junk = [str(i) for i in range(32)]
+            _ = [str(i) for i in range(32)]
         elif way == "spin+step" and now >= rerun:
             step()
             rerun = time.perf_counter() + RERUN_MS / 1000
-    del junk
 
 
 def measure(step: Callable[[], None], samples: int, gaps_ms: tuple[float, ...] = GAPS_MS,

@@ -41,6 +41,7 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import xxhash
 
@@ -100,11 +101,14 @@ def salt_root(salt: str) -> int | None:
     return int(xxhash.xxh3_64_intdigest(_SALT_TAG + salt.encode(), seed=SEED))
 
 
+def _packed(token_ids: Sequence[int]) -> TypeGuard[array[int]]:
+    return isinstance(token_ids, array) and token_ids.typecode == "I"
+
+
 def packed_tokens(token_ids: Sequence[int]) -> array[int]:
     """``token_ids`` as the u32 array :func:`block_hashes` hashes (given to it, it is not
     converted again); OverflowError for an id outside [0, 2**32)."""
-    return token_ids if isinstance(token_ids, array) and token_ids.typecode == "I" \
-        else array("I", token_ids)
+    return token_ids if _packed(token_ids) else array("I", token_ids)
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int,
@@ -119,11 +123,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int,
     n_full = len(token_ids) // block_size
     if not n_full:
         return []
-    end = n_full * block_size
-    if isinstance(token_ids, array) and token_ids.typecode == "I":
-        data = memoryview(token_ids)[:end].cast("B")
-    else:
-        data = memoryview(array("I", token_ids[:end])).cast("B")
+    end = n_full * block_size  # a partial tail is neither hashed nor converted
+    data = memoryview(token_ids if _packed(token_ids)
+                      else array("I", token_ids[:end]))[:end].cast("B")
     step = block_size * 4
     digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
     out: list[int] = []

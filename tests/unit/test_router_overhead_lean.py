@@ -4,6 +4,7 @@ lost connections surface; nothing waits forever."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -174,4 +175,4 @@ async def test_paced_pairs_run_one_at_a_time_in_rounds() -> None:
     for i in range(5):  # each round holds both, once
         assert sorted(order[2 * i:2 * i + 2]) == [("anchor", i), ("mesh", i)]
     assert got_mesh["paired_diff_p50_ms"] == got_anchor["paired_diff_p50_ms"]
-    assert got_mesh["paired_diff_p50_ms"] == got_mesh["paired_diff_p50_ms"]  # not NaN
+    assert not math.isnan(got_mesh["paired_diff_p50_ms"])  # 4 rounds answered in full
