@@ -108,6 +108,11 @@ async def tokens(streams: WorkerStreams, w: PlaneWorker,
         w.address, req, 30, w.plane_address)])
 
 
+def answer(msgs: list[worker_pb2.GenerateResponse]) -> tuple[list[int], str]:
+    """A call's whole answer: every token id and the text, in order."""
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
 async def test_interleaved_calls_answer_what_generate_calls_answer(
         worker: PlaneWorker, streams: WorkerStreams) -> None:
     reqs = [request(f"r{i}", tokens=4 + 3 * i, whole=i % 2 == 0, seed=i) for i in range(8)]
@@ -122,8 +127,9 @@ async def test_interleaved_calls_answer_what_generate_calls_answer(
 
     got = await asyncio.gather(*(one(r) for r in reqs))
     for w_msgs, g_msgs in zip(want, got, strict=True):
-        assert [list(m.token_ids) for m in g_msgs] == [list(m.token_ids) for m in w_msgs]
-        assert [m.text for m in g_msgs] == [m.text for m in w_msgs]
+        # the same answer; how it is cut into messages is the engine's timing (outputs
+        # waiting when the consumer asks are merged, as vLLM's are)
+        assert answer(g_msgs) == answer(w_msgs)
         assert g_msgs[-1].usage.completion_tokens == w_msgs[-1].usage.completion_tokens
     assert list(streams._planes) == [worker.plane_address]  # one connection carried all
     assert len(worker.plane._conns) == 1

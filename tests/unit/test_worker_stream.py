@@ -93,6 +93,11 @@ async def by_call(w: Worker, req: worker_pb2.GenerateRequest
         return [r async for r in worker_pb2_grpc.WorkerStub(ch).Generate(req)]
 
 
+def answer(msgs: list[worker_pb2.GenerateResponse]) -> tuple[list[int], str]:
+    """A call's whole answer: every token id and the text, in order."""
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
 async def test_interleaved_calls_answer_what_generate_calls_answer(
         worker: Worker, streams: WorkerStreams) -> None:
     reqs = [request(f"r{i}", tokens=4 + 3 * i, whole=i % 2 == 0, seed=i) for i in range(8)]
@@ -106,8 +111,9 @@ async def test_interleaved_calls_answer_what_generate_calls_answer(
 
     got = await asyncio.gather(*(one(r) for r in reqs))
     for w_msgs, g_msgs in zip(want, got, strict=True):
-        assert [list(m.token_ids) for m in g_msgs] == [list(m.token_ids) for m in w_msgs]
-        assert [m.text for m in g_msgs] == [m.text for m in w_msgs]
+        # the same answer; how it is cut into messages is the engine's timing (outputs
+        # waiting when the consumer asks are merged, as vLLM's are)
+        assert answer(g_msgs) == answer(w_msgs)
         assert g_msgs[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert g_msgs[-1].usage.completion_tokens == w_msgs[-1].usage.completion_tokens
     assert len(streams._streams) == 1  # one stream carried them all
