@@ -48,6 +48,8 @@ Contract of :class:`RouterCore`:
   The chosen workers count the request as in flight, and its ``ceil(prompt tokens /
   block_size)`` blocks as active, until ``release(request_id)`` (idempotent: False the
   second time) or the in-flight TTL (below).
+- ``_commit(request_id, plan, n, max_tokens, hashes)`` admits and records a chosen plan
+  (``route``'s last step; :mod:`services.router.plain`'s compact decision ends with it).
 - ``check_request(model, prompt_tokens, max_tokens)`` raises :class:`InvalidRequest`
   naming ``token_ids`` (and ``max_tokens``) and the limit when prompt (+ max_tokens > 0)
   exceeds ``context_limit(model)``: the largest ``max_model_len`` of the model's live
@@ -175,6 +177,9 @@ class _Load:
     num_waiting: int = 0
     kv_usage: float = 0.0
     kv_total_blocks: int = 0
+
+
+_NO_LOAD = _Load()  # read only
 
 
 class _Prompt:
@@ -577,24 +582,31 @@ class RouterCore:
         if fallback:
             plan = dataclasses.replace(plan, reason=f"{plan.reason}; every candidate was "
                                        "reported failed: least recently failed kept")
-        n = len(ctx.token_ids)
+        return self._commit(ctx.request_id, plan, len(ctx.token_ids), max_tokens,
+                            prompt.hashes)
+
+    def _commit(self, request_id: str, plan: RoutePlan, n: int, max_tokens: int,
+                hashes: Callable[[int], Sequence[int]]) -> RoutePlan:
+        """Admits and records a chosen plan for a prompt of ``n`` tokens (``hashes``: its
+        block hashes per block size); returns the plan (with admission's decision)."""
         doer, overlap = ((plan.prefill, plan.prefill_overlap_blocks) if plan.prefill is not None
                          else (plan.worker, plan.overlap_blocks))  # predicted before recording
         tokens = uncached_tokens(n, overlap, doer.block_size)
-        plan, flight = self._admit(plan, n, tokens, max_tokens)
+        flight = None
+        if self.admission is not None:
+            plan, flight = self._admit(plan, n, tokens, max_tokens)
         if flight is not None:
-            self._flights[ctx.request_id] = dataclasses.replace(flight,
-                                                                request_id=ctx.request_id)
+            self._flights[request_id] = dataclasses.replace(flight, request_id=request_id)
         chosen = [plan.worker] + ([plan.prefill] if plan.prefill is not None else [])
         for w in chosen:
-            self.history.record(w.instance_id, prompt.hashes(w.block_size))
+            self.history.record(w.instance_id, hashes(w.block_size))
         entry = _Entry(tuple(
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
             for w in chosen), self.clock())
-        self._in_flight[ctx.request_id] = entry
+        self._in_flight[request_id] = entry
         self._tally(entry.workers, 1)
         if tokens > 0:
-            self._prefills[ctx.request_id] = (doer.instance_id, tokens)
+            self._prefills[request_id] = (doer.instance_id, tokens)
             self._pending[doer.instance_id] = self._pending.get(doer.instance_id, 0) + tokens
         self._changed()
         return plan

@@ -80,13 +80,14 @@ from services.common.discovery import DECODE_ALONE, routable
 from services.common.grpc_client import ChannelPool
 from services.common.injected import Clock
 from services.common.periodic import Periodic
-from services.common.telemetry import leaf_span, tracer
+from services.common.telemetry import leaf_span, may_record, tracer
 from services.common.tls import MeshTls
 from services.router.admission.core import AdmissionDecision
 from services.router.core import RouterCore
 from services.router.encoders import EncoderPicker, EncoderRecord
 from services.router.metrics import RouterMetrics
 from services.router.overlaps import HistorySource, OverlapSource
+from services.router.plain import plain_candidates, route_plain
 from services.router.plan import (
     AlreadyInFlight,
     InvalidRequest,
@@ -244,6 +245,11 @@ def encoder_record(rec: discovery_pb2.InstanceRecord) -> EncoderRecord:
     return EncoderRecord(rec.instance_id, rec.address, rec.model)
 
 
+def _no_trees() -> None:
+    """No cached-tree sizes (the core falls back to its history's)."""
+    return None
+
+
 def _set_admission_attributes(span: Any, decision: AdmissionDecision | None) -> None:
     if not span.is_recording():
         return
@@ -343,6 +349,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             return None
         try:
             tokens, packed, spans = self._check_route(request, token_ids)
+            if not spans and not request.exclude_instance_ids and not may_record():
+                resp = self._route_plain(request, len(tokens), packed, find_now)
+                if resp is not None:
+                    return resp
             with leaf_span(self._tracer, "router.route") as span:
                 workers, hashes = self._start(span, request, packed, spans)
                 overlaps = find_now(hashes, workers) if workers else None
@@ -351,6 +361,26 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
         except Exception as exc:
             raise self.failure("Route", exc) from exc
+
+    def _route_plain(self, request: router_pb2.RouteRequest, n: int, tokens: array[int],
+                     find_now: Callable[..., dict[str, WorkerOverlap] | None]
+                     ) -> router_pb2.RouteResponse | None:
+        """The answer of the compact decision (:mod:`services.router.plain`) for a text
+        prompt with nothing excluded and no span to record, where it applies; else None
+        (nothing done)."""
+        plain = plain_candidates(self._core, request.model, n, request.max_tokens)
+        if plain is None:
+            return None
+        workers, block_size = plain
+        hashes = block_hashes(tokens, block_size, salt=request.cache_salt)
+        overlaps = find_now({block_size: hashes}, workers)
+        plan = route_plain(
+            self._core, request.request_id, workers, n, request.max_tokens, hashes, overlaps,
+            self._overlaps.tree_blocks if overlaps is not None else _no_trees)
+        if plan is None:
+            return None
+        self.metrics.routed(plan_kind(plan))
+        return self._response(request, plan, ())
 
     def _start(self, span: trace.Span, request: router_pb2.RouteRequest,
                tokens: array[int], spans: Sequence[MmSpan]
@@ -413,6 +443,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         _set_plan_attributes(span, plan)
         _set_admission_attributes(span, plan.admission)
         self.metrics.routed(plan_kind(plan))
+        return self._response(request, plan, spans)
+
+    def _response(self, request: router_pb2.RouteRequest, plan: RoutePlan,
+                  spans: Sequence[MmSpan]) -> router_pb2.RouteResponse:
+        """``plan`` as the request's RouteResponse (with its encoder for images)."""
         resp = router_pb2.RouteResponse(
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,

@@ -46,17 +46,24 @@ TIE_EPS = 1e-9
 def credited_overlap(w: WorkerState, credits: Mapping[str, float] = DEFAULT_TIER_CREDIT
                      ) -> float:
     """Overlap blocks weighted by the tier they are in (see the module docstring)."""
-    if not w.overlap_by_tier:
-        return float(w.overlap_blocks) * credits.get("device", 1.0)
+    return credited_blocks(w.overlap_blocks, w.overlap_by_tier, credits)
+
+
+def credited_blocks(blocks: int, by_tier: Mapping[str, int],
+                    credits: Mapping[str, float] = DEFAULT_TIER_CREDIT) -> float:
+    """:func:`credited_overlap` of an overlap of ``blocks`` in any tier, ``by_tier`` per
+    tier."""
+    if not by_tier:
+        return float(blocks) * credits.get("device", 1.0)
     total, counted = 0.0, 0
-    for tier in sorted(w.overlap_by_tier, key=lambda t: -credits.get(t, 0.0)):
+    for tier in sorted(by_tier, key=lambda t: -credits.get(t, 0.0)):
         # Leading runs per tier: a longer run in a worse tier adds only its extra blocks.
-        n = min(w.overlap_by_tier[tier], w.overlap_blocks or w.overlap_by_tier[tier])
+        n = min(by_tier[tier], blocks or by_tier[tier])
         if n > counted:
             total += (n - counted) * credits.get(tier, 0.0)
             counted = n
-    if w.overlap_blocks > counted:  # tiers alternate along the prompt: credit the worst
-        total += (w.overlap_blocks - counted) * min(credits.get(t, 0.0) for t in TIERS)
+    if blocks > counted:  # tiers alternate along the prompt: credit the worst
+        total += (blocks - counted) * min(credits.get(t, 0.0) for t in TIERS)
     return total
 
 
@@ -69,7 +76,9 @@ def decode_blocks(w: WorkerState) -> float:
 
 def kv_cost(w: WorkerState, overlap_weight: float = 1.0,
             credits: Mapping[str, float] = DEFAULT_TIER_CREDIT) -> float:
-    """Dynamo's cost of sending the prompt to ``w`` (lower is better)."""
+    """Dynamo's cost of sending the prompt to ``w`` (lower is better). The router's
+    compact decision (``RouterCore.route_plain``) computes the same from the same
+    numbers: change both."""
     prefill = max(w.prompt_blocks - credited_overlap(w, credits), 0.0)
     return overlap_weight * prefill + decode_blocks(w)
 
@@ -168,13 +177,24 @@ class KvUsageBelow:
 
 def _best(candidates: Sequence[WorkerState], scores: Mapping[str, float],
           rng: Rng) -> tuple[WorkerState, str]:
-    top = max(scores[w.instance_id] for w in candidates)
-    tied = [w for w in candidates if scores[w.instance_id] >= top - TIE_EPS]
+    by_id = {w.instance_id: w for w in candidates}
+    wid, why = best_id(list(by_id), scores, rng, lambda i: by_id[i].tree_blocks)
+    return by_id[wid], why
+
+
+def best_id(ids: Sequence[str], scores: Mapping[str, float], rng: Rng,
+            tree_of: Callable[[str], int | None]) -> tuple[str, str]:
+    """The highest-scoring of ``ids`` (non-empty, in candidate order) and the reason's
+    tail: ties within :data:`TIE_EPS` go to the smaller cached tree (``tree_of``, asked
+    only on a tie; when it knows every tied worker's), then to ``rng.choice``."""
+    top = max(scores[i] for i in ids)
+    tied = [i for i in ids if scores[i] >= top - TIE_EPS]
     if len(tied) == 1:
         return tied[0], ""
-    if all(w.tree_blocks is not None for w in tied):
-        small = min(w.tree_blocks or 0 for w in tied)
-        smaller = [w for w in tied if w.tree_blocks == small]
+    trees = [tree_of(i) for i in tied]
+    if all(t is not None for t in trees):
+        small = min(t or 0 for t in trees)
+        smaller = [i for i, t in zip(tied, trees, strict=True) if t == small]
         if len(smaller) < len(tied):
             tied = smaller
             if len(tied) == 1:

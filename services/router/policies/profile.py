@@ -48,10 +48,12 @@ from services.router.policies.base import (
     Decision,
     Filter,
     Picker,
+    Rng,
     RouteContext,
     Scorer,
     WorkerState,
 )
+from services.router.policies.plugins import KvCostScorer, MaxScorePicker, SoftmaxPicker
 
 
 class ProfileError(ValueError):
@@ -183,8 +185,24 @@ def parse_profiles(text: str, source: str, known: KnownPlugins) -> dict[str, Pro
     return out
 
 
+@dataclass(frozen=True)
+class PlainKv:
+    """What :attr:`Profile.plain_kv` gives: the profile's one scorer and its picker's
+    random source."""
+
+    scorer: KvCostScorer
+    rng: Rng
+
+
 class Profile:
-    """Filters → weighted scorers → picker, as one policy (see the module docstring)."""
+    """Filters → weighted scorers → picker, as one policy (see the module docstring).
+
+    ``plain_kv``: for a profile of Dynamo's cost alone (no filter, one ``kv_cost`` scorer of
+    weight 1, a ``max_score`` picker or a ``softmax`` one at temperature 0, the default
+    ``kv`` profile) a :class:`PlainKv`, else None. ``select`` of such a profile picks the
+    cheapest candidate; :meth:`services.router.core.RouterCore.route_plain` makes the same
+    decision from the same numbers without building the policies' view.
+    """
 
     def __init__(self, name: str, filters: Sequence[Filter],
                  scorers: Sequence[tuple[Scorer, float]], picker: Picker) -> None:
@@ -194,6 +212,12 @@ class Profile:
         self.filters = list(filters)
         self.scorers = list(scorers)
         self.picker = picker
+        self.plain_kv: PlainKv | None = None
+        (scorer, weight), = self.scorers if len(self.scorers) == 1 else ((None, 0.0),)
+        if (not self.filters and isinstance(scorer, KvCostScorer) and weight == 1.0
+                and (isinstance(picker, MaxScorePicker)
+                     or isinstance(picker, SoftmaxPicker) and picker.temperature <= 0)):
+            self.plain_kv = PlainKv(scorer, picker._rng)
 
     def combined_scores(self, ctx: RouteContext,
                         candidates: Sequence[WorkerState]) -> dict[str, float]:
