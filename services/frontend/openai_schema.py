@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -316,19 +317,53 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
     raise _bad("'stop' must be a string or a list of strings", "stop")
 
 
+# The body fields _sampling reads beyond the max tokens and these common ones:
+# temperature, top_p, seed, ignore_eos. A body with none of them (most requests) gets the
+# values those fields take when absent, without a call per field (a lone request runs
+# this code cold: each call costs µs); tests/unit/test_openai_schema_plain.py holds the
+# two paths equal.
+_RARE_SAMPLING = frozenset({
+    "top_k", "stop", "presence_penalty", "frequency_penalty", "stop_token_ids",
+    "repetition_penalty", "response_format", "structured_outputs", "logit_bias",
+    "min_tokens", "min_p", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
+    "skip_special_tokens", "spaces_between_special_tokens"})
+
+
 def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...],
               default_max_tokens: int | None = None, **fixed: Any) -> SamplingSpec:
     """The body's sampling fields; ``max_tokens`` is ``default_max_tokens`` when the body
     gives none (``min_tokens`` is checked against it, as vLLM does), ``fixed``: fields
-    the caller sets (built once: no ``replace`` of a 30-field dataclass per request)."""
+    the caller sets (built once: no ``replace`` of a 30-field dataclass per request).
+    :func:`_sampling_all`'s answer (its checks in its order), read field by field only
+    when the body holds a field of :data:`_RARE_SAMPLING`."""
+    if not _RARE_SAMPLING.isdisjoint(body):
+        return _sampling_all(body, max_tokens_names, default_max_tokens, **fixed)
+    return SamplingSpec(
+        max_tokens=_max_tokens(body, max_tokens_names, default_max_tokens),
+        temperature=_opt_number(body, "temperature", 0.0, 2.0),
+        top_p=_opt_number(body, "top_p", 0.0, 1.0),
+        seed=_opt_int(body, "seed", INT64_MIN, INT64_MAX),
+        ignore_eos=_opt_bool(body, "ignore_eos"),
+        **(_ABSENT_SAMPLING or _absent_sampling()), **fixed)
+
+
+def _max_tokens(body: dict[str, Any], names: tuple[str, ...], default: int | None
+                ) -> int | None:
+    """The first of ``names`` the body gives (> 0), else ``default``."""
     max_tokens = None
-    for name in max_tokens_names:
+    for name in names:
         max_tokens = _opt_int(body, name)
         if max_tokens is not None:
             if max_tokens <= 0:
                 raise _bad(f"'{name}' must be > 0, got {max_tokens}", name)
             break
-    max_tokens = max_tokens or default_max_tokens
+    return max_tokens or default
+
+
+def _sampling_all(body: dict[str, Any], max_tokens_names: tuple[str, ...],
+                  default_max_tokens: int | None = None, **fixed: Any) -> SamplingSpec:
+    """:func:`_sampling`, every field read."""
+    max_tokens = _max_tokens(body, max_tokens_names, default_max_tokens)
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=_opt_number(body, "temperature", 0.0, 2.0),
@@ -560,10 +595,39 @@ def check_choices(n: int, prompts: int) -> None:
                    f"{MAX_CHOICES} per request", "n")
 
 
+# The completion fields parse_completion reads beyond model, prompt, stream, n and the
+# sampling ones: a body with none of them gets their absent values at once (as
+# _RARE_SAMPLING; the same test holds the two paths equal).
+_RARE_COMPLETION = frozenset({
+    "stream_options", "echo", "logprobs", "stream_interval", "request_id", "cache_salt",
+    "add_special_tokens", "return_token_ids", "truncate_prompt_tokens", "truncation_side"})
+
+
 def parse_completion(body: Any) -> ParsedRequest:
-    """Validates a /v1/completions body."""
+    """Validates a /v1/completions body (:func:`_parse_completion_all`'s answer, read
+    field by field only when the body holds a field of :data:`_RARE_COMPLETION`)."""
     body = _require_object(body)
     _check_fields(body, "completion")
+    if not _RARE_COMPLETION.isdisjoint(body):
+        return _parse_completion_all(body)
+    model = _model(body)
+    prompts = _prompts(body)
+    first = prompts[0]
+    stream = _opt_bool(body, "stream")
+    sampling = _sampling(body, ("max_tokens",), 16, logprobs=None, prompt_logprobs=None)
+    n = _n(body)
+    check_choices(n, len(prompts))
+    return ParsedRequest(
+        kind="completion", model=model, sampling=sampling, stream=stream,
+        prompt=first if isinstance(first, str) else None,
+        prompt_token_ids=None if isinstance(first, str) else first, n=n,
+        batch=tuple(prompts) if len(prompts) > 1 else (),
+        **(_ABSENT_COMPLETION or _absent_completion()))
+
+
+def _parse_completion_all(body: dict[str, Any]) -> ParsedRequest:
+    """:func:`parse_completion` of an object whose fields passed ``_check_fields``, every
+    field read."""
     model = _model(body)
     prompts = _prompts(body)
     first = prompts[0]
@@ -584,6 +648,33 @@ def parse_completion(body: Any) -> ParsedRequest:
         return_token_ids=_opt_bool(body, "return_token_ids"), truncate=_truncate(body),
         batch=tuple(prompts) if len(prompts) > 1 else (),
     )
+
+
+def _absent(spec: Any, names: Iterable[str]) -> dict[str, Any]:
+    return {name: getattr(spec, name) for name in names}
+
+
+# The values the rarely given fields take when absent: the general path's own, on a body
+# without them (computed on first use: the general path imports modules that import this
+# one).
+_ABSENT_SAMPLING: dict[str, Any] = {}
+_ABSENT_COMPLETION: dict[str, Any] = {}
+
+
+def _absent_sampling() -> dict[str, Any]:
+    _ABSENT_SAMPLING.update(_absent(_sampling_all({}, ()), (
+        "top_k", "stop", "presence_penalty", "frequency_penalty", "stop_token_ids",
+        "repetition_penalty", "structured", "logit_bias", "min_tokens", "min_p", "bad_words",
+        "allowed_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+        "spaces_between_special_tokens")))
+    return _ABSENT_SAMPLING
+
+
+def _absent_completion() -> dict[str, Any]:
+    _ABSENT_COMPLETION.update(_absent(_parse_completion_all({"model": "m", "prompt": "p"}), (
+        "include_usage", "continuous_usage", "stream_interval", "request_id", "client_salt",
+        "echo", "add_special_tokens", "return_token_ids", "truncate")))
+    return _ABSENT_COMPLETION
 
 
 def _image_bytes(part: dict[str, Any], where: str, images: list[ImagePart],
