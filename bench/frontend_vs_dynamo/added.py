@@ -82,14 +82,18 @@ NOTE = ("The two HTTP calls are the same client and request. The direct calls ar
 
 
 class DirectCaller:
-    """The direct caller child (:mod:`.dynamo_direct`): ``await start()``, then ``await
-    call(token_ids)`` → (seconds, CPU seconds) as it timed them (raises RuntimeError with
-    its error), ``await close()`` (quit, then killed by PID if it has not exited)."""
+    """The direct caller child (:mod:`.dynamo_direct`): ``await start()`` (the child
+    killed by PID when it does not come up), then ``await call(token_ids)`` → (seconds,
+    CPU seconds) as it timed them (raises RuntimeError with its error, DynamoError when no
+    answer to this call came in :data:`CALL_TIMEOUT_S`: a late answer to a call given up
+    on, or any line that is no answer, is skipped by its id), ``await close()`` (quit,
+    then killed by PID if it has not exited)."""
 
     def __init__(self, python: str, env: dict[str, str], log: Path) -> None:
         self._argv = [python, str(DIRECT), ENDPOINT]
         self._env, self._log = env, log
         self._proc: asyncio.subprocess.Process | None = None
+        self._calls = 0
 
     async def start(self, timeout_s: float = 120.0) -> None:
         self._log.parent.mkdir(parents=True, exist_ok=True)
@@ -97,22 +101,27 @@ class DirectCaller:
             self._proc = await asyncio.create_subprocess_exec(
                 *self._argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=err, env=self._env)
-        first = await self._line(timeout_s)
-        if not first.get("ready"):
-            raise DynamoError(f"the direct caller did not start: {first}")
+        try:
+            await self._answer(lambda a: a.get("ready") is True, timeout_s, "ready")
+        except BaseException:
+            await self.close(kill=True)
+            raise
 
-    async def _line(self, timeout_s: float) -> dict[str, Any]:
+    async def _answer(self, wanted: Callable[[dict[str, Any]], bool], timeout_s: float,
+                      what: str) -> dict[str, Any]:
+        """The next line of the child's that ``wanted`` accepts (others are skipped)."""
         assert self._proc is not None and self._proc.stdout is not None
         try:
             async with asyncio.timeout(timeout_s):
-                line = await self._proc.stdout.readline()
+                while line := await self._proc.stdout.readline():
+                    with contextlib.suppress(ValueError):
+                        answer = json.loads(line)
+                        if isinstance(answer, dict) and wanted(answer):
+                            return answer
         except TimeoutError:
-            raise DynamoError(f"the direct caller said nothing in {timeout_s:g} s; its "
+            raise DynamoError(f"the direct caller gave no {what} in {timeout_s:g} s; its "
                               f"log: {self._tail()}") from None
-        if not line:
-            raise DynamoError(f"the direct caller exited; its log: {self._tail()}")
-        answer: dict[str, Any] = json.loads(line)
-        return answer
+        raise DynamoError(f"the direct caller exited; its log: {self._tail()}")
 
     def _tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -121,22 +130,30 @@ class DirectCaller:
 
     async def call(self, token_ids: list[int]) -> tuple[float, float]:
         assert self._proc is not None and self._proc.stdin is not None
-        self._proc.stdin.write(json.dumps({"op": "call", "token_ids": token_ids,
+        self._calls += 1
+        k = self._calls
+        self._proc.stdin.write(json.dumps({"op": "call", "id": k, "token_ids": token_ids,
                                            "max_tokens": 1}).encode() + b"\n")
         await self._proc.stdin.drain()
-        answer = await self._line(CALL_TIMEOUT_S)
+        answer = await self._answer(lambda a: a.get("id") == k, CALL_TIMEOUT_S,
+                                    f"answer to call {k}")
         if not answer.get("ok"):
             raise RuntimeError(str(answer.get("error")))
         return float(answer["s"]), float(answer["cpu_s"])
 
-    async def close(self) -> None:
+    async def close(self, kill: bool = False) -> None:
+        """Asks the child to quit (``kill``: kills it at once) and waits for it; killed by
+        PID after 10 s."""
         proc, self._proc = self._proc, None
         if proc is None or proc.returncode is not None:
             return
-        with contextlib.suppress(OSError):
-            assert proc.stdin is not None
-            proc.stdin.write(b'{"op": "quit"}\n')
-            proc.stdin.close()
+        if kill:
+            proc.kill()
+        else:
+            with contextlib.suppress(OSError):
+                assert proc.stdin is not None
+                proc.stdin.write(b'{"op": "quit"}\n')
+                proc.stdin.close()
         try:
             async with asyncio.timeout(10):
                 await proc.wait()
@@ -300,8 +317,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               dyn.tmp / "logs" / "direct-caller.log")
 
         async def go() -> dict[str, list[tuple[int, float, float | None] | None]]:
-            await caller.start()
             try:
+                await caller.start()
                 return await measure(kv.url, kv.planes, dyn.url, caller, args.pairs,
                                      args.gap_ms / 1e3, args.seed)
             finally:

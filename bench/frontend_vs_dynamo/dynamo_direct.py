@@ -16,12 +16,14 @@ Contracts:
   and ``ignore_eos``, temperature 0), the whole stream read; its answer must hold exactly
   ``max_tokens`` token ids, else the call fails.
 - :func:`serve` (``call``, ``lines`` in, ``write`` out) answers one JSON line per command
-  line, in order: first ``{"ready": true}``; then for ``{"op": "call", "token_ids": [...],
-  "max_tokens": n}`` one call timed here (``time.perf_counter``: send to the end of its
-  stream) as ``{"ok": true, "s": seconds, "cpu_s": this process's CPU seconds over the
-  call (every thread: Dynamo's runtime threads too)}`` or ``{"ok": false, "error": "..."}``;
-  for ``{"op": "quit"}`` (or the end of input) it returns. Any other line is answered
-  ``{"ok": false, "error": ...}`` naming it. Only for benchmarks.
+  line, in order: first ``{"ready": true}``; then for ``{"op": "call", "id": k,
+  "token_ids": [...], "max_tokens": n}`` one call timed here (``time.perf_counter``: send
+  to the end of its stream) as ``{"id": k, "ok": true, "s": seconds, "cpu_s": this
+  process's CPU seconds over the call (every thread: Dynamo's runtime threads too)}`` or
+  ``{"id": k, "ok": false, "error": "..."}``; for ``{"op": "quit"}`` (or the end of
+  input) it returns. Any other line is answered ``{"id": null, "ok": false, "error":
+  ...}`` naming it. The ``id`` lets the caller tell an answer from a late one to a call
+  it gave up on. Only for benchmarks.
 """
 
 from __future__ import annotations
@@ -48,16 +50,18 @@ async def serve(call: Call, lines: AsyncIterator[str], write: Callable[[str], No
         if op == "quit":
             return
         if op != "call":
-            write(json.dumps({"ok": False, "error": f"unknown command {line.strip()[:80]!r}"}))
+            write(json.dumps({"id": None, "ok": False,
+                              "error": f"unknown command {line.strip()[:80]!r}"}))
             continue
         cpu0, t0 = time.process_time(), time.perf_counter()
         try:
             await call(list(cmd["token_ids"]), int(cmd["max_tokens"]))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which counts it
-            write(json.dumps({"ok": False, "error": f"{type(exc).__name__}: {exc}"}))
+            write(json.dumps({"id": cmd.get("id"), "ok": False,
+                              "error": f"{type(exc).__name__}: {exc}"}))
             continue
         took, cpu = time.perf_counter() - t0, time.process_time() - cpu0
-        write(json.dumps({"ok": True, "s": took, "cpu_s": cpu}))
+        write(json.dumps({"id": cmd.get("id"), "ok": True, "s": took, "cpu_s": cpu}))
 
 
 async def _stdin_lines() -> AsyncIterator[str]:

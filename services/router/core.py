@@ -171,7 +171,7 @@ class _Mark:
     reason: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Load:
     num_running: int = 0
     num_waiting: int = 0
@@ -179,7 +179,7 @@ class _Load:
     kv_total_blocks: int = 0
 
 
-_NO_LOAD = _Load()  # read only
+_NO_LOAD = _Load()  # a worker without a load report yet
 
 
 class _Prompt:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -33,16 +34,17 @@ async def test_serve_answers_each_command_in_order_and_stops_at_quit() -> None:
             raise RuntimeError("no such prompt")
 
     out: list[str] = []
-    await serve(call, _lines('{"op": "call", "token_ids": [1, 2], "max_tokens": 1}\n',
-                             "not json\n", '{"op": "call", "token_ids": [666], '
+    await serve(call, _lines('{"op": "call", "id": 1, "token_ids": [1, 2], "max_tokens": 1}\n',
+                             "not json\n", '{"op": "call", "id": 2, "token_ids": [666], '
                              '"max_tokens": 1}\n', '{"op": "quit"}\n',
-                             '{"op": "call", "token_ids": [3], "max_tokens": 1}\n'),
+                             '{"op": "call", "id": 3, "token_ids": [3], "max_tokens": 1}\n'),
                 out.append)
     answers = [json.loads(line) for line in out]
     assert answers[0] == {"ready": True}
-    assert answers[1]["ok"] is True and answers[1]["s"] >= 0 and answers[1]["cpu_s"] >= 0
-    assert answers[2]["ok"] is False and "not json" in answers[2]["error"]
-    assert answers[3] == {"ok": False, "error": "RuntimeError: no such prompt"}
+    assert answers[1]["id"] == 1 and answers[1]["ok"] is True
+    assert answers[1]["s"] >= 0 and answers[1]["cpu_s"] >= 0
+    assert answers[2]["id"] is None and "not json" in answers[2]["error"]
+    assert answers[3] == {"id": 2, "ok": False, "error": "RuntimeError: no such prompt"}
     assert len(answers) == 4  # nothing after quit
     assert seen == [([1, 2], 1), ([666], 1)]
 
@@ -53,9 +55,10 @@ sys.path.insert(0, {root!r})
 from bench.frontend_vs_dynamo import dynamo_direct as d
 
 async def call(token_ids, max_tokens):
+    print("a stray line on stdout", flush=True)
+    await asyncio.sleep(abs(token_ids[0]) / 1000)  # the first token id: ms to take
     if token_ids[0] < 0:
         raise RuntimeError("refused")
-    await asyncio.sleep(0.001)
 
 async def main():
     await d.serve(call, d._stdin_lines(), d._write)
@@ -80,6 +83,36 @@ async def test_direct_caller_over_a_pipe(tmp_path: Path) -> None:
     finally:
         await caller.close()
     assert caller._proc is None
+
+
+async def test_a_late_answer_is_not_taken_for_the_next_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    script = tmp_path / "child.py"
+    script.write_text(_CHILD.format(root=str(ROOT)))
+    caller = added.DirectCaller(sys.executable, {}, tmp_path / "child.log")
+    caller._argv = [sys.executable, str(script)]
+    await caller.start(timeout_s=60)
+    try:
+        monkeypatch.setattr(added, "CALL_TIMEOUT_S", 0.2)
+        with pytest.raises(added.DynamoError, match="answer to call 1"):
+            await caller.call([-600])  # refused 0.6 s later, after the caller gave up
+        monkeypatch.setattr(added, "CALL_TIMEOUT_S", 30.0)
+        took, _ = await caller.call([1])  # its own answer, not the late refusal
+        assert took >= 0.001
+    finally:
+        await caller.close()
+
+
+async def test_a_caller_that_never_comes_up_is_killed(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    caller = added.DirectCaller(sys.executable, {}, tmp_path / "child.log")
+    caller._argv = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w')"
+                    ".write(str(os.getpid())); time.sleep(600)"]
+    with pytest.raises(added.DynamoError, match="gave no ready"):
+        await caller.start(timeout_s=1.0)
+    assert caller._proc is None
+    with pytest.raises(ProcessLookupError):  # reaped: its PID is free
+        os.kill(int(pid_file.read_text()), 0)
 
 
 async def test_direct_caller_that_exits_names_its_log(tmp_path: Path) -> None:

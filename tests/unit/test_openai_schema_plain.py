@@ -42,9 +42,15 @@ def _body(rng: random.Random, fields: list[str], prompt_key: str) -> dict[str, A
 
 
 def _general(body: dict[str, Any]) -> Any:
-    """parse_completion as it was: every field read."""
-    schema._check_fields(body, "completion")
-    return schema._parse_completion_all(body)
+    """parse_completion with every field read: its general path, whose sampling part is
+    the general one too (``_sampling`` swapped for ``_sampling_all`` during the call)."""
+    fast = schema._sampling
+    schema._sampling = schema._sampling_all  # type: ignore[assignment]
+    try:
+        schema._check_fields(body, "completion")
+        return schema._parse_completion_all(body)
+    finally:
+        schema._sampling = fast  # type: ignore[assignment]
 
 
 def _outcome(fn: Any, *args: Any) -> Any:

@@ -205,3 +205,19 @@ def test_a_request_already_in_flight_is_refused_as_before() -> None:
     assert _route(s, "r", [1, 2, 3, 4, 5], 0, "")[0] == "ok"
     kind, (code, message) = _route(s, "r", [1, 2, 3, 4, 5], 0, "")
     assert kind == "refused" and code.name == "ALREADY_EXISTS" and "already in flight" in message
+
+
+def test_only_the_exact_plain_profile_takes_the_compact_decision() -> None:
+    """A subclass may override what it computes: its profile keeps the policies' view."""
+    from services.router.policies.plugins import KvCostScorer, SoftmaxPicker
+    from services.router.policies.profile import Profile
+
+    class Mine(KvCostScorer):
+        pass
+
+    rng = random.Random(0)
+    assert Profile("a", [], [(KvCostScorer(), 1.0)], SoftmaxPicker(rng=rng)).plain_kv
+    assert Profile("b", [], [(Mine(), 1.0)], SoftmaxPicker(rng=rng)).plain_kv is None
+    assert Profile("c", [], [(KvCostScorer(), 2.0)], SoftmaxPicker(rng=rng)).plain_kv is None
+    assert Profile("d", [], [(KvCostScorer(), 1.0)],
+                   SoftmaxPicker(0.5, rng=rng)).plain_kv is None

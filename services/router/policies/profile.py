@@ -199,9 +199,11 @@ class Profile:
 
     ``plain_kv``: for a profile of Dynamo's cost alone (no filter, one ``kv_cost`` scorer of
     weight 1, a ``max_score`` picker or a ``softmax`` one at temperature 0, the default
-    ``kv`` profile) a :class:`PlainKv`, else None. ``select`` of such a profile picks the
-    cheapest candidate; :meth:`services.router.core.RouterCore.route_plain` makes the same
-    decision from the same numbers without building the policies' view.
+    ``kv`` profile; those exact classes, not subclasses, which may override what they
+    compute) a :class:`PlainKv`, else None; fixed at construction (a profile is not
+    changed after it). ``select`` of such a profile picks the cheapest candidate;
+    :func:`services.router.plain.route_plain` makes the same decision from the same
+    numbers without building the policies' view.
     """
 
     def __init__(self, name: str, filters: Sequence[Filter],
@@ -214,9 +216,9 @@ class Profile:
         self.picker = picker
         self.plain_kv: PlainKv | None = None
         (scorer, weight), = self.scorers if len(self.scorers) == 1 else ((None, 0.0),)
-        if (not self.filters and isinstance(scorer, KvCostScorer) and weight == 1.0
-                and (isinstance(picker, MaxScorePicker)
-                     or isinstance(picker, SoftmaxPicker) and picker.temperature <= 0)):
+        if (not self.filters and type(scorer) is KvCostScorer and weight == 1.0
+                and (type(picker) is MaxScorePicker
+                     or type(picker) is SoftmaxPicker and picker.temperature <= 0)):
             self.plain_kv = PlainKv(scorer, picker._rng)
 
     def combined_scores(self, ctx: RouteContext,
