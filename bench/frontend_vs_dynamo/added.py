@@ -47,10 +47,9 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,14 @@ from bench.frontend_vs_dynamo.dynamo_side import (
     ensure_dynvenv,
 )
 from bench.router_overhead.lean import LeanHttp, PlaneClient
-from bench.router_overhead.run import MODEL, prompt, start_mesh
+from bench.router_overhead.run import (
+    MODEL,
+    Rounds,
+    Timed,
+    paced_rounds,
+    prompt,
+    start_mesh,
+)
 from protos import common_pb2, worker_pb2
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -93,6 +99,7 @@ class DirectCaller:
         self._argv = [python, str(DIRECT), ENDPOINT]
         self._env, self._log = env, log
         self._proc: asyncio.subprocess.Process | None = None
+        self.pid: int | None = None  # the child's, once started
         self._calls = 0
 
     async def start(self, timeout_s: float = 120.0) -> None:
@@ -101,6 +108,7 @@ class DirectCaller:
             self._proc = await asyncio.create_subprocess_exec(
                 *self._argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                 stderr=err, env=self._env)
+        self.pid = self._proc.pid
         try:
             await self._answer(lambda a: a.get("ready") is True, timeout_s, "ready")
         except BaseException:
@@ -162,37 +170,13 @@ class DirectCaller:
             await proc.wait()
 
 
-# a call: round index → (seconds, client CPU seconds or None)
-Timed = Callable[[int], Awaitable[tuple[float, float | None]]]
-
-
-async def rounds(calls: dict[str, Timed], n: int, gap_s: float, seed: int
-                 ) -> dict[str, list[tuple[int, float, float | None] | None]]:
-    """``n`` rounds of every call once, in a random order per round, each ``gap_s`` after
-    the answer before it. Per call, per round: (round, seconds, CPU seconds) or None
-    where it failed."""
-    rng = random.Random(seed)
-    out: dict[str, list[tuple[int, float, float | None] | None]] = {k: [] for k in calls}
-    names = list(calls)
-    for i in range(n):
-        for name in rng.sample(names, len(names)):
-            await asyncio.sleep(gap_s)
-            try:
-                took, cpu = await calls[name](i)
-            except Exception:  # noqa: BLE001 - counted, reported
-                out[name].append(None)
-                continue
-            out[name].append((i, took, cpu))
-    return out
-
-
 def _ms(values: Sequence[float], q: float) -> float:
     return float(np.percentile(values, q) * 1e3) if values else float("nan")
 
 
-def summarize(timed: dict[str, list[tuple[int, float, float | None] | None]]
-              ) -> dict[str, Any]:
-    """The report's numbers (see the module docstring) from :func:`rounds`' output."""
+def summarize(timed: dict[str, Rounds]) -> dict[str, Any]:
+    """The report's numbers (see the module docstring) from what
+    :func:`~bench.router_overhead.run.paced_rounds` gave."""
     calls: dict[str, Any] = {}
     by_round: dict[str, dict[int, float]] = {}
     for name, rows in timed.items():
@@ -219,7 +203,7 @@ def summarize(timed: dict[str, list[tuple[int, float, float | None] | None]]
     return {"calls": calls, "added": systems, "kvmesh_over_dynamo": ratio}
 
 
-def check_errors(timed: dict[str, list[tuple[int, float, float | None] | None]]) -> None:
+def check_errors(timed: dict[str, Rounds]) -> None:
     """Raises RuntimeError when a call failed more than :data:`MAX_ERROR_SHARE` of times."""
     for name, rows in timed.items():
         failed = sum(r is None for r in rows)
@@ -227,7 +211,7 @@ def check_errors(timed: dict[str, list[tuple[int, float, float | None] | None]])
             raise RuntimeError(f"{name}: {failed} of {len(rows)} calls failed")
 
 
-def plot(timed: dict[str, list[tuple[int, float, float | None] | None]],
+def plot(timed: dict[str, Rounds],
          report: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -254,8 +238,9 @@ def plot(timed: dict[str, list[tuple[int, float, float | None] | None]],
 
 async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: DirectCaller,
                   pairs: int, gap_s: float, seed: int
-                  ) -> dict[str, list[tuple[int, float, float | None] | None]]:
-    """Connects the clients, warms up, runs :func:`rounds`."""
+                  ) -> dict[str, Rounds]:
+    """Connects the clients, warms up, runs
+    :func:`~bench.router_overhead.run.paced_rounds`."""
     planes = [PlaneClient(a) for a in kv_planes]
     for plane in planes:
         await plane.connect()
@@ -291,8 +276,8 @@ async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: Direc
                                "dynamo_direct": dyn_direct,
                                "dynamo_http": http_call(https["dynamo"])}
     try:
-        await rounds(calls, WARMUP_ROUNDS, gap_s, seed + 1)
-        return await rounds(calls, pairs, gap_s, seed)
+        await paced_rounds(calls, WARMUP_ROUNDS, gap_s, seed + 1)
+        return await paced_rounds(calls, pairs, gap_s, seed)
     finally:
         for http in https.values():
             http.close()
@@ -316,7 +301,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         caller = DirectCaller(install["python"], dynamo_env(dyn.tmp / "kv"),
                               dyn.tmp / "logs" / "direct-caller.log")
 
-        async def go() -> dict[str, list[tuple[int, float, float | None] | None]]:
+        async def go() -> dict[str, Rounds]:
             try:
                 await caller.start()
                 return await measure(kv.url, kv.planes, dyn.url, caller, args.pairs,

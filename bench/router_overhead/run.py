@@ -80,7 +80,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -125,34 +125,59 @@ def prompt(i: int) -> list[int]:
     return [5 + (j % 50) for j in range(32)] + [rng.randrange(3, 700) for _ in range(32)]
 
 
+# a call timed by itself: round index → (seconds, client CPU seconds or None)
+Timed = Callable[[int], Awaitable[tuple[float, float | None]]]
+# per round: (round, seconds, CPU seconds), or None where the call failed
+Rounds = list[tuple[int, float, float | None] | None]
+
+
+async def paced_rounds(calls: dict[str, Timed], n: int, gap_s: float, seed: int
+                       ) -> dict[str, Rounds]:
+    """One request at a time: ``n`` rounds of every one of ``calls`` once, in a random
+    order per round (seeded), each ``gap_s`` after the answer before it (a process that
+    waits that long between requests, as at 100 req/s without overlap). Per call, per
+    round what it returned, or None where it raised (counted, not raised)."""
+    rng = random.Random(seed)
+    out: dict[str, Rounds] = {k: [] for k in calls}
+    names = list(calls)
+    for i in range(n):
+        for name in rng.sample(names, len(names)):
+            await asyncio.sleep(gap_s)
+            try:
+                took, cpu = await calls[name](i)
+            except Exception:  # noqa: BLE001 - counted, reported
+                out[name].append(None)
+                continue
+            out[name].append((i, took, cpu))
+    return out
+
+
+def timed(call: Callable[[int], Awaitable[Any]]) -> Timed:
+    """``call`` timed from here (send → its return), no CPU figure."""
+    async def run(i: int) -> tuple[float, float | None]:
+        t0 = time.perf_counter()
+        await call(i)
+        return time.perf_counter() - t0, None
+    return run
+
+
 async def _paced(calls: Sequence[Any], rounds: int, gap_s: float, seed: int
                  ) -> list[dict[str, Any]]:
-    """One request at a time: ``rounds`` rounds of every one of ``calls`` once, in a
-    random order per round, each request ``gap_s`` after the answer before it (a process
-    that waits that long between requests, as at 100 req/s without overlap). Per call
+    """:func:`paced_rounds` of ``calls`` (each timed from here), summarised: per call
     :func:`_stats`, and ``paired_diff_p50_ms`` (the median, over the rounds where every
     call answered, of the last call's latency − the first's: mesh − anchor)."""
-    rng = random.Random(seed)
-    lat: list[list[float]] = [[] for _ in calls]
-    errors = [0] * len(calls)
-    diffs: list[float] = []
     start = time.perf_counter()
-    for i in range(rounds):
-        took: dict[int, float] = {}
-        for k in rng.sample(range(len(calls)), len(calls)):
-            await asyncio.sleep(gap_s)
-            t0 = time.perf_counter()
-            try:
-                await calls[k](i)
-            except Exception:  # noqa: BLE001 - counted, reported
-                errors[k] += 1
-                continue
-            took[k] = time.perf_counter() - t0
-            lat[k].append(took[k])
-        if 0 in took and len(took) == len(calls):
-            diffs.append(took[len(calls) - 1] - took[0])
+    got = await paced_rounds({str(k): timed(c) for k, c in enumerate(calls)}, rounds,
+                             gap_s, seed)
     wall = time.perf_counter() - start
-    out = [_stats(lat[k], errors[k], rounds, wall) for k in range(len(calls))]
+    per = [got[str(k)] for k in range(len(calls))]
+    diffs = []
+    for in_round in zip(*per, strict=True):  # each call's entry of one round
+        took = [r[1] for r in in_round if r is not None]
+        if len(took) == len(in_round):
+            diffs.append(took[-1] - took[0])
+    out = [_stats([r[1] for r in rows if r is not None], sum(r is None for r in rows),
+                  rounds, wall) for rows in per]
     for row in out:
         row["paired_diff_p50_ms"] = float(np.median(diffs) * 1e3) if diffs else float("nan")
     return out

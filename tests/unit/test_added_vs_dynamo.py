@@ -1,7 +1,7 @@
 """bench.frontend_vs_dynamo.added's own parts: the direct caller's command loop (in this
-process, and over a real pipe to a child running it), the rounds, the summary and the
-error check. Dynamo itself is not run here (an anchor, not a kvmesh requirement): the
-child's call is a stand-in that sleeps briefly or fails on demand."""
+process, and over a real pipe to a child running it), the summary and the error check.
+Dynamo itself is not run here (an anchor, not a kvmesh requirement): the child's call is
+a stand-in that sleeps briefly or fails on demand."""
 
 from __future__ import annotations
 
@@ -75,11 +75,11 @@ async def test_direct_caller_over_a_pipe(tmp_path: Path) -> None:
     await caller.start(timeout_s=60)
     try:
         took, cpu = await caller.call([1, 2, 3])
-        assert took >= 0.001 and cpu >= 0
+        assert took > 0 and cpu >= 0  # the child's own figures
         with pytest.raises(RuntimeError, match="refused"):
             await caller.call([-1])
         took, _ = await caller.call([4])  # the loop goes on after a failed call
-        assert took >= 0.001
+        assert took > 0
     finally:
         await caller.close()
     assert caller._proc is None
@@ -98,21 +98,19 @@ async def test_a_late_answer_is_not_taken_for_the_next_call(
             await caller.call([-600])  # refused 0.6 s later, after the caller gave up
         monkeypatch.setattr(added, "CALL_TIMEOUT_S", 30.0)
         took, _ = await caller.call([1])  # its own answer, not the late refusal
-        assert took >= 0.001
+        assert took > 0
     finally:
         await caller.close()
 
 
 async def test_a_caller_that_never_comes_up_is_killed(tmp_path: Path) -> None:
-    pid_file = tmp_path / "pid"
     caller = added.DirectCaller(sys.executable, {}, tmp_path / "child.log")
-    caller._argv = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w')"
-                    ".write(str(os.getpid())); time.sleep(600)"]
+    caller._argv = [sys.executable, "-c", "import time; time.sleep(600)"]
     with pytest.raises(added.DynamoError, match="gave no ready"):
-        await caller.start(timeout_s=1.0)
-    assert caller._proc is None
-    with pytest.raises(ProcessLookupError):  # reaped: its PID is free
-        os.kill(int(pid_file.read_text()), 0)
+        await caller.start(timeout_s=0.5)
+    assert caller._proc is None and caller.pid is not None
+    with pytest.raises(ProcessLookupError):  # killed and reaped: its PID is free
+        os.kill(caller.pid, 0)
 
 
 async def test_direct_caller_that_exits_names_its_log(tmp_path: Path) -> None:
@@ -121,25 +119,6 @@ async def test_direct_caller_that_exits_names_its_log(tmp_path: Path) -> None:
     with pytest.raises(added.DynamoError, match="no runtime here"):
         await caller.start(timeout_s=60)
     await caller.close()
-
-
-async def test_rounds_make_every_call_once_per_round_and_keep_failures() -> None:
-    order: list[str] = []
-
-    def make(name: str, fail_at: int = -1) -> added.Timed:
-        async def call(i: int) -> tuple[float, float | None]:
-            order.append(name)
-            if i == fail_at:
-                raise RuntimeError("down")
-            return 0.001 * (i + 1), None
-        return call
-
-    out = await added.rounds({"a": make("a"), "b": make("b", fail_at=2)}, 4, 0.0, seed=3)
-    assert sorted(order) == ["a"] * 4 + ["b"] * 4
-    assert [r[0] if r else None for r in out["a"]] == [0, 1, 2, 3]
-    assert out["b"][2] is None and out["b"][3] == (3, 0.004, None)
-    pairs = [tuple(order[k:k + 2]) for k in range(0, 8, 2)]
-    assert {("a", "b"), ("b", "a")} >= set(pairs)  # each round holds both, in some order
 
 
 def _timed(direct: list[float], http: list[float]) -> dict:

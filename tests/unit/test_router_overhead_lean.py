@@ -176,3 +176,24 @@ async def test_paced_pairs_run_one_at_a_time_in_rounds() -> None:
         assert sorted(order[2 * i:2 * i + 2]) == [("anchor", i), ("mesh", i)]
     assert got_mesh["paired_diff_p50_ms"] == got_anchor["paired_diff_p50_ms"]
     assert not math.isnan(got_mesh["paired_diff_p50_ms"])  # 4 rounds answered in full
+
+
+async def test_paced_rounds_make_every_call_once_per_round_and_keep_failures() -> None:
+    from bench.router_overhead.run import Timed, paced_rounds
+
+    order: list[str] = []
+
+    def make(name: str, fail_at: int = -1) -> Timed:
+        async def call(i: int) -> tuple[float, float | None]:
+            order.append(name)
+            if i == fail_at:
+                raise RuntimeError("down")
+            return 0.001 * (i + 1), None
+        return call
+
+    out = await paced_rounds({"a": make("a"), "b": make("b", fail_at=2)}, 4, 0.0, seed=3)
+    assert sorted(order) == ["a"] * 4 + ["b"] * 4
+    assert [r[0] if r else None for r in out["a"]] == [0, 1, 2, 3]
+    assert out["b"][2] is None and out["b"][3] == (3, 0.004, None)
+    pairs = [tuple(order[k:k + 2]) for k in range(0, 8, 2)]
+    assert {("a", "b"), ("b", "a")} >= set(pairs)  # each round holds both, in some order
