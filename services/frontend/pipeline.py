@@ -141,6 +141,7 @@ from services.common.telemetry import leaf_span, tracer
 from services.common.tls import MeshTls
 from services.encoder.images import ImageLimits, InputError
 from services.frontend import tool_chat, vllm_extras
+from services.frontend.context_window import check_context, truncated
 from services.frontend.failures import (
     WorkerFailure,
     rejection_error,
@@ -159,7 +160,7 @@ from services.frontend.jobs import (
 )
 from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo, Tokenizer
-from services.frontend.openai_schema import ApiError, ParsedRequest, check_context, truncated
+from services.frontend.openai_schema import ApiError, ParsedRequest
 from services.frontend.remote_images import RemoteImageFetcher, RemoteImageLimits, fetch_parts
 from services.frontend.worker_stream import WorkerStreams
 

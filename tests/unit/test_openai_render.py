@@ -55,7 +55,7 @@ def test_continuing_needs_an_assistant_message_last() -> None:
 
 
 def test_truncation_keeps_the_side_asked_for() -> None:
-    from services.frontend.openai_schema import truncated
+    from services.frontend.context_window import truncated
 
     req = parse_completion({"model": "m", "prompt": "x", "truncate_prompt_tokens": 3})
     assert req.truncate == (3, "left")
@@ -85,7 +85,7 @@ def test_bad_truncation_is_a_400_naming_the_field(kw: dict[str, Any], param: str
 
 
 def test_truncation_above_the_context_is_a_400() -> None:
-    from services.frontend.openai_schema import truncated
+    from services.frontend.context_window import truncated
 
     req = parse_completion({"model": "m", "prompt": "x", "truncate_prompt_tokens": 9})
     with pytest.raises(ApiError) as err:

@@ -1,8 +1,8 @@
 import pytest
 
+from services.frontend.context_window import check_context
 from services.frontend.openai_schema import (
     ApiError,
-    check_context,
     error_body,
     parse_chat,
     parse_completion,
