@@ -221,3 +221,20 @@ def test_only_the_exact_plain_profile_takes_the_compact_decision() -> None:
     assert Profile("c", [], [(KvCostScorer(), 2.0)], SoftmaxPicker(rng=rng)).plain_kv is None
     assert Profile("d", [], [(KvCostScorer(), 1.0)],
                    SoftmaxPicker(0.5, rng=rng)).plain_kv is None
+
+
+@pytest.mark.parametrize("usage", [float("nan"), float("inf")])
+def test_a_load_that_is_no_number_is_answered_alike(usage: float,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaN drops out of the cost (the larger of it and the router's count is the count)
+    on both paths; an infinite cost makes the compact decision give up, recording
+    nothing, and the general path answer."""
+    pair = _Pair(1, indexed=True)
+    monkeypatch.setattr(service_mod, "route_plain", pair.counted)
+    records = {f"w{i}": _record(f"w{i}", 4) for i in range(2)}
+    pair.each(lambda s, _, r: s.set_records(dict(r)), records)
+    pair.each(lambda s, _, u: s.core.update_load("w0", 1, 0, u, 64), usage)
+    fast, slow = pair.each(lambda s, _: _route(s, "r", list(range(1, 17)), 0, ""))
+    assert fast == slow
+    assert pair.plain_calls == (0 if usage == float("inf") else 1)
+    assert pair.state(pair.fast) == pair.state(pair.slow)
