@@ -38,24 +38,33 @@ Contract:
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar, Token
 from typing import Any
 
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
+from opentelemetry.baggage import _BAGGAGE_KEY
 from opentelemetry.baggage.propagation import W3CBaggagePropagator
 from opentelemetry.context import Context
+from opentelemetry.context.contextvars_context import ContextVarsRuntimeContext
 from opentelemetry.propagators.composite import CompositePropagator
 from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import _Span as SdkLiveSpan
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
+from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
@@ -91,6 +100,69 @@ def setup_tracing(service_name: str) -> TracerProvider:
 _RANDOM_ID = int(getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0))
 
 
+def _runtime_var() -> ContextVar[Context] | None:
+    """The ContextVar OpenTelemetry's default runtime context keeps the current context
+    in; None with another runtime context (then its API's functions are used)."""
+    runtime = getattr(otel_context, "_RUNTIME_CONTEXT", None)
+    if type(runtime) is not ContextVarsRuntimeContext:
+        return None
+    var = getattr(runtime, "_current_context", None)
+    return var if isinstance(var, ContextVar) else None
+
+
+_CURRENT = _runtime_var()
+# spans whose get_span_context() only returns their context (OpenTelemetry's own classes)
+_PLAIN_SPANS = frozenset({trace.NonRecordingSpan, SdkSpan, SdkLiveSpan})
+
+
+def current_span_context(ctx: Context | None = None) -> trace.SpanContext:
+    """``trace.get_current_span(ctx).get_span_context()`` (``ctx`` None: the current
+    context), read directly where it can be (see the module docstring)."""
+    if ctx is None:
+        if _CURRENT is None:
+            return trace.get_current_span().get_span_context()
+        ctx = _CURRENT.get()
+    span = ctx.get(_SPAN_KEY)
+    if span is None:
+        return trace.INVALID_SPAN_CONTEXT
+    if type(span) in _PLAIN_SPANS:
+        return span.get_span_context()  # type: ignore[attr-defined,no-any-return]
+    return trace.get_current_span(ctx).get_span_context()
+
+
+# ``opentelemetry.context.attach(ctx)``: with the default runtime context its ContextVar's
+# own ``set`` (what that attach calls), no Python frame
+attach: Callable[[Context], Token[Context]] = (
+    otel_context.attach if _CURRENT is None else _CURRENT.set)
+
+
+def detach(token: Token[Context]) -> None:
+    """``opentelemetry.context.detach(token)``: a token that cannot be reset (another
+    context's, or reset already) is logged, not raised."""
+    if _CURRENT is None:
+        otel_context.detach(token)
+        return
+    try:
+        _CURRENT.reset(token)
+    except Exception:
+        log.exception("Failed to detach context")
+
+
+def span_in_context(span: trace.Span) -> Context:
+    """``trace.set_span_in_context(span)``: the current context with ``span`` in it."""
+    if _CURRENT is None:
+        return trace.set_span_in_context(span)
+    return Context({**_CURRENT.get(), _SPAN_KEY: span})
+
+
+def _no_baggage() -> bool:
+    """``not baggage.get_all()``: the current context holds no baggage entry."""
+    if _CURRENT is None:
+        return not baggage.get_all()
+    value = _CURRENT.get().get(_BAGGAGE_KEY)
+    return not (isinstance(value, dict) and value)
+
+
 def _unsampled_flags(parent: trace.SpanContext | None) -> trace.TraceFlags:
     """The flags the SDK gives an unsampled span: the random-id flag of its parent's
     trace, or at a root (``parent`` None) of the fresh random id."""
@@ -104,14 +176,19 @@ def lean() -> bool:
     return _lean
 
 
+# SpanContext is a tuple: (trace_id, span_id, is_remote, trace_flags, trace_state,
+# is_valid), its properties index it; read as a tuple here ([3]: the flags; a test pins
+# the layout)
+
+
 def _sampled(ctx: Context | None) -> bool:
-    return bool(trace.get_current_span(ctx).get_span_context().trace_flags.sampled)
+    return bool(current_span_context(ctx)[3] & trace.TraceFlags.SAMPLED)
 
 
 def may_record(ctx: Context | None = None) -> bool:
     """False when a span started now (under ``ctx``, default the current context) is
     certain not to be recorded: lean mode and an unsampled parent (or none)."""
-    return not _lean or _sampled(ctx)
+    return not _lean or bool(current_span_context(ctx)[3] & trace.TraceFlags.SAMPLED)
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -177,16 +254,16 @@ def propagation_metadata() -> list[tuple[str, str]]:
     """The current trace context as gRPC metadata entries, as the client interceptor
     would send it; with no valid span, a fresh unsampled trace and span id (what its
     unrecorded root client span would have carried)."""
-    current = trace.get_current_span().get_span_context()
-    if _w3c_default() and not baggage.get_all():  # written here, as the propagator would
-        if not current.is_valid:
+    current = current_span_context()
+    if _w3c_default() and _no_baggage():  # written here, as the propagator would
+        trace_id, span_id, _, flags, state, valid = current
+        if not valid:
             return [("traceparent", f"00-{random.getrandbits(128) or 1:032x}-"
                                     f"{random.getrandbits(64) or 1:016x}-"
                                     f"{_unsampled_flags(None):02x}")]
-        out = [("traceparent", f"00-{current.trace_id:032x}-{current.span_id:016x}-"
-                               f"{current.trace_flags:02x}")]
-        if current.trace_state:
-            out.append(("tracestate", current.trace_state.to_header()))
+        out = [("traceparent", f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}")]
+        if state:
+            out.append(("tracestate", state.to_header()))
         return out
     carrier: dict[str, str] = {}
     ctx: Context | None = None
@@ -226,8 +303,8 @@ class _LeanTracer(trace.Tracer):
         """The span to start under ``context`` if it cannot record, else None."""
         if not _lean:
             return None
-        parent = trace.get_current_span(context).get_span_context()
-        if parent.trace_flags.sampled:
+        parent = current_span_context(context)
+        if parent[3] & trace.TraceFlags.SAMPLED:
             return None
         valid = parent.is_valid
         return trace.NonRecordingSpan(trace.SpanContext(
@@ -261,11 +338,11 @@ class _LeanTracer(trace.Tracer):
                     set_status_on_exception, end_on_exit) as real:
                 yield real
             return
-        token = otel_context.attach(trace.set_span_in_context(span))  # as use_span does
+        token = attach(trace.set_span_in_context(span))  # as use_span does
         try:
             yield span
         finally:
-            otel_context.detach(token)
+            detach(token)
 
 
 class _NoSpan:

@@ -124,7 +124,6 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 
@@ -137,7 +136,7 @@ from protos import (
     worker_pb2,
 )
 from services.common.grpc_client import ChannelPool
-from services.common.telemetry import leaf_span, tracer
+from services.common.telemetry import attach, detach, leaf_span, span_in_context, tracer
 from services.common.tls import MeshTls
 from services.encoder.images import ImageLimits, InputError
 from services.frontend import tool_chat, vllm_extras
@@ -190,11 +189,11 @@ class _Attached:
 
     def __enter__(self) -> None:
         if self._ctx is not None:
-            self._token = otel_context.attach(self._ctx)
+            self._token = attach(self._ctx)
 
     def __exit__(self, *exc: object) -> None:
         if self._token is not None:
-            otel_context.detach(self._token)
+            detach(self._token)
 
 
 # A prompt of at most this many characters is tokenized (or its chat template rendered)
@@ -714,7 +713,7 @@ class Pipeline:
         span = self._tracer.start_span("frontend.request", attributes={
             "kvmesh.model": req.model, "kvmesh.kind": req.kind, "kvmesh.stream": req.stream,
         })
-        ctx = trace.set_span_in_context(span)
+        ctx = span_in_context(span)
         try:
             with _Attached(ctx):
                 job = await self.prepare(req)
