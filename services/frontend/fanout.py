@@ -9,8 +9,8 @@ Shared by the HTTP and gRPC APIs. Contract of :func:`run(pipeline, req)`, which 
   anything is routed (a bad prompt is a 400 and no choice starts), then every choice
   becomes its own mesh request, streamed by :meth:`Pipeline.stream` under one
   ``frontend.request`` span: request id ``<id>-<index>`` (``<id>`` the client's
-  ``request_id`` or a fresh uuid; the response's id is ``<id>``), routed by the router
-  like any request. Choices are started together, so the router decides where each
+  ``request_id`` or 32 fresh random hex digits; the response's id is ``<id>``), routed
+  by the router like any request. Choices are started together, so the router decides where each
   goes: the KV-aware policy, which counts the prefixes it routed recently, tends to put
   the choices of one prompt on the worker that holds (or is computing) that prompt, and
   a batch's different prompts spread over workers by load. Nothing is pinned.
@@ -45,7 +45,7 @@ Shared by the HTTP and gRPC APIs. Contract of :func:`run(pipeline, req)`, which 
 from __future__ import annotations
 
 import asyncio
-import uuid
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -131,6 +131,10 @@ class Tally:
 
     def usage(self) -> tuple[int, int, int]:
         """(prompt_tokens, completion_tokens, cached_tokens) of what finished."""
+        if len(self.fan.choices) == 1:  # one prompt, one choice: its finishing chunk
+            only = self.finals.get(0)
+            return ((only.prompt_tokens, only.completion_tokens, only.cached_tokens)
+                    if only is not None else (0, 0, 0))
         n = self.fan.n
         firsts = [self.finals[i] for i in range(0, len(self.fan.choices), n)
                   if i in self.finals]
@@ -159,7 +163,7 @@ async def run(pipeline: Pipeline, req: ParsedRequest) -> tuple[FanJob, AsyncIter
         span.record_exception(exc)
         span.end()
         raise
-    base = req.request_id or uuid.uuid4().hex
+    base = req.request_id or os.urandom(16).hex()
     span.set_attribute("kvmesh.request_id", base)
     choices = [choice_job(job, base, p * req.n + c, c)
                for p, job in enumerate(prompts) for c in range(req.n)]

@@ -273,6 +273,10 @@ def _rpc_reason(exc: BaseException) -> str:
 class _Run:
     """One :func:`run_plan`: the machine, its event queue and the tasks it started."""
 
+    # P/D only (an aggregated run reads its one call in the consumer's task: neither)
+    events: asyncio.Queue[hm.Event]
+    p_settled: asyncio.Event
+
     def __init__(self, pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,
                  metrics: FrontendMetrics, streams: WorkerStreams | None = None) -> None:
         self.pool, self.req, self.route, self.metrics = pool, req, route, metrics
@@ -281,13 +285,14 @@ class _Run:
         self.mode = (route.prefill.handoff.mode or "pull") if route.disaggregated else "agg"
         self.machine = hm.HandoffMachine(
             "push" if self.mode in PUSH_LIKE else "agg" if self.mode == "agg" else "pull")
-        self.events: asyncio.Queue[hm.Event] = asyncio.Queue()
+        if self.mode != "agg":
+            self.events = asyncio.Queue()
+            self.p_settled = asyncio.Event()
         # Prompt logprobs: P computes them (D loads the prompt's KV), the client gets them
         # on the first chunk; push holds D's first chunk until P has settled.
         self.want_prompt_logprobs = (route.disaggregated
                                      and req.sampling.HasField("prompt_logprobs"))
         self.p_prompt_logprobs: list[common_pb2.PositionLogprobs] = []
-        self.p_settled = asyncio.Event()
         self.p_token: int | None = None  # P's token went out first: D continues after it
         self.first_out = True
         self.tasks: dict[str, asyncio.Task[None]] = {}  # the latest of each name

@@ -47,9 +47,10 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
 - **Tenants**: ``req.cache_salt`` (the tenant's, set by the API from the key, see
   :mod:`.auth`) goes on every RouteRequest and GenerateRequest of the job (P and D
   included), so the router's overlaps and the engines' prefix caches are per tenant.
-- **Ids**: ``job.request_id`` (the client's ``request_id``, else a fresh uuid) names the
-  response; each attempt has its own mesh id (:meth:`Pipeline.mesh_request_id`), so
-  two clients choosing the same id never collide in the router or on a worker.
+- **Ids**: ``job.request_id`` (the client's ``request_id``, else 32 fresh random hex
+  digits, as long as a uuid's) names the response; each attempt has its own mesh id
+  (:meth:`Pipeline.mesh_request_id`), so two clients choosing the same id never collide
+  in the router or on a worker.
 - **Release exactly once**: every attempt's routing entry is released exactly once,
   whatever ends it (finish, error, migration, the consumer closing the iterator or being
   cancelled at any point): its worker calls are cancelled (which aborts the request on
@@ -118,8 +119,8 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
@@ -267,7 +268,7 @@ class Pipeline:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Runs ``coro`` as a task that outlives the request's cancellation; ``close``
         waits for it."""
-        task = asyncio.ensure_future(coro)
+        task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -398,7 +399,7 @@ class Pipeline:
                 if err is not None:
                     raise err
         req = check_context(req, len(ids), info.max_model_len)
-        rid = req.request_id or uuid.uuid4().hex
+        rid = req.request_id or os.urandom(16).hex()
         return Job(rid, req, info, ids, int(time.time()), req.cache_salt, mm)
 
     async def _tokenize(self, tok: Tokenizer, req: ParsedRequest
@@ -501,9 +502,9 @@ class Pipeline:
     def mesh_request_id(job: Job, attempt: int) -> str:
         """The id the router and workers see for ``attempt`` (0, 1, ...) of ``job``: unique
         per attempt even when clients choose equal ids (the response keeps the client's)."""
-        if job.req.request_id is None:  # job.request_id is a fresh uuid
+        if job.req.request_id is None:  # job.request_id is fresh (random)
             return job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
-        return f"{job.request_id[:CLIENT_ID_CHARS]}-{uuid.uuid4().hex}"
+        return f"{job.request_id[:CLIENT_ID_CHARS]}-{os.urandom(16).hex()}"
 
     async def _route(self, router: router_pb2_grpc.RouterStub, req: router_pb2.RouteRequest,
                      tokens: list[int], ctx: Context | None) -> router_pb2.RouteResponse:

@@ -78,6 +78,7 @@ GENERATE_METHOD = "/kvmesh.worker.Worker/Generate"
 # an unreachable plane not tried for this many retry periods is forgotten (a dead worker's)
 FORGET_OFF_PLANES = 10
 _OK = grpc.StatusCode.OK
+_OK_CODE = _OK.value[0]  # a CallStatus's code for OK
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -138,7 +139,7 @@ class StreamCall:
             self._items.append(reply.response)
         else:
             status = reply.end
-            self._finish(None if status.code == _OK.value[0] else _status_error(status))
+            self._finish(None if status.code == _OK_CODE else _status_error(status))
         self._wake()
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:

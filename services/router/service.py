@@ -452,10 +452,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             worker=self._choice(plan.worker), policy=plan.policy, reason=plan.reason,
             disaggregated=plan.disaggregated, predicted_overlap_blocks=plan.overlap_blocks,
             predicted_prefill_overlap_blocks=plan.prefill_overlap_blocks,
-            block_size=plan.block_size, predicted_overlap_by_tier=plan.overlap_by_tier,
-            predicted_prefill_overlap_by_tier=plan.prefill_overlap_by_tier,
-            overlap_source=plan.overlap_source, prompt_blocks=plan.prompt_blocks,
+            block_size=plan.block_size, overlap_source=plan.overlap_source,
+            prompt_blocks=plan.prompt_blocks,
         )
+        # item by item: a mapping given to the constructor goes through the Python
+        # MutableMapping.update of the map field
+        by_tier = resp.predicted_overlap_by_tier
+        for tier, blocks in plan.overlap_by_tier.items():
+            by_tier[tier] = blocks
+        by_tier = resp.predicted_prefill_overlap_by_tier
+        for tier, blocks in plan.prefill_overlap_by_tier.items():
+            by_tier[tier] = blocks
         if plan.prefill is not None:
             resp.prefill.CopyFrom(self._choice(plan.prefill))
         if spans:
