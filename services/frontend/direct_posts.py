@@ -189,7 +189,11 @@ class DirectPostsMixin(_Base):
             log.exception("admitting a direct POST to %r failed", self.url)
             refusal = _uvicorns_500()
         if refusal is None:
-            declared = next((v for k, v in headers if k == b"content-length"), None)
+            declared = None
+            for name, value in headers:
+                if name == b"content-length":
+                    declared = value
+                    break
             if (declared is not None and declared.isdigit()
                     and int(declared) > route.max_body_bytes):
                 refusal = route.refusal(413)

@@ -315,17 +315,21 @@ class DirectRoute:
         self._limits, self._tenant, self._run, self._path = limits, tenant, run, path
 
     def admit(self, headers: list[tuple[bytes, bytes]]) -> tuple[Any, Response | None]:
-        header = next((v.decode("latin-1") for k, v in headers if k == b"authorization"),
-                      None)
+        header = None
+        for name, value in headers:
+            if name == b"authorization":
+                header = value.decode("latin-1")
+                break
         try:
             return self._tenant(header), None
         except ApiError as err:
             return None, _error_response(err)
 
-    async def answer(self, admitted: Any, body: bytes, watch: DisconnectWatch) -> Response:
-        async def run() -> Response:
-            return await _unless_gone(watch, None, self._run(_decode_json(body), admitted))
-        return await _answered(self._path, run)
+    def answer(self, admitted: Any, body: bytes, watch: DisconnectWatch
+               ) -> Coroutine[Any, Any, Response]:
+        # _answered awaits the request's own coroutine: no layer of this method's
+        return _answered(self._path, lambda: _unless_gone(
+            watch, None, self._run(_decode_json(body), admitted)))
 
     def refusal(self, status: int) -> Response:
         return _error_response(_too_large(self._limits) if status == 413

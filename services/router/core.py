@@ -410,7 +410,7 @@ class RouterCore:
 
     def context_limit(self, model: str) -> int:
         """The largest ``max_model_len`` of ``model``'s live workers (0: none known)."""
-        return max((w.max_model_len for w in self._workers.values() if w.model == model),
+        return max([w.max_model_len for w in self._workers.values() if w.model == model],
                    default=0)
 
     def check_request(self, model: str, prompt_tokens: int, max_tokens: int = 0) -> None:
@@ -600,9 +600,9 @@ class RouterCore:
         chosen = [plan.worker] + ([plan.prefill] if plan.prefill is not None else [])
         for w in chosen:
             self.history.record(w.instance_id, hashes(w.block_size))
-        entry = _Entry(tuple(
+        entry = _Entry(tuple([
             (w.instance_id, math.ceil(n / w.block_size) if w.block_size > 0 else 0)
-            for w in chosen), self.clock())
+            for w in chosen]), self.clock())
         self._in_flight[request_id] = entry
         self._tally(entry.workers, 1)
         if tokens > 0:
@@ -738,6 +738,6 @@ class RouterCore:
         if entry is None:
             return False
         self._tally(entry.workers, -1)
-        self._stale.update(wid for wid, _ in entry.workers)
+        self._stale.update([wid for wid, _ in entry.workers])
         self._changed()
         return True

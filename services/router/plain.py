@@ -55,9 +55,11 @@ def plain_candidates(core: RouterCore, model: str, prompt_tokens: int, max_token
         return None
     need = prompt_tokens + max(max_tokens, 0)
     out = [w for w in core._workers.values() if w.model == model]
-    if not out or any(w.role != "agg" or w.block_size != out[0].block_size
-                      or not w.fits(need) for w in out) or out[0].block_size <= 0:
-        return None  # no worker, P/D, mixed block sizes, a context too short: route()
+    if not out or out[0].block_size <= 0:
+        return None  # no worker, or no block size: route()
+    for w in out:
+        if w.role != "agg" or w.block_size != out[0].block_size or not w.fits(need):
+            return None  # P/D, mixed block sizes, a context too short: route()
     if len(out) > 1:
         out.sort(key=_BY_ID)
     return out, out[0].block_size

@@ -187,7 +187,7 @@ def best_id(ids: Sequence[str], scores: Mapping[str, float], rng: Rng,
     """The highest-scoring of ``ids`` (non-empty, in candidate order) and the reason's
     tail: ties within :data:`TIE_EPS` go to the smaller cached tree (``tree_of``, asked
     only on a tie; when it knows every tied worker's), then to ``rng.choice``."""
-    top = max(scores[i] for i in ids)
+    top = max([scores[i] for i in ids])
     tied = [i for i in ids if scores[i] >= top - TIE_EPS]
     if len(tied) == 1:
         return tied[0], ""
