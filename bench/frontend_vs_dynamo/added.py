@@ -13,8 +13,11 @@ Contracts:
   frontend); Dynamo's (:class:`~.dynamo_side.DynamoMesh`: ``dynamo.frontend --router-mode
   kv`` and ``--workers`` × ``dynamo.mocker`` at speedup 10000 on the tiny model's folder;
   ``.dynvenv`` installed on demand unless ``--no-install``); and Dynamo's direct caller
-  (:mod:`.dynamo_direct`, run by ``.dynvenv``'s Python in the mesh's discovery folder).
-- Four calls, each of a 64-token prompt (:func:`bench.router_overhead.run.prompt`: a
+  (:mod:`.dynamo_direct`, run by ``.dynvenv``'s Python in the mesh's discovery folder);
+  and the **floor**: :mod:`bench.mesh_profile.proxy_floor` in front of kvmesh's first
+  worker (the least Python a frontend hop can be: HTTP parsed, one frame to the worker's
+  request plane, the answer written; no routing, checks, metrics or tracing).
+- Five calls, each of a 64-token prompt (:func:`bench.router_overhead.run.prompt`: a
   shared 32-token head) and one output token, temperature 0:
   - ``kvmesh_direct``: a worker's TCP request plane (the frontend's own carrier), round
     robin, from :class:`~bench.router_overhead.lean.PlaneClient`;
@@ -22,22 +25,24 @@ Contracts:
     (:class:`~bench.router_overhead.lean.LeanHttp`);
   - ``dynamo_direct``: ``client.round_robin`` of a mocker's ``generate`` endpoint on
     Dynamo's request plane (what Dynamo's frontend calls), timed in the direct caller;
-  - ``dynamo_http``: the same POST to Dynamo's frontend.
-  The two HTTP calls and kvmesh's direct call are timed in this process (send → whole
+  - ``dynamo_http``: the same POST to Dynamo's frontend;
+  - ``floor_http``: the same POST to the floor.
+  The three HTTP calls and kvmesh's direct call are timed in this process (send → whole
   answer); Dynamo's runtime client exists only in ``.dynvenv``, so its direct call is
   timed in that process, which this one commands over a pipe (outside the timing).
-- Load: 40 warm-up rounds, then ``--pairs`` rounds; each round makes the four calls once,
+- Load: 40 warm-up rounds, then ``--pairs`` rounds; each round makes the five calls once,
   in a random order (seeded), each ``--gap-ms`` after the answer before it (one request
   at a time, as at 100 req/s without overlap: ``bench.router_overhead --paced`` found
   kvmesh's added latency as large one at a time as at 100 req/s). A failed call is counted, not
   timed; more than 1 % failed calls of any kind fail the bench.
 - Reports per call p50 / p90 / p99 / mean ms, errors, and the client's CPU µs per direct
   call (median; this process's for kvmesh's, the direct caller's, with Dynamo's runtime
-  threads, for Dynamo's: what each anchor's own client costs); per system
-  ``added_p50_ms`` (HTTP p50 − direct p50), ``added_p99_ms`` and ``paired_added_p50_ms``
-  (the median over rounds where both answered of HTTP − direct); and
-  ``kvmesh_over_dynamo`` of those. Writes ``<out>/<name>.json`` and a PNG (each call's
-  latency distribution). Only on this machine's loopback.
+  threads, for Dynamo's: what each anchor's own client costs); per system (``kvmesh``,
+  ``dynamo``, and ``floor`` over kvmesh's direct call) ``added_p50_ms`` (HTTP p50 −
+  direct p50), ``added_p99_ms`` and ``paired_added_p50_ms`` (the median over rounds
+  where both answered of HTTP − direct); and ``kvmesh_over_dynamo`` of those. Writes
+  ``<out>/<name>.json`` and a PNG (each call's latency distribution). Only on this
+  machine's loopback.
 """
 
 from __future__ import annotations
@@ -72,11 +77,15 @@ from bench.router_overhead.run import (
     start_mesh,
 )
 from protos import common_pb2, worker_pb2
+from services.common.procs import free_port, port_open, spawn, wait_until
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DIRECT = Path(__file__).with_name("dynamo_direct.py")
 ENDPOINT = "dynamo.backend.generate"  # dynamo.mocker's default
-CALLS = ("kvmesh_direct", "kvmesh_http", "dynamo_direct", "dynamo_http")
+CALLS = ("kvmesh_direct", "kvmesh_http", "dynamo_direct", "dynamo_http", "floor_http")
+# system: (its HTTP call, the direct call it is measured over)
+SYSTEMS = {"kvmesh": ("kvmesh_http", "kvmesh_direct"), "dynamo": ("dynamo_http", "dynamo_direct"),
+           "floor": ("floor_http", "kvmesh_direct")}
 WARMUP_ROUNDS = 40
 CALL_TIMEOUT_S = 30.0
 MAX_ERROR_SHARE = 0.01
@@ -190,16 +199,18 @@ def summarize(timed: dict[str, Rounds]) -> dict[str, Any]:
         if cpus:
             calls[name]["client_cpu_us_p50"] = float(np.median(cpus) * 1e6)
     systems: dict[str, Any] = {}
-    for system in ("kvmesh", "dynamo"):
-        http, direct = calls[f"{system}_http"], calls[f"{system}_direct"]
-        a, b = by_round[f"{system}_http"], by_round[f"{system}_direct"]
+    for system, (http_name, direct_name) in SYSTEMS.items():
+        if http_name not in calls:
+            continue
+        http, direct = calls[http_name], calls[direct_name]
+        a, b = by_round[http_name], by_round[direct_name]
         diffs = [a[i] - b[i] for i in a if i in b]
         systems[system] = {
             "added_p50_ms": http["p50_ms"] - direct["p50_ms"],
             "added_p99_ms": http["p99_ms"] - direct["p99_ms"],
             "paired_added_p50_ms": float(np.median(diffs) * 1e3) if diffs else float("nan")}
     ratio = {k: (systems["kvmesh"][k] / systems["dynamo"][k]
-                 if systems["dynamo"][k] > 0 else None) for k in systems["kvmesh"]}
+                 if systems["dynamo"][k] > 0 else None) for k in systems["dynamo"]}
     return {"calls": calls, "added": systems, "kvmesh_over_dynamo": ratio}
 
 
@@ -224,8 +235,10 @@ def plot(timed: dict[str, Rounds],
         if lat:
             ax.plot(lat, np.linspace(0, 1, len(lat)), label=name)
     added = report["added"]
-    ax.set_title(f"one request at a time: added p50 kvmesh {added['kvmesh']['added_p50_ms']:.2f}"
-                 f" ms, Dynamo {added['dynamo']['added_p50_ms']:.2f} ms")
+    floor = (f", the floor {added['floor']['added_p50_ms']:.2f} ms" if "floor" in added
+             else "")
+    ax.set_title(f"one at a time: added p50 kvmesh {added['kvmesh']['added_p50_ms']:.2f} ms, "
+                 f"Dynamo {added['dynamo']['added_p50_ms']:.2f} ms{floor}", fontsize=10)
     ax.set_xlabel("latency, send → whole answer (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_xlim(0, max(4.0, report["calls"]["kvmesh_http"]["p99_ms"] * 1.2))
@@ -237,7 +250,7 @@ def plot(timed: dict[str, Rounds],
 
 
 async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: DirectCaller,
-                  pairs: int, gap_s: float, seed: int
+                  pairs: int, gap_s: float, seed: int, floor_url: str | None = None
                   ) -> dict[str, Rounds]:
     """Connects the clients, warms up, runs
     :func:`~bench.router_overhead.run.paced_rounds`."""
@@ -245,7 +258,10 @@ async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: Direc
     for plane in planes:
         await plane.connect()
     https = {}
-    for name, url in (("kvmesh", kv_url), ("dynamo", dyn_url)):
+    urls = {"kvmesh": kv_url, "dynamo": dyn_url}
+    if floor_url is not None:
+        urls["floor"] = floor_url
+    for name, url in urls.items():
         host, _, port = url.removeprefix("http://").rpartition(":")
         https[name] = LeanHttp(host, int(port))
 
@@ -275,6 +291,8 @@ async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: Direc
                                "kvmesh_http": http_call(https["kvmesh"]),
                                "dynamo_direct": dyn_direct,
                                "dynamo_http": http_call(https["dynamo"])}
+    if "floor" in https:
+        calls["floor_http"] = http_call(https["floor"])
     try:
         await paced_rounds(calls, WARMUP_ROUNDS, gap_s, seed + 1)
         return await paced_rounds(calls, pairs, gap_s, seed)
@@ -283,6 +301,17 @@ async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: Direc
             http.close()
         for plane in planes:
             await plane.close()
+
+
+def start_floor(stack: contextlib.ExitStack, plane: str, logs: Path) -> str:
+    """The floor (:mod:`bench.mesh_profile.proxy_floor`) in front of ``plane``, a child
+    stopped by PID with ``stack``; its URL."""
+    port = free_port()
+    child = spawn("proxy-floor", [sys.executable, "-m", "bench.mesh_profile.proxy_floor",
+                                  str(port), plane], logs)
+    stack.callback(child.stop)
+    wait_until(lambda: port_open("127.0.0.1", port), child, 60, "the floor to listen")
+    return f"http://127.0.0.1:{port}"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -300,12 +329,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                              workers=args.workers))
         caller = DirectCaller(install["python"], dynamo_env(dyn.tmp / "kv"),
                               dyn.tmp / "logs" / "direct-caller.log")
+        floor_url = start_floor(stack, kv.planes[0], dyn.tmp / "logs")
 
         async def go() -> dict[str, Rounds]:
             try:
                 await caller.start()
                 return await measure(kv.url, kv.planes, dyn.url, caller, args.pairs,
-                                     args.gap_ms / 1e3, args.seed)
+                                     args.gap_ms / 1e3, args.seed, floor_url)
             finally:
                 await caller.close()
         timed = asyncio.run(go())
