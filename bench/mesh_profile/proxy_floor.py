@@ -1,8 +1,9 @@
 """The floor of a Python frontend hop on this machine: the least Python that can stand
 between an HTTP client and a worker's TCP request plane.
 
-``python -m bench.mesh_profile.proxy_floor PORT WORKER_PLANE_ADDRESS`` (a process of its
-own, on uvloop, as the frontend runs), or :func:`serve` in a running loop (tests).
+``python -m bench.mesh_profile.proxy_floor PORT WORKER_PLANE_ADDRESS [--tasks]`` (a
+process of its own, on uvloop, as the frontend runs), or :func:`serve` in a running loop
+(tests).
 
 Contract:
 
@@ -16,6 +17,11 @@ Contract:
   call the worker ends with a status a 502 naming it, and when the worker's connection
   is lost every call on it is a 502 at once (nothing waits forever); then the process
   exits (run as a process) or :func:`serve`'s server answers 502 from then on.
+- The worker's replies are read by one reader task. With ``--tasks`` (``tasks=True``)
+  each request is also served by a task of its own, as the frontend serves one: started
+  when its body is in, woken by the reader when its call ends (two event-loop hops more
+  per request); without, the parser's callback sends the frame and the reader's writes
+  the answer.
 - No routing, no checks of the OpenAI surface, no metrics, tracing, disconnect handling
   or migration: what kvmesh's frontend does on top of this is its own cost. A measuring
   stick (:mod:`bench.mesh_profile.added_floor`), not a server. Loopback only.
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import httptools
 import msgspec
@@ -45,7 +51,7 @@ class _Plane:
     def __init__(self) -> None:
         self.proto: FramedProtocol | None = None
         self.gone: str | None = None  # why the connection is gone
-        self.calls: dict[int, tuple[_Http, list[str], list[worker_pb2.GenerateResponse]]] = {}
+        self.calls: dict[int, tuple[_Answer, list[str], list[worker_pb2.GenerateResponse]]] = {}
         self.next = 0
         self.reader: asyncio.Task[None] | None = None
 
@@ -57,7 +63,7 @@ class _Plane:
         self.proto = proto
         self.reader = asyncio.ensure_future(self._read(proto))
 
-    def call(self, http: _Http, body: Any) -> None:
+    def call(self, http: _Answer, body: Any) -> None:
         """Sends ``body``'s request (a 400 to ``http`` when it is not one)."""
         try:
             req = worker_pb2.GenerateRequest(
@@ -115,12 +121,28 @@ class _Plane:
                       "total_tokens": usage.prompt_tokens + usage.completion_tokens}})
 
 
+class _Answer(Protocol):
+    def answer(self, status: int, obj: Any) -> None: ...
+
+
+class _Waiter:
+    """A call's answer handed to the task that waits for it (``--tasks``)."""
+
+    def __init__(self) -> None:
+        self.done: asyncio.Future[tuple[int, Any]] = \
+            asyncio.get_running_loop().create_future()
+
+    def answer(self, status: int, obj: Any) -> None:
+        if not self.done.done():
+            self.done.set_result((status, obj))
+
+
 class _Http(asyncio.Protocol):
     """One client connection: requests parsed as they come, answered in order of their
     calls' ends (the bench sends one at a time per connection)."""
 
-    def __init__(self, plane: _Plane) -> None:
-        self.plane = plane
+    def __init__(self, plane: _Plane, tasks: bool = False) -> None:
+        self.plane, self.tasks = plane, tasks
         self.parts: list[bytes] = []
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -149,7 +171,15 @@ class _Http(asyncio.Protocol):
         except msgspec.DecodeError as exc:
             self.answer(400, {"error": f"not JSON: {exc}"})
             return
-        self.plane.call(self, obj)
+        if self.tasks:
+            asyncio.get_running_loop().create_task(self._served(obj))
+        else:
+            self.plane.call(self, obj)
+
+    async def _served(self, obj: Any) -> None:
+        waiter = _Waiter()
+        self.plane.call(waiter, obj)
+        self.answer(*await waiter.done)
 
     def answer(self, status: int, obj: Any) -> None:
         if self.transport is None:
@@ -160,17 +190,18 @@ class _Http(asyncio.Protocol):
                              % (status, _REASONS[status], len(data), data))
 
 
-async def serve(port: int, plane_address: str) -> tuple[asyncio.Server, _Plane]:
+async def serve(port: int, plane_address: str, tasks: bool = False
+                ) -> tuple[asyncio.Server, _Plane]:
     """Serves on 127.0.0.1:``port`` (0: any) in this loop; its server and plane."""
     plane = _Plane()
     await plane.connect(plane_address)
     server = await asyncio.get_running_loop().create_server(
-        lambda: _Http(plane), "127.0.0.1", port)
+        lambda: _Http(plane, tasks), "127.0.0.1", port)
     return server, plane
 
 
-async def _main(port: int, plane_address: str) -> None:
-    server, plane = await serve(port, plane_address)
+async def _main(port: int, plane_address: str, tasks: bool) -> None:
+    server, plane = await serve(port, plane_address, tasks)
     assert plane.reader is not None
     async with server:
         await plane.reader  # the worker's connection lost: nothing left to measure
@@ -181,7 +212,7 @@ def main() -> None:
     import uvloop
 
     uvloop.install()
-    asyncio.run(_main(int(sys.argv[1]), sys.argv[2]))
+    asyncio.run(_main(int(sys.argv[1]), sys.argv[2], "--tasks" in sys.argv[3:]))
 
 
 if __name__ == "__main__":

@@ -51,10 +51,11 @@ async def _plane() -> tuple[asyncio.Server, list[asyncio.Task[None]]]:
     return server, tasks
 
 
-async def test_answers_errors_and_a_lost_worker() -> None:
+@pytest.mark.parametrize("in_tasks", [False, True])
+async def test_answers_errors_and_a_lost_worker(in_tasks: bool) -> None:
     plane_server, tasks = await _plane()
     port = plane_server.sockets[0].getsockname()[1]
-    server, plane = await proxy_floor.serve(0, f"127.0.0.1:{port}")
+    server, plane = await proxy_floor.serve(0, f"127.0.0.1:{port}", tasks=in_tasks)
     http = LeanHttp("127.0.0.1", server.sockets[0].getsockname()[1])
     body = {"model": "m", "max_tokens": 2, "temperature": 0}
     try:
