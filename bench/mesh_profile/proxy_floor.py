@@ -24,7 +24,7 @@ Contract:
   the answer.
 - No routing, no checks of the OpenAI surface, no metrics, tracing, disconnect handling
   or migration: what kvmesh's frontend does on top of this is its own cost. A measuring
-  stick (:mod:`bench.mesh_profile.added_floor`), not a server. Loopback only.
+  stick (:mod:`bench.frontend_vs_dynamo.added`), not a server. Loopback only.
 """
 
 from __future__ import annotations
@@ -77,9 +77,13 @@ class _Plane:
             http.answer(502, {"error": f"the worker's connection is gone: {self.gone}"})
             return
         self.next += 1
+        try:
+            self.proto.write(worker_pb2.GenerateFrames(frames=[worker_pb2.GenerateFrame(
+                call_id=self.next, request=req)]).SerializeToString())
+        except ConnectionError as exc:  # lost, the reader not told yet
+            http.answer(502, {"error": f"the worker's connection is gone: {exc}"})
+            return
         self.calls[self.next] = (http, [], [])
-        self.proto.write(worker_pb2.GenerateFrames(frames=[worker_pb2.GenerateFrame(
-            call_id=self.next, request=req)]).SerializeToString())
 
     async def _read(self, proto: FramedProtocol) -> None:
         why = "the worker closed it"

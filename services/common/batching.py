@@ -103,13 +103,13 @@ class Outbox(Generic[T]):
         only = items[0] if len(items) == 1 else None
         batch: list[T]
         if only is not None:  # the usual: one item
-            end, batch, size = 1, [only], only.ByteSize()
+            end, batch = 1, [only]
         else:
             end = items.index(None) if None in items else len(items)
             batch = [i for i in items[:end] if i is not None]
-            size = sum(i.ByteSize() for i in batch)
         assert self._write_nowait is not None
         try:
+            size = only.ByteSize() if only is not None else sum(i.ByteSize() for i in batch)
             if batch and size <= self._limit and self._write_nowait(batch):
                 items = items[end:]
         except Exception:  # a bug: said, and the writer task sends them (or fails too)

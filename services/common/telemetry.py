@@ -32,6 +32,16 @@ Contract:
   id and the parent's unsampled flag and trace state, exactly what the SDK's
   ``parentbased_always_off`` sampler would make, at a fraction of its cost. Any other
   span (sampled parent, or not lean) is the SDK's.
+- **The current context, read directly**: :func:`current_span_context` is
+  ``trace.get_current_span(ctx).get_span_context()``, :func:`span_in_context` is
+  ``trace.set_span_in_context(span)``, ``attach`` / :func:`detach` are
+  ``opentelemetry.context.attach`` / ``detach`` (a token that cannot be reset logged on
+  OpenTelemetry's context logger, not raised, as there), and the sampled and baggage
+  checks here read the same values, in a few C calls instead of OpenTelemetry's layers of
+  Python ones (a request's path asks a dozen times). With OpenTelemetry's default
+  runtime context (its ContextVar, found at import) and its own span classes; with
+  another runtime context (``OTEL_PYTHON_CONTEXT``) or span class, OpenTelemetry's
+  functions themselves.
 - gRPC spans come from opentelemetry-instrumentation-grpc interceptors, wired in
   ``services.common.server`` (servers) and ``services.common.grpc_client`` (clients).
 """
@@ -64,7 +74,8 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
 from opentelemetry.trace.propagation import _SPAN_KEY
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-log = logging.getLogger(__name__)
+# OpenTelemetry's detach logs a failed reset here: so does ours, for the same filters
+_context_log = logging.getLogger("opentelemetry.context")
 
 _lock = threading.Lock()
 _provider: TracerProvider | None = None
@@ -145,7 +156,7 @@ def detach(token: Token[Context]) -> None:
     try:
         _CURRENT.reset(token)
     except Exception:
-        log.exception("Failed to detach context")
+        _context_log.exception("Failed to detach context")
 
 
 def span_in_context(span: trace.Span) -> Context:

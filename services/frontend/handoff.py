@@ -271,7 +271,8 @@ def _rpc_reason(exc: BaseException) -> str:
 
 
 class _Run:
-    """One :func:`run_plan`: the machine, its event queue and the tasks it started."""
+    """One :func:`run_plan`: the machine, the tasks it started and (P/D) its event
+    queue."""
 
     # P/D only (an aggregated run reads its one call in the consumer's task: neither)
     events: asyncio.Queue[hm.Event]

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 from dataclasses import dataclass
 
+import pytest
+
 from services.common.batching import Outbox, queued_batches
 
 
@@ -126,3 +128,27 @@ async def test_an_outbox_not_direct_or_closed_leaves_the_callback_out() -> None:
     writer.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await writer
+
+
+class Unsized(Item):
+    def ByteSize(self) -> int:  # noqa: N802 - protobuf's name
+        raise RuntimeError("no size")
+
+
+async def test_an_outbox_s_lone_item_takes_the_callback_within_the_limit_only(
+        caplog: pytest.LogCaptureFixture) -> None:
+    conn = Conn()
+    box: Outbox[Item] = Outbox(conn.write, conn.write_nowait, limit_bytes=10)
+    writer = asyncio.ensure_future(box.run())
+    box.post(Item("a", 10))
+    await turn()
+    assert conn.sent == [("now", ["a"])]
+    box.post(Item("big", 11))  # alone and over the limit: the writer task's
+    await turn()
+    await turn()
+    assert conn.sent[1:] == [("task", ["big"])]
+    box.post(Unsized("odd", 0))  # a size that raises: said, and the writer task's
+    await turn()
+    assert "sending 1 items from the loop callback failed" in caplog.text
+    with pytest.raises(RuntimeError, match="no size"):
+        await asyncio.wait_for(writer, 10)  # the writer fails too: nothing hangs

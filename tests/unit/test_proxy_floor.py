@@ -77,6 +77,8 @@ async def test_answers_errors_and_a_lost_worker(in_tasks: bool) -> None:
         http.close()
         server.close()
         plane_server.close()
+        assert plane.proto is not None
+        plane.proto.close()  # a failure before [3] leaves it open
         if plane.reader is not None:
             await asyncio.gather(plane.reader, return_exceptions=True)
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -102,6 +104,30 @@ async def test_a_body_that_is_not_json_is_a_400() -> None:
         plane_server.close()
         assert plane.proto is not None
         plane.proto.close()
+        if plane.reader is not None:
+            await asyncio.gather(plane.reader, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_call_on_a_connection_lost_unseen_is_a_502() -> None:
+    """The worker's connection closed, its reader not told yet: the call is answered
+    502 at once, not left waiting (with a task per request, its task is woken)."""
+    plane_server, tasks = await _plane()
+    port = plane_server.sockets[0].getsockname()[1]
+    server, plane = await proxy_floor.serve(0, f"127.0.0.1:{port}", tasks=True)
+    assert plane.proto is not None and plane.proto.transport is not None
+    answers: list[tuple[int, object]] = []
+
+    class Sink:
+        def answer(self, status: int, obj: object) -> None:
+            answers.append((status, obj))
+    try:
+        plane.proto.transport.close()
+        plane.call(Sink(), {"model": "m", "prompt": [1], "max_tokens": 1})
+        assert [a[0] for a in answers] == [502] and not plane.calls
+    finally:
+        server.close()
+        plane_server.close()
         if plane.reader is not None:
             await asyncio.gather(plane.reader, return_exceptions=True)
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -3,13 +3,16 @@ OpenTelemetry's API, with its default runtime context and without it."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 from collections.abc import Iterator
 
 import pytest
 from opentelemetry import baggage, trace
 from opentelemetry import context as otel_context
+from opentelemetry.baggage import _BAGGAGE_KEY
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace import Span as SdkSpan
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.trace.propagation import _SPAN_KEY
 
@@ -21,6 +24,10 @@ class _OddSpan(trace.NonRecordingSpan):
 
     def get_span_context(self) -> trace.SpanContext:
         return trace.SpanContext(7, 8, False, trace.TraceFlags(1))
+
+
+class _SdkSubSpan(SdkSpan):
+    """A subclass of the SDK's span: its context is not read directly either."""
 
 
 def _contexts() -> Iterator[tuple[str, Context]]:
@@ -41,6 +48,9 @@ def _contexts() -> Iterator[tuple[str, Context]]:
     yield "baggage", baggage.set_baggage("tenant", "a", trace.set_span_in_context(
         unsampled, Context()))
     yield "empty baggage", baggage.clear(Context())
+    yield "baggage not a dict", Context({_BAGGAGE_KEY: "oops"})
+    yield "sdk subclass", trace.set_span_in_context(_SdkSubSpan("sub", sdk.get_span_context()),
+                                                    Context())
 
 
 @pytest.fixture(params=["runtime var", "api"])
@@ -95,6 +105,13 @@ def test_detach_twice_is_logged_not_raised(mode: str, caplog: pytest.LogCaptureF
     assert otel_context.get_current() is before
     with caplog.at_level(logging.ERROR):
         telemetry.detach(token)  # a token used already: OpenTelemetry logs it too
+    assert [r.name for r in caplog.records] == ["opentelemetry.context"]  # its logger
+    assert "Failed to detach context" in caplog.text
+    assert otel_context.get_current() is before
+    caplog.clear()
+    elsewhere = contextvars.copy_context().run(telemetry.attach, Context())
+    with caplog.at_level(logging.ERROR):
+        telemetry.detach(elsewhere)  # another context's token: logged, not raised
     assert "Failed to detach context" in caplog.text
     assert otel_context.get_current() is before
 
