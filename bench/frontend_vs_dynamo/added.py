@@ -70,14 +70,15 @@ from bench.frontend_vs_dynamo.dynamo_side import (
 from bench.router_overhead.lean import LeanHttp, PlaneClient
 from bench.router_overhead.run import (
     MODEL,
+    PORT,
     Rounds,
     Timed,
     paced_rounds,
     prompt,
     start_mesh,
+    start_server,
 )
 from protos import common_pb2, worker_pb2
-from services.common.procs import free_port, port_open, spawn, wait_until
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 DIRECT = Path(__file__).with_name("dynamo_direct.py")
@@ -303,17 +304,6 @@ async def measure(kv_url: str, kv_planes: list[str], dyn_url: str, caller: Direc
             await plane.close()
 
 
-def start_floor(stack: contextlib.ExitStack, plane: str, logs: Path) -> str:
-    """The floor (:mod:`bench.mesh_profile.proxy_floor`) in front of ``plane``, a child
-    stopped by PID with ``stack``; its URL."""
-    port = free_port()
-    child = spawn("proxy-floor", [sys.executable, "-m", "bench.mesh_profile.proxy_floor",
-                                  str(port), plane], logs)
-    stack.callback(child.stop)
-    wait_until(lambda: port_open("127.0.0.1", port), child, 60, "the floor to listen")
-    return f"http://127.0.0.1:{port}"
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from workers.model.tiny import ensure_tiny_model
 
@@ -329,7 +319,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                              workers=args.workers))
         caller = DirectCaller(install["python"], dynamo_env(dyn.tmp / "kv"),
                               dyn.tmp / "logs" / "direct-caller.log")
-        floor_url = start_floor(stack, kv.planes[0], dyn.tmp / "logs")
+        # the floor (module docstring) in front of kvmesh's first worker
+        floor_url = start_server(stack, "proxy-floor", "bench.mesh_profile.proxy_floor",
+                                 [PORT, kv.planes[0]], dyn.tmp / "logs")
 
         async def go() -> dict[str, Rounds]:
             try:

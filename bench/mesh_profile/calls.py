@@ -29,7 +29,6 @@ Contracts:
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from collections import Counter
@@ -39,9 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.mesh import BenchMesh
-from bench.mesh_profile import run as mesh_run
-from bench.mesh_profile.stages import _load
+from bench.mesh_profile.stages import record_lone
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 WARMUP = 100
@@ -102,18 +99,8 @@ def summarize(windows: Sequence[tuple[Sequence[Call], Sequence[Call]]]) -> dict[
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    mesh_args = argparse.Namespace(router="embedded", worker_transport="tcp")
-    with BenchMesh("mcalls") as mesh:
-        out_dir = mesh.tmp / "calls"
-        out_dir.mkdir()
-        url, children = mesh_run.start(mesh, mesh_args, out_dir,
-                                       runner="bench.mesh_profile.calltrace")
-        asyncio.run(_load(url, WARMUP, 0.01, 1_000_000))
-        mesh_run._snapshot(children, out_dir, 1)
-        requests = asyncio.run(_load(url, args.requests, 0.05, 0))
-        mesh_run._snapshot(children, out_dir, 2)
-        logs = {name: json.loads((out_dir / f"{name}.calls.json").read_text())
-                for name in ("frontend", "fleet")}
+    requests, logs = record_lone("bench.mesh_profile.calltrace", "calls.json", args.requests,
+                                 0.05, WARMUP, 0.01)
 
     def window(calls: list[Call], sent: int, answered: int) -> list[Call]:
         return [c for c in calls if sent <= c[0] <= answered]

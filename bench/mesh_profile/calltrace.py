@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from bench.mesh_profile.prof import command_line, run_module
+from bench.mesh_profile.prof import command_line, record_between_signals
 
 _log: list[tuple[int, str, str]] = []
 
@@ -32,19 +32,12 @@ def _hook(frame: FrameType, event: str, _: Any) -> None:
 
 def main() -> None:
     prefix, module = command_line()
-    signals = 0
 
-    def snapshot(*_: object) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            sys.setprofile(_hook)
-        elif signals == 2:
-            sys.setprofile(None)
-            Path(f"{prefix}.calls.json").write_text(json.dumps(_log))
-        Path(f"{prefix}.{signals}.done").touch()
+    def stop_and_write() -> None:
+        sys.setprofile(None)
+        Path(f"{prefix}.calls.json").write_text(json.dumps(_log))
 
-    run_module(module, snapshot)
+    record_between_signals(prefix, module, lambda: sys.setprofile(_hook), stop_and_write)
 
 
 if __name__ == "__main__":

@@ -109,6 +109,25 @@ def run_module(module: str, on_sigusr1: Callable[..., None]) -> None:
         pass
 
 
+def record_between_signals(prefix: str, module: str, start: Callable[[], None],
+                           stop_and_write: Callable[[], None]) -> None:
+    """Runs ``module`` here: the first SIGUSR1 calls ``start``, the second
+    ``stop_and_write``; the k-th signal then writes ``<prefix>.k.done`` (the runners of
+    :mod:`.stamps` and :mod:`.calltrace`)."""
+    signals = 0
+
+    def on_signal(*_: object) -> None:
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            start()
+        elif signals == 2:
+            stop_and_write()
+        Path(f"{prefix}.{signals}.done").touch()
+
+    run_module(module, on_signal)
+
+
 def main() -> None:
     prefix, module = command_line()
 

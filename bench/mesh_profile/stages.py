@@ -89,20 +89,31 @@ async def _load(url: str, n: int, gap_s: float, offset: int) -> list[tuple[int, 
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def record_lone(runner: str, suffix: str, n: int, gap_s: float, warmup: int = WARMUP,
+                warmup_gap_s: float | None = None
+                ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    """The embedded mesh of :func:`bench.mesh_profile.run.start` with its frontend and fleet
+    under ``runner`` (recording between two SIGUSR1s); ``warmup`` lone requests
+    ``warmup_gap_s`` apart (default ``gap_s``), then ``n`` recorded ones ``gap_s`` apart:
+    their (send, answer) ns and each child's ``<name>.<suffix>`` file, parsed, by name."""
     mesh_args = argparse.Namespace(router="embedded", worker_transport="tcp")
-    with BenchMesh("mstages") as mesh:
-        stamps_dir = mesh.tmp / "stamps"
-        stamps_dir.mkdir()
-        url, children = mesh_run.start(mesh, mesh_args, stamps_dir,
-                                       runner="bench.mesh_profile.stamps")
-        gap = args.gap_ms / 1e3
-        asyncio.run(_load(url, WARMUP, gap, 1_000_000))
-        mesh_run._snapshot(children, stamps_dir, 1)
-        requests = asyncio.run(_load(url, args.requests, gap, 0))
-        mesh_run._snapshot(children, stamps_dir, 2)
-        stamps = {tag: json.loads((stamps_dir / f"{name}.stamps.json").read_text())
-                  for tag, name in (("F", "frontend"), ("W", "fleet"))}
+    with BenchMesh("mlone") as mesh:
+        out_dir = mesh.tmp / "recorded"
+        out_dir.mkdir()
+        url, children = mesh_run.start(mesh, mesh_args, out_dir, runner=runner)
+        asyncio.run(_load(url, warmup, gap_s if warmup_gap_s is None else warmup_gap_s,
+                          1_000_000))
+        mesh_run._snapshot(children, out_dir, 1)
+        requests = asyncio.run(_load(url, n, gap_s, 0))
+        mesh_run._snapshot(children, out_dir, 2)
+        return requests, {name: json.loads((out_dir / f"{name}.{suffix}").read_text())
+                          for name in ("frontend", "fleet")}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    requests, logs = record_lone("bench.mesh_profile.stamps", "stamps.json", args.requests,
+                                 args.gap_ms / 1e3)
+    stamps = {"F": logs["frontend"], "W": logs["fleet"]}
     report: dict[str, Any] = {"benchmark": "mesh_stages", "requests": args.requests,
                               "gap_ms": args.gap_ms, "router": "embedded",
                               "engine": "mock (zero timing), 2 workers"}

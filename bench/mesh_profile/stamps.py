@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.mesh_profile.prof import command_line, run_module, wrap_function
+from bench.mesh_profile.prof import command_line, record_between_signals, wrap_function
 
 # (module, function or Class.method): a non-streamed completion's steps, in order
 FRONTEND_STEPS: tuple[tuple[str, str], ...] = (
@@ -144,19 +144,12 @@ def recorded() -> list[tuple[int, str, str]]:
 def main() -> None:
     prefix, module = command_line()
     install(steps_for(module))
-    signals = 0
 
-    def snapshot(*_: object) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            set_recording(True)
-        elif signals == 2:
-            set_recording(False)
-            Path(f"{prefix}.stamps.json").write_text(json.dumps(recorded()))
-        Path(f"{prefix}.{signals}.done").touch()
+    def stop_and_write() -> None:
+        set_recording(False)
+        Path(f"{prefix}.stamps.json").write_text(json.dumps(recorded()))
 
-    run_module(module, snapshot)
+    record_between_signals(prefix, module, lambda: set_recording(True), stop_and_write)
 
 
 if __name__ == "__main__":

@@ -574,15 +574,27 @@ def start_mesh(stack: contextlib.ExitStack, mode: str, args: argparse.Namespace)
                   [c.pid for c in mesh.children], [w.request_plane_address for w in listed])
 
 
+PORT = "{port}"  # start_server's placeholder for the free port in a child's arguments
+
+
+def start_server(stack: contextlib.ExitStack, name: str, module: str, argv: Sequence[str],
+                 logs: Path | None = None) -> str:
+    """``python -m module *argv`` (:data:`PORT` in ``argv``: a free loopback port), a child
+    serving HTTP on that port, stopped by PID with ``stack``, its output in ``logs``
+    (default a fresh temporary folder); its URL once it listens."""
+    port = free_port()
+    logs = logs or Path(tempfile.mkdtemp(prefix=f"kvmesh-{name}-"))
+    child = spawn(name, [sys.executable, "-m", module,
+                         *(str(port) if a == PORT else a for a in argv)], logs)
+    stack.callback(child.stop)
+    wait_until(lambda: port_open("127.0.0.1", port), child, 60, f"{name} to listen")
+    return f"http://127.0.0.1:{port}"
+
+
 def start_http_floor(stack: contextlib.ExitStack) -> str:
     """The HTTP floor's server (module docstring), stopped by PID with ``stack``; its URL."""
-    port = free_port()
-    logs = Path(tempfile.mkdtemp(prefix="kvmesh-rovh-floor-"))
-    child = spawn("floor-http", [sys.executable, "-m", "bench.mesh_profile.floors", "--serve",
-                                 "http", str(port)], logs)
-    stack.callback(child.stop)
-    wait_until(lambda: port_open("127.0.0.1", port), child, 60, "the HTTP floor to listen")
-    return f"http://127.0.0.1:{port}"
+    return start_server(stack, "floor-http", "bench.mesh_profile.floors",
+                        ["--serve", "http", PORT])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
