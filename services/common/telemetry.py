@@ -349,7 +349,7 @@ class _LeanTracer(trace.Tracer):
                     set_status_on_exception, end_on_exit) as real:
                 yield real
             return
-        token = attach(trace.set_span_in_context(span))  # as use_span does
+        token = attach(span_in_context(span))  # as use_span does
         try:
             yield span
         finally:

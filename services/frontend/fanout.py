@@ -10,8 +10,8 @@ Shared by the HTTP and gRPC APIs. Contract of :func:`run(pipeline, req)`, which 
   becomes its own mesh request, streamed by :meth:`Pipeline.stream` under one
   ``frontend.request`` span: request id ``<id>-<index>`` (``<id>`` the client's
   ``request_id`` or 32 fresh random hex digits; the response's id is ``<id>``), routed
-  by the router like any request. Choices are started together, so the router decides where each
-  goes: the KV-aware policy, which counts the prefixes it routed recently, tends to put
+  by the router like any request. Choices are started together, so the router decides
+  where each goes: the KV-aware policy, which counts the prefixes it routed recently, tends to put
   the choices of one prompt on the worker that holds (or is computing) that prompt, and
   a batch's different prompts spread over workers by load. Nothing is pinned.
 - **Index** as OpenAI's: ``prompt_index * n + choice``. **Seeds**: a given ``seed``

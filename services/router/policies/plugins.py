@@ -77,8 +77,8 @@ def decode_blocks(w: WorkerState) -> float:
 def kv_cost(w: WorkerState, overlap_weight: float = 1.0,
             credits: Mapping[str, float] = DEFAULT_TIER_CREDIT) -> float:
     """Dynamo's cost of sending the prompt to ``w`` (lower is better). The router's
-    compact decision (:func:`services.router.plain.route_plain`) computes the same from the same
-    numbers: change both."""
+    compact decision (:func:`services.router.plain.route_plain`) computes the same from
+    the same numbers: change both."""
     prefill = max(w.prompt_blocks - credited_overlap(w, credits), 0.0)
     return overlap_weight * prefill + decode_blocks(w)
 
