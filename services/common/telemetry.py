@@ -202,6 +202,13 @@ def may_record(ctx: Context | None = None) -> bool:
     return not _lean or bool(current_span_context(ctx)[3] & trace.TraceFlags.SAMPLED)
 
 
+def records_nothing() -> bool:
+    """True when a span started now (in the current context) is certain not to record:
+    :func:`may_record` says so, or no SDK provider is installed (OpenTelemetry's proxy
+    provider, whose spans never record)."""
+    return not may_record() or type(trace.get_tracer_provider()) is trace.ProxyTracerProvider
+
+
 _HEX = frozenset("0123456789abcdef")
 # (global textmap seen last, whether it is OpenTelemetry's default: W3C trace context then
 # W3C baggage, exactly those classes)

@@ -264,7 +264,7 @@ def _predicted_tokens(route: router_pb2.RouteResponse, prefill: bool) -> int:
     return blocks * route.block_size
 
 
-def _rpc_reason(exc: BaseException) -> str:
+def rpc_reason(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"failed: {exc.code().name}: {exc.details()}"
     return f"failed: {type(exc).__name__}: {exc}"
@@ -340,7 +340,7 @@ class _Run:
                 except StopAsyncIteration:
                     event = hm.DecodeEnded()
                 except Exception as exc:  # every failure becomes an event
-                    event = hm.DecodeFailed(_rpc_reason(exc), exc)
+                    event = hm.DecodeFailed(rpc_reason(exc), exc)
                 else:
                     event = hm.DecodeChunk(resp, _finished(resp))
                 for effect in machine.handle(event):
@@ -423,22 +423,7 @@ class _Run:
         return resp
 
     def _error(self, fail: hm.Fail) -> HandoffError:
-        choice = self.route.prefill if fail.stage == "prefill" else self.route.worker
-        if fail.stage == "timeout":
-            message = (f"decode worker {choice.instance_id} ({choice.address}) got no pushed "
-                       f"KV from prefill worker {self.route.prefill.instance_id} within "
-                       f"{PUSH_TIMEOUT_S}s")
-        else:
-            role = {"agg": "worker", "prefill": "prefill worker",
-                    "decode": "decode worker"}[fail.stage]
-            message = f"{role} {choice.instance_id} ({choice.address}) {fail.reason}"
-        err = fail.error
-        code = err.code() if isinstance(err, grpc.aio.AioRpcError) else None
-        out = HandoffError(message, stage=fail.stage, instance_id=choice.instance_id,
-                           address=choice.address, code=code)
-        if isinstance(err, BaseException):
-            out.__cause__ = err
-        return out
+        return plan_error(self.route, fail.stage, fail.reason, fail.error)
 
     # tasks: each turns one call's outcome into events ---------------------------------
 
@@ -448,14 +433,7 @@ class _Run:
 
     def _generate(self, choice: router_pb2.WorkerChoice,
                   request: worker_pb2.GenerateRequest) -> Any:
-        """The worker's Generate call: with ``streams``, on its request plane (when it
-        has one and the streams use them) or its GenerateMux, else a gRPC call of its own
-        (the same responses and errors; :mod:`.worker_stream`)."""
-        if self.streams is not None:
-            return self.streams.generate(choice.address, request, WORKER_TIMEOUT_S,
-                                         choice.request_plane_address)
-        return worker_pb2_grpc.WorkerStub(self.pool.get(choice.address)).Generate(
-            request, timeout=WORKER_TIMEOUT_S)
+        return generate(self.pool, self.streams, choice, request)
 
     async def _prefill(self) -> None:
         choice, mode = self.route.prefill, self.mode
@@ -500,7 +478,7 @@ class _Run:
                 if isinstance(event, hm.PrefillFailed):
                     span.set_status(Status(StatusCode.ERROR, event.reason))
         except Exception as exc:  # every failure becomes an event
-            event = hm.PrefillFailed(_rpc_reason(exc), exc)
+            event = hm.PrefillFailed(rpc_reason(exc), exc)
         self.p_settled.set()
         if isinstance(event, hm.PrefillDone) and mode not in PUSH_LIKE:
             last = event.result  # type: ignore[assignment]
@@ -544,7 +522,7 @@ class _Run:
             finally:
                 call.cancel()
         except Exception as exc:  # every failure becomes an event
-            event = hm.DecodeFailed(_rpc_reason(exc), exc)
+            event = hm.DecodeFailed(rpc_reason(exc), exc)
         finally:
             (xfer if decode is None else decode).end()
         self.events.put_nowait(event)
@@ -564,6 +542,40 @@ class _Run:
                 if span is not None:
                     span.set_attribute("kvmesh.d_hit_tokens", resp.usage.cached_tokens)
         return decode
+
+
+def plan_error(route: router_pb2.RouteResponse, stage: str, reason: str,
+               error: object = None) -> HandoffError:
+    """The HandoffError of ``route``'s ``stage`` ("agg", "prefill", "decode" or
+    "timeout") failing for ``reason``; ``error``: the call's exception, if any (its
+    ``__cause__``; an AioRpcError gives its code)."""
+    choice = route.prefill if stage == "prefill" else route.worker
+    if stage == "timeout":
+        message = (f"decode worker {choice.instance_id} ({choice.address}) got no pushed "
+                   f"KV from prefill worker {route.prefill.instance_id} within "
+                   f"{PUSH_TIMEOUT_S}s")
+    else:
+        role = {"agg": "worker", "prefill": "prefill worker",
+                "decode": "decode worker"}[stage]
+        message = f"{role} {choice.instance_id} ({choice.address}) {reason}"
+    code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
+    out = HandoffError(message, stage=stage, instance_id=choice.instance_id,
+                       address=choice.address, code=code)
+    if isinstance(error, BaseException):
+        out.__cause__ = error
+    return out
+
+
+def generate(pool: ChannelPool, streams: WorkerStreams | None,
+             choice: router_pb2.WorkerChoice, request: worker_pb2.GenerateRequest) -> Any:
+    """The worker's Generate call: with ``streams``, on its request plane (when it has one
+    and the streams use them) or its GenerateMux, else a gRPC call of its own (the same
+    responses and errors; :mod:`.worker_stream`)."""
+    if streams is not None:
+        return streams.generate(choice.address, request, WORKER_TIMEOUT_S,
+                                choice.request_plane_address)
+    return worker_pb2_grpc.WorkerStub(pool.get(choice.address)).Generate(
+        request, timeout=WORKER_TIMEOUT_S)
 
 
 def run_plan(pool: ChannelPool, req: Request, route: router_pb2.RouteResponse,

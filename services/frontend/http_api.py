@@ -58,6 +58,7 @@ from starlette.requests import ClientDisconnect
 from services.frontend import fanout, json_codec, tool_chat
 from services.frontend.auth import ApiKeys, Tenant, Unauthorized
 from services.frontend.direct_posts import DISCONNECT_WATCH, DisconnectWatch
+from services.frontend.express import Express, Handover
 from services.frontend.fanout import FanJob, Tally
 from services.frontend.jobs import Chunk
 from services.frontend.json_checks import check_json
@@ -363,12 +364,14 @@ class DirectPostsApp(FastAPI):
 def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
                keys: ApiKeys | None = None, metrics_auth: bool = False,
                metrics_keys: ApiKeys | None = None,
-               responses_store: ResponseStore | None = None) -> DirectPostsApp:
+               responses_store: ResponseStore | None = None,
+               express: bool = True) -> DirectPostsApp:
     """The FastAPI application serving ``pipeline`` under ``limits`` (defaults if None),
     behind ``keys`` (None or none configured: open; ``metrics_auth``: ``/metrics`` too,
     where ``metrics_keys`` are accepted as well: keys that read metrics and nothing else,
     e.g. a planner's, so a scraper needs no user's key), storing Responses API objects in
-    ``responses_store`` (None: ``store: true`` is a 400)."""
+    ``responses_store`` (None: ``store: true`` is a 400); ``express``: plain completions
+    take :mod:`.express`'s path (False: every request the general path)."""
     lim = limits or HttpLimits()
     auth = keys or ApiKeys(())
     scrapers = metrics_keys or ApiKeys(())
@@ -427,6 +430,12 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
         """Runs ``req``: the response dict, or (``stream``) the iterator of chunk dicts
         (see :func:`_chunk_objects`); an error before the first chunk is raised."""
         fan, chunks = await fanout.run(pipeline, with_tenant(req, who.cache_salt))
+        return await _consume(fan, chunks)
+
+    async def _consume(fan: FanJob, chunks: AsyncIterator[tuple[int, Chunk]]
+                       ) -> dict[str, Any] | AsyncIterator[dict[str, Any]]:
+        """:func:`_objects` of the request's chunks."""
+        req = fan.req
         try:
             shapes = Shapes(fan, await _speller(fan))
         except BaseException:
@@ -490,8 +499,23 @@ def create_app(pipeline: Pipeline, limits: HttpLimits | None = None,
             return None
         return await asyncio.to_thread(pipeline.catalog.tokenizer, fan.prompts[0].model)
 
-    def run_completion(body: Any, who: Tenant) -> Coroutine[Any, Any, Response]:
-        return _serve(parse_completion(body), who)
+    # (a stand-in of the pipeline, e.g. a test's, has no express path)
+    fast = Express(pipeline) if express and isinstance(pipeline, Pipeline) else None
+
+    async def run_completion(body: Any, who: Tenant) -> Response:
+        """A completion body: the express path's answer when it serves the body, else
+        the general path's (see :mod:`.express`)."""
+        plain = fast.accept(body) if fast is not None else None
+        if plain is not None:
+            assert fast is not None
+            out = await fast.run(plain, who.cache_salt)
+            if isinstance(out, Handover):  # handed over: the general path's consumer
+                answer = await _consume(out.fan, out.chunks)
+                assert isinstance(answer, dict)  # (a plain request is not streamed)
+                return JsonAnswer(answer)
+            if out is not None:
+                return JsonAnswer(out)
+        return await _serve(parse_completion(body), who)
 
     def run_chat_body(body: Any, who: Tenant) -> Coroutine[Any, Any, Response]:
         return _serve(parse_chat(body, pipeline.image_limits), who)

@@ -9,17 +9,23 @@ Contract:
   match what the job asked; :func:`predicted_cached_tokens` is the router's predicted
   cache hit in the tokens the client's ``cached_tokens`` counts; :data:`FINISH_NAMES`
   maps the worker's finish reasons to OpenAI's.
+- :class:`Prior`: a job's first attempt as the express path left it, handed to the
+  pipeline's general stream.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from protos import common_pb2, router_pb2, worker_pb2
 from services.frontend import vllm_extras
 from services.frontend.images import MmPrompt
 from services.frontend.models import ModelInfo
 from services.frontend.openai_schema import ApiError, ParsedRequest
+
+if TYPE_CHECKING:  # failures imports handoff, which imports this module
+    from services.frontend.failures import WorkerFailure
 
 FINISH_NAMES = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -57,6 +63,24 @@ class Chunk:
     predicted_cached_tokens: int = 0
     logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
     prompt_logprobs: list[common_pb2.PositionLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Prior:
+    """A job's first attempt as the express path (:mod:`.express`) left it, for
+    :meth:`Pipeline.stream <services.frontend.pipeline.Pipeline.stream>` to go on from:
+    routed to ``route`` as ``mesh_id`` and not run (``failure`` None), or failed
+    (``failure``, its ``cause``; its entry released, its calls ended) after the tokens
+    ``generated`` went to the client, the stream having started at ``started`` and its
+    last tokens come at ``last_at`` (monotonic seconds)."""
+
+    mesh_id: str
+    route: router_pb2.RouteResponse
+    failure: WorkerFailure | None = None
+    cause: BaseException | None = None
+    generated: tuple[int, ...] = ()
+    started: float = 0.0
+    last_at: float = 0.0
 
 
 def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size: int) -> int:

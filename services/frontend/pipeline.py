@@ -154,6 +154,7 @@ from services.frontend.jobs import (
     FINISH_NAMES,
     Chunk,
     Job,
+    Prior,
     check_logprobs,
     predicted_cached_tokens,
     sampling_proto,
@@ -355,6 +356,15 @@ class Pipeline:
         except grpc.aio.AioRpcError as exc:
             log.warning("router Release(%s) failed: %s", request_id, exc.code().name)
 
+    def router(self) -> Any:
+        """The router's stub: the in-process one, else one on the pooled channel to the
+        router at ``router_address()``; None when there is none."""
+        if self._router_stub is not None:
+            return self._router_stub
+        address = self._router_address()
+        return router_pb2_grpc.RouterStub(self._pool.get(address, "router")) if address \
+            else None
+
     @property
     def catalog(self) -> ModelCatalog:
         return self._catalog
@@ -538,16 +548,16 @@ class Pipeline:
                 raise err from exc
             raise status_error(exc.code(), exc.details() or "", "router") from exc
 
-    async def stream(self, job: Job, ctx: Context | None = None) -> AsyncIterator[Chunk]:
+    async def stream(self, job: Job, ctx: Context | None = None,
+                     prior: Prior | None = None) -> AsyncIterator[Chunk]:
         """Routes and streams the job, migrating it when a worker fails; see the module
         docstring. ``ctx`` is the trace context the router and worker calls are made in
-        (default: the current one)."""
-        router = self._router_stub
+        (default: the current one). ``prior``: the job's first attempt as the express
+        path (:mod:`.express`) left it: routed, not run (its route is attempt 0's), or
+        failed (then this goes on as after that failure: the error, or attempt 1)."""
+        router = self.router()
         if router is None:
-            router_addr = self._router_address()
-            if not router_addr:
-                raise ApiError(503, "no router is available", type="service_unavailable")
-            router = router_pb2_grpc.RouterStub(self._pool.get(router_addr, "router"))
+            raise ApiError(503, "no router is available", type="service_unavailable")
         sampling = sampling_proto(job)
         max_tokens = sampling.max_tokens
         generated: list[int] = []  # every token the client got, across attempts
@@ -560,12 +570,22 @@ class Pipeline:
         final: tuple[Chunk, router_pb2.RouteResponse] | None = None
         first_token = True
         prompt_sent = False  # the prompt's log-probabilities went out (first token)
+        attempts = range(self.migration_limit + 1)
         self._busy += 1
         try:
+            if prior is not None and prior.failure is not None:  # the express attempt's
+                path = "disagg" if prior.route.disaggregated else "agg"
+                started, last_at = prior.started, prior.last_at
+                generated.extend(prior.generated)
+                first_token = not generated
+                prompt_sent = bool(generated)
+                self._after_failure(router, job, prior.mesh_id, prior.failure, prior.cause,
+                                    0, generated, sampling, failed)
+                attempts = range(1, self.migration_limit + 1)
             # before any router state exists: a cancel while it loads leaks nothing
             stops = (await self._catalog.eos_token_ids(job.model)
                      if self.first_token_from_prefill else None)
-            for attempt in range(self.migration_limit + 1):
+            for attempt in attempts:
                 carried = len(generated)
                 if carried >= max_tokens:  # died after its last token, before the finish
                     finished, outcome = True, "length"
@@ -577,11 +597,14 @@ class Pipeline:
                                               length=i.length)
                             for i in (job.mm.images if job.mm is not None else ())]
                 try:
-                    route = await self._route(router, router_pb2.RouteRequest(
-                        request_id=mesh_id, model=job.req.model,
-                        max_tokens=max_tokens - carried,
-                        exclude_instance_ids=failed, cache_salt=job.cache_salt,
-                        mm_items=mm_items), job.token_ids + generated, ctx)
+                    if attempt == 0 and prior is not None:  # routed by the express path
+                        route = prior.route
+                    else:
+                        route = await self._route(router, router_pb2.RouteRequest(
+                            request_id=mesh_id, model=job.req.model,
+                            max_tokens=max_tokens - carried,
+                            exclude_instance_ids=failed, cache_salt=job.cache_salt,
+                            mm_items=mm_items), job.token_ids + generated, ctx)
                 except ApiError as err:
                     if err.type == "overloaded_error":
                         outcome = "rejected"  # counted by observe_rejection
@@ -665,19 +688,8 @@ class Pipeline:
                     if not finished:  # a failed attempt is released before the next one
                         await asyncio.shield(ending)
                 assert failure is not None
-                # A grammar's state would restart on the carried tokens: a structured
-                # request migrates only before its first token.
-                if (not failure.migratable or attempt >= self.migration_limit
-                        or (generated and sampling.HasField("structured"))):
-                    raise failure.error() from cause
-                log.info("request %s: %s worker %s failed (%s); migrating with %d tokens "
-                         "generated", job.request_id, failure.stage, failure.instance_id,
-                         failure.detail, len(generated))
-                self.metrics.migrations.labels(failure.stage).inc()
-                if failure.worker_down:
-                    self._report_failure(router, mesh_id, failure)
-                if failure.instance_id and failure.instance_id not in failed:
-                    failed.append(failure.instance_id)
+                self._after_failure(router, job, mesh_id, failure, cause, attempt, generated,
+                                    sampling, failed)
         except (GeneratorExit, asyncio.CancelledError):
             if not finished:
                 outcome = "cancelled"
@@ -692,6 +704,27 @@ class Pipeline:
                 self.metrics.observe_usage(last.prompt_tokens, last.completion_tokens)
             if outcome != "rejected":
                 self.metrics.child(self.metrics.requests, path, outcome).inc()
+
+    def _after_failure(self, router: router_pb2_grpc.RouterStub, job: Job, mesh_id: str,
+                       failure: WorkerFailure, cause: BaseException | None, attempt: int,
+                       generated: list[int], sampling: common_pb2.SamplingParams,
+                       failed: list[str]) -> None:
+        """After ``attempt`` failed (its entry released): raises the failure's error when
+        it may not migrate, else counts the migration, reports a worker that may be down
+        and adds the failed worker to ``failed``."""
+        # A grammar's state would restart on the carried tokens: a structured
+        # request migrates only before its first token.
+        if (not failure.migratable or attempt >= self.migration_limit
+                or (generated and sampling.HasField("structured"))):
+            raise failure.error() from cause
+        log.info("request %s: %s worker %s failed (%s); migrating with %d tokens "
+                 "generated", job.request_id, failure.stage, failure.instance_id,
+                 failure.detail, len(generated))
+        self.metrics.migrations.labels(failure.stage).inc()
+        if failure.worker_down:
+            self._report_failure(router, mesh_id, failure)
+        if failure.instance_id and failure.instance_id not in failed:
+            failed.append(failure.instance_id)
 
     def _finish(self, chunk: Chunk, resp: worker_pb2.GenerateResponse,
                 route: router_pb2.RouteResponse, job: Job, carried: int) -> None:
