@@ -64,6 +64,7 @@ from services.frontend.failures import worker_failure
 from services.frontend.fanout import FanJob
 from services.frontend.handoff import generate, plan_error, rpc_reason
 from services.frontend.jobs import FINISH_NAMES, Chunk, Job, Prior, predicted_cached_tokens
+from services.frontend.models import ModelInfo
 from services.frontend.openai_schema import INT32_MAX, parse_completion, with_tenant
 from services.frontend.pipeline import INLINE_PROMPT_CHARS, UNFINISHED, Pipeline
 
@@ -185,8 +186,6 @@ class Express:
                 ids = tok.encode(prompt, True)
         else:
             ids = prompt  # type: ignore[assignment]
-        if p.first_token_from_prefill and p.catalog.loaded_tokenizer(info) is None:
-            await p.catalog.eos_token_ids(info)  # as the general path: the model's EOS ids
         n, limit, max_tokens = len(ids), info.max_model_len, plain.max_tokens
         if n >= limit or n + max_tokens > limit:
             return None  # the general path's 400
@@ -195,6 +194,8 @@ class Express:
         p._busy += 1  # as the general path's stream
         started = time.monotonic()
         try:
+            if p.first_token_from_prefill and p.catalog.loaded_tokenizer(info) is None:
+                await p.catalog.eos_token_ids(info)  # as the general path's stream
             route = await p._route(router, router_pb2.RouteRequest(
                 request_id=rid, model=plain.model, max_tokens=max_tokens, cache_salt=salt),
                 ids, None)
@@ -206,17 +207,19 @@ class Express:
             raise
         if route.disaggregated:  # P/D: the general path runs attempt 0 as routed
             p._busy -= 1
-            job = self._job(plain, salt, rid, ids, created)
-            return _handover(job, [], p.stream(job, None, Prior(rid, route)))
-        call = generate(p._pool, p._streams, route.worker, worker_pb2.GenerateRequest(
-            request_id=rid, token_ids=ids, sampling=self.sampling(plain), model=plain.model,
-            cache_salt=salt, whole=True))
+            job = self._job(plain, info, salt, rid, ids, created)
+            return _handover(job, [], p.stream(job, None, Prior(
+                rid, route, router=router, started=started, last_at=started)))
         texts: list[str] = []
         tokens: list[int] = []
         done: list[Chunk] = []  # the chunks before a failure (a hand-over's first)
         last_at = started
         chunked = False
+        call = None
         try:
+            call = generate(p._pool, p._streams, route.worker, worker_pb2.GenerateRequest(
+                request_id=rid, token_ids=ids, sampling=self.sampling(plain),
+                model=plain.model, cache_salt=salt, whole=True))
             it = call.__aiter__()
             while True:
                 try:
@@ -245,8 +248,7 @@ class Express:
                 texts.append(resp.text)
                 if resp.finish_reason != UNFINISHED:
                     answer = self._answer(plain.model, rid, created, texts, resp)
-                    asyncio.get_running_loop().call_soon(
-                        self._teardown, router, rid, call, route, resp, info.block_size)
+                    p.later(self._teardown, router, rid, call, route, resp, info.block_size)
                     return answer
                 done.append(Chunk(resp.text, list(resp.token_ids)))
         except BaseException as exc:  # cancelled (the client went): ended, released now
@@ -254,31 +256,40 @@ class Express:
             p.metrics.child(p.metrics.requests, "agg", "error" if isinstance(exc, Exception)
                             else "cancelled").inc()
             raise
-        self._end(router, rid, call)
-        job = self._job(plain, salt, rid, ids, created)
+        ending = self._end(router, rid, call)
+        if ending is not None:  # released before the next attempt or the error, as there
+            try:
+                await asyncio.shield(ending)
+            except BaseException:
+                p.metrics.child(p.metrics.requests, "agg", "cancelled").inc()
+                raise
+        job = self._job(plain, info, salt, rid, ids, created)
         prior = Prior(rid, route, worker_failure(failed, route), failed, tuple(tokens),
-                      started, last_at)
+                      started, last_at, router)
         return _handover(job, done, p.stream(job, None, prior))
 
-    def _job(self, plain: Plain, salt: str, rid: str, ids: list[int], created: int) -> Job:
-        """The job ``Pipeline.prepare`` makes of the body (the express path's id)."""
-        info = self._p.catalog.get(plain.model)
-        assert info is not None
+    @staticmethod
+    def _job(plain: Plain, info: ModelInfo, salt: str, rid: str, ids: list[int],
+             created: int) -> Job:
+        """The job ``Pipeline.prepare`` makes of the body (the express path's id, the
+        model as it was when the request began)."""
         req = with_tenant(parse_completion(plain.body), salt)
         req = check_context(req, len(ids), info.max_model_len)
         return Job(rid, req, info, list(ids), created, req.cache_salt)
 
-    def _end(self, router: Any, rid: str, call: Any) -> None:
-        """The attempt's call ended and its entry released (an embedded router in this
-        call, else by a task of the pipeline's)."""
+    def _end(self, router: Any, rid: str, call: Any) -> asyncio.Future[None] | None:
+        """The attempt's call ended (``call``: None when it was never made) and its entry
+        released: by an embedded router in this call, else by a task of the pipeline's,
+        returned."""
         p = self._p
         p._busy -= 1
-        call.cancel()  # a no-op once the call has ended
+        if call is not None:
+            call.cancel()  # a no-op once the call has ended
         nowait = getattr(router, "release_nowait", None)
         if nowait is not None:
             nowait(rid)
-        else:
-            p._spawn(p._release(router, rid))
+            return None
+        return p._spawn(p._release(router, rid))
 
     def _teardown(self, router: Any, rid: str, call: Any, route: router_pb2.RouteResponse,
                   last: worker_pb2.GenerateResponse, block_size: int) -> None:

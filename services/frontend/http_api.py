@@ -14,6 +14,9 @@ Contract:
   and echo are shaped as vLLM's server shapes them (:mod:`.shapes`). Chat ``tools``:
   the model's tool calls are parsed with vLLM's hermes parser, whole and streamed
   (``tool_calls`` deltas), see :mod:`.tools`, :mod:`.tool_chat` and :mod:`.shapes`.
+  A plain completion (not streamed, one choice, the common sampling fields, no span to
+  record) takes the express path (:mod:`.express`): the same answer, routing, worker
+  calls and metrics in a fraction of the general path's Python steps.
 - ``POST /v1/responses``: OpenAI's Responses API, run by the chat path (tools, structured
   outputs and tenants included), and ``GET`` / ``DELETE /v1/responses/{id}`` over the
   per-tenant ``responses_store`` (None: nothing stored), see :mod:`.responses_api`.

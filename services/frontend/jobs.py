@@ -16,7 +16,7 @@ Contract:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from protos import common_pb2, router_pb2, worker_pb2
 from services.frontend import vllm_extras
@@ -71,8 +71,9 @@ class Prior:
     :meth:`Pipeline.stream <services.frontend.pipeline.Pipeline.stream>` to go on from:
     routed to ``route`` as ``mesh_id`` and not run (``failure`` None), or failed
     (``failure``, its ``cause``; its entry released, its calls ended) after the tokens
-    ``generated`` went to the client, the stream having started at ``started`` and its
-    last tokens come at ``last_at`` (monotonic seconds)."""
+    ``generated`` went to the client; the request having started at ``started`` and its
+    last tokens come at ``last_at`` (monotonic seconds), routed by ``router`` (the
+    stub: the next attempts' router too)."""
 
     mesh_id: str
     route: router_pb2.RouteResponse
@@ -81,6 +82,7 @@ class Prior:
     generated: tuple[int, ...] = ()
     started: float = 0.0
     last_at: float = 0.0
+    router: Any = None
 
 
 def predicted_cached_tokens(route: router_pb2.RouteResponse, default_block_size: int) -> int:

@@ -274,6 +274,11 @@ class Pipeline:
         task.add_done_callback(self._background.discard)
         return task
 
+    def later(self, callback: Callable[..., None], *args: Any) -> None:
+        """Calls ``callback(*args)`` from the event loop soon (a finished request's
+        teardown after its answer went out); ``close`` lets it run first."""
+        asyncio.get_running_loop().call_soon(callback, *args)
+
     def close_later(self, chunks: AsyncIterator[Any]) -> None:
         """Closes ``chunks`` (an iterator :meth:`stream` or :func:`.fanout.run` gave) in a
         task of its own, as ``close`` would await it: for a consumer that has the last
@@ -555,7 +560,8 @@ class Pipeline:
         (default: the current one). ``prior``: the job's first attempt as the express
         path (:mod:`.express`) left it: routed, not run (its route is attempt 0's), or
         failed (then this goes on as after that failure: the error, or attempt 1)."""
-        router = self.router()
+        router = prior.router if prior is not None and prior.router is not None \
+            else self.router()
         if router is None:
             raise ApiError(503, "no router is available", type="service_unavailable")
         sampling = sampling_proto(job)
@@ -573,9 +579,10 @@ class Pipeline:
         attempts = range(self.migration_limit + 1)
         self._busy += 1
         try:
-            if prior is not None and prior.failure is not None:  # the express attempt's
-                path = "disagg" if prior.route.disaggregated else "agg"
+            if prior is not None:  # the express path's attempt 0: from its start
                 started, last_at = prior.started, prior.last_at
+            if prior is not None and prior.failure is not None:  # ... which failed
+                path = "disagg" if prior.route.disaggregated else "agg"
                 generated.extend(prior.generated)
                 first_token = not generated
                 prompt_sent = bool(generated)
@@ -789,7 +796,8 @@ class Pipeline:
     async def close(self) -> None:
         """Closes the gRPC channels, once every background task (a finished request's
         teardown, its Release, the pending ``PrefillDone`` calls, and the tasks those
-        start) has ended."""
+        start) has ended; the callbacks ``later`` scheduled run before."""
+        await asyncio.sleep(0)  # a loop turn: those callbacks run (in order)
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
         if self._streams is not None:

@@ -4,19 +4,19 @@ a plain completion as the general path does.
 - ``accept``: over thousands of random bodies (valid and invalid values of the plain
   fields and others), every body it takes is one the general parser takes, with the same
   prompt and the same worker sampling parameters; it takes most valid plain bodies.
-- Twin meshes (the same router seed, real RouterServicer and mock-engine workers over
-  in-process gRPC and TCP request planes), one app with the express path and one
-  without, get the same random plain requests (shared prefixes, so the KV overlaps
-  steer the picks): the same answers (but the id), the same routes, the same
-  GenerateRequests to the same workers, the same PrefillDone and Release calls to the
-  router, the same frontend metrics (seconds histograms:
-  their counts), and nothing left in flight; the express app took the express path.
+- Twin meshes (the same router seed, real RouterServicer, embedded or over gRPC, and
+  mock-engine workers over in-process gRPC and TCP request planes), one app with the
+  express path and one without, get the same random plain requests (shared prefixes,
+  so the KV overlaps steer the picks): the same answers (but the id), the same routes,
+  the same GenerateRequests to the same workers, the same PrefillDone and Release calls
+  to the router, the same frontend metrics (seconds histograms: their counts), and
+  nothing left in flight or counted busy; the express app took the express path.
 - Hand-overs: a P/D model's request (routed by the express path, run by the general
   one), a worker's engine bug (INTERNAL: migrated until no worker is left, then the
-  Route's 503), a worker stopped
-  after the first tokens (migrated: the answer whole, as without a failure), a Route
-  whose answer is lost (the general path's error and Release): the express app answers
-  as the general one, and releases everything.
+  Route's 503; embedded router or over gRPC), a worker stopped after the first tokens
+  (migrated: the answer whole, as without a failure), a Route whose answer is lost (the
+  general path's error and Release): the express app answers as the general one, and
+  releases everything.
 - A client gone mid-request: the worker call cancelled, the entry released, counted
   ``outcome="cancelled"``.
 - Where a span could record, the general path serves the request (it records them).
@@ -225,14 +225,15 @@ def same_answer(a: httpx.Response, b: httpx.Response) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("planes", [True, False], ids=["tcp", "call"])
-async def test_twin_meshes_answer_route_and_count_alike(planes: bool,
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "grpc"])
+async def test_twin_meshes_answer_route_and_count_alike(planes: bool, embedded: bool,
                                                         monkeypatch: pytest.MonkeyPatch
                                                         ) -> None:
     rec = Recorder(monkeypatch)
     rng = random.Random(11)
     heads = [list(range(100 + 40 * h, 140 + 40 * h)) for h in range(3)]
-    async with mesh(await twin_nodes("m"), planes=planes, embedded=True) as a, \
-            mesh(await twin_nodes("m"), planes=planes, embedded=True) as b, \
+    async with mesh(await twin_nodes("m"), planes=planes, embedded=embedded) as a, \
+            mesh(await twin_nodes("m"), planes=planes, embedded=embedded) as b, \
             clients(a, b) as (ca, cb):
         for i in range(40):
             body: dict[str, Any] = {
@@ -253,10 +254,12 @@ async def test_twin_meshes_answer_route_and_count_alike(planes: bool,
             await b.settled()
             assert rec.of(a) == rec.of(b), i
             assert metrics(a.pipeline) == metrics(b.pipeline), i
+            assert a.pipeline._busy == b.pipeline._busy == 0
         assert rec.express == ["dict"] * 40  # every one the express path's own
         frames, routes, told = rec.of(a)
-        assert len(frames) == len(routes) == told.count("release_nowait") == 40
-        assert "prefill_done_nowait" in told
+        assert len(frames) == len(routes) == 40
+        if embedded:
+            assert told.count("release_nowait") == 40 and "prefill_done_nowait" in told
         assert len({wid for wid, _ in frames}) == 2  # the picks were not all one worker
 
 
@@ -278,13 +281,16 @@ async def test_a_pd_request_is_handed_over_as_routed(monkeypatch: pytest.MonkeyP
             assert rec.of(a) == rec.of(b)
             assert metrics(a.pipeline) == metrics(b.pipeline)
         assert rec.express == ["Handover"] * 2
+        assert a.pipeline._busy == b.pipeline._busy == 0
 
 
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "grpc"])
 async def test_an_engine_bug_migrates_then_answers_the_general_error(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        embedded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder(monkeypatch)
-    async with mesh(await twin_nodes("px", "poison"), planes=True, embedded=True) as a, \
-            mesh(await twin_nodes("px", "poison"), planes=True, embedded=True) as b, \
+    async with mesh(await twin_nodes("px", "poison"), planes=True,
+                    embedded=embedded) as a, \
+            mesh(await twin_nodes("px", "poison"), planes=True, embedded=embedded) as b, \
             clients(a, b) as (ca, cb):
         body = {"model": "px", "prompt": [POISON, *PROMPT], "max_tokens": 8}
         answer = same_answer(await ca.post("/v1/completions", json=body),
@@ -299,6 +305,7 @@ async def test_an_engine_bug_migrates_then_answers_the_general_error(
         assert rec.of(a) == rec.of(b)
         assert metrics(a.pipeline) == metrics(b.pipeline)
         assert rec.express == ["Handover"]
+        assert a.pipeline._busy == b.pipeline._busy == 0
 
 
 async def test_a_worker_stopped_after_the_first_tokens_is_migrated_whole(
@@ -325,6 +332,7 @@ async def test_a_worker_stopped_after_the_first_tokens_is_migrated_whole(
         assert counter(s.pipeline, "kvmesh_frontend_migrations_total", stage="agg") == 1
         assert rec.express == ["dict", "Handover"]
         await s.settled()
+        assert s.pipeline._busy == 0
 
 
 async def test_a_route_lost_after_the_commit_answers_as_the_general_path(
@@ -344,6 +352,7 @@ async def test_a_route_lost_after_the_commit_answers_as_the_general_path(
         await b.pipeline.close()
         assert metrics(a.pipeline) == metrics(b.pipeline)
         assert rec.express == []  # raised: no answer of its own
+        assert a.pipeline._busy == b.pipeline._busy == 0
 
 
 async def test_a_client_gone_mid_request_cancels_and_releases(
@@ -364,6 +373,7 @@ async def test_a_client_gone_mid_request_cancels_and_releases(
         await s.settled()  # the worker runs nothing, the router holds nothing
         assert counter(s.pipeline, "kvmesh_requests_total", outcome="cancelled") == 1
         assert counter(s.pipeline, "kvmesh_requests_total") == 1
+        assert s.pipeline._busy == 0
 
 
 async def test_a_span_that_could_record_leaves_the_request_to_the_general_path(
