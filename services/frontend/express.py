@@ -39,9 +39,10 @@ Contract:
   at the first tokens of an unfinished answer, the TTFT and ITL samples, the finished
   request's teardown one loop turn after the answer went out (the call ended, the entry
   released, the cache-prediction, usage and outcome metrics: as ``close_later``); a
-  cancelled request (the client gone) ends its call, releases its entry and counts
-  ``outcome="cancelled"`` at once. ``tests/unit/test_express.py`` holds the answers,
-  worker requests, router state and metrics equal to the general path's.
+  cancelled request (the client gone) ends its call, releases its entry (a gRPC
+  Release awaited, shielded, as there) and counts ``outcome="cancelled"``.
+  ``tests/unit/test_express.py`` holds the answers, worker requests, router calls and
+  metrics equal to the general path's.
 - Hand-overs, where the general path goes on (:class:`~.jobs.Prior`): a route that is
   not aggregated (attempt 0 runs as routed), and a failed worker call (stopped without
   finishing, or an error; its entry released first): the general stream goes on as after
@@ -167,9 +168,11 @@ class Express:
     async def run(self, plain: Plain, salt: str) -> dict[str, Any] | Handover | None:
         """See the module docstring."""
         p = self._p
-        router = p.router()
         info = p.catalog.get(plain.model)
-        if router is None or info is None or not records_nothing():
+        if info is None or not records_nothing():
+            return None
+        router = p.router()
+        if router is None:
             return None
         prompt = plain.prompt
         if type(prompt) is str:
@@ -202,8 +205,7 @@ class Express:
         except BaseException as exc:
             p._busy -= 1
             if getattr(exc, "type", None) != "overloaded_error":  # else counted a rejection
-                outcome = "error" if isinstance(exc, Exception) else "cancelled"
-                p.metrics.child(p.metrics.requests, "none", outcome).inc()
+                self._count("none", exc)
             raise
         if route.disaggregated:  # P/D: the general path runs attempt 0 as routed
             p._busy -= 1
@@ -251,18 +253,18 @@ class Express:
                     p.later(self._teardown, router, rid, call, route, resp, info.block_size)
                     return answer
                 done.append(Chunk(resp.text, list(resp.token_ids)))
-        except BaseException as exc:  # cancelled (the client went): ended, released now
-            self._end(router, rid, call)
-            p.metrics.child(p.metrics.requests, "agg", "error" if isinstance(exc, Exception)
-                            else "cancelled").inc()
+        except BaseException as exc:  # cancelled (the client went): ended and released
+            await self._ended(router, rid, call, exc)
             raise
         ending = self._end(router, rid, call)
         if ending is not None:  # released before the next attempt or the error, as there
             try:
                 await asyncio.shield(ending)
-            except BaseException:
-                p.metrics.child(p.metrics.requests, "agg", "cancelled").inc()
+            except BaseException as exc:
+                p._busy -= 1
+                self._count("agg", exc)
                 raise
+        p._busy -= 1
         job = self._job(plain, info, salt, rid, ids, created)
         prior = Prior(rid, route, worker_failure(failed, route), failed, tuple(tokens),
                       started, last_at, router)
@@ -277,12 +279,28 @@ class Express:
         req = check_context(req, len(ids), info.max_model_len)
         return Job(rid, req, info, list(ids), created, req.cache_salt)
 
+    def _count(self, path: str, exc: BaseException) -> None:
+        """A request that ended in ``exc`` on ``path``: its outcome counted."""
+        m = self._p.metrics
+        m.child(m.requests, path, "error" if isinstance(exc, Exception)
+                else "cancelled").inc()
+
+    async def _ended(self, router: Any, rid: str, call: Any, exc: BaseException) -> None:
+        """An attempt ``exc`` ended (a cancel: the client went): its call ended, its entry
+        released (awaited, shielded, as the general path's), counted, not busy."""
+        try:
+            ending = self._end(router, rid, call)
+            if ending is not None:
+                await asyncio.shield(ending)
+        finally:
+            self._p._busy -= 1
+            self._count("agg", exc)
+
     def _end(self, router: Any, rid: str, call: Any) -> asyncio.Future[None] | None:
         """The attempt's call ended (``call``: None when it was never made) and its entry
         released: by an embedded router in this call, else by a task of the pipeline's,
         returned."""
         p = self._p
-        p._busy -= 1
         if call is not None:
             call.cancel()  # a no-op once the call has ended
         nowait = getattr(router, "release_nowait", None)
@@ -295,6 +313,7 @@ class Express:
                   last: worker_pb2.GenerateResponse, block_size: int) -> None:
         """A finished request's teardown (after its answer went out)."""
         try:
+            self._p._busy -= 1
             self._end(router, rid, call)
             m = self._p.metrics
             prompt = last.usage.prompt_tokens

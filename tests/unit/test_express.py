@@ -42,7 +42,7 @@ from services.frontend.http_api import create_app
 from services.frontend.jobs import Job, sampling_proto
 from services.frontend.openai_schema import ApiError, parse_completion
 from services.frontend.pipeline import Pipeline
-from services.router.embedded import InProcessRouterStub
+from services.router.core import RouterCore
 from tests.unit.test_frontend_release import (
     POISON,
     PROMPT,
@@ -129,7 +129,7 @@ class Recorder:
         self.frames: dict[int, list[tuple[str, worker_pb2.GenerateRequest]]] = {}
         self.routes: dict[int, list[Any]] = {}
         self.express: list[Any] = []
-        self.told: dict[int, list[str]] = {}  # the router's nowait calls, by stub
+        self.told: dict[int, list[str]] = {}  # the router core's releases, by core
         real_generate, real_route = handoff.generate, Pipeline._route
         real_run = Express.run
 
@@ -154,14 +154,13 @@ class Recorder:
             self.express.append(type(out).__name__)
             return out
 
-        for name in ("prefill_done_nowait", "release_nowait"):
-            real = getattr(InProcessRouterStub, name)
+        for name in ("release_prefill", "release"):  # PrefillDone's and Release's effect
+            real = getattr(RouterCore, name)
 
-            def told(stub: InProcessRouterStub, rid: str, real: Any = real,
-                     name: str = name) -> None:
-                self.told.setdefault(id(stub), []).append(name)
-                real(stub, rid)
-            monkeypatch.setattr(InProcessRouterStub, name, told)
+            def told(core: RouterCore, rid: str, real: Any = real, name: str = name) -> Any:
+                self.told.setdefault(id(core), []).append(name)
+                return real(core, rid)
+            monkeypatch.setattr(RouterCore, name, told)
         monkeypatch.setattr(handoff, "generate", generate)
         monkeypatch.setattr(express_module, "generate", generate)
         monkeypatch.setattr(Pipeline, "_route", route)
@@ -169,7 +168,8 @@ class Recorder:
 
     def of(self, s: Setup) -> tuple[list[Any], list[Any], list[str]]:
         """``s``'s frames, routes (the workers' addresses, each mesh's own ports, and
-        mock engine ids left out) and the embedded router's nowait calls."""
+        mock engine ids left out) and its router core's PrefillDone and Release
+        effects (sorted: over gRPC a PrefillDone and the Release may cross)."""
         routes = []
         for route in self.routes.get(id(s.pipeline), []):
             copy = type(route)()
@@ -179,7 +179,7 @@ class Recorder:
                 choice.handoff.ClearField("engine_id")  # (random per mock engine)
             routes.append(copy)
         return (self.frames.get(id(s.pipeline._pool), []), routes,
-                self.told.get(id(s.pipeline._router_stub), []))
+                sorted(self.told.get(id(s.core), [])))
 
 
 def metrics(p: Pipeline) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -257,9 +257,8 @@ async def test_twin_meshes_answer_route_and_count_alike(planes: bool, embedded: 
             assert a.pipeline._busy == b.pipeline._busy == 0
         assert rec.express == ["dict"] * 40  # every one the express path's own
         frames, routes, told = rec.of(a)
-        assert len(frames) == len(routes) == 40
-        if embedded:
-            assert told.count("release_nowait") == 40 and "prefill_done_nowait" in told
+        assert len(frames) == len(routes) == told.count("release") == 40
+        assert "release_prefill" in told
         assert len({wid for wid, _ in frames}) == 2  # the picks were not all one worker
 
 
@@ -314,8 +313,8 @@ async def test_a_worker_stopped_after_the_first_tokens_is_migrated_whole(
     async with mesh(await twin_nodes("mig"), planes=True, embedded=True) as s:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(
                 app=create_app(s.pipeline)), base_url="http://a") as client:
-            body = {"model": "mig", "prompt": list(PROMPT), "max_tokens": 60,
-                    "ignore_eos": True}
+            body = {"model": "mig", "prompt": list(PROMPT), "max_tokens": 400,
+                    "ignore_eos": True}  # (long enough to stop its worker mid-answer)
             reference = (await client.post("/v1/completions", json=body)).json()
             await s.settled()
             ttft = counter(s.pipeline, "kvmesh_ttft_seconds_count")
@@ -355,10 +354,11 @@ async def test_a_route_lost_after_the_commit_answers_as_the_general_path(
         assert a.pipeline._busy == b.pipeline._busy == 0
 
 
+@pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "grpc"])
 async def test_a_client_gone_mid_request_cancels_and_releases(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    Recorder(monkeypatch)
-    async with mesh(await twin_nodes("gone"), planes=True, embedded=True) as s:
+        embedded: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = Recorder(monkeypatch)
+    async with mesh(await twin_nodes("gone"), planes=True, embedded=embedded) as s:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(
                 app=create_app(s.pipeline)), base_url="http://a") as client:
             body = {"model": "gone", "prompt": list(PROMPT), "max_tokens": 400,
@@ -371,6 +371,7 @@ async def test_a_client_gone_mid_request_cancels_and_releases(
             with pytest.raises(asyncio.CancelledError):
                 await call
         await s.settled()  # the worker runs nothing, the router holds nothing
+        assert rec.of(s)[2].count("release") == 1  # released once
         assert counter(s.pipeline, "kvmesh_requests_total", outcome="cancelled") == 1
         assert counter(s.pipeline, "kvmesh_requests_total") == 1
         assert s.pipeline._busy == 0
