@@ -21,6 +21,10 @@ Contracts:
   better for kvmesh, for latency and CPU below 1 is).
 - :func:`goal(rows)`: the issue's targets, reported never asserted: req/s ratio ≥ 1 at
   concurrency 8 and 32, p50 ratio ≤ 1 at concurrency 1 (None where not measured).
+- :func:`paced_goal(paced)`: the one-at-a-time target (kvmesh ÷ Dynamo p50 ≤ 1) of the
+  ``paced`` report, and why it is void: None with the reason when the part did not run
+  or either side's requests failed more than :data:`MAX_ERROR_SHARE` of the time (its
+  p50 would be of the few it answered).
 - :func:`format_table(rows, mode)`: a Markdown table.
 """
 
@@ -107,6 +111,23 @@ def goal(rows: Sequence[Mapping[str, Any]]) -> dict[str, bool | None]:
     return {"req_per_s_ratio_ge_1_at_c8": ok(8, "req_per_s", True),
             "req_per_s_ratio_ge_1_at_c32": ok(32, "req_per_s", True),
             "p50_ratio_le_1_at_c1": ok(1, "p50_ms", False)}
+
+
+MAX_ERROR_SHARE = 0.01
+
+
+def paced_goal(paced: Mapping[str, Any]) -> tuple[bool | None, str | None]:
+    """See the module docstring."""
+    if "ratio" not in paced:
+        return None, str(paced.get("error", "the paced part did not run"))
+    for side in SIDES:
+        got = paced.get(side, {})
+        n, errors = int(got.get("requests", 0)), int(got.get("errors", 0))
+        if n <= 0 or errors > MAX_ERROR_SHARE * n:
+            return None, (f"{side} failed {errors} of {n} paced requests"
+                          f" (first: {', '.join(got.get('first_errors', [])) or '-'})")
+    v = paced["ratio"].get("p50_ms")
+    return (bool(v <= 1.0) if v is not None else None), None
 
 
 def _num(v: Any, fmt: str) -> str:

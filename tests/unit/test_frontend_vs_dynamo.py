@@ -311,3 +311,18 @@ async def test_paced_pairs_times_both_sides_alike_and_counts_unfair_answers() ->
     # request i is the same for both sides: token ids, one token, no tokenizer
     assert seen["a"] == seen["b"]
     assert all(isinstance(r["prompt"], list) and r["max_tokens"] == 1 for r in seen["a"])
+
+
+def test_the_paced_goal_is_void_when_a_side_failed_its_requests() -> None:
+    def side(errors: int) -> dict[str, object]:
+        return {"requests": 1000, "ok": 1000 - errors, "errors": errors,
+                "first_errors": ["HTTP 404"] if errors else []}
+
+    ran = {"kvmesh": side(0), "dynamo": side(10), "ratio": {"p50_ms": 0.9}}
+    assert rep.paced_goal(ran) == (True, None)  # 1 % failed: still counted
+    ran["ratio"] = {"p50_ms": 1.1}
+    assert rep.paced_goal(ran) == (False, None)
+    ran["dynamo"] = side(834)  # (as Dynamo's frontend once answered after the load)
+    assert rep.paced_goal(ran) == (None, "dynamo failed 834 of 1000 paced requests "
+                                         "(first: HTTP 404)")
+    assert rep.paced_goal({"error": "kvmesh: down"}) == (None, "kvmesh: down")
