@@ -43,7 +43,7 @@ FRONTEND_STEPS: tuple[tuple[str, str], ...] = (
     ("services.frontend.fanout", "run"),
     ("services.frontend.pipeline", "Pipeline.prepare"),
     ("services.frontend.jobs", "sampling_proto"),
-    ("services.frontend.pipeline", "Pipeline._route"),
+    ("services.frontend.router_calls", "RouterCalls.route"),
     ("services.router.service", "RouterServicer._check_route"),
     ("services.router.service", "RouterServicer._start"),
     ("services.router.overlaps", "EmbeddedSource.find_now"),

@@ -34,8 +34,9 @@ Contract:
   ``Pipeline.prepare`` tokenizes it (inline when no other request is being prepared or
   streamed, else on the encode thread), the model's EOS ids loaded before the Route (a
   request waits while the tokenizer loads, as there: the loading thread would otherwise
-  slow it, and those after it, for as long as it runs), the Route (:meth:`Pipeline._route`), the
-  worker's GenerateRequest and its call (:func:`~.handoff.generate`), ``PrefillDone``
+  slow it, and those after it, for as long as it runs), the Route
+  (:mod:`.router_calls`), the worker's GenerateRequest and its call
+  (``Pipeline.worker_call``: :func:`~.handoff.generate`), ``PrefillDone``
   at the first tokens of an unfinished answer, the TTFT and ITL samples, the finished
   request's teardown one loop turn after the answer went out (the call ended, the entry
   released, the cache-prediction, usage and outcome metrics: as ``close_later``); a
@@ -63,7 +64,7 @@ from services.common.telemetry import records_nothing
 from services.frontend.context_window import check_context
 from services.frontend.failures import worker_failure
 from services.frontend.fanout import FanJob
-from services.frontend.handoff import generate, plan_error, rpc_reason
+from services.frontend.handoff import plan_error, rpc_reason
 from services.frontend.jobs import FINISH_NAMES, Chunk, Job, Prior, predicted_cached_tokens
 from services.frontend.models import ModelInfo
 from services.frontend.openai_schema import INT32_MAX, parse_completion, with_tenant
@@ -171,7 +172,7 @@ class Express:
         info = p.catalog.get(plain.model)
         if info is None or not records_nothing():
             return None
-        router = p.router()
+        router = p.routing.stub()
         if router is None:
             return None
         prompt = plain.prompt
@@ -179,12 +180,12 @@ class Express:
             tok = p.catalog.loaded_tokenizer(info)
             if tok is None:
                 return None
-            if p._busy:  # others wait on this loop: encode on the encode thread
-                p._busy += 1
+            if p.busy:  # others wait on this loop: encode on the encode thread
+                p.busy += 1
                 try:
                     ids = await tok.encode_off_loop(prompt, True)
                 finally:
-                    p._busy -= 1
+                    p.busy -= 1
             else:
                 ids = tok.encode(prompt, True)
         else:
@@ -194,21 +195,21 @@ class Express:
             return None  # the general path's 400
         rid = os.urandom(16).hex()
         created = int(time.time())
-        p._busy += 1  # as the general path's stream
+        p.busy += 1  # as the general path's stream
         started = time.monotonic()
         try:
             if p.first_token_from_prefill and p.catalog.loaded_tokenizer(info) is None:
                 await p.catalog.eos_token_ids(info)  # as the general path's stream
-            route = await p._route(router, router_pb2.RouteRequest(
+            route = await p.routing.route(router, router_pb2.RouteRequest(
                 request_id=rid, model=plain.model, max_tokens=max_tokens, cache_salt=salt),
                 ids, None)
         except BaseException as exc:
-            p._busy -= 1
+            p.busy -= 1
             if getattr(exc, "type", None) != "overloaded_error":  # else counted a rejection
                 self._count("none", exc)
             raise
         if route.disaggregated:  # P/D: the general path runs attempt 0 as routed
-            p._busy -= 1
+            p.busy -= 1
             job = self._job(plain, info, salt, rid, ids, created)
             return _handover(job, [], p.stream(job, None, Prior(
                 rid, route, router=router, started=started, last_at=started)))
@@ -219,7 +220,7 @@ class Express:
         chunked = False
         call = None
         try:
-            call = generate(p._pool, p._streams, route.worker, worker_pb2.GenerateRequest(
+            call = p.worker_call(route.worker, worker_pb2.GenerateRequest(
                 request_id=rid, token_ids=ids, sampling=self.sampling(plain),
                 model=plain.model, cache_salt=salt, whole=True))
             it = call.__aiter__()
@@ -241,7 +242,7 @@ class Express:
                     now = time.monotonic()
                     if not tokens:
                         if resp.finish_reason == UNFINISHED:  # else the Release frees it
-                            p._prefill_done(router, rid)
+                            p.routing.prefill_done(router, rid)
                         p.metrics.child(p.metrics.ttft, "agg").observe(now - started)
                     else:
                         p.metrics.observe_chunk_gap(now - last_at, len(resp.token_ids))
@@ -261,10 +262,10 @@ class Express:
             try:
                 await asyncio.shield(ending)
             except BaseException as exc:
-                p._busy -= 1
+                p.busy -= 1
                 self._count("agg", exc)
                 raise
-        p._busy -= 1
+        p.busy -= 1
         job = self._job(plain, info, salt, rid, ids, created)
         prior = Prior(rid, route, worker_failure(failed, route), failed, tuple(tokens),
                       started, last_at, router)
@@ -293,27 +294,21 @@ class Express:
             if ending is not None:
                 await asyncio.shield(ending)
         finally:
-            self._p._busy -= 1
+            self._p.busy -= 1
             self._count("agg", exc)
 
     def _end(self, router: Any, rid: str, call: Any) -> asyncio.Future[None] | None:
         """The attempt's call ended (``call``: None when it was never made) and its entry
-        released: by an embedded router in this call, else by a task of the pipeline's,
-        returned."""
-        p = self._p
+        released (:meth:`~.router_calls.RouterCalls.release_soon`: the task, if any)."""
         if call is not None:
             call.cancel()  # a no-op once the call has ended
-        nowait = getattr(router, "release_nowait", None)
-        if nowait is not None:
-            nowait(rid)
-            return None
-        return p._spawn(p._release(router, rid))
+        return self._p.routing.release_soon(router, rid)
 
     def _teardown(self, router: Any, rid: str, call: Any, route: router_pb2.RouteResponse,
                   last: worker_pb2.GenerateResponse, block_size: int) -> None:
         """A finished request's teardown (after its answer went out)."""
         try:
-            self._p._busy -= 1
+            self._p.busy -= 1
             self._end(router, rid, call)
             m = self._p.metrics
             prompt = last.usage.prompt_tokens

@@ -57,9 +57,10 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
   the workers) and ``Release`` is sent by a task that the consumer's cancellation cannot
   interrupt; :meth:`Pipeline.close` waits for those tasks. The stream waits for that task
   only when the attempt did not finish (before a migration's next Route, or before the
-  error): a finished request's last chunk never waits for its Release. A Route that failed on the
-  client's side after the router may have committed it (:data:`MAYBE_ROUTED` codes, or
-  the consumer's cancellation) gets a best-effort ``Release`` (idempotent). When an
+  error): a finished request's last chunk never waits for its Release. A Route that
+  failed on the client's side after the router may have committed it
+  (:data:`~.router_calls.MAYBE_ROUTED` codes, or the consumer's cancellation) gets a
+  best-effort ``Release`` (idempotent; :mod:`.router_calls` makes the router's calls). When an
   attempt's first token arrives the router is told ``PrefillDone`` (fire-and-forget: the
   stream never waits for it, and its failures, e.g. an older router without the RPC, are
   ignored), unless that chunk also finishes the attempt (a one-token answer, or one that
@@ -117,7 +118,6 @@ Shared by the HTTP (OpenAI) and gRPC APIs. Contract:
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import os
 import time
@@ -137,18 +137,16 @@ from protos import (
     worker_pb2,
 )
 from services.common.grpc_client import ChannelPool
-from services.common.telemetry import attach, detach, leaf_span, span_in_context, tracer
+from services.common.telemetry import Attached, leaf_span, span_in_context, tracer
 from services.common.tls import MeshTls
 from services.encoder.images import ImageLimits, InputError
 from services.frontend import tool_chat, vllm_extras
 from services.frontend.context_window import check_context, truncated
 from services.frontend.failures import (
     WorkerFailure,
-    rejection_error,
-    status_error,
     worker_failure,
 )
-from services.frontend.handoff import HandoffError, Request, run_plan
+from services.frontend.handoff import HandoffError, Request, generate, run_plan
 from services.frontend.images import MmPrompt, mm_prompt
 from services.frontend.jobs import (
     FINISH_NAMES,
@@ -163,39 +161,15 @@ from services.frontend.metrics import FrontendMetrics
 from services.frontend.models import ModelCatalog, ModelInfo, Tokenizer
 from services.frontend.openai_schema import ApiError, ParsedRequest
 from services.frontend.remote_images import RemoteImageFetcher, RemoteImageLimits, fetch_parts
+from services.frontend.router_calls import RouterCalls
 from services.frontend.worker_stream import WorkerStreams
 
 log = logging.getLogger(__name__)
 DEFAULT_MIGRATION_LIMIT = 3
 DEFAULT_ENCODE_TIMEOUT_S = 30.0
 
-# Route errors after which the router may have committed the entry (the failure was on
-# our side of the call): a best-effort Release follows.
-MAYBE_ROUTED = frozenset({
-    grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN,
-})
 # The longest part of a client's request id kept in the mesh's per-attempt ids.
 CLIENT_ID_CHARS = 200
-
-
-class _Attached:
-    """Makes ``ctx`` current for a block that does not yield (None = leave as is). A class,
-    not a generator: the request path enters one a dozen times."""
-
-    __slots__ = ("_ctx", "_token")
-
-    def __init__(self, ctx: Context | None) -> None:
-        self._ctx = ctx
-        self._token: contextvars.Token[Context] | None = None
-
-    def __enter__(self) -> None:
-        if self._ctx is not None:
-            self._token = attach(self._ctx)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._token is not None:
-            detach(self._token)
 
 
 # A prompt of at most this many characters is tokenized (or its chat template rendered)
@@ -245,10 +219,6 @@ class Pipeline:
         self.encode_timeout_s = encode_timeout_s
         self._warned: set[str] = set()
         self._catalog = catalog
-        self._router_address = router_address
-        # an in-process router (services.router.embedded: RouterStub's call shape and
-        # errors); None: the router at router_address(), over gRPC
-        self._router_stub = router_stub
         self._pool = ChannelPool(tls, "worker")
         # worker calls multiplexed per worker (--worker-transport stream: on a GenerateMux;
         # tcp: on the worker's TCP request plane where it has one, else its GenerateMux)
@@ -264,7 +234,12 @@ class Pipeline:
         # pull P/D: P's sampled token is the first token when it may be (handoff)
         self.first_token_from_prefill = first_token_from_prefill
         self._background: set[asyncio.Future[None]] = set()
-        self._busy = 0  # prepare and stream calls running: see _tokenize
+        # prepare and stream calls running, the express path's too: see _tokenize
+        self.busy = 0
+        # the router: in this process (router_stub, services.router.embedded: RouterStub's
+        # call shape and errors), else the one at router_address(), over gRPC
+        self.routing = RouterCalls(self._pool, router_address, router_stub, self.metrics,
+                                   self._spawn)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         """Runs ``coro`` as a task that outlives the request's cancellation; ``close``
@@ -273,6 +248,12 @@ class Pipeline:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+    def worker_call(self, choice: router_pb2.WorkerChoice,
+                    request: worker_pb2.GenerateRequest) -> Any:
+        """``request``'s Generate call to ``choice`` as a plan makes it
+        (:func:`~.handoff.generate`, on this pipeline's transports)."""
+        return generate(self._pool, self._streams, choice, request)
 
     def later(self, callback: Callable[..., None], *args: Any) -> None:
         """Calls ``callback(*args)`` from the event loop soon (a finished request's
@@ -291,46 +272,6 @@ class Pipeline:
                 log.exception("closing a finished request's stream failed")
         self._spawn(close())
 
-    def _prefill_done(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
-        """Tells the router the prefill is over, without waiting (see the module doc; an
-        embedded router is told in this call)."""
-        nowait = getattr(router, "prefill_done_nowait", None)
-        if nowait is not None:
-            nowait(request_id)
-            return
-
-        async def call() -> None:
-            try:
-                await router.PrefillDone(router_pb2.PrefillDoneRequest(request_id=request_id),
-                                         timeout=5)
-            except Exception as exc:  # noqa: BLE001 - said; its prefill counts until Release
-                log.warning("router PrefillDone(%s) failed: %s", request_id,
-                            exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
-                            else f"{type(exc).__name__}: {exc}")
-
-        self._spawn(call())
-
-    def _report_failure(self, router: router_pb2_grpc.RouterStub, request_id: str,
-                        failure: WorkerFailure) -> None:
-        """Tells the router ``failure``'s worker failed (fire-and-forget), and forgets our
-        channel to it when it was unreachable (a restart on the same port is dialled
-        afresh)."""
-        if failure.code == grpc.StatusCode.UNAVAILABLE and failure.address:
-            self._pool.invalidate(failure.address)
-        reason = f"{failure.stage}: {failure.code.name if failure.code else 'no status'}: " \
-                 f"{failure.detail}"
-
-        async def call() -> None:
-            try:
-                await router.ReportFailure(router_pb2.ReportFailureRequest(
-                    instance_id=failure.instance_id, reason=reason[:1000],
-                    request_id=request_id), timeout=5)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("router ReportFailure(%s) failed: %s", failure.instance_id,
-                            exc.code().name)
-
-        self._spawn(call())
-
     async def _end_attempt(self, router: router_pb2_grpc.RouterStub, request_id: str,
                            responses: AsyncIterator[worker_pb2.GenerateResponse]) -> None:
         """Closes the attempt's worker calls (cancelling what still runs on its workers;
@@ -341,34 +282,7 @@ class Pipeline:
             await responses.aclose()  # type: ignore[attr-defined]
         except Exception:
             log.exception("closing the worker stream of %s failed", request_id)
-        await self._release(router, request_id)
-
-    async def _release_when_routed(self, router: router_pb2_grpc.RouterStub, request_id: str,
-                                   call: asyncio.Future[router_pb2.RouteResponse]) -> None:
-        """Releases ``request_id`` once its abandoned Route ``call`` succeeded."""
-        await asyncio.wait([call])
-        if call.cancelled() or call.exception() is not None:
-            return  # not routed: nothing to release
-        await self._release(router, request_id)
-
-    async def _release(self, router: router_pb2_grpc.RouterStub, request_id: str) -> None:
-        nowait = getattr(router, "release_nowait", None)
-        if nowait is not None:  # an embedded router: in this call
-            nowait(request_id)
-            return
-        try:
-            await router.Release(router_pb2.ReleaseRequest(request_id=request_id), timeout=5)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("router Release(%s) failed: %s", request_id, exc.code().name)
-
-    def router(self) -> Any:
-        """The router's stub: the in-process one, else one on the pooled channel to the
-        router at ``router_address()``; None when there is none."""
-        if self._router_stub is not None:
-            return self._router_stub
-        address = self._router_address()
-        return router_pb2_grpc.RouterStub(self._pool.get(address, "router")) if address \
-            else None
+        await self.routing.release(router, request_id)
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -382,11 +296,11 @@ class Pipeline:
     async def prepare(self, req: ParsedRequest) -> Job:
         """Resolves the model, tokenizes and checks the context length; the job carries
         ``req.cache_salt`` (the tenant's) to the router and the workers."""
-        self._busy += 1
+        self.busy += 1
         try:
             return await self._prepare(req)
         finally:
-            self._busy -= 1
+            self.busy -= 1
 
     async def _prepare(self, req: ParsedRequest) -> Job:
         info = self._catalog.get(req.model)
@@ -437,7 +351,7 @@ class Pipeline:
             text = req.prompt or ""
             if too_long:
                 return await asyncio.to_thread(tok.encode, text, add), req
-        if self._busy > 1:  # others wait on this loop: encode on the encode thread
+        if self.busy > 1:  # others wait on this loop: encode on the encode thread
             return await tok.encode_off_loop(text, add), req
         return tok.encode(text, add), req
 
@@ -486,7 +400,7 @@ class Pipeline:
             images=[encoder_pb2.ImageInput(data=i.data, content_hash=i.digest)
                     for i in job.mm.images])
         started = time.monotonic()
-        with _Attached(ctx), self._tracer.start_as_current_span("encode", attributes={
+        with Attached(ctx), self._tracer.start_as_current_span("encode", attributes={
                 "kvmesh.encoder_id": enc.instance_id, "kvmesh.images": len(job.mm.images),
                 "kvmesh.affinity_items": enc.affinity_items}) as span:
             try:
@@ -521,38 +435,6 @@ class Pipeline:
             return job.request_id if attempt == 0 else f"{job.request_id}-{attempt}"
         return f"{job.request_id[:CLIENT_ID_CHARS]}-{os.urandom(16).hex()}"
 
-    async def _route(self, router: router_pb2_grpc.RouterStub, req: router_pb2.RouteRequest,
-                     tokens: list[int], ctx: Context | None) -> router_pb2.RouteResponse:
-        """Routes ``req`` (its token ids not filled in: ``tokens``): in this call when the
-        router is embedded and answers without waiting (``route_now``, given the list
-        itself), else by a Route call. A consumer cancelled meanwhile does not cancel
-        that call (the router may have routed it already): its answer is awaited in the
-        background and released."""
-        try:
-            now = getattr(router, "route_now", None)
-            if now is not None:
-                with _Attached(ctx):
-                    resp: router_pb2.RouteResponse | None = now(req, tokens)
-                if resp is not None:
-                    return resp
-            req.token_ids.extend(tokens)
-            with _Attached(ctx):
-                call: asyncio.Future[router_pb2.RouteResponse] = asyncio.ensure_future(
-                    router.Route(req, timeout=10))
-            try:
-                return await asyncio.shield(call)
-            except asyncio.CancelledError:
-                self._spawn(self._release_when_routed(router, req.request_id, call))
-                raise
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in MAYBE_ROUTED:  # the router may hold the entry: free it
-                self._spawn(self._release(router, req.request_id))
-            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                err = rejection_error(exc)
-                self.metrics.observe_rejection(err.code or "")
-                raise err from exc
-            raise status_error(exc.code(), exc.details() or "", "router") from exc
-
     async def stream(self, job: Job, ctx: Context | None = None,
                      prior: Prior | None = None) -> AsyncIterator[Chunk]:
         """Routes and streams the job, migrating it when a worker fails; see the module
@@ -561,7 +443,7 @@ class Pipeline:
         path (:mod:`.express`) left it: routed, not run (its route is attempt 0's), or
         failed (then this goes on as after that failure: the error, or attempt 1)."""
         router = prior.router if prior is not None and prior.router is not None \
-            else self.router()
+            else self.routing.stub()
         if router is None:
             raise ApiError(503, "no router is available", type="service_unavailable")
         sampling = sampling_proto(job)
@@ -577,7 +459,7 @@ class Pipeline:
         first_token = True
         prompt_sent = False  # the prompt's log-probabilities went out (first token)
         attempts = range(self.migration_limit + 1)
-        self._busy += 1
+        self.busy += 1
         try:
             if prior is not None:  # the express path's attempt 0: from its start
                 started, last_at = prior.started, prior.last_at
@@ -607,7 +489,7 @@ class Pipeline:
                     if attempt == 0 and prior is not None:  # routed by the express path
                         route = prior.route
                     else:
-                        route = await self._route(router, router_pb2.RouteRequest(
+                        route = await self.routing.route(router, router_pb2.RouteRequest(
                             request_id=mesh_id, model=job.req.model,
                             max_tokens=max_tokens - carried,
                             exclude_instance_ids=failed, cache_salt=job.cache_salt,
@@ -630,7 +512,7 @@ class Pipeline:
                     try:
                         embeddings = await self._encode(job, route, mesh_id, ctx)
                     except BaseException:  # incl. cancellation: the entry is released
-                        await asyncio.shield(self._spawn(self._release(router, mesh_id)))
+                        await asyncio.shield(self._spawn(self.routing.release(router, mesh_id)))
                         raise
                     images = [worker_pb2.ImageItem(data=i.data, mm_hash=i.mm_hash)
                               for i in job.mm.images]
@@ -639,7 +521,7 @@ class Pipeline:
                                attempt_sampling, job.cache_salt, images, embeddings, stops,
                                whole=not job.req.stream,
                                stream_interval=job.req.stream_interval or 0)
-                with _Attached(ctx):
+                with Attached(ctx):
                     responses = run_plan(self._pool, plan, route, self.metrics,
                                          self._streams)
                 failure: WorkerFailure | None = None
@@ -648,7 +530,7 @@ class Pipeline:
                 try:
                     while True:
                         try:  # each step in this task, its worker calls made in ctx
-                            with _Attached(ctx):
+                            with Attached(ctx):
                                 resp = await responses.__anext__()
                         except StopAsyncIteration:
                             w = route.worker
@@ -669,8 +551,8 @@ class Pipeline:
                             if attempt_first:
                                 attempt_first = False
                                 if resp.finish_reason == UNFINISHED:  # else the Release
-                                    with _Attached(ctx):  # ending the attempt frees it
-                                        self._prefill_done(router, mesh_id)
+                                    with Attached(ctx):  # ending the attempt frees it
+                                        self.routing.prefill_done(router, mesh_id)
                             if first_token:
                                 first_token = False
                                 self.metrics.child(self.metrics.ttft, path).observe(
@@ -702,7 +584,7 @@ class Pipeline:
                 outcome = "cancelled"
             raise
         finally:
-            self._busy -= 1
+            self.busy -= 1
             if final is not None:  # after the consumer took the last chunk (see stream)
                 last, last_route = final
                 self.metrics.observe_cache_prediction(
@@ -729,7 +611,7 @@ class Pipeline:
                  failure.detail, len(generated))
         self.metrics.migrations.labels(failure.stage).inc()
         if failure.worker_down:
-            self._report_failure(router, mesh_id, failure)
+            self.routing.report_failure(router, mesh_id, failure)
         if failure.instance_id and failure.instance_id not in failed:
             failed.append(failure.instance_id)
 
@@ -756,7 +638,7 @@ class Pipeline:
         })
         ctx = span_in_context(span)
         try:
-            with _Attached(ctx):
+            with Attached(ctx):
                 job = await self.prepare(req)
         except BaseException as exc:
             span.record_exception(exc)

@@ -37,11 +37,13 @@ import pytest
 from protos import discovery_pb2, worker_pb2
 from services.frontend import express as express_module
 from services.frontend import handoff
+from services.frontend import pipeline as pipeline_module
 from services.frontend.express import FIELDS, Express
 from services.frontend.http_api import create_app
 from services.frontend.jobs import Job, sampling_proto
 from services.frontend.openai_schema import ApiError, parse_completion
 from services.frontend.pipeline import Pipeline
+from services.frontend.router_calls import RouterCalls
 from services.router.core import RouterCore
 from tests.unit.test_frontend_release import (
     POISON,
@@ -130,7 +132,7 @@ class Recorder:
         self.routes: dict[int, list[Any]] = {}
         self.express: list[Any] = []
         self.told: dict[int, list[str]] = {}  # the router core's releases, by core
-        real_generate, real_route = handoff.generate, Pipeline._route
+        real_generate, real_route = handoff.generate, RouterCalls.route
         real_run = Express.run
 
         def generate(pool: Any, streams: Any, choice: Any, request: Any) -> Any:
@@ -144,9 +146,9 @@ class Recorder:
             self.frames.setdefault(id(pool), []).append((choice.instance_id, copy))
             return real_generate(pool, streams, choice, request)
 
-        async def route(p: Pipeline, *args: Any) -> Any:
-            resp = await real_route(p, *args)
-            self.routes.setdefault(id(p), []).append(resp)
+        async def route(calls: RouterCalls, *args: Any) -> Any:
+            resp = await real_route(calls, *args)
+            self.routes.setdefault(id(calls), []).append(resp)
             return resp
 
         async def run(fast: Express, *args: Any) -> Any:
@@ -162,8 +164,8 @@ class Recorder:
                 return real(core, rid)
             monkeypatch.setattr(RouterCore, name, told)
         monkeypatch.setattr(handoff, "generate", generate)
-        monkeypatch.setattr(express_module, "generate", generate)
-        monkeypatch.setattr(Pipeline, "_route", route)
+        monkeypatch.setattr(pipeline_module, "generate", generate)
+        monkeypatch.setattr(RouterCalls, "route", route)
         monkeypatch.setattr(Express, "run", run)
 
     def of(self, s: Setup) -> tuple[list[Any], list[Any], list[str]]:
@@ -171,7 +173,7 @@ class Recorder:
         mock engine ids left out) and its router core's PrefillDone and Release
         effects (sorted: over gRPC a PrefillDone and the Release may cross)."""
         routes = []
-        for route in self.routes.get(id(s.pipeline), []):
+        for route in self.routes.get(id(s.pipeline.routing), []):
             copy = type(route)()
             copy.CopyFrom(route)
             for choice in (copy.worker, copy.prefill):
@@ -254,7 +256,7 @@ async def test_twin_meshes_answer_route_and_count_alike(planes: bool, embedded: 
             await b.settled()
             assert rec.of(a) == rec.of(b), i
             assert metrics(a.pipeline) == metrics(b.pipeline), i
-            assert a.pipeline._busy == b.pipeline._busy == 0
+            assert a.pipeline.busy == b.pipeline.busy == 0
         assert rec.express == ["dict"] * 40  # every one the express path's own
         frames, routes, told = rec.of(a)
         assert len(frames) == len(routes) == told.count("release") == 40
@@ -280,7 +282,7 @@ async def test_a_pd_request_is_handed_over_as_routed(monkeypatch: pytest.MonkeyP
             assert rec.of(a) == rec.of(b)
             assert metrics(a.pipeline) == metrics(b.pipeline)
         assert rec.express == ["Handover"] * 2
-        assert a.pipeline._busy == b.pipeline._busy == 0
+        assert a.pipeline.busy == b.pipeline.busy == 0
 
 
 @pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "grpc"])
@@ -304,7 +306,7 @@ async def test_an_engine_bug_migrates_then_answers_the_general_error(
         assert rec.of(a) == rec.of(b)
         assert metrics(a.pipeline) == metrics(b.pipeline)
         assert rec.express == ["Handover"]
-        assert a.pipeline._busy == b.pipeline._busy == 0
+        assert a.pipeline.busy == b.pipeline.busy == 0
 
 
 async def test_a_worker_stopped_after_the_first_tokens_is_migrated_whole(
@@ -331,7 +333,7 @@ async def test_a_worker_stopped_after_the_first_tokens_is_migrated_whole(
         assert counter(s.pipeline, "kvmesh_frontend_migrations_total", stage="agg") == 1
         assert rec.express == ["dict", "Handover"]
         await s.settled()
-        assert s.pipeline._busy == 0
+        assert s.pipeline.busy == 0
 
 
 async def test_a_route_lost_after_the_commit_answers_as_the_general_path(
@@ -351,7 +353,7 @@ async def test_a_route_lost_after_the_commit_answers_as_the_general_path(
         await b.pipeline.close()
         assert metrics(a.pipeline) == metrics(b.pipeline)
         assert rec.express == []  # raised: no answer of its own
-        assert a.pipeline._busy == b.pipeline._busy == 0
+        assert a.pipeline.busy == b.pipeline.busy == 0
 
 
 @pytest.mark.parametrize("embedded", [True, False], ids=["embedded", "grpc"])
@@ -374,7 +376,7 @@ async def test_a_client_gone_mid_request_cancels_and_releases(
         assert rec.of(s)[2].count("release") == 1  # released once
         assert counter(s.pipeline, "kvmesh_requests_total", outcome="cancelled") == 1
         assert counter(s.pipeline, "kvmesh_requests_total") == 1
-        assert s.pipeline._busy == 0
+        assert s.pipeline.busy == 0
 
 
 async def test_a_span_that_could_record_leaves_the_request_to_the_general_path(

@@ -168,10 +168,10 @@ async def test_a_remote_prefill_done_that_fails_is_logged(
     """Over a channel (a router of its own) too: PrefillDone to a router that is not
     there is one warning naming the request and the status, never silent."""
     pipeline = Pipeline(ModelCatalog(), lambda: None)
-    with caplog.at_level(logging.WARNING, "services.frontend.pipeline"):
+    with caplog.at_level(logging.WARNING, "services.frontend.router_calls"):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{free_port()}") as ch:
-            pipeline._prefill_done(router_pb2_grpc.RouterStub(ch), "pd-1")
+            pipeline.routing.prefill_done(router_pb2_grpc.RouterStub(ch), "pd-1")
             await pipeline.close()  # after the pending PrefillDone calls
     assert [r.getMessage() for r in caplog.records
-            if r.name == "services.frontend.pipeline"] == [
+            if r.name == "services.frontend.router_calls"] == [
         "router PrefillDone(pd-1) failed: UNAVAILABLE"]

@@ -192,7 +192,7 @@ async def test_short_prompts_are_tokenized_inline_and_long_ones_in_a_thread(
         return real_encode(text, add_special_tokens)
 
     monkeypatch.setattr(tok._thread, "encode", encode)
-    pipe._busy += others  # as if that many other requests were being streamed
+    pipe.busy += others  # as if that many other requests were being streamed
     text = ("lorem ipsum " * (chars // 12 + 1))[:chars]
     if kind == "completion":
         job = await pipe.prepare(parse_completion({"model": MODEL, "prompt": text}))
