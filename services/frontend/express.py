@@ -65,9 +65,22 @@ from services.frontend.context_window import check_context
 from services.frontend.failures import worker_failure
 from services.frontend.fanout import FanJob
 from services.frontend.handoff import plan_error, rpc_reason
-from services.frontend.jobs import FINISH_NAMES, Chunk, Job, Prior, predicted_cached_tokens
+from services.frontend.jobs import (
+    FINISH_NAMES,
+    Chunk,
+    Job,
+    Prior,
+    predicted_cached_tokens,
+    sampling_proto,
+)
 from services.frontend.models import ModelInfo
-from services.frontend.openai_schema import INT32_MAX, parse_completion, with_tenant
+from services.frontend.openai_schema import (
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    parse_completion,
+    with_tenant,
+)
 from services.frontend.pipeline import INLINE_PROMPT_CHARS, UNFINISHED, Pipeline
 
 log = logging.getLogger(__name__)
@@ -75,8 +88,6 @@ log = logging.getLogger(__name__)
 # The fields of a plain completion body (the general parser's common ones).
 FIELDS = frozenset({"model", "prompt", "max_tokens", "temperature", "top_p", "seed",
                     "ignore_eos", "stream", "n"})
-INT64 = 1 << 63
-DEFAULT_MAX_TOKENS = 16  # a completion's, as the general parser's
 
 
 class Plain(NamedTuple):
@@ -139,13 +150,14 @@ class Express:
                 type(n) is not int or n != 1)):
             return None
         if max_tokens is None:
-            max_tokens = DEFAULT_MAX_TOKENS
+            max_tokens = self._template.max_tokens  # the general parser's default
         elif type(max_tokens) is not int or not 0 < max_tokens <= INT32_MAX:
             return None
         temperature, top_p = _number(body, "temperature", 2.0), _number(body, "top_p", 1.0)
         seed, ignore_eos = body.get("seed"), body.get("ignore_eos")
         if (temperature is False or top_p is False
-                or (seed is not None and (type(seed) is not int or not -INT64 <= seed < INT64))
+                or (seed is not None and (type(seed) is not int
+                                          or not INT64_MIN <= seed <= INT64_MAX))
                 or (ignore_eos is not None and type(ignore_eos) is not bool)):
             return None
         return Plain(model, prompt, max_tokens, temperature, top_p,  # type: ignore[arg-type]
@@ -338,7 +350,6 @@ class Express:
 
 def _template() -> common_pb2.SamplingParams:
     """The general path's sampling parameters of a body with only model and prompt."""
-    from services.frontend.jobs import sampling_proto  # (the general path's own)
     req = parse_completion({"model": "m", "prompt": [1]})
     return sampling_proto(Job("t", req, None, [1], 0))  # type: ignore[arg-type]
 
