@@ -53,6 +53,7 @@ from typing import Any
 
 import grpc
 
+from services.common import grpc_streams
 from services.common.tls import CertError, Identity, identity_of
 
 log = logging.getLogger(__name__)
@@ -215,7 +216,7 @@ def _streaming(check: Any, method: str, behavior: Any) -> Any:
     with ``context.write`` as the health service's Watch)."""
     async def wrapped(request: Any, context: Any) -> Any:
         await check(method, context)
-        result = behavior(request, context)
+        result = grpc_streams.opened(behavior(request, context))
         if hasattr(result, "__aiter__"):
             async for item in result:
                 yield item

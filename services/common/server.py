@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -59,7 +60,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.instrumentation.grpc import aio_server_interceptor
 
 from protos import discovery_pb2
-from services.common import gc_heap, telemetry
+from services.common import gc_heap, grpc_streams, telemetry
 from services.common.authz import AuthzInterceptor
 from services.common.config import BaseConfig, ConfigError, load_config
 from services.common.discovery import Registration
@@ -97,7 +98,11 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     sampled: its server span could not record, so the handler just runs in the caller's
     context (attached in the call's own task, which grpc.aio runs the handler in: ids
     and the sampled flag propagate on as before). :data:`UNTRACED_METHODS` are never
-    wrapped."""
+    wrapped. Either way, a server-streaming handler's generators (OpenTelemetry's, the
+    other interceptors', the servicer's) are closed in the call's own task however the
+    call ends (:mod:`services.common.grpc_streams`): a client gone mid-stream neither
+    leaves OpenTelemetry's context to be detached from another task nor the servicer's
+    cleanup to the event loop's finalizer."""
 
     def __init__(self) -> None:
         self._otel = aio_server_interceptor()
@@ -109,8 +114,28 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             ctx = telemetry.remote_context(details.invocation_metadata)
             if not telemetry.is_sampled(ctx):
                 otel_context.attach(ctx)  # the call's task ends with the call
-                return await continuation(details)
-        return await self._otel.intercept_service(continuation, details)
+                return _closing(await continuation(details), details.method)
+
+        async def registered(d: Any) -> Any:  # OpenTelemetry's inner generator too
+            handler = await continuation(d)
+            if handler is None or handler.unary_stream is None:
+                return handler
+            return grpc.unary_stream_rpc_method_handler(
+                grpc_streams.registering(handler.unary_stream),
+                handler.request_deserializer, handler.response_serializer)
+        return _closing(await self._otel.intercept_service(registered, details),
+                        details.method)
+
+
+def _closing(handler: Any, method: str) -> Any:
+    """A server-streaming ``handler`` whose generators close in the call's own task
+    (:func:`services.common.grpc_streams.writing`); any other handler (one that writes
+    with ``context.write`` itself included) unchanged."""
+    if handler is None or not inspect.isasyncgenfunction(handler.unary_stream):
+        return handler
+    return grpc.unary_stream_rpc_method_handler(
+        grpc_streams.writing(handler.unary_stream, method),
+        handler.request_deserializer, handler.response_serializer)
 
 
 # At most this many guarded handlers are kept (a service has a few dozen methods).
@@ -159,7 +184,7 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
                         await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                             f"malformed request: {request.reason}")
                     try:
-                        result = behavior(request, context)
+                        result = grpc_streams.opened(behavior(request, context))
                         if hasattr(result, "__aiter__"):  # an async generator handler
                             async for item in result:
                                 yield item
