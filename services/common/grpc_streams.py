@@ -15,7 +15,11 @@ Contract:
   and, however the call ends (finished, aborted, cancelled), closes every generator the
   call registered, innermost first, in the call's task, then returns or re-raises. A
   generator whose cleanup raises is logged with its traceback and the others are still
-  closed.
+  closed. A write that fails in grpc (the call is over: the client went away, or the
+  message broke a limit and grpc sent the client that status) is logged as a warning
+  and ends the call as a cancel: grpc would log it as an error with a traceback, or not
+  at all, depending on which of the write's failure and the client's close it sees
+  first.
 - :func:`opened` registers what a layer got from calling its inner behavior (an async
   generator, or anything else, returned unchanged and not registered) with the call in
   progress: every layer that calls an inner behavior calls it (outside :func:`writing`,
@@ -25,9 +29,12 @@ Contract:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextvars import ContextVar
 from typing import Any
+
+from grpc._cython.cygrpc import ExecuteBatchError
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +67,13 @@ def writing(behavior: Any, method: str) -> Any:
         try:
             responses = opened(behavior(request, context))
             async for message in responses:
-                await context.write(message)
+                try:
+                    await context.write(message)
+                except ExecuteBatchError as exc:
+                    log.warning("%s: writing a response failed in grpc (the client went "
+                                "away, or the message broke a limit: the client got that "
+                                "status); the call ends", method)
+                    raise asyncio.CancelledError from exc
         finally:
             for stream in reversed(streams):
                 try:
