@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import grpc
+from grpc._cython.cygrpc import ExecuteBatchError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import context as otel_context
@@ -98,9 +99,9 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     sampled: its server span could not record, so the handler just runs in the caller's
     context (attached in the call's own task, which grpc.aio runs the handler in: ids
     and the sampled flag propagate on as before). :data:`UNTRACED_METHODS` are never
-    wrapped. Either way, a server-streaming handler's generators (OpenTelemetry's, the
-    other interceptors', the servicer's) are closed in the call's own task however the
-    call ends (:mod:`services.common.grpc_streams`): a client gone mid-stream neither
+    wrapped. Either way, a response-streaming handler's generators (OpenTelemetry's,
+    the other interceptors', the servicer's) are closed in the call's own task
+    (:mod:`services.common.grpc_streams`, its contract): a client gone mid-stream neither
     leaves OpenTelemetry's context to be detached from another task nor the servicer's
     cleanup to the event loop's finalizer."""
 
@@ -117,25 +118,36 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 return _closing(await continuation(details), details.method)
 
         async def registered(d: Any) -> Any:  # OpenTelemetry's inner generator too
-            handler = await continuation(d)
-            if handler is None or handler.unary_stream is None:
-                return handler
-            return grpc.unary_stream_rpc_method_handler(
-                grpc_streams.registering(handler.unary_stream),
-                handler.request_deserializer, handler.response_serializer)
+            return _streaming(await continuation(d), grpc_streams.Registering)
         return _closing(await self._otel.intercept_service(registered, details),
                         details.method)
 
 
-def _closing(handler: Any, method: str) -> Any:
-    """A server-streaming ``handler`` whose generators close in the call's own task
-    (:func:`services.common.grpc_streams.writing`); any other handler (one that writes
-    with ``context.write`` itself included) unchanged."""
-    if handler is None or not inspect.isasyncgenfunction(handler.unary_stream):
+def _streaming(handler: Any, wrap: Callable[[Any], Any]) -> Any:
+    """``handler`` with its response-streaming behavior replaced by ``wrap(behavior)``;
+    None or a handler with one response unchanged."""
+    if handler is None or not handler.response_streaming:
         return handler
+    if handler.request_streaming:
+        return grpc.stream_stream_rpc_method_handler(
+            wrap(handler.stream_stream), handler.request_deserializer,
+            handler.response_serializer)
     return grpc.unary_stream_rpc_method_handler(
-        grpc_streams.writing(handler.unary_stream, method),
-        handler.request_deserializer, handler.response_serializer)
+        wrap(handler.unary_stream), handler.request_deserializer,
+        handler.response_serializer)
+
+
+def _closing(handler: Any, method: str) -> Any:
+    """A response-streaming ``handler`` whose generators close in the call's own task
+    (:func:`services.common.grpc_streams.writing`); a behavior that is no async-generator
+    function (one that writes with ``context.write`` itself) is left as it is, and a
+    :class:`~services.common.grpc_streams.Registering` no wrapper took is unwrapped."""
+    def wrap(behavior: Any) -> Any:
+        inner = grpc_streams.unwrapped(behavior)
+        if not inspect.isasyncgenfunction(inner):
+            return inner
+        return grpc_streams.writing(inner, method)
+    return _streaming(handler, wrap)
 
 
 # At most this many guarded handlers are kept (a service has a few dozen methods).
@@ -190,8 +202,8 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[m
                                 yield item
                         else:  # a coroutine that writes with context.write (health Watch)
                             await result
-                    except grpc.aio.AbortError:
-                        raise
+                    except (grpc.aio.AbortError, ExecuteBatchError):
+                        raise  # a failed write: the call is over (grpc_streams.writing)
                     except Exception as exc:
                         await _internal(context, details, exc)
                 return stream_behavior

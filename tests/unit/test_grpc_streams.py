@@ -1,6 +1,7 @@
 """A server-streaming call through kvmesh's interceptor chain
 (:class:`services.common.server.TracingInterceptor`, :mod:`services.common.grpc_streams`)
-whose client goes away while grpc writes a message: the servicer's generator is closed
+whose client goes away while grpc writes a message (a server-streaming and a
+bidirectional call): the servicer's generator is closed
 in the call's own task, and OpenTelemetry's server span detaches its context without
 the "Failed to detach context" error (the CI failure of test_migration's client
 disconnect test, where the event loop's finalizer closed the generators in another
@@ -12,13 +13,19 @@ process-global), on asyncio's loop and on uvloop, in lean and in full tracing.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from grpc._cython.cygrpc import ExecuteBatchError
+
+from services.common import grpc_streams
+from tests.waiting import wait_for
 
 PROBE = r"""
 import asyncio, json, logging
@@ -33,8 +40,8 @@ records = []
 class Keep(logging.Handler):
     def emit(self, record):
         records.append([record.name, record.levelname, record.getMessage()])
-        if record.name == "services.common.grpc_streams":
-            state["logged"].set()
+        if "closing its response stream failed" in record.getMessage():
+            state["broken"].set()
 
 logging.getLogger().addHandler(Keep(level=logging.WARNING))
 state = {}
@@ -70,14 +77,20 @@ async def oversize(request, context):
 def same(b):
     return b
 
-handler = grpc.method_handlers_generic_handler("probe.P", {
-    name: grpc.unary_stream_rpc_method_handler(fn, same, same)
-    for name, fn in (("Endless", endless), ("Three", three), ("BadCleanup", bad_cleanup),
-                     ("Oversize", oversize))})
+methods = {name: grpc.unary_stream_rpc_method_handler(fn, same, same)
+           for name, fn in (("Endless", endless), ("Three", three),
+                            ("BadCleanup", bad_cleanup), ("Oversize", oversize))}
+methods["EndlessBidi"] = grpc.stream_stream_rpc_method_handler(endless, same, same)
+handler = grpc.method_handlers_generic_handler("probe.P", methods)
 
 async def cancel_mid_write(ch, method):
     state["writing"], state["closed"] = asyncio.Event(), asyncio.Event()
-    call = ch.unary_stream(method, request_serializer=same, response_deserializer=same)(b"")
+    if method.endswith("Bidi"):
+        call = ch.stream_stream(method, request_serializer=same,
+                                response_deserializer=same)(iter([b""]))
+    else:
+        call = ch.unary_stream(method, request_serializer=same,
+                               response_deserializer=same)(b"")
     await asyncio.wait_for(state["writing"].wait(), 30)
     call.cancel()
 
@@ -90,11 +103,14 @@ async def main():
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     out = {"lean": telemetry.lean()}
-    state["logged"] = asyncio.Event()
+    state["broken"] = asyncio.Event()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) as ch:
         await cancel_mid_write(ch, "/probe.P/Endless")
         await asyncio.wait_for(state["closed"].wait(), 30)
-        out["closed_in_call_task"] = state["closed_in_call_task"]
+        out["closed_in_call_task"] = [state["closed_in_call_task"]]
+        await cancel_mid_write(ch, "/probe.P/EndlessBidi")
+        await asyncio.wait_for(state["closed"].wait(), 30)
+        out["closed_in_call_task"].append(state["closed_in_call_task"])
         three = ch.unary_stream("/probe.P/Three", request_serializer=same,
                                 response_deserializer=same)
         call = three(b"")
@@ -108,7 +124,7 @@ async def main():
             got.append(err.details())
         out["aborted"] = [got, (await call.code()).name]
         await cancel_mid_write(ch, "/probe.P/BadCleanup")
-        await asyncio.wait_for(state["logged"].wait(), 30)
+        await asyncio.wait_for(state["broken"].wait(), 30)
         call = ch.unary_stream("/probe.P/Oversize", request_serializer=same,
                                response_deserializer=same)(b"")
         out["oversize"] = [(await call.code()).name, await call.details()]
@@ -137,7 +153,7 @@ def test_a_stream_cancelled_mid_write_closes_in_its_own_task(uvloop: str,
                                                               sampler: str) -> None:
     got = probe(KVMESH_UVLOOP=uvloop, **({"OTEL_TRACES_SAMPLER": sampler} if sampler else {}))
     assert got["lean"] is (not sampler)
-    assert got["closed_in_call_task"] is True
+    assert got["closed_in_call_task"] == [True, True]  # unary-stream, stream-stream
     assert got["three"] == [["00", "01", "02"], "OK"]
     assert got["aborted"] == [["00", "01", "02", "stop here"], "FAILED_PRECONDITION"]
     assert got["after"] == [3]
@@ -149,3 +165,121 @@ def test_a_stream_cancelled_mid_write_closes_in_its_own_task(uvloop: str,
     assert errors == [["services.common.grpc_streams", "ERROR",
                        "/probe.P/BadCleanup: closing its response stream failed"]], \
         got["records"]
+
+
+# -- writing()'s contract where grpc's timing cannot be chosen: a stand-in for grpc's
+# servicer context (StandInContext) whose write the test fails or holds, and the test
+# cancels the call's task where grpc would.
+
+BATCH_FAILED = 'Failed "execute_batch": (<SendMessageOperation>,)'
+
+
+class StandInContext:
+    """grpc's servicer context as writing() uses it: ``write`` waits on ``gate`` (a
+    future the test resolves, fails or leaves pending), counting its calls."""
+
+    def __init__(self) -> None:
+        self.gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.writes = 0
+
+    async def write(self, message: object) -> None:
+        self.writes += 1
+        await self.gate
+
+
+class Chain:
+    """Three layers as the interceptors make them: outer iterates middle, middle
+    iterates inner (each registered with grpc_streams.opened), each noting the task its
+    cleanup ran in; ``inner_cleanup`` is awaited by the inner one's cleanup."""
+
+    def __init__(self) -> None:
+        self.closed: list[tuple[str, asyncio.Task[Any] | None]] = []
+        self.inner_cleanup: asyncio.Future[None] | None = None
+        self.cleanup_started = asyncio.Event()
+
+    async def inner(self, request: object, context: object) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"m"
+        finally:
+            if self.inner_cleanup is not None:
+                self.cleanup_started.set()
+                await self.inner_cleanup
+            self.closed.append(("inner", asyncio.current_task()))
+
+    def layer(self, name: str, below: Any) -> Any:
+        async def behavior(request: object, context: object) -> AsyncIterator[bytes]:
+            try:
+                async for item in grpc_streams.opened(below(request, context)):
+                    yield item
+            finally:
+                self.closed.append((name, asyncio.current_task()))
+        return behavior
+
+    def handler(self) -> Any:
+        return grpc_streams.writing(self.layer("outer", self.layer("middle", self.inner)),
+                                    "/probe.P/Chain")
+
+
+async def started(chain: Chain, ctx: StandInContext) -> asyncio.Task[None]:
+    task = asyncio.create_task(chain.handler()(b"", ctx))
+    await wait_for(lambda: ctx.writes == 1, 10, "the first write")
+    return task
+
+
+async def ended_cancelled(task: asyncio.Task[None]) -> None:
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+
+
+async def test_a_cancel_mid_write_closes_the_chain_innermost_first_in_the_task() -> None:
+    chain, ctx = Chain(), StandInContext()
+    task = await started(chain, ctx)
+    task.cancel()
+    await ended_cancelled(task)
+    assert chain.closed == [("inner", task), ("middle", task), ("outer", task)]
+
+
+async def test_a_failed_write_waits_for_grpcs_cancel_before_closing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    chain, ctx = Chain(), StandInContext()
+    task = await started(chain, ctx)
+    ctx.gate.set_exception(ExecuteBatchError(BATCH_FAILED))
+    await wait_for(lambda: any("writing a response failed" in r.getMessage()
+                               for r in caplog.records), 10, "the failed write's warning")
+    assert chain.closed == [] and not task.done()  # waiting for grpc's cancel
+    task.cancel()  # grpc's, once it sees the call's end
+    await ended_cancelled(task)
+    assert chain.closed == [("inner", task), ("middle", task), ("outer", task)]
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+
+
+async def test_no_cancel_after_a_failed_write_ends_the_call_as_cancelled(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(grpc_streams, "CANCEL_WAIT_S", 0.01)
+    chain, ctx = Chain(), StandInContext()
+    task = await started(chain, ctx)
+    ctx.gate.set_exception(ExecuteBatchError(BATCH_FAILED))
+    await ended_cancelled(task)
+    assert [n for n, _ in chain.closed] == ["inner", "middle", "outer"]
+    assert any("did not cancel the call" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_batch_grpc_could_not_start_propagates_unchanged() -> None:
+    chain, ctx = Chain(), StandInContext()
+    task = await started(chain, ctx)
+    ctx.gate.set_exception(ExecuteBatchError("Failed grpc_call_start_batch: 8"))
+    with pytest.raises(ExecuteBatchError, match="start_batch"):
+        await asyncio.wait_for(task, 10)
+    assert [n for n, _ in chain.closed] == ["inner", "middle", "outer"]
+
+
+async def test_a_second_cancel_during_cleanup_still_closes_the_outer_layers() -> None:
+    chain, ctx = Chain(), StandInContext()
+    chain.inner_cleanup = asyncio.get_running_loop().create_future()
+    task = await started(chain, ctx)
+    task.cancel()
+    await asyncio.wait_for(chain.cleanup_started.wait(), 10)
+    task.cancel()  # cuts the inner cleanup short
+    await ended_cancelled(task)
+    assert chain.closed == [("middle", task), ("outer", task)]
