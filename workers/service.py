@@ -359,9 +359,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         hold = ereq.output_interval
         holder = WholeAnswer(self._worker_id, hold) if hold > 1 else None
         self._active += 1
+        outs = self._engine.generate(ereq)
         try:
             try:
-                async for out in self._engine.generate(ereq):
+                async for out in outs:
                     if out.token_ids and t_first_tok is None:
                         t_first_tok = time.time_ns()
                         if out.prefill_s is not None:
@@ -423,6 +424,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.exception("engine failed on request %s", ereq.request_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc!r}")
         finally:
+            # closed here, in the call's task, when this generator is closed at a yield
+            # (the client gone mid-answer): the engine stops the request now, not when the
+            # event loop's finalizer gets to it
+            await _closed(outs)
             self._active -= 1
             self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)
             if request.embeddings:
@@ -509,6 +514,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                                 "this worker publishes no KV events")
         assert self._relay is not None
         return self._relay.state()
+
+
+async def _closed(outs: AsyncIterator[Any]) -> None:
+    """Closes an engine's output stream (an async generator; a plain iterator has
+    nothing to close). Closing a finished one does nothing."""
+    aclose = getattr(outs, "aclose", None)
+    if aclose is not None:
+        await aclose()
 
 
 def transfer_span_attributes(reports: list[TransferReport]) -> dict[str, str | int]:

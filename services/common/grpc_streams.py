@@ -18,16 +18,19 @@ Contract:
   logged with its traceback; one whose cleanup is cancelled (a second cancel of the
   task) is cut short there. Either way the others are still closed, then the cancel is
   re-raised.
-- A write that fails in grpc core (``execute_batch`` failed: the call is over, the
-  client gone, or the message broke a limit and grpc sent the client that status;
-  whoever's write it was, ours or a handler's own ``context.write``) is logged as one
-  warning. Then the handler waits for grpc's cancel of the call's task, which grpc sends
-  once it sees the call's end (well under a millisecond after the failed write here),
-  so that cancel does not cut the cleanup short; after :data:`CANCEL_WAIT_S` without
-  it, another warning and the call ends as a cancel anyway. grpc itself would log the
-  failed write as an error with a traceback, or not at all, depending on which of the
-  two it saw first. A batch that grpc could not even start (a bug: a usage error) is
-  not this case and propagates unchanged. Checked against grpcio 1.85.
+- A batch that fails in grpc core (``execute_batch`` failed: the call is over, the
+  client gone, or a message broke a limit and grpc sent the client that status) while
+  the handler runs (our write, a handler's own ``context.write``, an abort's status)
+  ends the call as a cancel. grpc itself would log it as an error with a traceback, or
+  not at all, depending on whether it saw the call's end first. Where grpc will still
+  cancel the call's task (its status not sent, no cancel delivered yet) it is logged as
+  one warning and the handler waits for that cancel (it comes well under a millisecond
+  after the failure here; after :data:`CANCEL_WAIT_S` without it, another warning), so
+  that it cannot cut short the cleanup of generators still suspended (those that saw
+  the error have run their cleanup already); else (an abort that found the client
+  gone) it is logged at debug level only. A batch that grpc could not even start (a
+  bug: a usage error) is not this case and propagates unchanged. Checked against
+  grpcio 1.85.
 - :func:`opened` registers what a layer got from calling its inner behavior (an async
   generator; anything else is returned unchanged and not registered) with the call in
   progress: every layer that calls an inner behavior calls it (outside :func:`writing`,
@@ -98,6 +101,12 @@ def writing(behavior: Any, method: str) -> Any:
             except ExecuteBatchError as exc:
                 if not str(exc).startswith(_BATCH_FAILED):
                     raise
+                task = asyncio.current_task()
+                if context.done() or (task is not None and task.cancelling()):
+                    # no cancel is coming: the status was sent (an abort that found the
+                    # client gone) or grpc's cancel came already (and was swallowed)
+                    log.debug("%s: a batch failed after the call's end", method)
+                    raise asyncio.CancelledError from exc
                 log.warning("%s: writing a response failed in grpc (the client went away, "
                             "or the message broke a limit: the client got that status); "
                             "the call ends", method)

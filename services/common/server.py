@@ -99,11 +99,11 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     sampled: its server span could not record, so the handler just runs in the caller's
     context (attached in the call's own task, which grpc.aio runs the handler in: ids
     and the sampled flag propagate on as before). :data:`UNTRACED_METHODS` are never
-    wrapped. Either way, a response-streaming handler's generators (OpenTelemetry's,
-    the other interceptors', the servicer's) are closed in the call's own task
-    (:mod:`services.common.grpc_streams`, its contract): a client gone mid-stream neither
-    leaves OpenTelemetry's context to be detached from another task nor the servicer's
-    cleanup to the event loop's finalizer."""
+    wrapped (their handlers write with ``context.write`` themselves). Every other
+    response-streaming handler's generators (OpenTelemetry's, the other interceptors',
+    the servicer's) are closed in the call's own task (:mod:`services.common.grpc_streams`,
+    its contract): a client gone mid-stream neither leaves OpenTelemetry's context to be
+    detached from another task nor the servicer's cleanup to the event loop's finalizer."""
 
     def __init__(self) -> None:
         self._otel = aio_server_interceptor()

@@ -1,31 +1,40 @@
 """A server-streaming call through kvmesh's interceptor chain
-(:class:`services.common.server.TracingInterceptor`, :mod:`services.common.grpc_streams`)
-whose client goes away while grpc writes a message (a server-streaming and a
-bidirectional call): the servicer's generator is closed
-in the call's own task, and OpenTelemetry's server span detaches its context without
-the "Failed to detach context" error (the CI failure of test_migration's client
-disconnect test, where the event loop's finalizer closed the generators in another
-task). Also: a finished stream, an abort mid-stream, a cleanup that raises (logged,
-the call still ends) and a message past the size limit (the client gets
-RESOURCE_EXHAUSTED; no error logged, whichever of the failed write and the call's end
-grpc sees first). Each case runs in a fresh process (the tracer provider is
-process-global), on asyncio's loop and on uvloop, in lean and in full tracing."""
+(:class:`services.common.server.TracingInterceptor`,
+:mod:`services.common.grpc_streams`) whose client goes away while grpc writes a message
+(a server-streaming and a bidirectional call): the servicer's generator is closed in the
+call's own task, and OpenTelemetry's server span detaches its context without the
+"Failed to detach context" error (the CI failure of test_migration's client disconnect
+test, where the event loop's finalizer closed the generators in another task). Also: a
+finished stream, an abort mid-stream, a cleanup that raises (logged, the call still
+ends) and a message past the size limit (the client gets RESOURCE_EXHAUSTED; no error
+logged, whichever of the failed write and the call's end grpc sees first). Those run
+through real grpc in a fresh process each (the tracer provider is process-global), on
+asyncio's loop and on uvloop, in lean and in full tracing; the orderings grpc cannot be
+made to produce on demand (a second cancel, a failed batch before or after the call's
+status) with a stand-in servicer context; and the worker's Generate, closed at a yield,
+stops its engine request in that close."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import logging
 import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import pytest
 from grpc._cython.cygrpc import ExecuteBatchError
 
-from services.common import grpc_streams
+from protos import common_pb2, worker_pb2
+from services.common import grpc_streams, server
 from tests.waiting import wait_for
+from workers.engines.mock import MockEngine, MockEngineConfig
+from workers.service import WorkerServicer
 
 PROBE = r"""
 import asyncio, json, logging
@@ -176,11 +185,15 @@ BATCH_FAILED = 'Failed "execute_batch": (<SendMessageOperation>,)'
 
 class StandInContext:
     """grpc's servicer context as writing() uses it: ``write`` waits on ``gate`` (a
-    future the test resolves, fails or leaves pending), counting its calls."""
+    future the test resolves, fails or leaves pending), counting its calls; ``done``."""
 
     def __init__(self) -> None:
         self.gate: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.writes = 0
+        self.status_sent = False  # what done() answers: grpc's "status sent" flag
+
+    def done(self) -> bool:
+        return self.status_sent
 
     async def write(self, message: object) -> None:
         self.writes += 1
@@ -265,6 +278,19 @@ async def test_no_cancel_after_a_failed_write_ends_the_call_as_cancelled(
     assert any("did not cancel the call" in r.getMessage() for r in caplog.records)
 
 
+async def test_a_batch_failed_after_the_status_was_sent_ends_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An abort whose status found the client gone: grpc sends no cancel (its status
+    counts as sent), so nothing is waited for."""
+    chain, ctx = Chain(), StandInContext()
+    task = await started(chain, ctx)
+    ctx.status_sent = True
+    ctx.gate.set_exception(ExecuteBatchError(BATCH_FAILED))
+    await ended_cancelled(task)  # nobody cancelled it
+    assert chain.closed == [("inner", task), ("middle", task), ("outer", task)]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 async def test_a_batch_grpc_could_not_start_propagates_unchanged() -> None:
     chain, ctx = Chain(), StandInContext()
     task = await started(chain, ctx)
@@ -283,3 +309,46 @@ async def test_a_second_cancel_during_cleanup_still_closes_the_outer_layers() ->
     task.cancel()  # cuts the inner cleanup short
     await ended_cancelled(task)
     assert chain.closed == [("middle", task), ("outer", task)]
+
+
+async def test_the_workers_generate_closed_at_a_yield_stops_its_engine_request() -> None:
+    """What writing() does to a worker's Generate whose client left while a response
+    was being written: its close stops the engine request before the close returns (in
+    the call's task), not later from the event loop's finalizer."""
+    engine = MockEngine(MockEngineConfig(model_name="m", block_size=16, num_blocks=512,
+                                         max_model_len=4096, timing="zero"))
+    await engine.start()
+    try:
+        req = worker_pb2.GenerateRequest(
+            request_id="r", token_ids=list(range(5, 40)),
+            sampling=common_pb2.SamplingParams(max_tokens=1000, ignore_eos=True))
+        answer = WorkerServicer(engine, "w").Generate(req, StandInContext())
+        first = await anext(answer)
+        assert first.token_ids and engine.load().num_running == 1
+        await answer.aclose()  # as writing() closes it, suspended at its yield
+        assert engine.load().num_running == 0 and not engine.load().num_waiting
+    finally:
+        await engine.shutdown()
+
+
+async def test_a_registering_behavior_no_wrapper_took_is_unwrapped() -> None:
+    """Where OpenTelemetry's interceptor does not wrap (instrumentation suppressed), the
+    handler grpc gets is still an async-generator stream (written by writing()) or the
+    coroutine that writes itself, never the plain Registering callable."""
+    async def two(request: object, context: object) -> AsyncIterator[bytes]:
+        yield b"a"
+        yield b"b"
+
+    async def writes_itself(request: object, context: Any) -> None:
+        await context.write(b"c")
+
+    handler = server._closing(grpc.unary_stream_rpc_method_handler(
+        grpc_streams.Registering(two)), "/probe.P/Two")
+    assert inspect.iscoroutinefunction(handler.unary_stream)
+    ctx = StandInContext()
+    ctx.gate.set_result(None)
+    await asyncio.wait_for(handler.unary_stream(b"", ctx), 10)
+    assert ctx.writes == 2
+    handler = server._closing(grpc.stream_stream_rpc_method_handler(
+        grpc_streams.Registering(writes_itself)), "/probe.P/Self")
+    assert handler.stream_stream is writes_itself
