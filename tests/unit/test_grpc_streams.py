@@ -18,11 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +28,7 @@ from grpc._cython.cygrpc import ExecuteBatchError
 
 from protos import common_pb2, worker_pb2
 from services.common import grpc_streams, server
+from tests.fresh_process import run_probe
 from tests.waiting import wait_for
 from workers.engines.mock import MockEngine, MockEngineConfig
 from workers.service import WorkerServicer
@@ -148,19 +145,12 @@ with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
 """
 
 
-def probe(**env: str) -> dict[str, Any]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVMESH_"))}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env},
-                         capture_output=True, text=True, timeout=120, check=True)
-    got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return got
-
-
 @pytest.mark.parametrize("sampler", ["", "parentbased_always_on"])
 @pytest.mark.parametrize("uvloop", ["1", "0"])
 def test_a_stream_cancelled_mid_write_closes_in_its_own_task(uvloop: str,
                                                               sampler: str) -> None:
-    got = probe(KVMESH_UVLOOP=uvloop, **({"OTEL_TRACES_SAMPLER": sampler} if sampler else {}))
+    got = run_probe(PROBE, KVMESH_UVLOOP=uvloop,
+                    **({"OTEL_TRACES_SAMPLER": sampler} if sampler else {}))
     assert got["lean"] is (not sampler)
     assert got["closed_in_call_task"] == [True, True]  # unary-stream, stream-stream
     assert got["three"] == [["00", "01", "02"], "OK"]

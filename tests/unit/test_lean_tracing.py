@@ -8,13 +8,9 @@ process (the tracer provider is process-global), on asyncio's loop and on uvloop
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from typing import Any
-
 import pytest
+
+from tests.fresh_process import run_probe
 
 PROBE = r"""
 import asyncio, json, sys
@@ -106,17 +102,9 @@ SAMPLED = sorted([f"CLIENT:/grpc.health.v1.Health/Check:{TRACE}",
                   f"INTERNAL:leaf:{TRACE}"])
 
 
-def probe(**env: str) -> dict[str, Any]:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVMESH_"))}
-    out = subprocess.run([sys.executable, "-c", PROBE], env={**clean, **env},
-                         capture_output=True, text=True, timeout=120, check=True)
-    got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
-    return got
-
-
 @pytest.mark.parametrize("uvloop", ["1", "0"])
 def test_unsampled_calls_propagate_without_spans_and_sampled_ones_record(uvloop: str) -> None:
-    got = probe(KVMESH_UVLOOP=uvloop)
+    got = run_probe(PROBE, KVMESH_UVLOOP=uvloop)
     assert got["lean"] is True
     assert got["loop"] == ("uvloop" if uvloop == "1" else "asyncio.unix_events")
     trace_id, sampled = got["none"]
@@ -136,7 +124,7 @@ def test_unsampled_calls_propagate_without_spans_and_sampled_ones_record(uvloop:
 
 
 def test_without_lean_mode_every_call_goes_through_the_interceptors() -> None:
-    got = probe(OTEL_TRACES_SAMPLER="always_on")
+    got = run_probe(PROBE, OTEL_TRACES_SAMPLER="always_on")
     assert got["lean"] is False
     # root, and the client and server spans of both Checks (Watch's may still be open)
     assert got["unsampled_spans"] >= 5
