@@ -424,15 +424,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 log.exception("engine failed on request %s", ereq.request_id)
                 await context.abort(grpc.StatusCode.INTERNAL, f"engine failed: {exc!r}")
         finally:
-            # closed here, in the call's task, when this generator is closed at a yield
-            # (the client gone mid-answer): the engine stops the request now, not when the
-            # event loop's finalizer gets to it
-            await _closed(outs)
             self._active -= 1
             self._record_spans(attrs, t_arrive, t_first_tok, prefill_ns, cached)
             if request.embeddings:
                 self._record_transfers(attrs, ec_params,
                                        {e.mm_hash for e in request.embeddings})
+            # closed here, in the call's task, when this generator is closed at a yield
+            # (the client gone mid-answer): the engine stops the request now, not when the
+            # event loop's finalizer gets to it (last: a failing close skips nothing)
+            await _closed(outs)
 
     def _record_spans(
         self,
